@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Everything CI checks, in order; what `.ci/run` calls. Each step is a script of its own.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+start=$(date +%s)
+step() { echo "== ci: $1 ($(( $(date +%s) - start ))s)"; bash "ci/$1.sh"; }
+step setup
+step fmt
+step clippy
+step test
+for extra in ptx fuzz bench-build; do
+  [ -f "ci/$extra.sh" ] && step "$extra"
+done
+echo "== ci: all green in $(( $(date +%s) - start ))s"

@@ -1,0 +1,23 @@
+//! Copy-in / copy-out, reductions and casts: how bytes are packed and reduced.
+//!
+//! Everything here works on dtype-erased byte buffers plus an [`ElemType`], because the
+//! backends move untyped buffers. The CPU versions are always built; the CUDA C twins of the
+//! same kernels live behind feature `cuda`.
+//!
+//! Semantics shared by CPU and CUDA versions:
+//! - **copy-in** ([`copy_in`]) packs many sources (parameter shards) into one contiguous
+//!   destination (a collective's send buffer) following a list of [`CopySegment`]s;
+//! - **copy-out** ([`copy_out`]) unpacks one contiguous source (a gathered buffer) into many
+//!   destinations (per-parameter memory);
+//! - **reduce** ([`reduce`]) combines several inputs element-wise, accumulating in `f32`
+//!   (in input order), applying a pre-divide to each input and a post-divide to the sum, and
+//!   rounding once to the output type;
+//! - **cast** ([`cast`]) converts between element types with round-to-nearest-even.
+
+#![warn(missing_docs)]
+
+mod elem;
+
+pub use elem::{
+    accumulate, cast, copy_in, copy_out, reduce, CopySegment, ElemType, KernelError, ReduceOp, Scaling,
+};

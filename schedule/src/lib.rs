@@ -1,0 +1,8 @@
+//! Plans, fingerprints and the sans-IO scheduler: *when* things move.
+//!
+//! No I/O, no threads, no clocks, no unsafe.
+
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+pub use collsched_buckets as buckets;

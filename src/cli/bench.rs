@@ -1,0 +1,17 @@
+//! `collsched bench`.
+
+use std::process::ExitCode;
+
+use super::CliError;
+
+/// Flags of `collsched bench`.
+#[derive(Debug, clap::Args)]
+pub struct Args {}
+
+/// Runs `collsched bench`.
+///
+/// # Errors
+/// Any failure, as one line for the user.
+pub fn run(_args: Args) -> Result<ExitCode, CliError> {
+    Err(super::not_yet("bench"))
+}

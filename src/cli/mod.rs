@@ -1,0 +1,73 @@
+//! The `collsched` command line: one module per subcommand, each with its own `Args` and `run`.
+//!
+//! The flags are a contract that scripts depend on (see `ARCHITECTURE.md`, "Command line").
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+pub mod bench;
+pub mod demo;
+pub mod plan;
+pub mod sim;
+pub mod topo;
+
+/// Coalesced collective plans and their scheduling for sharded data-parallel training.
+#[derive(Debug, Parser)]
+#[command(name = "collsched", version, about, long_about = None)]
+pub struct Cli {
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Build the layout and coalesced plan for a parameter list and print it.
+    Plan(plan::Args),
+    /// Measure collectives, printing nccl-tests columns.
+    Bench(bench::Args),
+    /// Simulate training steps on a modelled machine.
+    Sim(sim::Args),
+    /// Train a small model sharded over local ranks and check parity with an unsharded run.
+    Demo(demo::Args),
+    /// Print the machine as the library sees it.
+    Topo(topo::Args),
+}
+
+/// An error a subcommand reports: printed as one line `error: ...`, exit status 1.
+pub type CliError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// Parses the command line, runs the subcommand and turns its outcome into an exit code.
+pub fn main() -> ExitCode {
+    init_logging();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Plan(a) => plan::run(a),
+        Command::Bench(a) => bench::run(a),
+        Command::Sim(a) => sim::run(a),
+        Command::Demo(a) => demo::run(a),
+        Command::Topo(a) => topo::run(a),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Logs go to stderr, filtered by `COLLSCHED_LOG` (tracing's env-filter syntax, e.g.
+/// `collsched::coll=debug`); default: warnings only.
+fn init_logging() {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_env("COLLSCHED_LOG").unwrap_or_else(|_| EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+}
+
+/// The error every subcommand returns until it is built.
+pub(crate) fn not_yet(what: &str) -> CliError {
+    format!("`collsched {what}` is not built yet in this version").into()
+}

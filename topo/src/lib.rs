@@ -1,0 +1,3 @@
+//! Machine topology, rank groups and the collective cost model: *where* things move.
+
+#![warn(missing_docs)]
