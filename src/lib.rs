@@ -12,4 +12,5 @@ pub use collsched_kernels as kernels;
 pub use collsched_schedule as schedule;
 pub use collsched_topo as topo;
 
+pub mod backend;
 pub mod cli;

@@ -16,6 +16,8 @@
 
 #![warn(missing_docs)]
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod elem;
 
 pub use elem::{

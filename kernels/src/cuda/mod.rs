@@ -1,0 +1,1 @@
+//! CUDA C twins of the CPU kernels, compiled by NVRTC (feature `cuda`).

@@ -1,0 +1,1 @@
+//! The CUDA backend: NCCL on dedicated streams (feature `cuda`).
