@@ -1,7 +1,5 @@
-//! Scalar reference versions of the CPU kernels (the contract; faster versions keep these
-//! semantics).
-
-use half::{bf16, f16};
+//! The kernels' vocabulary: element types, copy segments, reduction ops and scaling, errors,
+//! and the argument checks every implementation (reference and fast) shares.
 
 /// Element types the kernels reduce and cast.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -117,7 +115,13 @@ pub enum KernelError {
     },
 }
 
-fn check_len(kernel: &'static str, bytes: usize, ty: ElemType, what: &str) -> Result<usize, KernelError> {
+/// Element count of a byte buffer of type `ty`, or a [`KernelError::BadLength`] naming it.
+pub(crate) fn check_len(
+    kernel: &'static str,
+    bytes: usize,
+    ty: ElemType,
+    what: &str,
+) -> Result<usize, KernelError> {
     if !bytes.is_multiple_of(ty.size()) {
         return Err(KernelError::BadLength {
             kernel,
@@ -127,20 +131,29 @@ fn check_len(kernel: &'static str, bytes: usize, ty: ElemType, what: &str) -> Re
     Ok(bytes / ty.size())
 }
 
-fn check_segment(
+/// Refuses an element size of zero (offsets are counted in elements of this size).
+pub(crate) fn check_elem_size(kernel: &'static str, elem_size: usize) -> Result<(), KernelError> {
+    if elem_size == 0 {
+        return Err(KernelError::BadLength {
+            kernel,
+            what: "elem_size is 0; pass the element size in bytes (4 for f32, 2 for f16/bf16)".into(),
+        });
+    }
+    Ok(())
+}
+
+/// Checks one segment against the many-side buffer it names (`avail` is that buffer's length
+/// in elements, `None` if there is no such buffer among `count`) and the packed buffer.
+pub(crate) fn check_segment(
     kernel: &'static str,
     i: usize,
     s: &CopySegment,
-    many_lens: &[usize],
+    avail: Option<usize>,
+    count: usize,
     packed_len: usize,
 ) -> Result<(), KernelError> {
-    let Some(&avail) = many_lens.get(s.buffer) else {
-        return Err(KernelError::NoSuchBuffer {
-            kernel,
-            segment: i,
-            buffer: s.buffer,
-            count: many_lens.len(),
-        });
+    let Some(avail) = avail else {
+        return Err(KernelError::NoSuchBuffer { kernel, segment: i, buffer: s.buffer, count });
     };
     if s.buffer_offset.checked_add(s.len).is_none_or(|end| end > avail) {
         return Err(KernelError::SegmentOutOfBounds {
@@ -165,82 +178,8 @@ fn check_segment(
     Ok(())
 }
 
-/// Packs runs of `sources` into `packed` (all-gather / reduce-scatter copy-in).
-///
-/// Buffers are bytes; `elem_size` is the element size in bytes that offsets are counted in.
-///
-/// # Errors
-/// [`KernelError`] if a segment names a missing buffer or overruns one; nothing is copied then.
-pub fn copy_in(
-    packed: &mut [u8],
-    sources: &[&[u8]],
-    segments: &[CopySegment],
-    elem_size: usize,
-) -> Result<(), KernelError> {
-    let lens: Vec<usize> = sources.iter().map(|b| b.len() / elem_size).collect();
-    for (i, s) in segments.iter().enumerate() {
-        check_segment("copy_in", i, s, &lens, packed.len() / elem_size)?;
-    }
-    for s in segments {
-        let (p, b, n) = (s.packed_offset * elem_size, s.buffer_offset * elem_size, s.len * elem_size);
-        packed[p..p + n].copy_from_slice(&sources[s.buffer][b..b + n]);
-    }
-    Ok(())
-}
-
-/// Unpacks runs of `packed` into `destinations` (all-gather copy-out).
-///
-/// # Errors
-/// [`KernelError`] if a segment names a missing buffer or overruns one; nothing is copied then.
-pub fn copy_out(
-    destinations: &mut [&mut [u8]],
-    packed: &[u8],
-    segments: &[CopySegment],
-    elem_size: usize,
-) -> Result<(), KernelError> {
-    let lens: Vec<usize> = destinations.iter().map(|b| b.len() / elem_size).collect();
-    for (i, s) in segments.iter().enumerate() {
-        check_segment("copy_out", i, s, &lens, packed.len() / elem_size)?;
-    }
-    for s in segments {
-        let (p, b, n) = (s.packed_offset * elem_size, s.buffer_offset * elem_size, s.len * elem_size);
-        destinations[s.buffer][b..b + n].copy_from_slice(&packed[p..p + n]);
-    }
-    Ok(())
-}
-
-fn load(ty: ElemType, bytes: &[u8], i: usize) -> f32 {
-    match ty {
-        ElemType::F32 => f32::from_le_bytes(bytes[4 * i..4 * i + 4].try_into().unwrap_or([0; 4])),
-        ElemType::F16 => f16::from_le_bytes([bytes[2 * i], bytes[2 * i + 1]]).to_f32(),
-        ElemType::BF16 => bf16::from_le_bytes([bytes[2 * i], bytes[2 * i + 1]]).to_f32(),
-    }
-}
-
-fn store(ty: ElemType, bytes: &mut [u8], i: usize, v: f32) {
-    match ty {
-        ElemType::F32 => bytes[4 * i..4 * i + 4].copy_from_slice(&v.to_le_bytes()),
-        ElemType::F16 => bytes[2 * i..2 * i + 2].copy_from_slice(&f16::from_f32(v).to_le_bytes()),
-        ElemType::BF16 => bytes[2 * i..2 * i + 2].copy_from_slice(&bf16::from_f32(v).to_le_bytes()),
-    }
-}
-
-/// Reduces `inputs` element-wise into `out`, accumulating in `f32` in input order and rounding
-/// once to `ty`.
-///
-/// `out` may not alias an input (Rust's borrows see to that); to reduce in place, pass the old
-/// contents as one of the inputs from a copy, or use [`accumulate`].
-///
-/// # Errors
-/// [`KernelError::BadLength`] if a buffer is not a whole number of elements, the inputs differ
-/// in length from `out`, or there are no inputs.
-pub fn reduce(
-    ty: ElemType,
-    op: ReduceOp,
-    scaling: Scaling,
-    out: &mut [u8],
-    inputs: &[&[u8]],
-) -> Result<(), KernelError> {
+/// Checks the arguments of `reduce`; returns the element count.
+pub(crate) fn check_reduce(ty: ElemType, out: &[u8], inputs: &[&[u8]]) -> Result<usize, KernelError> {
     let n = check_len("reduce", out.len(), ty, "the output")?;
     if inputs.is_empty() {
         return Err(KernelError::BadLength { kernel: "reduce", what: "no inputs".into() });
@@ -253,26 +192,19 @@ pub fn reduce(
             });
         }
     }
-    let post = match op {
-        ReduceOp::Sum => scaling.post_divide,
-        ReduceOp::Avg => scaling.post_divide * inputs.len() as f32,
-    };
-    for i in 0..n {
-        let mut acc = 0.0f32;
-        for inp in inputs {
-            acc += load(ty, inp, i) / scaling.pre_divide;
-        }
-        store(ty, out, i, acc / post);
-    }
-    Ok(())
+    Ok(n)
 }
 
-/// Adds `src` into `acc` element-wise (`acc += src`), in `f32`, rounding once to `ty`: the
-/// local gradient accumulation of `no_sync` steps.
-///
-/// # Errors
-/// [`KernelError::BadLength`] if the lengths differ or are not whole elements.
-pub fn accumulate(ty: ElemType, acc: &mut [u8], src: &[u8]) -> Result<(), KernelError> {
+/// The divisor applied to the sum: `post_divide`, times the input count for an average.
+pub(crate) fn post_divisor(op: ReduceOp, scaling: Scaling, n_inputs: usize) -> f32 {
+    match op {
+        ReduceOp::Sum => scaling.post_divide,
+        ReduceOp::Avg => scaling.post_divide * n_inputs as f32,
+    }
+}
+
+/// Checks the arguments of `accumulate`; returns the element count.
+pub(crate) fn check_accumulate(ty: ElemType, acc: &[u8], src: &[u8]) -> Result<usize, KernelError> {
     let n = check_len("accumulate", acc.len(), ty, "the accumulator")?;
     if src.len() != acc.len() {
         return Err(KernelError::BadLength {
@@ -280,18 +212,11 @@ pub fn accumulate(ty: ElemType, acc: &mut [u8], src: &[u8]) -> Result<(), Kernel
             what: format!("source has {} bytes, the accumulator {}", src.len(), acc.len()),
         });
     }
-    for i in 0..n {
-        let v = load(ty, acc, i) + load(ty, src, i);
-        store(ty, acc, i, v);
-    }
-    Ok(())
+    Ok(n)
 }
 
-/// Converts `src` of type `from` into `dst` of type `to` (round to nearest even).
-///
-/// # Errors
-/// [`KernelError::BadLength`] if the element counts differ.
-pub fn cast(from: ElemType, src: &[u8], to: ElemType, dst: &mut [u8]) -> Result<(), KernelError> {
+/// Checks the arguments of `cast`; returns the element count.
+pub(crate) fn check_cast(from: ElemType, src: &[u8], to: ElemType, dst: &[u8]) -> Result<usize, KernelError> {
     let n = check_len("cast", src.len(), from, "the source")?;
     let m = check_len("cast", dst.len(), to, "the destination")?;
     if n != m {
@@ -300,43 +225,5 @@ pub fn cast(from: ElemType, src: &[u8], to: ElemType, dst: &mut [u8]) -> Result<
             what: format!("source has {n} elements, destination {m}"),
         });
     }
-    for i in 0..n {
-        store(to, dst, i, load(from, src, i));
-    }
-    Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn f32_bytes(v: &[f32]) -> Vec<u8> {
-        v.iter().flat_map(|x| x.to_le_bytes()).collect()
-    }
-
-    #[test]
-    fn reduce_avg_with_predivide() {
-        let a = f32_bytes(&[1.0, 2.0, 3.0]);
-        let b = f32_bytes(&[3.0, 4.0, 5.0]);
-        let mut out = vec![0u8; a.len()];
-        let s = Scaling { pre_divide: 2.0, post_divide: 1.0 };
-        reduce(ElemType::F32, ReduceOp::Avg, s, &mut out, &[&a, &b]).unwrap();
-        let want: Vec<f32> = (0..3)
-            .map(|i| (load(ElemType::F32, &a, i) / 2.0 + load(ElemType::F32, &b, i) / 2.0) / 2.0)
-            .collect();
-        assert_eq!(out, f32_bytes(&want));
-    }
-
-    #[test]
-    fn copy_in_rejects_overrun_without_copying() {
-        let src = [1u8, 2, 3, 4];
-        let mut packed = [0u8; 4];
-        let segs = [
-            CopySegment { buffer: 0, buffer_offset: 0, packed_offset: 0, len: 1 },
-            CopySegment { buffer: 0, buffer_offset: 1, packed_offset: 1, len: 2 },
-        ];
-        let err = copy_in(&mut packed, &[&src], &segs, 2).unwrap_err();
-        assert!(matches!(err, KernelError::SegmentOutOfBounds { segment: 1, .. }), "{err}");
-        assert_eq!(packed, [0; 4]);
-    }
+    Ok(n)
 }

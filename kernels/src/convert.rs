@@ -1,0 +1,146 @@
+//! Branch-free conversions between `f32` and the 16-bit types, and the block codecs built on
+//! them.
+//!
+//! Each conversion gives the same bits as the `half` crate's scalar conversion (which is what
+//! the reference kernels use): round to nearest, ties to even; subnormals kept; a NaN stays a
+//! NaN with its quiet bit set and its payload truncated. They are written as straight-line
+//! integer and float operations with selects instead of branches, so that a loop over a block
+//! of them vectorizes.
+
+use crate::block::{Codec, BLOCK};
+
+/// Exponent bias difference between `f32` (127) and `f16` (15), as a multiplier: `2^112`.
+const F16_TO_F32_SCALE: f32 = f32::from_bits((254 - 15) << 23);
+/// `0.5`: adding it to a value below `2^-14` rounds that value to a multiple of `2^-24`, the
+/// `f16` subnormal step, with the hardware's round-to-nearest-even.
+const F16_DENORM_MAGIC: f32 = f32::from_bits(((127 - 15) + (23 - 10) + 1) << 23);
+
+/// `f16` bits to `f32`, exactly.
+#[inline(always)]
+pub(crate) fn f16_bits_to_f32(h: u16) -> f32 {
+    let a = u32::from(h & 0x7FFF);
+    // Shifting the exponent and mantissa into place and scaling by 2^112 rebiases the
+    // exponent; for subnormal f16 inputs the product normalizes them, exactly.
+    let mut u = (f32::from_bits(a << 13) * F16_TO_F32_SCALE).to_bits();
+    // Infinity and NaN: all exponent bits set; NaN also gets its quiet bit.
+    u |= if a >= 0x7C00 { 0x7F80_0000 } else { 0 };
+    u |= if a > 0x7C00 { 0x0040_0000 } else { 0 };
+    u |= u32::from(h & 0x8000) << 16;
+    f32::from_bits(u)
+}
+
+/// `f32` to `f16` bits, rounding to nearest even; overflow gives infinity.
+#[inline(always)]
+pub(crate) fn f32_to_f16_bits(f: f32) -> u16 {
+    let x = f.to_bits();
+    let sign = (x >> 16) & 0x8000;
+    let a = x & 0x7FFF_FFFF;
+    // NaN: quiet, payload truncated to the top 9 bits below the quiet bit.
+    let nan = 0x7E00 | ((a >> 13) & 0x03FF);
+    // Subnormal or zero result (|f| < 2^-14): let the FPU round at the 2^-24 step.
+    let sub = (f32::from_bits(a) + F16_DENORM_MAGIC).to_bits().wrapping_sub(F16_DENORM_MAGIC.to_bits());
+    // Normal result: rebias the exponent, round to nearest even on the 13 dropped bits; a
+    // carry out of the mantissa bumps the exponent, up to infinity (0x7C00) for |f| >= 65520.
+    let odd = (a >> 13) & 1;
+    let norm = a.wrapping_sub((127 - 15) << 23).wrapping_add(0x0FFF + odd) >> 13;
+    let r = if a > 0x7F80_0000 {
+        nan
+    } else if a >= 0x4780_0000 {
+        0x7C00
+    } else if a < 0x3880_0000 {
+        sub
+    } else {
+        norm
+    };
+    (r | sign) as u16
+}
+
+/// `bf16` bits to `f32`: the top half of an `f32`; a NaN gets its quiet bit.
+#[inline(always)]
+pub(crate) fn bf16_bits_to_f32(h: u16) -> f32 {
+    let q = if h & 0x7FFF > 0x7F80 { 0x0040 } else { 0 };
+    f32::from_bits(u32::from(h | q) << 16)
+}
+
+/// `f32` to `bf16` bits, rounding to nearest even; a NaN stays a NaN (quiet bit set).
+#[inline(always)]
+pub(crate) fn f32_to_bf16_bits(f: f32) -> u16 {
+    let x = f.to_bits();
+    let nan = (x >> 16) | 0x0040;
+    // Adding 0x7FFF plus the lowest kept bit carries into the kept half exactly when the
+    // dropped half is above one half, or exactly one half and the kept part is odd.
+    let rounded = x.wrapping_add(0x7FFF + ((x >> 16) & 1)) >> 16;
+    (if x & 0x7FFF_FFFF > 0x7F80_0000 { nan } else { rounded }) as u16
+}
+
+/// Little-endian `f32` elements.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct F32Codec;
+
+impl Codec for F32Codec {
+    const SIZE: usize = 4;
+
+    #[inline(always)]
+    fn decode(self, src: &[u8], dst: &mut [f32; BLOCK]) {
+        let (src, _) = src.as_chunks::<4>();
+        for (d, s) in dst.iter_mut().zip(&src[..BLOCK]) {
+            *d = f32::from_le_bytes(*s);
+        }
+    }
+
+    #[inline(always)]
+    fn encode(self, src: &[f32; BLOCK], dst: &mut [u8]) {
+        let (dst, _) = dst.as_chunks_mut::<4>();
+        for (d, s) in dst[..BLOCK].iter_mut().zip(src) {
+            *d = s.to_le_bytes();
+        }
+    }
+}
+
+/// Little-endian `bf16` elements.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Bf16Codec;
+
+impl Codec for Bf16Codec {
+    const SIZE: usize = 2;
+
+    #[inline(always)]
+    fn decode(self, src: &[u8], dst: &mut [f32; BLOCK]) {
+        let (src, _) = src.as_chunks::<2>();
+        for (d, s) in dst.iter_mut().zip(&src[..BLOCK]) {
+            *d = bf16_bits_to_f32(u16::from_le_bytes(*s));
+        }
+    }
+
+    #[inline(always)]
+    fn encode(self, src: &[f32; BLOCK], dst: &mut [u8]) {
+        let (dst, _) = dst.as_chunks_mut::<2>();
+        for (d, s) in dst[..BLOCK].iter_mut().zip(src) {
+            *d = f32_to_bf16_bits(*s).to_le_bytes();
+        }
+    }
+}
+
+/// Little-endian `f16` elements, converted in software (portable).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct F16Codec;
+
+impl Codec for F16Codec {
+    const SIZE: usize = 2;
+
+    #[inline(always)]
+    fn decode(self, src: &[u8], dst: &mut [f32; BLOCK]) {
+        let (src, _) = src.as_chunks::<2>();
+        for (d, s) in dst.iter_mut().zip(&src[..BLOCK]) {
+            *d = f16_bits_to_f32(u16::from_le_bytes(*s));
+        }
+    }
+
+    #[inline(always)]
+    fn encode(self, src: &[f32; BLOCK], dst: &mut [u8]) {
+        let (dst, _) = dst.as_chunks_mut::<2>();
+        for (d, s) in dst[..BLOCK].iter_mut().zip(src) {
+            *d = f32_to_f16_bits(*s).to_le_bytes();
+        }
+    }
+}
