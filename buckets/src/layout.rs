@@ -117,7 +117,8 @@ pub struct Bucket {
     world: u32,
     group_size: u32,
     single_owner: Option<u32>,
-    partner: Option<BucketId>,
+    /// For a gradient bucket, its gather bucket.
+    source: Option<BucketId>,
     map: ShardMap,
 }
 
@@ -195,10 +196,10 @@ impl Bucket {
         self.single_owner
     }
 
-    /// For a gather bucket its gradient bucket (if any parameter is trainable); for a
-    /// gradient bucket its gather bucket.
-    pub fn partner(&self) -> Option<BucketId> {
-        self.partner
+    /// For a gradient bucket, the gather bucket it belongs to (`None` for a gather bucket;
+    /// the other direction is [`Layout::grad_bucket_for`]).
+    pub fn gather_bucket(&self) -> Option<BucketId> {
+        self.source
     }
 
     /// The position of `rank` in its shard group (`rank % G` for `Hybrid(G)`, else `rank`).
@@ -270,7 +271,7 @@ impl Bucket {
         sink.word(u64::from(self.world));
         sink.word(u64::from(self.group_size));
         sink.word(self.single_owner.map_or(u64::MAX, u64::from));
-        sink.word(self.partner.map_or(u64::MAX, |b| u64::from(b.0)));
+        sink.word(self.source.map_or(u64::MAX, |b| u64::from(b.0)));
         sink.word(self.params.len() as u64);
         for (&p, &n) in self.params.iter().zip(&self.numels) {
             sink.word(u64::from(p.0));
@@ -560,6 +561,7 @@ impl LayoutBuilder {
             bucket_bytes: self.bucket_bytes,
             n_gather,
             buckets,
+            grad_for: Vec::new(),
             placement: Vec::new(),
         };
         layout.rebuild_grad_buckets()?;
@@ -635,7 +637,7 @@ impl Ctx {
             world: self.world,
             group_size: self.group,
             single_owner,
-            partner: None,
+            source: None,
             map,
         })
     }
@@ -774,7 +776,7 @@ impl Ctx {
                 self.bucket(key, params, numels, shard, single, ShardMap::Greedy { owner, offset })?
             }
         };
-        b.partner = Some(gather.id);
+        b.source = Some(gather.id);
         Ok(Some(b))
     }
 }
@@ -812,6 +814,8 @@ pub struct Layout {
     bucket_bytes: usize,
     n_gather: usize,
     buckets: Vec<Bucket>,
+    /// Per gather bucket, its gradient bucket.
+    grad_for: Vec<Option<BucketId>>,
     placement: Vec<Placement>,
 }
 
@@ -867,6 +871,12 @@ impl Layout {
     /// The bucket with this id, if any.
     pub fn bucket(&self, id: BucketId) -> Option<&Bucket> {
         self.buckets.get(id.index())
+    }
+
+    /// The gradient bucket of a gather bucket (`None` if all its parameters are frozen, or
+    /// for any other id).
+    pub fn grad_bucket_for(&self, gather: BucketId) -> Option<BucketId> {
+        self.grad_for.get(gather.index()).copied().flatten()
     }
 
     /// Where a parameter sits (`None` for an id outside the set).
@@ -929,13 +939,14 @@ impl Layout {
         let mut next = Layout {
             params,
             buckets: self.buckets[..self.n_gather].to_vec(),
+            grad_for: Vec::new(),
             placement: Vec::new(),
             ..*self
         };
         next.rebuild_grad_buckets()?;
         for g in next.gather_buckets() {
-            let before = g_partner(self, g.id);
-            let after = g_partner(&next, g.id);
+            let before = self.grad_bucket_for(g.id).and_then(|id| self.bucket(id));
+            let after = next.grad_bucket_for(g.id).and_then(|id| next.bucket(id));
             let same = match (before, after) {
                 (None, None) => true,
                 (Some(a), Some(b)) => {
@@ -950,22 +961,20 @@ impl Layout {
         Ok((next, diff))
     }
 
-    /// Feeds a canonical, platform-independent encoding of everything that determines the
-    /// layout (parameters' names, sizes, dtypes and trainability; strategy; every bucket's
-    /// shard map) to `sink`. Two layouts encode equally exactly when they are equal.
+    /// Feeds a canonical, platform-independent encoding of everything the layout shows to
+    /// the ranks (world; strategy; parameters' names, element counts, dtypes and
+    /// trainability; every bucket with its shard map, which determines its segments) to
+    /// `sink`. Two layouts encode equally exactly when all of that is equal; the knobs that
+    /// only shaped it (alignment, bucket cap, parameter shapes of equal element count) are
+    /// not encoded, since they change nothing that moves.
     pub fn encode_canonical(&self, sink: &mut dyn CanonicalSink) {
         sink.word(u64::from(self.world));
         sink.word(self.sharding.code());
-        sink.word(self.align as u64);
-        sink.word(self.bucket_bytes as u64);
         sink.word(self.params.len() as u64);
-        for s in self.params.specs() {
+        for (s, &n) in self.params.specs().iter().zip(self.params.numels()) {
             sink.bytes(s.name.as_bytes());
+            sink.word(n as u64);
             sink.word(u64::from(s.dtype.code()) | (u64::from(s.trainable) << 8));
-            sink.word(s.shape.len() as u64);
-            for &d in &s.shape {
-                sink.word(d as u64);
-            }
         }
         sink.word(self.n_gather as u64);
         sink.word(self.buckets.len() as u64);
@@ -983,15 +992,15 @@ impl Layout {
         let mut placement =
             vec![Placement { gather: BucketId(0), gather_index: 0, grad: None }; self.params.len()];
         let mut grads = Vec::new();
-        for g in &mut self.buckets {
-            g.partner = None;
+        let mut grad_for = vec![None; self.n_gather];
+        for g in &self.buckets {
             for (i, &p) in g.params.iter().enumerate() {
                 placement[p.index()].gather = g.id;
                 placement[p.index()].gather_index = i as u32;
             }
             let id = BucketId((self.n_gather + grads.len()) as u32);
             if let Some(grad) = ctx.grad_of(g, id, &mask)? {
-                g.partner = Some(id);
+                grad_for[g.id.index()] = Some(id);
                 for (i, &p) in grad.params.iter().enumerate() {
                     placement[p.index()].grad = Some((id, i as u32));
                 }
@@ -1000,10 +1009,7 @@ impl Layout {
         }
         self.buckets.extend(grads);
         self.placement = placement;
+        self.grad_for = grad_for;
         Ok(())
     }
-}
-
-fn g_partner(layout: &Layout, gather: BucketId) -> Option<&Bucket> {
-    layout.bucket(gather).and_then(|g| g.partner).and_then(|id| layout.bucket(id))
 }
