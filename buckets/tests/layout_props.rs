@@ -32,7 +32,7 @@ fn set_of(ps: &[(usize, DType, bool)]) -> ParamSet {
 }
 
 fn sharding(world: u32) -> impl Strategy<Value = Sharding> {
-    let divisors: Vec<u32> = (1..=world).filter(|g| world % g == 0).collect();
+    let divisors: Vec<u32> = (1..=world).filter(|g| world.is_multiple_of(*g)).collect();
     prop_oneof![
         Just(Sharding::EvenSplit),
         Just(Sharding::Flat),
