@@ -457,3 +457,6 @@ impl Plan {
         Ok((Plan::new(layout), diff))
     }
 }
+
+#[cfg(test)]
+mod tests;
