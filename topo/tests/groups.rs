@@ -31,7 +31,7 @@ proptest! {
             prop_assert_eq!(seen.len(), nodes, "one rank per node");
             prop_assert!(grp.iter().all(|&r| r % per == grp[0] % per), "same local index");
         }
-        let divisors: Vec<usize> = (1..=n).filter(|d| n % d == 0).collect();
+        let divisors: Vec<usize> = (1..=n).filter(|d| n.is_multiple_of(*d)).collect();
         let g = divisors[g_pick % divisors.len()];
         let h = w.hybrid_shard_groups(g).unwrap();
         prop_assert!(is_partition(&h.shard, n));
