@@ -52,3 +52,30 @@ pub use model::{
 };
 pub use synthetic::{from_synthetic, MAX_SYNTHETIC_PUS};
 pub use xml::{from_hwloc_xml, load_hwloc_xml_file};
+
+/// Resolves what a user names a machine by: a built-in preset name ([`PRESETS`]), a path to an
+/// hwloc XML file (ending in `.xml`), or a path to the project's JSON (anything else).
+///
+/// # Errors
+/// [`TopoError::UnknownPreset`] when `spec` is neither a preset nor an existing file; otherwise
+/// the loader's error.
+///
+/// # Examples
+/// ```
+/// assert_eq!(collsched_topo::resolve("p4d")?.ranks_per_node(), 8);
+/// # Ok::<(), collsched_topo::TopoError>(())
+/// ```
+pub fn resolve(spec: &str) -> Result<Topology, TopoError> {
+    if PRESETS.contains(&spec) {
+        return preset(spec);
+    }
+    let path = std::path::Path::new(spec);
+    if !path.exists() {
+        return preset(spec);
+    }
+    if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("xml")) {
+        load_hwloc_xml_file(path)
+    } else {
+        Topology::load_json_file(path)
+    }
+}
