@@ -146,9 +146,11 @@ pub struct Estimate {
 /// use collsched_topo::{preset, CollectiveKind, CostModel};
 /// let topo = preset("dgx-h100")?.with_nodes(2)?;
 /// let cost = CostModel::for_topology(&topo);
-/// let world = topo.world().world_group();
-/// let t = cost.time(CollectiveKind::AllGather, 1 << 30, &world);
+/// // A group shape, or the whole world's shape.
+/// let t = cost.time(CollectiveKind::AllGather, 1 << 30, topo.world());
 /// assert!(t > 0.0 && t < 1.0);
+/// let e = cost.estimate(CollectiveKind::AllReduce, 1 << 30, topo.world());
+/// println!("{} takes {:.3} ms", e.algorithm, e.seconds * 1e3);
 /// # Ok::<(), collsched_topo::TopoError>(())
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -200,9 +202,10 @@ impl CostModel {
         &self,
         op: CollectiveKind,
         bytes: u64,
-        group: &GroupShape,
+        group: impl Into<GroupShape>,
         algorithm: Algorithm,
     ) -> Option<f64> {
+        let group = group.into();
         use Algorithm::*;
         use CollectiveKind::*;
         let n = group.ranks.max(1);
@@ -248,13 +251,13 @@ impl CostModel {
 
     /// The fastest algorithm for `op` over `bytes` on `group`, and its time with one launch
     /// overhead and one group-call overhead.
-    pub fn estimate(&self, op: CollectiveKind, bytes: u64, group: &GroupShape) -> Estimate {
-        let (algorithm, wire) = self.best(op, bytes, group);
+    pub fn estimate(&self, op: CollectiveKind, bytes: u64, group: impl Into<GroupShape>) -> Estimate {
+        let (algorithm, wire) = self.best(op, bytes, group.into());
         Estimate { algorithm, seconds: self.group_call_overhead_s + self.launch_overhead_s + wire }
     }
 
     /// Seconds `op` over `bytes` takes on `group`, issued alone: [`CostModel::estimate`]'s time.
-    pub fn time(&self, op: CollectiveKind, bytes: u64, group: &GroupShape) -> f64 {
+    pub fn time(&self, op: CollectiveKind, bytes: u64, group: impl Into<GroupShape>) -> f64 {
         self.estimate(op, bytes, group).seconds
     }
 
@@ -266,7 +269,7 @@ impl CostModel {
             return 0.0;
         }
         self.group_call_overhead_s
-            + ops.iter().map(|(k, b, g)| self.launch_overhead_s + self.best(*k, *b, g).1).sum::<f64>()
+            + ops.iter().map(|(k, b, g)| self.launch_overhead_s + self.best(*k, *b, *g).1).sum::<f64>()
     }
 
     /// nccl-tests' bus bandwidth in GB/s of `op` over `bytes` on `ranks` ranks that took
@@ -275,7 +278,7 @@ impl CostModel {
         bytes as f64 / seconds * op.bus_factor(ranks) / 1e9
     }
 
-    fn best(&self, op: CollectiveKind, bytes: u64, group: &GroupShape) -> (Algorithm, f64) {
+    fn best(&self, op: CollectiveKind, bytes: u64, group: GroupShape) -> (Algorithm, f64) {
         let mut best = (Algorithm::Ring, f64::INFINITY);
         for alg in Algorithm::ALL {
             if let Some(t) = self.algorithm_time(op, bytes, group, alg) {

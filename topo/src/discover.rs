@@ -146,6 +146,13 @@ pub fn discover() -> Result<Topology, TopoError> {
         inter_node,
     };
     t.validate()?;
+    tracing::debug!(
+        target: "collsched::topo",
+        gpus = t.machine.gpus.len(),
+        nics = t.machine.nics.len(),
+        numa = t.machine.numa_nodes.len(),
+        "discovered this machine with hwloc"
+    );
     Ok(t)
 }
 

@@ -52,6 +52,26 @@ impl GroupShape {
     }
 }
 
+impl From<&GroupShape> for GroupShape {
+    fn from(g: &GroupShape) -> Self {
+        *g
+    }
+}
+
+impl From<WorldShape> for GroupShape {
+    /// The group of the whole world.
+    fn from(w: WorldShape) -> Self {
+        w.world_group()
+    }
+}
+
+impl From<&WorldShape> for GroupShape {
+    /// The group of the whole world.
+    fn from(w: &WorldShape) -> Self {
+        w.world_group()
+    }
+}
+
 /// Hybrid sharding: shard groups and the replicate groups across them.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HybridGroups {

@@ -255,6 +255,14 @@ fn parse(text: &str, origin: &str, name: &str) -> Result<Topology, TopoError> {
         inter_node,
     };
     t.validate()?;
+    tracing::debug!(
+        target: "collsched::topo",
+        origin,
+        gpus = t.machine.gpus.len(),
+        nics = t.machine.nics.len(),
+        numa = t.machine.numa_nodes.len(),
+        "loaded hwloc XML"
+    );
     Ok(t)
 }
 

@@ -24,11 +24,11 @@ fn time_is_monotone_in_size() {
                 let mut prev_alg = [0.0f64; 3];
                 for shift in 0..36 {
                     let bytes = 1u64 << shift;
-                    let now = cost.time(op, bytes, &g);
+                    let now = cost.time(op, bytes, g);
                     assert!(now >= prev, "{name} x{nodes} {op}: {bytes} B takes {now} < {prev}");
                     prev = now;
                     for (i, alg) in Algorithm::ALL.into_iter().enumerate() {
-                        if let Some(a) = cost.algorithm_time(op, bytes, &g, alg) {
+                        if let Some(a) = cost.algorithm_time(op, bytes, g, alg) {
                             assert!(a >= prev_alg[i], "{name} {op} {alg}");
                             prev_alg[i] = a;
                         }
@@ -100,7 +100,7 @@ fn closed_forms_on_a_two_link_toy_machine() {
         (Broadcast, Hierarchical, Some(ae + s / be + ai + 0.5 * s / bi)),
     ];
     for (op, alg, expect) in want {
-        let got = cost.algorithm_time(op, s as u64, &g, alg);
+        let got = cost.algorithm_time(op, s as u64, g, alg);
         match (got, expect) {
             (Some(a), Some(b)) => assert!(close(a, b), "{op} {alg}: {a} != {b}"),
             (None, None) => {}
@@ -111,21 +111,21 @@ fn closed_forms_on_a_two_link_toy_machine() {
     for op in OPS {
         let best = Algorithm::ALL
             .into_iter()
-            .filter_map(|a| cost.algorithm_time(op, s as u64, &g, a).map(|t| (a, t)))
+            .filter_map(|a| cost.algorithm_time(op, s as u64, g, a).map(|t| (a, t)))
             .min_by(|x, y| x.1.total_cmp(&y.1))
             .unwrap();
-        let e = cost.estimate(op, s as u64, &g);
+        let e = cost.estimate(op, s as u64, g);
         assert_eq!(e.algorithm, best.0, "{op}");
         assert!(close(e.seconds, best.1 + 5e-6 + 3e-6), "{op}");
-        assert!(close(cost.time(op, s as u64, &g), e.seconds));
+        assert!(close(cost.time(op, s as u64, g), e.seconds));
     }
     // One node: the intra link alone.
     let node = GroupShape::new(2, 1).unwrap();
-    assert!(close(cost.algorithm_time(AllGather, s as u64, &node, Ring).unwrap(), ai + 0.5 * s / bi));
+    assert!(close(cost.algorithm_time(AllGather, s as u64, node, Ring).unwrap(), ai + 0.5 * s / bi));
     // One rank moves nothing.
     let one = GroupShape::new(1, 1).unwrap();
     for op in OPS {
-        assert_eq!(cost.algorithm_time(op, s as u64, &one, Ring), Some(0.0));
+        assert_eq!(cost.algorithm_time(op, s as u64, one, Ring), Some(0.0));
     }
     // A group call pays one group overhead and one launch per collective.
     let ops = [(AllGather, 1_000_000u64, g), (ReduceScatter, 2_000_000u64, g)];
@@ -133,7 +133,7 @@ fn closed_forms_on_a_two_link_toy_machine() {
     assert!(close(cost.group_call_time(&ops), 3e-6 + 2.0 * 5e-6 + wire));
     assert_eq!(cost.group_call_time(&[]), 0.0);
     // Coalescing two collectives into one group call saves one group overhead.
-    let apart = cost.time(AllGather, 1_000_000, &g) + cost.time(ReduceScatter, 2_000_000, &g);
+    let apart = cost.time(AllGather, 1_000_000, g) + cost.time(ReduceScatter, 2_000_000, g);
     assert!(close(apart - cost.group_call_time(&ops), 3e-6));
 }
 
@@ -196,7 +196,7 @@ fn published_bus_bandwidths() {
     for p in table {
         let cost = CostModel::for_topology(&p.machine);
         let g = p.machine.world().world_group();
-        let t = cost.time(p.op, p.bytes, &g);
+        let t = cost.time(p.op, p.bytes, g);
         let model = CostModel::bus_bandwidth_gbs(p.op, p.bytes, g.ranks, t);
         let rel = (model - p.busbw_gbs) / p.busbw_gbs;
         assert!(
