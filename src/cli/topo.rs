@@ -1,17 +1,70 @@
-//! `collsched topo`.
+//! `collsched topo`: prints the machine as the library sees it.
 
+use std::path::PathBuf;
 use std::process::ExitCode;
+
+use collsched_topo::Topology;
 
 use super::CliError;
 
 /// Flags of `collsched topo`.
+///
+/// Exactly one source at most: `--xml`, `--synthetic` or `--preset`; with none, the live machine
+/// is discovered through hwloc (builds with feature `hwloc`).
 #[derive(Debug, clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// Load an hwloc XML export (`lstopo --of xml`).
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["synthetic", "preset"])]
+    pub xml: Option<PathBuf>,
+    /// Build from an hwloc synthetic description, e.g. "pack:2 numa:1 core:8 pu:2".
+    #[arg(long, value_name = "DESC", conflicts_with = "preset")]
+    pub synthetic: Option<String>,
+    /// A built-in machine: dgx-h100, p4d, pcie-8gpu, cpu-2socket.
+    #[arg(long, value_name = "NAME")]
+    pub preset: Option<String>,
+    /// Number of identical nodes.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub nodes: u32,
+    /// Print the project's topology JSON instead of a summary.
+    #[arg(long)]
+    pub json: bool,
+}
 
 /// Runs `collsched topo`.
 ///
 /// # Errors
-/// Any failure, as one line for the user.
-pub fn run(_args: Args) -> Result<ExitCode, CliError> {
-    Err(super::not_yet("topo"))
+/// Any failure to get or check the topology, as one line for the user.
+pub fn run(args: Args) -> Result<ExitCode, CliError> {
+    let topo = source(&args)?.with_nodes(args.nodes)?;
+    if args.json {
+        println!("{}", topo.to_json());
+    } else {
+        println!("{topo}");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn source(args: &Args) -> Result<Topology, CliError> {
+    if let Some(path) = &args.xml {
+        return Ok(collsched_topo::load_hwloc_xml_file(path)?);
+    }
+    if let Some(desc) = &args.synthetic {
+        return Ok(collsched_topo::from_synthetic(desc)?);
+    }
+    if let Some(name) = &args.preset {
+        return Ok(collsched_topo::preset(name)?);
+    }
+    discover()
+}
+
+#[cfg(feature = "hwloc")]
+fn discover() -> Result<Topology, CliError> {
+    Ok(collsched_topo::discover()?)
+}
+
+#[cfg(not(feature = "hwloc"))]
+fn discover() -> Result<Topology, CliError> {
+    Err("no machine given: pass --xml FILE, --synthetic DESC or --preset NAME \
+         (discovering this machine needs a build with feature `hwloc`)"
+        .into())
 }

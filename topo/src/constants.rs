@@ -1,0 +1,78 @@
+//! Every number the fixtures and the cost model use, named, with its source.
+//!
+//! Bandwidths are **bus bandwidths** in the nccl-tests sense, in GB/s (10^9 B/s): the bandwidth
+//! a rank's link carries, independent of the number of ranks (`busbw = algbw * (n-1)/n` for
+//! all-gather and reduce-scatter, `algbw * 2(n-1)/n` for all-reduce, `algbw` for broadcast).
+//! Latencies are per algorithm step (one ring or tree hop) in microseconds.
+//!
+//! Published measurements used (the cross-check test `published_bus_bandwidths` in
+//! `tests/cost_model.rs` re-derives each one from the model):
+//! - NVIDIA/nccl-tests issue #212 (S. Jeaugey, NVIDIA): H100 NVLink4 line rate 450 GB/s per
+//!   direction; "NCCL can get an effective NVLink bandwidth of 370GB/s", seen as busbw of
+//!   non-allreduce collectives or of all-reduce with `NCCL_ALGO=RING`, 8 GPUs.
+//! - NVIDIA/nccl-tests issue #290 (D. Addison, NVIDIA): "For NDR @ 400Gbps you should see
+//!   46-48GB/s per NIC".
+//! - NVIDIA/nccl issue #527: p4dn.24xlarge (8 A100 on NVSwitch, 4x100 Gb/s EFA), 1 GiB float
+//!   all-reduce: busbw 230.8 GB/s on one node, 57.2 GB/s on two nodes.
+//! - NVIDIA/nccl-tests issue #119: 8 A100 + 4x200 Gb/s HDR per node, 3 nodes: "theoretical
+//!   100GB/s", measured peak busbw about 96 GB/s (evidence that the network level carries the
+//!   node's summed adapter bandwidth).
+//! - NVIDIA/nccl issue #1639 (S. Jeaugey): 8 PCIe Gen5 GPUs on two sockets reach an all-reduce
+//!   busbw of 28 GB/s, limited by what the CPUs and memory deliver.
+//! - NCCL `src/graph/tuning` (older releases): hardware latencies per step of about 0.5-3.4 us
+//!   over NVLink depending on protocol, and base latencies of several microseconds per
+//!   collective; our step latencies sit in that range.
+
+/// H100 SXM NVLink4 effective bus bandwidth, 8 GPUs on NVSwitch, ring (nccl-tests #212).
+pub const NVLINK_H100_BUSBW_GBS: f64 = 370.0;
+/// A100 SXM NVLink3 bus bandwidth, 8 GPUs on NVSwitch (nccl #527: 230.8 GB/s on a p4dn).
+pub const NVLINK_A100_BUSBW_GBS: f64 = 230.0;
+/// NVLink step latency (microseconds), within NCCL's tuning range for NVLink.
+pub const NVLINK_LATENCY_US: f64 = 1.0;
+
+/// PCIe Gen4 x16 line rate per direction: 16 GT/s x 16 lanes x 128/130 / 8 = 31.5 GB/s.
+pub const PCIE_GEN4_X16_LINE_GBS: f64 = 31.5;
+/// PCIe Gen5 x16 line rate per direction (63 GB/s).
+pub const PCIE_GEN5_X16_LINE_GBS: f64 = 63.0;
+/// Ring bus bandwidth of 8 PCIe Gen4 GPUs behind two sockets. Derived, not measured: nccl #1639
+/// reports 28 GB/s for 8 PCIe Gen5 GPUs on two sockets, i.e. 28/63 = 0.44 of the Gen5 line
+/// rate; the same fraction of the Gen4 line rate is 14 GB/s.
+pub const PCIE_GEN4_8GPU_BUSBW_GBS: f64 = 14.0;
+/// PCIe step latency (microseconds).
+pub const PCIE_LATENCY_US: f64 = 2.0;
+
+/// Per-rank bandwidth of shared-memory collectives between CPU ranks on a 2-socket server
+/// (GB/s). An estimate (no nccl-tests number exists): a single core's memcpy bandwidth on a
+/// current server is 10-20 GB/s and the socket interconnect is shared by all ranks.
+pub const SHARED_MEMORY_BW_GBS: f64 = 10.0;
+/// Shared-memory step latency (microseconds): a cache-line handoff plus a flag poll.
+pub const SHARED_MEMORY_LATENCY_US: f64 = 0.5;
+
+/// One ConnectX-7 NDR 400 Gb/s InfiniBand adapter, achieved (nccl-tests #290: 46-48 GB/s).
+pub const IB_NDR_NIC_GBS: f64 = 47.0;
+/// One HDR 200 Gb/s InfiniBand adapter: 25 GB/s line rate, 24 GB/s achieved (nccl-tests #119
+/// measured 96 of a theoretical 100 GB/s for four of them).
+pub const IB_HDR_NIC_GBS: f64 = 24.0;
+/// InfiniBand step latency (microseconds).
+pub const IB_LATENCY_US: f64 = 3.0;
+/// One 100 Gb/s RoCE adapter, at 90% of its 12.5 GB/s line rate.
+pub const ROCE_100G_NIC_GBS: f64 = 11.25;
+/// RoCE step latency (microseconds).
+pub const ROCE_LATENCY_US: f64 = 4.0;
+/// One 100 Gb/s EFA adapter of a p4d, at 90% of its 12.5 GB/s line rate.
+pub const EFA_100G_NIC_GBS: f64 = 11.25;
+/// EFA step latency (microseconds): EFA's SRD adds latency over InfiniBand.
+pub const EFA_LATENCY_US: f64 = 10.0;
+/// One 25 Gb/s Ethernet adapter under TCP, at 90% of its 3.125 GB/s line rate.
+pub const ETHERNET_25G_NIC_GBS: f64 = 2.8;
+/// One 100 Gb/s Ethernet adapter under TCP, at 90% of its 12.5 GB/s line rate.
+pub const ETHERNET_100G_NIC_GBS: f64 = 11.25;
+/// Ethernet (TCP) step latency (microseconds).
+pub const ETHERNET_LATENCY_US: f64 = 20.0;
+
+/// Host cost of launching one collective (enqueue + kernel launch), seconds. A knob of
+/// [`crate::CostModel`] (`launch_overhead_s`).
+pub const DEFAULT_LAUNCH_OVERHEAD_S: f64 = 4e-6;
+/// Host cost of one group call (`ncclGroupStart`/`ncclGroupEnd` pair; a collective issued
+/// alone is a group of one), seconds. A knob of [`crate::CostModel`] (`group_call_overhead_s`).
+pub const DEFAULT_GROUP_CALL_OVERHEAD_S: f64 = 2e-6;
