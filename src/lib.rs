@@ -14,3 +14,4 @@ pub use collsched_topo as topo;
 
 pub mod backend;
 pub mod cli;
+pub mod sim;
