@@ -15,3 +15,4 @@ pub use collsched_topo as topo;
 pub mod backend;
 pub mod cli;
 pub mod demo;
+pub mod sim;

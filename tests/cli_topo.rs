@@ -28,6 +28,7 @@ fn preset_summary_and_json() {
     }
     assert!(text.contains("nv_link") && text.contains("infini_band"), "{text}");
     assert!(text.contains("intra-node groups") && text.contains("inter-node groups"), "{text}");
+    assert!(text.contains("cost model") && text.contains("all_gather"), "{text}");
 
     let json = ok_stdout(&["--preset", "p4d", "--nodes", "4", "--json"]);
     let back = Topology::from_json(&json).unwrap();

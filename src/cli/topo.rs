@@ -40,8 +40,38 @@ pub fn run(args: Args) -> Result<ExitCode, CliError> {
         println!("{}", topo.to_json());
     } else {
         println!("{topo}");
+        print_costs(&topo);
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Bytes of the example collectives the summary prices.
+const SUMMARY_BYTES: u64 = 1 << 30;
+
+/// What the cost model says about a 1 GiB collective on one node and on the whole world.
+fn print_costs(topo: &Topology) {
+    use collsched_topo::{CollectiveKind, CostModel, GroupShape};
+    let cost = CostModel::for_topology(topo);
+    let world = topo.world().world_group();
+    let node = GroupShape { ranks: topo.ranks_per_node(), nodes: 1 };
+    println!("  cost model, {} MiB (time, algorithm, bus bandwidth):", SUMMARY_BYTES >> 20);
+    for op in CollectiveKind::ALL {
+        let mut line = format!("    {:<15}", op.name());
+        let groups: &[(&str, GroupShape)] =
+            if topo.nodes > 1 { &[("node", node), ("world", world)] } else { &[("node", node)] };
+        for (label, g) in groups {
+            let e = cost.estimate(op, SUMMARY_BYTES, *g);
+            let busbw = CostModel::bus_bandwidth_gbs(op, SUMMARY_BYTES, g.ranks, e.seconds);
+            line.push_str(&format!(
+                " {label} ({} ranks): {:>9.3} ms {:<12} {:>7.1} GB/s",
+                g.ranks,
+                e.seconds * 1e3,
+                e.algorithm.name(),
+                busbw
+            ));
+        }
+        println!("{line}");
+    }
 }
 
 fn source(args: &Args) -> Result<Topology, CliError> {

@@ -485,6 +485,9 @@ impl fmt::Display for Topology {
             m.pus,
             m.numa_nodes.len()
         )?;
+        if let Some(desc) = self.to_synthetic() {
+            writeln!(f, "  hwloc synthetic: {desc}")?;
+        }
         for n in &m.numa_nodes {
             let pkg = n.package.map_or_else(|| "-".to_owned(), |p| p.to_string());
             writeln!(f, "    numa {}: {} MiB, package {}", n.os_index, n.memory_bytes >> 20, pkg)?;

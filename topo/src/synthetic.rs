@@ -179,3 +179,44 @@ pub fn from_synthetic(description: &str) -> Result<Topology, TopoError> {
     t.validate()?;
     Ok(t)
 }
+
+impl Topology {
+    /// One node's CPU and memory tree as an hwloc synthetic description (`pack:2 numa:1
+    /// core:56 pu:2`), which [`from_synthetic`] and hwloc read back; `None` when the counts do
+    /// not divide evenly level by level (hwloc's synthetic language describes only symmetric
+    /// trees). GPUs, NICs and memory sizes are not part of the language.
+    ///
+    /// # Examples
+    /// ```
+    /// let t = collsched_topo::preset("cpu-2socket")?;
+    /// assert_eq!(t.to_synthetic().as_deref(), Some("pack:2 numa:1 core:16 pu:2"));
+    /// # Ok::<(), collsched_topo::TopoError>(())
+    /// ```
+    pub fn to_synthetic(&self) -> Option<String> {
+        let m = &self.machine;
+        let (p, n, c, u) = (m.packages, m.numa_nodes.len().max(1) as u32, m.cores, m.pus);
+        let div = |a: u32, b: u32| (b > 0 && a.is_multiple_of(b)).then(|| a / b);
+        let mut levels = Vec::new();
+        // The NUMA and package levels, whichever is above the other, then the level below them.
+        let above_cores = if p == 0 {
+            levels.push(format!("numa:{n}"));
+            n
+        } else if let Some(per) = div(n, p) {
+            levels.push(format!("pack:{p}"));
+            levels.push(format!("numa:{per}"));
+            n
+        } else {
+            levels.push(format!("numa:{n}"));
+            levels.push(format!("pack:{}", div(p, n)?));
+            p
+        };
+        let above_pus = if c > 0 {
+            levels.push(format!("core:{}", div(c, above_cores)?));
+            c
+        } else {
+            above_cores
+        };
+        levels.push(format!("pu:{}", div(u, above_pus)?));
+        Some(levels.join(" "))
+    }
+}

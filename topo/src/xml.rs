@@ -332,27 +332,35 @@ fn numa_of(cx: &Ctx<'_>, node: Node<'_, '_>) -> Result<Option<u32>, TopoError> {
         None => Ok(None),
         Some(set) => {
             let bits = parse_bitmap(set)
-                .ok_or_else(|| cx.err(anc, format!("nodeset=\"{set}\" is not an hwloc bitmap")))?;
-            Ok(if bits.len() == 1 { Some(bits[0]) } else { None })
+                .map_err(|()| cx.err(anc, format!("nodeset=\"{set}\" is not an hwloc bitmap")))?;
+            Ok(match bits.as_deref() {
+                Some([one]) => Some(*one),
+                _ => None,
+            })
         }
     }
 }
 
 /// hwloc's bitmap text: comma-separated 32-bit hex words, most significant first; an empty word
-/// is 0. Returns the set bits (at most 4096 are looked at; an infinite set gives `None`).
-pub(crate) fn parse_bitmap(text: &str) -> Option<Vec<u32>> {
-    if text.contains("0xf...f") {
-        return None;
+/// is 0; `0xf...f` as the first word means "and every higher bit". Returns the set bits of a
+/// finite set, `Ok(None)` for an infinite one, `Err(())` for text that is not a bitmap.
+pub(crate) fn parse_bitmap(text: &str) -> Result<Option<Vec<u32>>, ()> {
+    /// Words looked at (32 Ki bits): far more NUMA nodes than any machine has.
+    const MAX_WORDS: usize = 1024;
+    let words: Vec<&str> = text.split(',').map(str::trim).collect();
+    if words.len() > MAX_WORDS {
+        return Err(());
     }
-    let words: Vec<&str> = text.split(',').collect();
-    if words.len() > 128 {
-        return None;
+    if words.first() == Some(&"0xf...f") {
+        return Ok(None);
     }
     let mut bits = Vec::new();
     for (i, w) in words.iter().rev().enumerate() {
-        let w = w.trim();
-        let value =
-            if w.is_empty() { 0 } else { u32::from_str_radix(w.strip_prefix("0x").unwrap_or(w), 16).ok()? };
+        let value = if w.is_empty() {
+            0
+        } else {
+            u32::from_str_radix(w.strip_prefix("0x").unwrap_or(w), 16).map_err(|_| ())?
+        };
         for b in 0..32 {
             if value & (1 << b) != 0 {
                 bits.push(i as u32 * 32 + b);
@@ -360,5 +368,19 @@ pub(crate) fn parse_bitmap(text: &str) -> Option<Vec<u32>> {
         }
     }
     bits.sort_unstable();
-    Some(bits)
+    Ok(Some(bits))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_bitmap;
+
+    #[test]
+    fn bitmaps() {
+        assert_eq!(parse_bitmap("0x00000001"), Ok(Some(vec![0])));
+        assert_eq!(parse_bitmap("0x0"), Ok(Some(vec![])));
+        assert_eq!(parse_bitmap("0x00000100,,0x00000003"), Ok(Some(vec![0, 1, 72])));
+        assert_eq!(parse_bitmap("0xf...f,0x1"), Ok(None));
+        assert_eq!(parse_bitmap("0xzz"), Err(()));
+    }
 }

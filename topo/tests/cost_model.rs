@@ -216,3 +216,36 @@ fn names_parse_back() {
     }
     assert!("all-gather".parse::<CollectiveKind>().unwrap_err().contains("all_gather"));
 }
+
+mod random_links {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn link(class: LinkClass) -> impl Strategy<Value = Link> {
+        (0.1f64..1000.0, 0.0f64..50.0).prop_map(move |(bandwidth_gbs, latency_us)| Link {
+            class,
+            bandwidth_gbs,
+            latency_us,
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+        /// On any two-level machine, every collective takes longer with more bytes, more ranks
+        /// per node, or more nodes.
+        #[test]
+        fn monotone_for_any_links(intra in link(LinkClass::NvLink), inter in link(LinkClass::InfiniBand),
+                                  per in 1usize..9, nodes in 1usize..9, shift in 0u32..34) {
+            let cost = CostModel::new(intra, inter);
+            let bytes = 1u64 << shift;
+            let g = GroupShape::new(per * nodes, nodes).unwrap();
+            for op in OPS {
+                let t = cost.time(op, bytes, g);
+                prop_assert!(t.is_finite() && t > 0.0);
+                prop_assert!(cost.time(op, bytes * 2, g) >= t, "{} bytes", op);
+                prop_assert!(cost.time(op, bytes, GroupShape::new((per + 1) * nodes, nodes).unwrap()) >= t, "{} ranks", op);
+                prop_assert!(cost.time(op, bytes, GroupShape::new(per * (nodes + 1), nodes + 1).unwrap()) >= t, "{} nodes", op);
+            }
+        }
+    }
+}

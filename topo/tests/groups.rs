@@ -38,6 +38,11 @@ proptest! {
         prop_assert!(is_partition(&h.replicate, n));
         prop_assert!(h.shard.iter().all(|s| s.len() == g));
         prop_assert!(h.replicate.iter().all(|r| r.len() == n / g));
+        // Sharding within a node and replicating across nodes (HSDP's usual choice) gives the
+        // intra-node groups as shard groups and the inter-node groups as replicate groups.
+        let hsdp = w.hybrid_shard_groups(per).unwrap();
+        prop_assert_eq!(&hsdp.shard, &intra);
+        prop_assert_eq!(&hsdp.replicate, &inter);
         // Each replicate group meets each shard group exactly once.
         for r in &h.replicate {
             for s in &h.shard {

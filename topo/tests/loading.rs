@@ -239,3 +239,33 @@ fn hwloc_2_enumerated_osdev_types_are_read() {
     assert_eq!(t.machine.gpus.len(), 1);
     assert_eq!((t.machine.gpus[0].numa, t.machine.gpus[0].device_id), (Some(0), 0x2330));
 }
+
+#[test]
+fn machines_write_back_as_synthetic_descriptions() {
+    let mut machines: Vec<Topology> = PRESETS.iter().map(|n| preset(n).unwrap()).collect();
+    for f in [
+        "nvidiaDGX2.xml",
+        "power8gpudistances.xml",
+        "32em64t-2n8c2t-pci-normalio.xml",
+        "192em64t-24n8c2t.xml",
+    ] {
+        machines.push(
+            load_hwloc_xml_file(format!("{}/../tests/data/topologies/{f}", env!("CARGO_MANIFEST_DIR")))
+                .unwrap(),
+        );
+    }
+    for desc in
+        ["pack:2 numa:2 core:3 pu:2", "numa:4 pack:1 core:6 pu:1", "core:3 pu:5", "numa:2 pack:2 core:2 pu:1"]
+    {
+        machines.push(from_synthetic(desc).unwrap());
+    }
+    for t in machines {
+        let desc = t.to_synthetic().unwrap_or_else(|| panic!("{}: symmetric machine", t.name));
+        let back = from_synthetic(&desc).unwrap_or_else(|e| panic!("{}: {e}", t.name));
+        assert_eq!(counts(&back), counts(&t), "{}: {desc}", t.name);
+    }
+    // An asymmetric machine has no synthetic description.
+    let mut odd = preset("cpu-2socket").unwrap();
+    odd.machine.cores = 31;
+    assert_eq!(odd.to_synthetic(), None);
+}
