@@ -6,3 +6,9 @@
 #![warn(missing_docs)]
 
 pub use collsched_buckets as buckets;
+
+pub mod fingerprint;
+pub mod plan;
+
+pub use fingerprint::{PlanFingerprint, StableHasher};
+pub use plan::{BufferRole, CopyRun, Op, OpId, OpKind, Plan, RankGroups};

@@ -1,0 +1,459 @@
+//! [`Plan`]: the coalesced collective ops of a [`Layout`], with their copy-in / copy-out
+//! lists and a [`PlanFingerprint`].
+//!
+//! One op per bucket and step of the data path (FSDP2's copy-in / collective / copy-out):
+//!
+//! | bucket | op | input -> output | copy-in | copy-out |
+//! |---|---|---|---|---|
+//! | gather | `AllGather` over each shard group | shard -> gathered | shard segments | gathered segments |
+//! | gather, single owner (Greedy) | `Broadcast` from the owner | shard -> gathered (= shard) | on the owner | gathered segments |
+//! | grad | `ReduceScatter` over each shard group | gathered -> shard | gathered segments | shard segments (not for Hybrid with several groups) |
+//! | grad, Hybrid with several groups | then `AllReduce` across groups (ranks `{i, i+G, ...}`) | shard -> shard, in place | - | shard segments |
+//! | grad, single owner (Greedy) | `AllReduce` over the world | gathered (= shard) -> shard | gathered segments | shard segments (the owner's) |
+//!
+//! Op ids are numbered bucket by bucket in bucket-id order, so the ops of gather buckets keep
+//! their ids when only the trainability mask changes.
+
+use std::sync::Arc;
+
+use collsched_buckets::{BucketId, BucketKind, Layout, LayoutDiff, LayoutError, ParamId, Sharding};
+
+use crate::fingerprint::{PlanFingerprint, StableHasher};
+
+/// Dense index of an op in its [`Plan`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct OpId(pub u32);
+
+impl OpId {
+    /// The id as an index into [`Plan::ops`].
+    pub const fn index(self) -> usize {
+        self.0 as usize
+    }
+}
+
+impl std::fmt::Display for OpId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// The collective an op runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum OpKind {
+    /// Every rank contributes its shard; every rank receives the gathered buffer.
+    AllGather,
+    /// Every rank contributes a full buffer; every rank receives its shard of the sum.
+    ReduceScatter,
+    /// Every rank contributes a buffer; every rank receives the sum.
+    AllReduce,
+    /// The root's buffer is copied to every rank.
+    Broadcast,
+}
+
+impl OpKind {
+    /// `all_gather`, `reduce_scatter`, `all_reduce` or `broadcast`, as in the plan JSON.
+    pub const fn name(self) -> &'static str {
+        match self {
+            OpKind::AllGather => "all_gather",
+            OpKind::ReduceScatter => "reduce_scatter",
+            OpKind::AllReduce => "all_reduce",
+            OpKind::Broadcast => "broadcast",
+        }
+    }
+
+    const fn code(self) -> u64 {
+        match self {
+            OpKind::AllGather => 1,
+            OpKind::ReduceScatter => 2,
+            OpKind::AllReduce => 3,
+            OpKind::Broadcast => 4,
+        }
+    }
+}
+
+/// A partition of the world into equal rank groups; an op runs in every group separately.
+///
+/// Either blocks of consecutive ranks (`{kG .. kG+G}`, shard groups) or strided sets
+/// (`{i, i+S, i+2S, ...}`, the replicas of one shard position across hybrid groups).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct RankGroups {
+    world: u32,
+    /// Block size, or stride when `strided`.
+    step: u32,
+    strided: bool,
+}
+
+impl RankGroups {
+    /// Groups of `size` consecutive ranks (`size` divides `world`, as a [`Layout`] guarantees).
+    pub const fn blocks(world: u32, size: u32) -> Self {
+        RankGroups { world, step: size, strided: false }
+    }
+
+    /// Groups `{i, i + stride, i + 2*stride, ...}` for `i < stride` (`stride` divides `world`).
+    pub const fn strided(world: u32, stride: u32) -> Self {
+        RankGroups { world, step: stride, strided: true }
+    }
+
+    /// The world size.
+    pub fn world(&self) -> u32 {
+        self.world
+    }
+
+    /// Whether the groups are strided (else blocks of consecutive ranks).
+    pub fn is_strided(&self) -> bool {
+        self.strided
+    }
+
+    /// Ranks per group.
+    pub fn group_size(&self) -> u32 {
+        if self.strided {
+            self.world / self.step
+        } else {
+            self.step
+        }
+    }
+
+    /// Number of groups.
+    pub fn count(&self) -> u32 {
+        self.world / self.group_size()
+    }
+
+    /// The index of the group `rank` belongs to (`None` outside the world).
+    pub fn group_of(&self, rank: u32) -> Option<u32> {
+        (rank < self.world).then(|| if self.strided { rank % self.step } else { rank / self.step })
+    }
+
+    /// The position of `rank` inside its group (`None` outside the world).
+    pub fn position(&self, rank: u32) -> Option<u32> {
+        (rank < self.world).then(|| if self.strided { rank / self.step } else { rank % self.step })
+    }
+
+    /// The ranks of group `group`, ascending (empty for a group index out of range).
+    pub fn ranks(&self, group: u32) -> impl Iterator<Item = u32> {
+        let (n, strided, step) =
+            if group < self.count() { (self.group_size(), self.strided, self.step) } else { (0, false, 0) };
+        (0..n).map(move |j| if strided { group + j * step } else { group * step + j })
+    }
+
+    /// The ranks of the group `rank` belongs to, ascending (empty outside the world).
+    pub fn ranks_of(&self, rank: u32) -> impl Iterator<Item = u32> {
+        self.ranks(self.group_of(rank).unwrap_or(u32::MAX))
+    }
+}
+
+/// Which of a bucket's two buffers an op reads or writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BufferRole {
+    /// The rank's shard: `shard_numel` elements, laid out by [`Bucket::segments`](collsched_buckets::Bucket::segments).
+    Shard,
+    /// The gathered buffer: `gathered_numel` elements, laid out by
+    /// [`Bucket::gathered_segments`](collsched_buckets::Bucket::gathered_segments).
+    Gathered,
+}
+
+/// One collective of a plan on one bucket, run in every group of [`groups`](Op::groups).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Op {
+    id: OpId,
+    kind: OpKind,
+    bucket: BucketId,
+    groups: RankGroups,
+    bytes_per_rank: usize,
+    root: Option<u32>,
+    input: BufferRole,
+    output: BufferRole,
+    copy_in: bool,
+    copy_out: bool,
+}
+
+impl Op {
+    /// This op's id.
+    pub fn id(&self) -> OpId {
+        self.id
+    }
+
+    /// The collective.
+    pub fn kind(&self) -> OpKind {
+        self.kind
+    }
+
+    /// The bucket it moves.
+    pub fn bucket(&self) -> BucketId {
+        self.bucket
+    }
+
+    /// The rank groups it runs in (one collective per group).
+    pub fn groups(&self) -> RankGroups {
+        self.groups
+    }
+
+    /// Bytes each rank contributes (the bucket's shard bytes).
+    pub fn bytes_per_rank(&self) -> usize {
+        self.bytes_per_rank
+    }
+
+    /// For a broadcast, the group position of the root; else `None`.
+    pub fn root(&self) -> Option<u32> {
+        self.root
+    }
+
+    /// The buffer the collective reads.
+    pub fn input(&self) -> BufferRole {
+        self.input
+    }
+
+    /// The buffer the collective writes.
+    pub fn output(&self) -> BufferRole {
+        self.output
+    }
+
+    /// Whether the input is packed from per-parameter memory before launch (copy-in), with
+    /// [`Plan::runs`]`(op, rank, op.input())`. For a broadcast only the root packs.
+    pub fn copy_in(&self) -> bool {
+        self.copy_in
+    }
+
+    /// Whether the output is unpacked into per-parameter memory after completion (copy-out),
+    /// with [`Plan::runs`]`(op, rank, op.output())`.
+    pub fn copy_out(&self) -> bool {
+        self.copy_out
+    }
+
+    fn encode(&self, h: &mut StableHasher) {
+        h.word(u64::from(self.id.0));
+        h.word(self.kind.code());
+        h.word(u64::from(self.bucket.0));
+        h.word(u64::from(self.groups.world) | (u64::from(self.groups.step) << 32));
+        h.word(u64::from(self.groups.strided));
+        h.word(self.bytes_per_rank as u64);
+        h.word(self.root.map_or(u64::MAX, u64::from));
+        let role = |r: BufferRole| match r {
+            BufferRole::Shard => 1u64,
+            BufferRole::Gathered => 2,
+        };
+        h.word(
+            role(self.input)
+                | role(self.output) << 8
+                | u64::from(self.copy_in) << 16
+                | u64::from(self.copy_out) << 24,
+        );
+    }
+}
+
+/// One run of a copy-in or copy-out list: elements `param_offset .. param_offset + numel` of
+/// `param` sit at `offset` of the op's buffer. Counts are elements of the bucket's dtype.
+///
+/// Converts to the kernels' `CopySegment` as `{ buffer: <index of param>, buffer_offset:
+/// param_offset, packed_offset: offset, len: numel }`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct CopyRun {
+    /// The parameter (or its gradient).
+    pub param: ParamId,
+    /// First element of the parameter (flattened).
+    pub param_offset: usize,
+    /// Number of elements.
+    pub numel: usize,
+    /// Offset in the op's buffer (shard or gathered, per the role asked for).
+    pub offset: usize,
+}
+
+/// A validated, immutable plan: the ops of every bucket of a [`Layout`], and its fingerprint.
+///
+/// # Examples
+/// ```
+/// use collsched_buckets::{DType, LayoutBuilder, ParamSet, ParamSpec, Sharding};
+/// use collsched_schedule::{OpKind, Plan};
+/// let set = ParamSet::new(vec![ParamSpec::new("w", [4096], DType::BF16)]).unwrap();
+/// let layout = LayoutBuilder::new(&set, Sharding::Hybrid(2), 4).build().unwrap();
+/// let plan = Plan::new(layout);
+/// let grad = plan.layout().grad_buckets()[0].id();
+/// let kinds: Vec<_> = plan.grad_ops(grad).iter().map(|&o| plan.op(o).unwrap().kind()).collect();
+/// assert_eq!(kinds, [OpKind::ReduceScatter, OpKind::AllReduce]);
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Plan {
+    layout: Arc<Layout>,
+    ops: Vec<Op>,
+    ids: Vec<OpId>,
+    /// Ops of bucket `b` are `ids[first[b] .. first[b + 1]]`.
+    first: Vec<u32>,
+    bucket_digest: Vec<u64>,
+    fingerprint: PlanFingerprint,
+}
+
+impl Plan {
+    /// The plan of a layout. Infallible: a [`Layout`] is already validated.
+    pub fn new(layout: impl Into<Arc<Layout>>) -> Plan {
+        let layout: Arc<Layout> = layout.into();
+        let world = layout.world();
+        let g = layout.group_size();
+        let shard_groups = RankGroups::blocks(world, g);
+        let mut ops = Vec::with_capacity(layout.buckets().len() * 2);
+        let mut first = Vec::with_capacity(layout.buckets().len() + 1);
+        for b in layout.buckets() {
+            first.push(ops.len() as u32);
+            let mut push = |kind, groups, root, (input, output), (copy_in, copy_out)| {
+                let id = OpId(ops.len() as u32);
+                let bytes_per_rank = b.shard_bytes();
+                ops.push(Op {
+                    id,
+                    kind,
+                    bucket: b.id(),
+                    groups,
+                    bytes_per_rank,
+                    root,
+                    input,
+                    output,
+                    copy_in,
+                    copy_out,
+                });
+            };
+            use BufferRole::{Gathered, Shard};
+            match (b.kind(), b.single_owner()) {
+                (BucketKind::Gather, Some(o)) => {
+                    push(OpKind::Broadcast, shard_groups, Some(o), (Shard, Gathered), (true, true));
+                }
+                (BucketKind::Gather, None) => {
+                    push(OpKind::AllGather, shard_groups, None, (Shard, Gathered), (true, true));
+                }
+                (BucketKind::Grad, Some(_)) => {
+                    push(OpKind::AllReduce, shard_groups, None, (Gathered, Shard), (true, true));
+                }
+                (BucketKind::Grad, None) => {
+                    let replicated = matches!(layout.sharding(), Sharding::Hybrid(_)) && g < world;
+                    push(OpKind::ReduceScatter, shard_groups, None, (Gathered, Shard), (true, !replicated));
+                    if replicated {
+                        let across = RankGroups::strided(world, g);
+                        push(OpKind::AllReduce, across, None, (Shard, Shard), (false, true));
+                    }
+                }
+            }
+        }
+        first.push(ops.len() as u32);
+        let ids = (0..ops.len() as u32).map(OpId).collect();
+
+        let mut bucket_digest = Vec::with_capacity(layout.buckets().len());
+        for (i, b) in layout.buckets().iter().enumerate() {
+            let mut h = StableHasher::new();
+            b.encode_canonical(&mut h);
+            for op in &ops[first[i] as usize..first[i + 1] as usize] {
+                op.encode(&mut h);
+            }
+            bucket_digest.push(h.finish());
+        }
+        let mut h = StableHasher::new();
+        h.bytes(b"collsched plan v1");
+        layout.encode_canonical(&mut h);
+        h.word(ops.len() as u64);
+        for op in &ops {
+            op.encode(&mut h);
+        }
+        let fingerprint = PlanFingerprint(h.finish());
+        Plan { layout, ops, ids, first, bucket_digest, fingerprint }
+    }
+
+    /// The layout the plan moves.
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    /// The layout, shared.
+    pub fn layout_arc(&self) -> &Arc<Layout> {
+        &self.layout
+    }
+
+    /// The stable digest of the plan (see [`PlanFingerprint`]).
+    pub fn fingerprint(&self) -> PlanFingerprint {
+        self.fingerprint
+    }
+
+    /// A stable digest of one bucket and its ops (`None` for an unknown bucket): when two
+    /// ranks' fingerprints differ, the first bucket whose digests differ is the culprit.
+    pub fn bucket_digest(&self, bucket: BucketId) -> Option<u64> {
+        self.bucket_digest.get(bucket.index()).copied()
+    }
+
+    /// All ops, by id: per bucket in bucket-id order, gather buckets first.
+    pub fn ops(&self) -> &[Op] {
+        &self.ops
+    }
+
+    /// The op with this id, if any.
+    pub fn op(&self, id: OpId) -> Option<&Op> {
+        self.ops.get(id.index())
+    }
+
+    /// The ops of a bucket, in the order they run (empty for an unknown bucket).
+    pub fn ops_of(&self, bucket: BucketId) -> &[OpId] {
+        let b = bucket.index();
+        match (self.first.get(b), self.first.get(b + 1)) {
+            (Some(&s), Some(&e)) => &self.ids[s as usize..e as usize],
+            _ => &[],
+        }
+    }
+
+    /// The all-gather (or broadcast) of a gather bucket; `None` for a gradient bucket or an
+    /// unknown one.
+    pub fn gather_op(&self, bucket: BucketId) -> Option<OpId> {
+        match self.layout.bucket(bucket)?.kind() {
+            BucketKind::Gather => self.ops_of(bucket).first().copied(),
+            BucketKind::Grad => None,
+        }
+    }
+
+    /// The ops of a gradient bucket in order (reduce-scatter, then for Hybrid the all-reduce
+    /// across groups; or a single all-reduce); empty for a gather bucket or an unknown one.
+    pub fn grad_ops(&self, bucket: BucketId) -> &[OpId] {
+        match self.layout.bucket(bucket).map(|b| b.kind()) {
+            Some(BucketKind::Grad) => self.ops_of(bucket),
+            _ => &[],
+        }
+    }
+
+    /// The copy list of `op` on `rank` for one of its buffers: where each parameter run sits
+    /// in the rank's shard ([`BufferRole::Shard`]) or in the gathered buffer
+    /// ([`BufferRole::Gathered`]). Derived on demand; empty for an unknown op or a rank
+    /// outside the world.
+    ///
+    /// # Examples
+    /// ```
+    /// use collsched_buckets::{DType, LayoutBuilder, ParamSet, ParamSpec, Sharding};
+    /// use collsched_schedule::{BufferRole, Plan};
+    /// let set = ParamSet::new(vec![ParamSpec::new("w", [100], DType::F32)]).unwrap();
+    /// let plan = Plan::new(LayoutBuilder::new(&set, Sharding::EvenSplit, 2).align(16).build().unwrap());
+    /// let ag = plan.gather_op(plan.layout().gather_buckets()[0].id()).unwrap();
+    /// let out: Vec<_> = plan.runs(ag, 0, BufferRole::Gathered).collect();
+    /// assert_eq!(out.len(), 2); // one run from each rank's shard
+    /// assert_eq!(out.iter().map(|r| r.numel).sum::<usize>(), 100);
+    /// ```
+    pub fn runs(&self, op: OpId, rank: u32, role: BufferRole) -> impl Iterator<Item = CopyRun> + '_ {
+        let bucket = self.op(op).and_then(|o| self.layout.bucket(o.bucket()));
+        let bucket = bucket.filter(|_| rank < self.layout.world());
+        let shard = bucket.filter(|_| role == BufferRole::Shard).map(|b| b.segments(rank));
+        let gathered = bucket.filter(|_| role == BufferRole::Gathered).map(|b| b.gathered_segments());
+        let shard = shard.into_iter().flatten().map(|s| CopyRun {
+            param: s.param,
+            param_offset: s.param_offset,
+            numel: s.numel,
+            offset: s.shard_offset,
+        });
+        let gathered = gathered.into_iter().flatten().map(|s| CopyRun {
+            param: s.param,
+            param_offset: s.param_offset,
+            numel: s.numel,
+            offset: s.offset,
+        });
+        shard.chain(gathered)
+    }
+
+    /// The plan for a new `requires_grad` mask: the layout's
+    /// [`with_trainable`](Layout::with_trainable) (gather buckets, shards and gather ops
+    /// unchanged), and what changed.
+    ///
+    /// # Errors
+    /// [`LayoutError::Param`] if the mask length is not the number of parameters.
+    pub fn with_trainable(&self, mask: &[bool]) -> Result<(Plan, LayoutDiff), LayoutError> {
+        let (layout, diff) = self.layout.with_trainable(mask)?;
+        Ok((Plan::new(layout), diff))
+    }
+}
