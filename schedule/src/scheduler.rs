@@ -345,6 +345,7 @@ impl Scheduler {
             if c.my_bucket_users[g] == 0 {
                 c.acquire(registry, g, out);
                 self.policy.observe_fetch(c.t.gather[g].id);
+                self.policy.take_skipped(&mut |b| c.discard_prefetch(registry, b, out));
             }
             c.my_bucket_users[g] += 1;
             c.my_users[p.index()] += 1;
@@ -932,7 +933,7 @@ impl Core {
     fn offer(&mut self, reg: &mut InflightRegistry, b: BucketId, out: &mut Vec<Action>) -> Offer {
         let Some(g) = self.t.gather_index(b) else { return Offer::Skipped };
         if reg.slots[g].gathered.is_some() {
-            return Offer::Skipped;
+            return Offer::Live;
         }
         let bytes = reg.slots[g].bytes;
         let a = reg.ahead(self.owner);
@@ -945,6 +946,20 @@ impl Core {
         }
         self.launch_gather(reg, g, true, out);
         Offer::Launched
+    }
+
+    /// The policy gave up on bucket `b`: free it if it is still this scheduler's unused
+    /// prefetch.
+    fn discard_prefetch(&mut self, reg: &mut InflightRegistry, b: BucketId, out: &mut Vec<Action>) {
+        let Some(g) = self.t.gather_index(b) else { return };
+        if reg.slots[g].gathered.as_ref().is_some_and(|s| s.prefetched_by == Some(self.owner) && s.users == 0)
+        {
+            if let Some(k) = self.pending.iter().position(|&x| x as usize == g) {
+                self.pending.remove(k);
+            }
+            self.free_slot(reg, g, out);
+            self.counters.discarded_prefetches += 1;
+        }
     }
 
     fn free_slot(&mut self, reg: &mut InflightRegistry, g: usize, out: &mut Vec<Action>) {

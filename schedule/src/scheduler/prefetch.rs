@@ -24,8 +24,11 @@ use smallvec::SmallVec;
 pub enum Offer {
     /// Launched now.
     Launched,
-    /// Already gathered (or not a gather bucket): nothing to do, go on.
+    /// Not a gather bucket of this plan: nothing to do, go on.
     Skipped,
+    /// Already gathered (held, or prefetched earlier): nothing to launch now. A policy that
+    /// replays an order should wait here, since the bucket may be freed before its turn.
+    Live,
     /// Over a budget: stop proposing for now (ask again later from the same place).
     Stop,
 }
@@ -41,6 +44,11 @@ pub trait PrefetchPolicy: std::fmt::Debug + Send {
     fn observe_fetch(&mut self, bucket: BucketId);
     /// Propose buckets, best first, until `offer` returns [`Offer::Stop`] or nothing is left.
     fn candidates(&mut self, offer: &mut dyn FnMut(BucketId) -> Offer);
+    /// Buckets this policy proposed earlier that it now expects not to be fetched (e.g. trace
+    /// positions jumped over at a divergence): the scheduler frees them if they are still
+    /// unused prefetches, which gives their budget back. Called after each
+    /// [`observe_fetch`](Self::observe_fetch). Default: none.
+    fn take_skipped(&mut self, _skipped: &mut dyn FnMut(BucketId)) {}
     /// The step ended.
     fn end_step(&mut self) {}
 }
@@ -80,6 +88,7 @@ pub struct TraceReplay {
     cursor: usize,
     offered: usize,
     divergences: u64,
+    skipped: Vec<BucketId>,
 }
 
 impl TraceReplay {
@@ -125,12 +134,22 @@ impl PrefetchPolicy for TraceReplay {
             self.cursor += 1;
         } else {
             self.divergences += 1;
-            if let Some(j) = self.trace[self.cursor.min(self.trace.len())..].iter().position(|&b| b == bucket)
-            {
-                self.cursor += j + 1;
+            let from = self.cursor.min(self.trace.len());
+            if let Some(j) = self.trace[from..].iter().position(|&b| b == bucket) {
+                // Positions jumped over that were already proposed are not coming.
+                let proposed = self.offered.clamp(from, from + j);
+                self.skipped.extend_from_slice(&self.trace[from..proposed]);
+                self.cursor = from + j + 1;
             }
         }
         self.offered = self.offered.max(self.cursor);
+    }
+
+    fn take_skipped(&mut self, skipped: &mut dyn FnMut(BucketId)) {
+        for &b in &self.skipped {
+            skipped(b);
+        }
+        self.skipped.clear();
     }
 
     fn candidates(&mut self, offer: &mut dyn FnMut(BucketId) -> Offer) {
@@ -138,7 +157,7 @@ impl PrefetchPolicy for TraceReplay {
             return;
         }
         while let Some(&b) = self.trace.get(self.offered) {
-            if offer(b) == Offer::Stop {
+            if matches!(offer(b), Offer::Stop | Offer::Live) {
                 break;
             }
             self.offered += 1;
@@ -148,7 +167,9 @@ impl PrefetchPolicy for TraceReplay {
     fn end_step(&mut self) {
         if !self.recorded && !self.trace.is_empty() {
             self.recorded = true;
+            self.skipped.reserve(self.trace.len());
         }
+        self.skipped.clear();
         self.cursor = 0;
         self.offered = 0;
     }

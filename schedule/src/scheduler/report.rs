@@ -26,6 +26,8 @@ pub struct StepCounters {
     pub waits: u64,
     /// Unused prefetches freed to make room for a fetch under `max_live_bytes`.
     pub evictions: u64,
+    /// Unused prefetches freed because the policy skipped past them (trace divergence).
+    pub discarded_prefetches: u64,
     /// Fetches that had to exceed `max_live_bytes` because held buckets fill it.
     pub live_overruns: u64,
     /// Highest gathered bytes of the registry during the step.
