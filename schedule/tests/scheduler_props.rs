@@ -69,13 +69,11 @@ fn run(plan: &Plan, cfg: &SchedulerConfig, steps: &[Step], completions: Completi
     let mut pending: HashMap<BucketId, usize> = HashMap::new(); // prefetched, not yet fetched
     let mut outcome = Outcome { launches: vec![], frees: vec![], errors: vec![] };
     let bytes_of = |b: BucketId| plan.layout().bucket(b).unwrap().gathered_bytes();
-    let mut seq = 0u64;
     let mut all: Vec<Step> = steps.to_vec();
     all.push(Step::ReleaseAll);
     all.push(Step::End);
-    for st in &all {
+    for (seq, st) in (1u64..).zip(&all) {
         out.clear();
-        seq += 1;
         let held_before = held_buckets(plan, &held);
         let users_before: Vec<u32> = (0..n as u32).map(|p| reg.users(ParamId(p))).collect();
         let live_before = reg.live_bytes();
