@@ -340,9 +340,11 @@ impl Scheduler {
         let c = &mut self.core;
         c.check_registry(registry)?;
         c.check_ids("fetch", params)?;
+        let mut acquired = false;
         for &p in params {
             let g = c.t.param_gather[p.index()] as usize;
             if c.my_bucket_users[g] == 0 {
+                acquired = true;
                 c.acquire(registry, g, out);
                 self.policy.observe_fetch(c.t.gather[g].id);
                 self.policy.take_skipped(&mut |b| c.discard_prefetch(registry, b, out));
@@ -355,7 +357,10 @@ impl Scheduler {
                 s.users += 1;
             }
         }
-        self.prefetch(registry, out);
+        // Neither the policy nor the budgets changed unless a bucket was acquired.
+        if acquired {
+            self.prefetch(registry, out);
+        }
         Ok(())
     }
 
