@@ -1,17 +1,299 @@
-//! `collsched plan`.
+//! `collsched plan`: build the layout and coalesced plan of a parameter file and print it,
+//! as a short table or (`--json`) as the plan JSON that scripts read (a contract; see
+//! `ARCHITECTURE.md`, "Layouts and plans").
 
+use std::io::{self, BufWriter, Write};
+use std::path::PathBuf;
 use std::process::ExitCode;
+
+use serde::ser::{Serialize, SerializeMap, Serializer};
+
+use collsched_buckets::{Bucket, Layout, LayoutBuilder, ParamSet, Sharding};
+use collsched_schedule::{Op, OpKind, Plan};
 
 use super::CliError;
 
 /// Flags of `collsched plan`.
 #[derive(Debug, clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// Parameter file: `{"params": [{"name", "shape", "dtype", "trainable"}, ...]}`.
+    #[arg(long, value_name = "FILE.json")]
+    pub params: PathBuf,
+    /// Number of ranks.
+    #[arg(long, value_name = "N")]
+    pub world: u32,
+    /// Sharding strategy: even, flat, greedy or hybrid:G (G ranks per shard group).
+    #[arg(long, default_value = "even", value_name = "even|flat|greedy|hybrid:G")]
+    pub strategy: Sharding,
+    /// Cap on a bucket's parameter bytes, in MiB (fractions allowed).
+    #[arg(long, default_value_t = 64.0, value_name = "X")]
+    pub bucket_mb: f64,
+    /// Alignment of shard offsets and segment starts in bytes (a power of two, a multiple of
+    /// every dtype's size).
+    #[arg(long, default_value_t = collsched_buckets::DEFAULT_ALIGN, value_name = "BYTES")]
+    pub align: usize,
+    /// Print the plan as one JSON object instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
 
 /// Runs `collsched plan`.
 ///
 /// # Errors
-/// Any failure, as one line for the user.
-pub fn run(_args: Args) -> Result<ExitCode, CliError> {
-    Err(super::not_yet("plan"))
+/// Any failure, as one line for the user: an unreadable or invalid parameter file, a bad flag
+/// value, a layout that cannot be built, a failed write to stdout.
+pub fn run(args: Args) -> Result<ExitCode, CliError> {
+    let plan = build(&args)?;
+    let stdout = io::stdout();
+    let mut out = BufWriter::new(stdout.lock());
+    if args.json {
+        write_json(&mut out, &plan)?;
+    } else {
+        write_table(&mut out, &plan)?;
+    }
+    out.flush()?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Reads the parameter file and builds the plan the flags describe.
+///
+/// # Errors
+/// One line naming the file, flag, parameter or bucket at fault.
+pub fn build(args: &Args) -> Result<Plan, CliError> {
+    let file = args.params.display();
+    let text = std::fs::read_to_string(&args.params).map_err(|e| format!("cannot read {file}: {e}"))?;
+    let set = ParamSet::from_json(&text).map_err(|e| format!("{file}: {e}"))?;
+    let bucket_bytes = bucket_bytes(args.bucket_mb)?;
+    let layout = LayoutBuilder::new(&set, args.strategy, args.world)
+        .bucket_bytes(bucket_bytes)
+        .align(args.align)
+        .build()?;
+    Ok(Plan::new(layout))
+}
+
+/// `--bucket-mb` in bytes (MiB, rounded to the nearest byte).
+fn bucket_bytes(mb: f64) -> Result<usize, CliError> {
+    if !mb.is_finite() || mb < 0.0 {
+        return Err(format!("--bucket-mb {mb}: give a positive number of MiB, e.g. --bucket-mb 64").into());
+    }
+    let bytes = (mb * 1048576.0).round();
+    if bytes > usize::MAX as f64 / 2.0 {
+        return Err(format!("--bucket-mb {mb} is too large").into());
+    }
+    // Zero is rejected by the layout builder with its own message.
+    Ok(bytes as usize)
+}
+
+/// Writes the plan as one JSON object (the format of `ARCHITECTURE.md`), streaming: the
+/// per-rank segments are derived while writing, never all held in memory.
+///
+/// # Errors
+/// A failed write.
+pub fn write_json(out: &mut impl Write, plan: &Plan) -> io::Result<()> {
+    serde_json::to_writer(&mut *out, &PlanJson(plan)).map_err(io::Error::other)?;
+    out.write_all(b"\n")
+}
+
+struct PlanJson<'a>(&'a Plan);
+
+impl Serialize for PlanJson<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let plan = self.0;
+        let l = plan.layout();
+        let mut m = s.serialize_map(Some(6))?;
+        m.serialize_entry("world", &l.world())?;
+        m.serialize_entry("strategy", &l.sharding().to_string())?;
+        m.serialize_entry("fingerprint", &plan.fingerprint().to_string())?;
+        m.serialize_entry(
+            "params",
+            &Seq(|| l.params().specs().iter().zip(l.params().numels()).map(ParamJson)),
+        )?;
+        m.serialize_entry("buckets", &Seq(|| l.buckets().iter().map(|b| BucketJson(l, b))))?;
+        m.serialize_entry("ops", &Seq(|| plan.ops().iter().flat_map(op_groups)))?;
+        m.end()
+    }
+}
+
+/// A sequence serialized from an iterator made on demand.
+struct Seq<F>(F);
+
+impl<F, I> Serialize for Seq<F>
+where
+    F: Fn() -> I,
+    I: Iterator,
+    I::Item: Serialize,
+{
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_seq((self.0)())
+    }
+}
+
+struct ParamJson<'a>((&'a collsched_buckets::ParamSpec, &'a usize));
+
+impl Serialize for ParamJson<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let (spec, numel) = self.0;
+        let mut m = s.serialize_map(Some(4))?;
+        m.serialize_entry("name", &spec.name)?;
+        m.serialize_entry("numel", numel)?;
+        m.serialize_entry("dtype", spec.dtype.name())?;
+        m.serialize_entry("trainable", &spec.trainable)?;
+        m.end()
+    }
+}
+
+struct BucketJson<'a>(&'a Layout, &'a Bucket);
+
+impl Serialize for BucketJson<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let (l, b) = (self.0, self.1);
+        let set = l.params();
+        let mut m = s.serialize_map(Some(6))?;
+        m.serialize_entry("id", &b.id().0)?;
+        m.serialize_entry("kind", b.kind().name())?;
+        m.serialize_entry("dtype", b.dtype().name())?;
+        m.serialize_entry("params", &Seq(|| b.params().iter().map(|&p| set.name(p))))?;
+        m.serialize_entry("shard_numel", &b.shard_numel())?;
+        m.serialize_entry("shards", &Seq(|| (0..l.world()).map(|rank| ShardJson(l, b, rank))))?;
+        m.end()
+    }
+}
+
+struct ShardJson<'a>(&'a Layout, &'a Bucket, u32);
+
+impl Serialize for ShardJson<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let (l, b, rank) = (self.0, self.1, self.2);
+        let mut m = s.serialize_map(Some(2))?;
+        m.serialize_entry("rank", &rank)?;
+        m.serialize_entry("segments", &Seq(|| b.segments(rank).map(|seg| SegmentJson(l, seg))))?;
+        m.end()
+    }
+}
+
+struct SegmentJson<'a>(&'a Layout, collsched_buckets::Segment);
+
+impl Serialize for SegmentJson<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let seg = &self.1;
+        let mut m = s.serialize_map(Some(4))?;
+        m.serialize_entry("param", self.0.params().name(seg.param))?;
+        m.serialize_entry("param_offset", &seg.param_offset)?;
+        m.serialize_entry("numel", &seg.numel)?;
+        m.serialize_entry("shard_offset", &seg.shard_offset)?;
+        m.end()
+    }
+}
+
+/// One JSON op per rank group of `op`.
+fn op_groups(op: &Op) -> impl Iterator<Item = OpJson<'_>> {
+    (0..op.groups().count()).map(move |g| OpJson(op, g))
+}
+
+struct OpJson<'a>(&'a Op, u32);
+
+impl Serialize for OpJson<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let (op, g) = (self.0, self.1);
+        let mut m = s.serialize_map(Some(4))?;
+        m.serialize_entry("kind", op.kind().name())?;
+        m.serialize_entry("bucket", &op.bucket().0)?;
+        m.serialize_entry("group", &Seq(|| op.groups().ranks(g)))?;
+        m.serialize_entry("bytes_per_rank", &op.bytes_per_rank())?;
+        m.end()
+    }
+}
+
+/// At most this many bucket rows in the table; `--json` has them all.
+const TABLE_ROWS: usize = 40;
+
+/// Writes the short human summary: one row per bucket (up to [`TABLE_ROWS`]), then totals.
+///
+/// # Errors
+/// A failed write.
+pub fn write_table(out: &mut impl Write, plan: &Plan) -> io::Result<()> {
+    let l = plan.layout();
+    let set = l.params();
+    let param_bytes: usize = set.specs().iter().zip(set.numels()).map(|(s, &n)| n * s.dtype.size()).sum();
+    let trainable = set.specs().iter().filter(|s| s.trainable).count();
+    writeln!(
+        out,
+        "plan: {} params ({} trainable, {}), world {}, strategy {}, align {} B, bucket cap {}",
+        set.len(),
+        trainable,
+        human_bytes(param_bytes),
+        l.world(),
+        l.sharding(),
+        l.align(),
+        human_bytes(l.bucket_bytes()),
+    )?;
+    writeln!(out, "fingerprint {}", plan.fingerprint())?;
+    writeln!(
+        out,
+        "{:>6}  {:<6}  {:<5}  {:>7}  {:>11}  {:>14}  {:>8}  ops",
+        "bucket", "kind", "dtype", "params", "shard", "gathered", "padding"
+    )?;
+    for b in l.buckets().iter().take(TABLE_ROWS) {
+        let ops: Vec<&str> =
+            plan.ops_of(b.id()).iter().filter_map(|&o| plan.op(o)).map(|o| o.kind().name()).collect();
+        writeln!(
+            out,
+            "{:>6}  {:<6}  {:<5}  {:>7}  {:>11}  {:>14}  {:>7.1}%  {}",
+            b.id().0,
+            b.kind().name(),
+            b.dtype().name(),
+            b.params().len(),
+            human_bytes(b.shard_bytes()),
+            human_bytes(b.gathered_bytes()),
+            padding(b) * 100.0,
+            ops.join(" + "),
+        )?;
+    }
+    if l.buckets().len() > TABLE_ROWS {
+        writeln!(out, "   ... {} more buckets (--json lists all)", l.buckets().len() - TABLE_ROWS)?;
+    }
+    let mut counts = Vec::new();
+    for kind in [OpKind::AllGather, OpKind::Broadcast, OpKind::ReduceScatter, OpKind::AllReduce] {
+        let n: u64 =
+            plan.ops().iter().filter(|o| o.kind() == kind).map(|o| u64::from(o.groups().count())).sum();
+        if n > 0 {
+            counts.push(format!("{n} {}", kind.name()));
+        }
+    }
+    let gather_bytes: usize = l.gather_buckets().iter().map(|b| b.gathered_bytes()).sum();
+    writeln!(
+        out,
+        "total: {} gather + {} grad buckets; {} collectives ({}); all-gathered {} per step, padding overhead {:.2}%",
+        l.gather_buckets().len(),
+        l.grad_buckets().len(),
+        plan.ops().iter().map(|o| u64::from(o.groups().count())).sum::<u64>(),
+        counts.join(", "),
+        human_bytes(gather_bytes),
+        l.padding_overhead() * 100.0,
+    )
+}
+
+/// Padding of a bucket's buffer relative to its parameters' elements.
+fn padding(b: &Bucket) -> f64 {
+    let buffer = b.gathered_numel();
+    if b.param_numel() == 0 {
+        0.0
+    } else {
+        (buffer as f64 - b.param_numel() as f64) / b.param_numel() as f64
+    }
+}
+
+fn human_bytes(b: usize) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{b} B")
+    } else {
+        format!("{v:.1} {}", UNITS[u])
+    }
 }

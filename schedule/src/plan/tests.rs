@@ -1,0 +1,271 @@
+//! Property tests of plans: op counts, groups, copy lists, frozen parameters, fingerprints.
+
+use std::collections::HashMap;
+
+use collsched_buckets::{BucketKind, DType, LayoutBuilder, ParamSet, ParamSpec, Sharding};
+use proptest::prelude::*;
+
+use super::*;
+
+#[derive(Clone, Debug)]
+struct Case {
+    ps: Vec<(String, Vec<usize>, DType, bool)>,
+    world: u32,
+    sharding: Sharding,
+    align: usize,
+    bucket_bytes: usize,
+}
+
+fn case(max_params: usize, max_world: u32) -> impl Strategy<Value = Case> {
+    let numel = (0u32..=20).prop_flat_map(|e| 1usize..=(1usize << e));
+    let param = (numel, prop::sample::select(DType::ALL.to_vec()), any::<bool>());
+    (prop::collection::vec(param, 1..=max_params), 1..=max_world)
+        .prop_flat_map(|(ps, world)| {
+            let divisors: Vec<u32> = (1..=world).filter(|g| world.is_multiple_of(*g)).collect();
+            let sharding = prop_oneof![
+                Just(Sharding::EvenSplit),
+                Just(Sharding::Flat),
+                Just(Sharding::Greedy),
+                prop::sample::select(divisors).prop_map(Sharding::Hybrid),
+            ];
+            (Just(ps), Just(world), sharding, prop::sample::select(vec![8usize, 64, 256]), 8u32..=22)
+        })
+        .prop_map(|(ps, world, sharding, align, cap)| Case {
+            ps: ps.into_iter().enumerate().map(|(i, (n, d, t))| (format!("p{i}"), vec![n], d, t)).collect(),
+            world,
+            sharding,
+            align,
+            bucket_bytes: 1 << cap,
+        })
+}
+
+fn plan_of(c: &Case) -> Plan {
+    let specs =
+        c.ps.iter().map(|(n, s, d, t)| ParamSpec::new(n.clone(), s.clone(), *d).trainable(*t)).collect();
+    let set = ParamSet::new(specs).unwrap();
+    let layout = LayoutBuilder::new(&set, c.sharding, c.world)
+        .align(c.align)
+        .bucket_bytes(c.bucket_bytes)
+        .build()
+        .unwrap();
+    Plan::new(layout)
+}
+
+type Observable = (
+    u32,
+    String,
+    Vec<(String, usize, DType, bool)>,
+    Vec<(BucketKind, DType, Vec<ParamId>, usize, Vec<Vec<(ParamId, usize, usize, usize)>>)>,
+    Vec<(OpKind, BucketId, Vec<u32>, usize)>,
+);
+
+/// Everything the plan shows (what `collsched plan --json` prints), materialized.
+fn observable(plan: &Plan) -> Observable {
+    let l = plan.layout();
+    let params = l
+        .params()
+        .specs()
+        .iter()
+        .zip(l.params().numels())
+        .map(|(s, &n)| (s.name.clone(), n, s.dtype, s.trainable))
+        .collect();
+    let buckets = l
+        .buckets()
+        .iter()
+        .map(|b| {
+            let shards = (0..l.world())
+                .map(|r| b.segments(r).map(|s| (s.param, s.param_offset, s.numel, s.shard_offset)).collect())
+                .collect();
+            (b.kind(), b.dtype(), b.params().to_vec(), b.shard_numel(), shards)
+        })
+        .collect();
+    let mut ops = Vec::new();
+    for op in plan.ops() {
+        for g in 0..op.groups().count() {
+            ops.push((op.kind(), op.bucket(), op.groups().ranks(g).collect(), op.bytes_per_rank()));
+        }
+    }
+    (l.world(), l.sharding().to_string(), params, buckets, ops)
+}
+
+/// A second case derived from `c`: possibly equal, possibly differing in one input.
+fn perturbed(c: &Case, what: u8, pick: usize, value: usize) -> Case {
+    let mut d = c.clone();
+    let i = pick % d.ps.len();
+    match what {
+        0 => {}
+        1 => d.ps[i].1 = vec![value % 3000 + 1],
+        2 => d.ps[i].3 = !d.ps[i].3,
+        3 => d.align = [8, 64, 256][value % 3],
+        4 => d.bucket_bytes = 1 << (8 + value % 15),
+        5 => d.ps[i].0 = format!("q{}", value % 4),
+        6 => d.world = (value % 16) as u32 + 1,
+        7 => d.ps[i].2 = DType::ALL[value % 6],
+        8 => {
+            // Same element count, other shape: nothing that moves changes.
+            let n: usize = d.ps[i].1.iter().product();
+            d.ps[i].1 = vec![1, n];
+        }
+        _ => {
+            d.sharding =
+                [Sharding::EvenSplit, Sharding::Flat, Sharding::Greedy, Sharding::Hybrid(1)][value % 4]
+        }
+    }
+    if let Sharding::Hybrid(g) = d.sharding {
+        if !d.world.is_multiple_of(g) {
+            d.sharding = Sharding::Hybrid(1);
+        }
+    }
+    d
+}
+
+fn valid(c: &Case) -> bool {
+    let mut names: Vec<&str> = c.ps.iter().map(|p| p.0.as_str()).collect();
+    names.sort_unstable();
+    names.windows(2).all(|w| w[0] != w[1]) && c.ps.iter().all(|p| c.align.is_multiple_of(p.2.size()))
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    #[test]
+    fn ops_cover_every_bucket_once_per_group(c in case(300, 64)) {
+        let plan = plan_of(&c);
+        let l = plan.layout();
+        let g = l.group_size();
+        let mut gathers = 0;
+        for b in l.buckets() {
+            let ops: Vec<&Op> = plan.ops_of(b.id()).iter().map(|&o| plan.op(o).unwrap()).collect();
+            prop_assert!(ops.iter().all(|o| o.bucket() == b.id() && o.bytes_per_rank() == b.shard_bytes()));
+            match b.kind() {
+                BucketKind::Gather => {
+                    gathers += 1;
+                    prop_assert_eq!(ops.len(), 1);
+                    prop_assert_eq!(plan.gather_op(b.id()), Some(ops[0].id()));
+                    prop_assert!(plan.grad_ops(b.id()).is_empty());
+                    let want = if b.single_owner().is_some() { OpKind::Broadcast } else { OpKind::AllGather };
+                    prop_assert_eq!(ops[0].kind(), want);
+                    prop_assert_eq!(ops[0].root(), b.single_owner());
+                }
+                BucketKind::Grad => {
+                    prop_assert_eq!(plan.gather_op(b.id()), None);
+                    prop_assert_eq!(plan.grad_ops(b.id()), plan.ops_of(b.id()));
+                    let kinds: Vec<OpKind> = ops.iter().map(|o| o.kind()).collect();
+                    let want = match (b.single_owner(), c.sharding) {
+                        (Some(_), _) => vec![OpKind::AllReduce],
+                        (None, Sharding::Hybrid(h)) if h < c.world => vec![OpKind::ReduceScatter, OpKind::AllReduce],
+                        (None, _) => vec![OpKind::ReduceScatter],
+                    };
+                    prop_assert_eq!(kinds, want);
+                    // Exactly one op of the chain unpacks into the gradient shards.
+                    prop_assert_eq!(ops.iter().filter(|o| o.copy_out()).count(), 1);
+                    prop_assert!(ops.last().unwrap().copy_out());
+                }
+            }
+            // Every op's groups partition the world.
+            for o in &ops {
+                let mut seen = vec![0u32; c.world as usize];
+                for k in 0..o.groups().count() {
+                    let ranks: Vec<u32> = o.groups().ranks(k).collect();
+                    prop_assert_eq!(ranks.len() as u32, o.groups().group_size());
+                    for &r in &ranks {
+                        seen[r as usize] += 1;
+                        prop_assert_eq!(o.groups().group_of(r), Some(k));
+                        prop_assert!(o.groups().ranks_of(r).eq(ranks.iter().copied()));
+                    }
+                }
+                prop_assert!(seen.iter().all(|&n| n == 1));
+                let size = if o.groups().is_strided() { c.world / g } else { g };
+                prop_assert_eq!(o.groups().group_size(), size);
+            }
+        }
+        prop_assert_eq!(gathers, l.gather_buckets().len());
+        prop_assert_eq!(plan.ops().iter().enumerate().all(|(i, o)| o.id().index() == i), true);
+    }
+
+    #[test]
+    fn copy_lists_cover_the_buffers(c in case(200, 32)) {
+        let plan = plan_of(&c);
+        let l = plan.layout();
+        for op in plan.ops() {
+            let b = l.bucket(op.bucket()).unwrap();
+            for r in 0..c.world {
+                for role in [BufferRole::Shard, BufferRole::Gathered] {
+                    let cap = if role == BufferRole::Shard { b.shard_numel() } else { b.gathered_numel() };
+                    let runs: Vec<CopyRun> = plan.runs(op.id(), r, role).collect();
+                    for run in &runs {
+                        // Gradient ops never touch frozen parameters.
+                        if b.kind() == BucketKind::Grad {
+                            prop_assert!(l.params().is_trainable(run.param), "op {} touches frozen {}", op.id(), run.param);
+                        }
+                        prop_assert!(run.offset + run.numel <= cap);
+                        prop_assert!(run.param_offset + run.numel <= l.params().numel(run.param));
+                    }
+                    if role == BufferRole::Gathered {
+                        // The gathered buffer holds every parameter of the bucket entirely.
+                        let mut total: HashMap<ParamId, usize> = HashMap::new();
+                        for run in &runs {
+                            *total.entry(run.param).or_default() += run.numel;
+                        }
+                        for (&p, &n) in b.params().iter().zip(b.param_numels()) {
+                            prop_assert_eq!(total.get(&p).copied(), Some(n));
+                        }
+                    }
+                }
+            }
+            prop_assert_eq!(plan.runs(op.id(), c.world, BufferRole::Shard).count(), 0);
+        }
+    }
+
+    #[test]
+    fn fingerprint_changes_exactly_when_the_plan_does(
+        c in case(40, 16),
+        what in 0u8..10,
+        pick in any::<usize>(),
+        value in any::<usize>(),
+    ) {
+        let d = perturbed(&c, what, pick, value);
+        prop_assume!(valid(&d));
+        let (a, b) = (plan_of(&c), plan_of(&d));
+        let same = observable(&a) == observable(&b);
+        prop_assert_eq!(same, a.fingerprint() == b.fingerprint(), "perturbation {}", what);
+        // Rebuilding gives the same fingerprint (no hidden state, no randomness).
+        prop_assert_eq!(plan_of(&c).fingerprint(), a.fingerprint());
+        // Bucket digests agree with bucket contents when the layouts line up.
+        if same {
+            for bk in a.layout().buckets() {
+                prop_assert_eq!(a.bucket_digest(bk.id()), b.bucket_digest(bk.id()));
+            }
+        }
+    }
+
+    #[test]
+    fn trainability_change_keeps_gather_ops(c in case(100, 16), flips in prop::collection::vec(any::<bool>(), 100)) {
+        let plan = plan_of(&c);
+        let mask: Vec<bool> = c.ps.iter().zip(&flips).map(|(p, &f)| p.3 ^ f).collect();
+        let (next, _) = plan.with_trainable(&mask).unwrap();
+        for b in plan.layout().gather_buckets() {
+            let (o, n) = (plan.gather_op(b.id()).unwrap(), next.gather_op(b.id()).unwrap());
+            prop_assert_eq!(o, n);
+            prop_assert_eq!(plan.op(o), next.op(n));
+        }
+        let changed = mask.iter().zip(&c.ps).any(|(&m, p)| m != p.3);
+        prop_assert_eq!(changed, plan.fingerprint() != next.fingerprint());
+    }
+}
+
+#[test]
+fn hybrid_ops_are_listed_per_group() {
+    let set = ParamSet::new(vec![ParamSpec::new("w", [1000], DType::F32)]).unwrap();
+    let plan = Plan::new(LayoutBuilder::new(&set, Sharding::Hybrid(2), 6).build().unwrap());
+    let grad = plan.layout().grad_buckets()[0].id();
+    let ops = plan.grad_ops(grad);
+    let ar = plan.op(ops[1]).unwrap();
+    let groups: Vec<Vec<u32>> = (0..ar.groups().count()).map(|k| ar.groups().ranks(k).collect()).collect();
+    // Replicas of position i across the 3 groups of 2: {i, i+2, i+4}.
+    let want: Vec<Vec<u32>> = (0..2).map(|i| (0..3).map(|j| i + 2 * j).collect()).collect();
+    assert_eq!(groups, want);
+    let rs = plan.op(ops[0]).unwrap();
+    assert_eq!(rs.groups().count(), 3);
+    assert!(!rs.copy_out() && ar.copy_out() && !ar.copy_in());
+}
