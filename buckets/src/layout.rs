@@ -11,6 +11,9 @@
 //! [`Bucket::segments`] derives a rank's segments on demand, so building a layout costs
 //! O(parameters) whatever the world size (Greedy additionally O(world) per bucket).
 
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+
 use crate::error::LayoutError;
 use crate::{DType, ParamId, ParamSet, Sharding};
 
@@ -539,8 +542,11 @@ impl LayoutBuilder {
         }
         let ctx = Ctx { world, group, align: self.align };
         let mut buckets = Vec::with_capacity(n_gather * 2);
-        let mut loads =
-            if matches!(self.sharding, Sharding::Greedy) { vec![0usize; world as usize] } else { vec![] };
+        let mut ranks: BinaryHeap<Reverse<(usize, u32)>> = if matches!(self.sharding, Sharding::Greedy) {
+            (0..world).map(|r| Reverse((0, r))).collect()
+        } else {
+            BinaryHeap::new()
+        };
         for (i, (dtype, ps)) in groups.into_iter().enumerate() {
             let id = BucketId(i as u32);
             let ns: Vec<usize> = ps.iter().map(|p| numels[p.index()]).collect();
@@ -549,7 +555,7 @@ impl LayoutBuilder {
                     ctx.even(id, BucketKind::Gather, dtype, ps, ns)?
                 }
                 Sharding::Flat => ctx.flat(id, dtype, ps, ns)?,
-                Sharding::Greedy => ctx.greedy(id, dtype, ps, ns, &mut loads)?,
+                Sharding::Greedy => ctx.greedy(id, dtype, ps, ns, &mut ranks)?,
             };
             buckets.push(b);
         }
@@ -592,6 +598,29 @@ impl LayoutBuilder {
         order.extend(self.params.ids().filter(|p| at[p.index()].is_none()));
         Ok(order)
     }
+}
+
+/// Offsets of whole parameters packed per owner in bucket order; the largest owner's fill
+/// (the shard size); the owner if there is only one.
+fn pack_by_owner(owner: &[u32], padded: &[usize]) -> (Vec<usize>, usize, Option<u32>) {
+    let mut idx: Vec<usize> = (0..owner.len()).collect();
+    idx.sort_by_key(|&i| owner[i]); // stable: bucket order within an owner
+    let mut offset = vec![0usize; owner.len()];
+    let (mut shard, mut fill, mut prev) = (0usize, 0usize, None);
+    for &i in &idx {
+        if prev != Some(owner[i]) {
+            fill = 0;
+            prev = Some(owner[i]);
+        }
+        offset[i] = fill;
+        fill += padded[i];
+        shard = shard.max(fill);
+    }
+    let single = match (owner.first(), owner.iter().all(|&o| Some(&o) == owner.first())) {
+        (Some(&o), true) => Some(o),
+        _ => None,
+    };
+    (offset, shard, single)
 }
 
 fn dtype_slot(d: DType) -> usize {
@@ -686,48 +715,40 @@ impl Ctx {
 
     /// Largest parameter first to the rank with the least bytes in this bucket (ties: least
     /// bytes over all buckets so far, then lowest rank); offsets in bucket order.
+    ///
+    /// Only the `min(k, world)` globally least-loaded ranks can receive one of the bucket's
+    /// `k` parameters, so they are taken from `ranks` (a heap over all ranks kept across
+    /// buckets): O(k log world) per bucket, never O(world).
     fn greedy(
         &self,
         id: BucketId,
         dtype: DType,
         params: Vec<ParamId>,
         numels: Vec<usize>,
-        loads: &mut [usize],
+        ranks: &mut BinaryHeap<Reverse<(usize, u32)>>,
     ) -> Result<Bucket, LayoutError> {
-        use std::cmp::Reverse;
-        use std::collections::BinaryHeap;
         let ae = self.align / dtype.size();
         let overflow = || LayoutError::Overflow { bucket: id, world: self.world };
         let padded: Vec<usize> =
             numels.iter().map(|&n| align_up(n, ae).ok_or_else(overflow)).collect::<Result<_, _>>()?;
         let mut by_size: Vec<usize> = (0..numels.len()).collect();
         by_size.sort_by_key(|&i| (Reverse(padded[i]), i));
-        let mut heap: BinaryHeap<Reverse<(usize, usize, u32)>> = if by_size.len() < loads.len() {
-            // Only as many ranks as parameters can receive one: take the least loaded.
-            let mut ranks: Vec<u32> = (0..loads.len() as u32).collect();
-            let k = by_size.len();
-            ranks.select_nth_unstable_by_key(k - 1, |&r| (loads[r as usize], r));
-            ranks[..k].iter().map(|&r| Reverse((0, loads[r as usize], r))).collect()
-        } else {
-            (0..loads.len() as u32).map(|r| Reverse((0, loads[r as usize], r))).collect()
-        };
+        let m = by_size.len().min(ranks.len());
+        let candidates: Vec<(usize, u32)> = (0..m).filter_map(|_| ranks.pop().map(|Reverse(x)| x)).collect();
+        // (load in this bucket, load over all buckets, rank, index in candidates)
+        let mut heap: BinaryHeap<Reverse<(usize, usize, u32, usize)>> =
+            candidates.iter().enumerate().map(|(c, &(total, r))| Reverse((0, total, r, c))).collect();
         let mut owner = vec![0u32; numels.len()];
         for &i in &by_size {
-            let Some(Reverse((load, total, r))) = heap.pop() else { break };
+            let Some(Reverse((load, total, r, c))) = heap.pop() else { break };
             owner[i] = r;
             let load = load.checked_add(padded[i]).ok_or_else(overflow)?;
-            heap.push(Reverse((load, total + padded[i], r)));
+            heap.push(Reverse((load, total.saturating_add(padded[i]), r, c)));
         }
-        let mut fill = std::collections::HashMap::<u32, usize>::new();
-        let mut offset = Vec::with_capacity(numels.len());
-        for (i, &o) in owner.iter().enumerate() {
-            let f = fill.entry(o).or_insert(0);
-            offset.push(*f);
-            *f += padded[i];
-            loads[o as usize] = loads[o as usize].saturating_add(padded[i]);
+        for Reverse((_, total, r, _)) in heap {
+            ranks.push(Reverse((total, r)));
         }
-        let shard = fill.values().copied().max().unwrap_or(0);
-        let single = if fill.len() == 1 { fill.keys().next().copied() } else { None };
+        let (offset, shard, single) = pack_by_owner(&owner, &padded);
         self.bucket(
             (id, BucketKind::Gather, dtype),
             params,
@@ -762,16 +783,9 @@ impl Ctx {
             ShardMap::Greedy { owner, .. } => {
                 let ae = self.align / dtype.size();
                 let owner: Vec<u32> = keep.iter().map(|&i| owner[i]).collect();
-                let mut fill = std::collections::HashMap::<u32, usize>::new();
-                let mut offset = Vec::with_capacity(owner.len());
-                for (&o, &n) in owner.iter().zip(&numels) {
-                    let f = fill.entry(o).or_insert(0);
-                    offset.push(*f);
-                    // Fits: the gather bucket held these with the same padding.
-                    *f += align_up(n, ae).unwrap_or(n);
-                }
-                let shard = fill.values().copied().max().unwrap_or(0);
-                let single = if fill.len() == 1 { fill.keys().next().copied() } else { None };
+                // Fits: the gather bucket held these with the same padding.
+                let padded: Vec<usize> = numels.iter().map(|&n| align_up(n, ae).unwrap_or(n)).collect();
+                let (offset, shard, single) = pack_by_owner(&owner, &padded);
                 let key = (id, BucketKind::Grad, dtype);
                 self.bucket(key, params, numels, shard, single, ShardMap::Greedy { owner, offset })?
             }

@@ -12,3 +12,11 @@ pub mod plan;
 
 pub use fingerprint::{PlanFingerprint, StableHasher};
 pub use plan::{BufferRole, CopyRun, Op, OpId, OpKind, Plan, RankGroups};
+
+pub mod scheduler;
+pub use scheduler::{
+    Action, BucketInput, BufferId, EngineEvent, Event, Explicit, Fence, Fences, GradReduce, GradSource,
+    InflightRegistry, Launch, LaunchId, NoPrefetch, Offer, Ops, ParamState, PlanDigests, PolicyKind,
+    PrefetchPolicy, ReduceSpec, Role, ScheduleError, ScheduleInput, Scheduler, SchedulerConfig, StepCounters,
+    StepReport, Stream, TraceReplay, WaitOn,
+};

@@ -277,7 +277,6 @@ pub struct Plan {
     ids: Vec<OpId>,
     /// Ops of bucket `b` are `ids[first[b] .. first[b + 1]]`.
     first: Vec<u32>,
-    bucket_digest: Vec<u64>,
     fingerprint: PlanFingerprint,
 }
 
@@ -332,15 +331,6 @@ impl Plan {
         first.push(ops.len() as u32);
         let ids = (0..ops.len() as u32).map(OpId).collect();
 
-        let mut bucket_digest = Vec::with_capacity(layout.buckets().len());
-        for (i, b) in layout.buckets().iter().enumerate() {
-            let mut h = StableHasher::new();
-            b.encode_canonical(&mut h);
-            for op in &ops[first[i] as usize..first[i + 1] as usize] {
-                op.encode(&mut h);
-            }
-            bucket_digest.push(h.finish());
-        }
         let mut h = StableHasher::new();
         h.bytes(b"collsched plan v1");
         layout.encode_canonical(&mut h);
@@ -349,7 +339,7 @@ impl Plan {
             op.encode(&mut h);
         }
         let fingerprint = PlanFingerprint(h.finish());
-        Plan { layout, ops, ids, first, bucket_digest, fingerprint }
+        Plan { layout, ops, ids, first, fingerprint }
     }
 
     /// The layout the plan moves.
@@ -369,8 +359,15 @@ impl Plan {
 
     /// A stable digest of one bucket and its ops (`None` for an unknown bucket): when two
     /// ranks' fingerprints differ, the first bucket whose digests differ is the culprit.
+    /// Computed on demand, in O(parameters of the bucket).
     pub fn bucket_digest(&self, bucket: BucketId) -> Option<u64> {
-        self.bucket_digest.get(bucket.index()).copied()
+        let b = self.layout.bucket(bucket)?;
+        let mut h = StableHasher::new();
+        b.encode_canonical(&mut h);
+        for &op in self.ops_of(bucket) {
+            self.ops[op.index()].encode(&mut h);
+        }
+        Some(h.finish())
     }
 
     /// All ops, by id: per bucket in bucket-id order, gather buckets first.

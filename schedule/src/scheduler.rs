@@ -1,0 +1,1013 @@
+//! The sans-IO [`Scheduler`]: engine events in, actions out.
+//!
+//! # The rule that keeps ranks in step
+//! **Every launch decision is a pure function of the engine's event sequence** (`Fetch`,
+//! `Release`, `GradReady`, `EndStep`, `SetNoSync`, `SetTrainable`, `ShardsUpdated`), never of
+//! completion timing. All ranks must issue the same collectives in the same order, or NCCL
+//! hangs; completions arrive at different times on different ranks. So:
+//! - the budgets count deterministic state only: bytes and gathers *launched and not yet
+//!   fetched* (`prefetch_bytes`, `max_inflight`) and bytes *gathered and not yet released*
+//!   (`max_live_bytes`);
+//! - [`Event::OpDone`] only moves a bucket from in flight to available; it changes whether a
+//!   fetch needs a [`Action::Wait`], never what is launched or freed.
+//!
+//! A test feeds two schedulers the same events with completions at different points and checks
+//! that they launch identical sequences.
+//!
+//! # How a driver runs it
+//! One [`InflightRegistry`] per rank per model; one or more schedulers attached to it. For each
+//! engine call, the driver calls [`Scheduler::handle`] (or the named shortcuts) with the
+//! registry and a reused `Vec<Action>`, then runs the pushed actions in order:
+//! [`Action::Launch`] on the named stream (allocating the gathered buffer of a gather launch),
+//! [`Action::Wait`], [`Action::Free`] deferred until its fences completed,
+//! [`Action::AllocGrad`] / [`Action::CopyGradIn`] / [`Action::AccumulateGrad`] for gradients.
+//! When a launch completes, the driver may feed [`Event::OpDone`] back (optional: without it
+//! every fetch of an in-flight bucket emits a `Wait`, which is always correct).
+//!
+//! After `Fetch(params)` returns and its actions ran, the parameters are gathered once the
+//! compute stream passed the emitted waits. `Release(params, after)` says the engine's use
+//! ends at `after`. Steady-state steps allocate nothing when the action `Vec` has capacity.
+//!
+//! # Gradients
+//! A gradient goes into its gradient bucket's full-size buffer; the bucket's reduce launches
+//! when its last trainable parameter's gradient arrived, so buckets reduce in the order they
+//! fill. Under no_sync gradients accumulate locally and nothing is reduced; the next step
+//! without no_sync adds the accumulators into the buckets. At `EndStep` of a step that had
+//! gradients (or has accumulated ones) every bucket not yet reduced is reduced in bucket
+//! order with missing gradients as zeros, so every rank issues the same collectives; the
+//! parameters are reported in [`StepReport::zero_filled`].
+
+mod action;
+mod config;
+mod error;
+mod input;
+mod prefetch;
+mod registry;
+mod report;
+
+pub use action::{
+    Action, BufferId, EngineEvent, Event, Fence, Fences, GradSource, Launch, LaunchId, Ops, ReduceSpec, Role,
+    Stream, WaitOn,
+};
+pub use config::{
+    GradReduce, PolicyKind, SchedulerConfig, DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_LIVE_BYTES,
+    DEFAULT_PREFETCH_BYTES,
+};
+pub use error::ScheduleError;
+pub use input::{BucketInput, PlanDigests, ScheduleInput};
+pub use prefetch::{Explicit, NoPrefetch, Offer, PrefetchPolicy, TraceReplay};
+pub use registry::{InflightRegistry, ParamState};
+pub use report::{StepCounters, StepReport};
+
+use crate::buckets::{BucketId, ParamId, ParamSet};
+use crate::plan::Plan;
+use registry::{add_consumer, Gathered};
+
+const NONE: u32 = u32::MAX;
+
+/// The scheduler's tables, built once from a plan (see [`ScheduleInput`]).
+#[derive(Debug, Clone)]
+struct Tables {
+    params: ParamSet,
+    world: u32,
+    param_gather: Vec<u32>,
+    param_grad: Vec<u32>,
+    gather: Vec<BucketInput>,
+    grad: Vec<BucketInput>,
+    grad_reduce: Vec<ReduceSpec>,
+    bucket_index: Vec<u32>,
+    digests: PlanDigests,
+}
+
+impl Tables {
+    fn new(input: &ScheduleInput, config: &SchedulerConfig) -> Result<Tables, ScheduleError> {
+        input.validate()?;
+        let n = input.params.len();
+        let mut param_gather = vec![NONE; n];
+        let max_id = input.gather.iter().chain(&input.grad).map(|b| b.id.index() + 1).max().unwrap_or(0);
+        let mut bucket_index = vec![NONE; max_id];
+        for (g, b) in input.gather.iter().enumerate() {
+            bucket_index[b.id.index()] = g as u32;
+            for p in &b.params {
+                param_gather[p.index()] = g as u32;
+            }
+        }
+        let mut t = Tables {
+            params: input.params.clone(),
+            world: input.world.max(1),
+            param_gather,
+            param_grad: Vec::new(),
+            gather: input.gather.clone(),
+            grad: Vec::new(),
+            grad_reduce: Vec::new(),
+            bucket_index,
+            digests: input.digests.clone(),
+        };
+        t.set_grad(input, config);
+        Ok(t)
+    }
+
+    fn set_grad(&mut self, input: &ScheduleInput, config: &SchedulerConfig) {
+        self.params = input.params.clone();
+        self.digests = input.digests.clone();
+        self.param_grad = vec![NONE; input.params.len()];
+        for (j, b) in input.grad.iter().enumerate() {
+            for p in &b.params {
+                self.param_grad[p.index()] = j as u32;
+            }
+        }
+        self.grad_reduce = input
+            .grad
+            .iter()
+            .map(|b| {
+                let o = b
+                    .partner
+                    .and_then(|g| config.reduce_per_bucket.iter().find(|(id, _)| *id == g))
+                    .map(|x| x.1)
+                    .unwrap_or_default();
+                let base = config.reduce;
+                let pre = o.pre_divide.or(base.pre_divide).unwrap_or(1.0);
+                ReduceSpec {
+                    dtype: o.dtype.or(base.dtype).unwrap_or(b.dtype),
+                    pre_divide: pre,
+                    post_divide: o.post_divide.or(base.post_divide).unwrap_or(f64::from(self.world) / pre),
+                }
+            })
+            .collect();
+        self.grad = input.grad.clone();
+    }
+
+    fn gather_index(&self, b: BucketId) -> Option<usize> {
+        match self.bucket_index.get(b.index()) {
+            Some(&g) if g != NONE => Some(g as usize),
+            _ => None,
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Core {
+    rank: u32,
+    config: SchedulerConfig,
+    registry: u64,
+    owner: u32,
+    t: Tables,
+    source: Option<Plan>,
+    // per parameter
+    my_users: Vec<u32>,
+    released: Vec<bool>,
+    grad_seen: Vec<bool>,
+    accumulated: Vec<bool>,
+    n_accumulated: usize,
+    mask: Vec<bool>,
+    mask_pending: bool,
+    // per gather bucket
+    my_bucket_users: Vec<u32>,
+    waited: Vec<Option<LaunchId>>,
+    pending: Vec<u32>,
+    // per gradient bucket
+    grad_arrived: Vec<u32>,
+    grad_buffer: Vec<Option<BufferId>>,
+    grad_launched: Vec<bool>,
+    reduces: Vec<(LaunchId, bool)>,
+    grads_this_step: usize,
+    no_sync: bool,
+    counters: StepCounters,
+    report: StepReport,
+    step: u64,
+}
+
+/// The sans-IO scheduler of one engine (coordinator) on one rank: see the module docs.
+///
+/// # Examples
+/// ```
+/// use collsched_schedule::buckets::{DType, LayoutBuilder, ParamSet, ParamSpec, Sharding};
+/// use collsched_schedule::{Action, Event, InflightRegistry, Plan, ScheduleInput, Scheduler, SchedulerConfig};
+/// let set = ParamSet::new(vec![ParamSpec::new("w", [1024], DType::F32), ParamSpec::new("b", [16], DType::F32)])?;
+/// let plan = Plan::new(LayoutBuilder::new(&set, Sharding::EvenSplit, 4).build()?);
+/// let mut registry = InflightRegistry::new(&ScheduleInput::from_plan(&plan));
+/// let mut sched = Scheduler::from_plan(&plan, 0, SchedulerConfig::default(), &mut registry)?;
+/// let (w, b) = (set.id("w").unwrap(), set.id("b").unwrap());
+/// let mut actions = Vec::with_capacity(64);
+/// sched.handle(&mut registry, Event::Fetch(&[w, b]), &mut actions)?;
+/// // Both live in one bucket: one all-gather, then the compute stream waits for it.
+/// assert!(matches!(actions[0], Action::Launch(_)));
+/// assert!(matches!(actions[1], Action::Wait { .. }));
+/// actions.clear();
+/// sched.handle(&mut registry, Event::Release { params: &[w, b], after: None }, &mut actions)?;
+/// assert!(matches!(actions[0], Action::Free { .. }));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Debug)]
+pub struct Scheduler {
+    core: Core,
+    policy: Box<dyn PrefetchPolicy>,
+}
+
+impl Scheduler {
+    /// A scheduler for the plan described by `input`, on `rank`, attached to `registry` (which
+    /// must have been created for the same gather buckets).
+    ///
+    /// # Errors
+    /// [`ScheduleError::BadInput`] for inconsistent tables, [`ScheduleError::WrongRegistry`]
+    /// for a registry of other buckets.
+    pub fn new(
+        input: &ScheduleInput,
+        rank: u32,
+        config: SchedulerConfig,
+        registry: &mut InflightRegistry,
+    ) -> Result<Scheduler, ScheduleError> {
+        let t = Tables::new(input, &config)?;
+        let n = t.params.len();
+        let same = registry.param_bucket == t.param_gather
+            && registry.slots.len() == t.gather.len()
+            && registry.slots.iter().zip(&t.gather).all(|(s, b)| s.id == b.id && s.bytes == b.gathered_bytes);
+        if !same {
+            return Err(ScheduleError::WrongRegistry {
+                rank,
+                what: "the registry was created for other gather buckets".to_string(),
+            });
+        }
+        let owner = registry.attach();
+        let (n_gather, n_grad) = (t.gather.len(), t.grad.len());
+        let policy: Box<dyn PrefetchPolicy> = match config.policy {
+            PolicyKind::None => Box::new(NoPrefetch),
+            PolicyKind::TraceReplay => Box::new(TraceReplay::default()),
+        };
+        let mask = t.params.trainable_mask();
+        Ok(Scheduler {
+            core: Core {
+                rank,
+                registry: registry.uid,
+                owner,
+                source: None,
+                my_users: vec![0; n],
+                released: vec![false; n],
+                grad_seen: vec![false; n],
+                accumulated: vec![false; n],
+                n_accumulated: 0,
+                mask,
+                mask_pending: false,
+                my_bucket_users: vec![0; n_gather],
+                waited: vec![None; n_gather],
+                pending: Vec::with_capacity(n_gather),
+                grad_arrived: vec![0; n_grad],
+                grad_buffer: vec![None; n_grad],
+                grad_launched: vec![false; n_grad],
+                reduces: Vec::with_capacity(n_grad),
+                grads_this_step: 0,
+                no_sync: false,
+                counters: StepCounters::default(),
+                report: StepReport {
+                    drained: Vec::with_capacity(n),
+                    zero_filled: Vec::with_capacity(n),
+                    held: Vec::with_capacity(n),
+                    ..StepReport::default()
+                },
+                step: 0,
+                config,
+                t,
+            },
+            policy,
+        })
+    }
+
+    /// A scheduler for a plan, which it keeps (cheaply: the layout is shared) to refresh the
+    /// gradient buckets when trainability changes.
+    ///
+    /// # Errors
+    /// As [`new`](Self::new).
+    pub fn from_plan(
+        plan: &Plan,
+        rank: u32,
+        config: SchedulerConfig,
+        registry: &mut InflightRegistry,
+    ) -> Result<Scheduler, ScheduleError> {
+        let mut s = Scheduler::new(&ScheduleInput::from_plan(plan), rank, config, registry)?;
+        s.core.source = Some(plan.clone());
+        Ok(s)
+    }
+
+    /// Replaces the prefetch policy (e.g. with [`Explicit`] rules). Takes effect at the next
+    /// fetch; call it between steps.
+    pub fn set_policy(&mut self, policy: Box<dyn PrefetchPolicy>) {
+        self.policy = policy;
+    }
+
+    /// The prefetch policy.
+    pub fn policy(&self) -> &dyn PrefetchPolicy {
+        &*self.policy
+    }
+
+    /// Feeds one event; pushes the resulting actions onto `out` (never clears it).
+    ///
+    /// # Errors
+    /// [`ScheduleError`] naming the parameter, bucket, op and rank. A failed event changes no
+    /// state and pushes no action (except `EndStep`: see [`ScheduleError`]).
+    pub fn handle(
+        &mut self,
+        registry: &mut InflightRegistry,
+        event: Event<'_>,
+        out: &mut Vec<Action>,
+    ) -> Result<(), ScheduleError> {
+        match event {
+            Event::Fetch(params) => self.fetch(registry, params, out),
+            Event::Release { params, after } => self.release(registry, params, after, out),
+            Event::GradReady { param, after } => self.grad_ready(registry, param, after, out),
+            Event::OpDone(id) => self.op_done(registry, id),
+            Event::ShardsUpdated(ev) => {
+                self.core.check_registry(registry)?;
+                registry.shards_fence = Some(ev);
+                Ok(())
+            }
+            Event::EndStep => self.end_step(registry, out),
+            Event::SetNoSync(on) => self.set_no_sync(on),
+            Event::SetTrainable(mask) => self.set_trainable(mask),
+        }
+    }
+
+    /// [`Event::Fetch`]: gathers the buckets of `params` (one collective per bucket not
+    /// gathered yet) and makes the compute stream wait for those in flight; then prefetches.
+    ///
+    /// # Errors
+    /// [`ScheduleError::UnknownParam`]; nothing changes.
+    pub fn fetch(
+        &mut self,
+        registry: &mut InflightRegistry,
+        params: &[ParamId],
+        out: &mut Vec<Action>,
+    ) -> Result<(), ScheduleError> {
+        let c = &mut self.core;
+        c.check_registry(registry)?;
+        c.check_ids("fetch", params)?;
+        let mut acquired = false;
+        for &p in params {
+            let g = c.t.param_gather[p.index()] as usize;
+            if c.my_bucket_users[g] == 0 {
+                acquired = true;
+                c.acquire(registry, g, out);
+                self.policy.observe_fetch(c.t.gather[g].id);
+                self.policy.take_skipped(&mut |b| c.discard_prefetch(registry, b, out));
+            }
+            c.my_bucket_users[g] += 1;
+            c.my_users[p.index()] += 1;
+            c.released[p.index()] = false;
+            registry.param_users[p.index()] += 1;
+            if let Some(s) = registry.slots[g].gathered.as_mut() {
+                s.users += 1;
+            }
+        }
+        // Neither the policy nor the budgets changed unless a bucket was acquired.
+        if acquired {
+            self.prefetch(registry, out);
+        }
+        Ok(())
+    }
+
+    /// [`Event::Release`]: the engine is done with `params` after `after`; buckets whose last
+    /// user this was are freed after the consumers' events.
+    ///
+    /// # Errors
+    /// [`ScheduleError::UnknownParam`], [`ScheduleError::NotFetched`] (never fetched by this
+    /// scheduler, or released twice); nothing changes.
+    pub fn release(
+        &mut self,
+        registry: &mut InflightRegistry,
+        params: &[ParamId],
+        after: Option<EngineEvent>,
+        out: &mut Vec<Action>,
+    ) -> Result<(), ScheduleError> {
+        let c = &mut self.core;
+        c.check_registry(registry)?;
+        c.check_ids("release", params)?;
+        for (i, &p) in params.iter().enumerate() {
+            if c.my_users[p.index()] == 0 {
+                for &q in &params[..i] {
+                    c.my_users[q.index()] += 1;
+                }
+                return Err(ScheduleError::NotFetched {
+                    rank: c.rank,
+                    param: p,
+                    name: c.t.params.name(p).to_string(),
+                    bucket: c.t.gather[c.t.param_gather[p.index()] as usize].id,
+                    twice: c.released[p.index()],
+                });
+            }
+            c.my_users[p.index()] -= 1;
+        }
+        let mut freed = false;
+        for &p in params {
+            if c.my_users[p.index()] == 0 {
+                c.released[p.index()] = true;
+            }
+            registry.param_users[p.index()] -= 1;
+            let g = c.t.param_gather[p.index()] as usize;
+            c.my_bucket_users[g] -= 1;
+            let last = match registry.slots[g].gathered.as_mut() {
+                Some(s) => {
+                    s.users -= 1;
+                    if let Some(ev) = after {
+                        add_consumer(&mut s.consumers, ev);
+                    }
+                    s.users == 0
+                }
+                None => false,
+            };
+            if last {
+                c.free_slot(registry, g, out);
+                freed = true;
+            }
+        }
+        if freed {
+            self.prefetch(registry, out);
+        }
+        Ok(())
+    }
+
+    /// [`Event::GradReady`]: the gradient of `param` is complete after `after`.
+    ///
+    /// # Errors
+    /// [`ScheduleError::UnknownParam`], [`ScheduleError::GradOfFrozen`],
+    /// [`ScheduleError::GradTwice`]; nothing changes.
+    pub fn grad_ready(
+        &mut self,
+        registry: &mut InflightRegistry,
+        param: ParamId,
+        after: Option<EngineEvent>,
+        out: &mut Vec<Action>,
+    ) -> Result<(), ScheduleError> {
+        let c = &mut self.core;
+        c.check_registry(registry)?;
+        c.check_ids("grad_ready", std::slice::from_ref(&param))?;
+        let i = param.index();
+        let j = c.t.param_grad[i];
+        if j == NONE {
+            return Err(ScheduleError::GradOfFrozen {
+                rank: c.rank,
+                param,
+                name: c.t.params.name(param).to_string(),
+                bucket: c.t.gather[c.t.param_gather[i] as usize].id,
+            });
+        }
+        let j = j as usize;
+        if c.grad_seen[i] {
+            return Err(ScheduleError::GradTwice {
+                rank: c.rank,
+                param,
+                name: c.t.params.name(param).to_string(),
+                bucket: c.t.grad[j].id,
+            });
+        }
+        c.grad_seen[i] = true;
+        c.grads_this_step += 1;
+        if c.no_sync {
+            out.push(Action::AccumulateGrad { param, after });
+            if !c.accumulated[i] {
+                c.accumulated[i] = true;
+                c.n_accumulated += 1;
+            }
+            c.counters.accumulated_grads += 1;
+            return Ok(());
+        }
+        let buffer = c.open_grad(registry, j, out);
+        let source = if c.accumulated[i] {
+            c.accumulated[i] = false;
+            c.n_accumulated -= 1;
+            GradSource::FreshPlusAccumulated
+        } else {
+            GradSource::Fresh
+        };
+        out.push(Action::CopyGradIn { param, buffer, source, after });
+        c.grad_arrived[j] += 1;
+        if c.grad_arrived[j] as usize == c.t.grad[j].params.len() {
+            c.launch_reduce(registry, j, out);
+        }
+        Ok(())
+    }
+
+    /// [`Event::OpDone`]: a launch completed. Stale ids (of buffers already freed) are
+    /// ignored.
+    ///
+    /// # Errors
+    /// [`ScheduleError::UnknownLaunch`] for an id never issued by the registry.
+    pub fn op_done(&mut self, registry: &mut InflightRegistry, id: LaunchId) -> Result<(), ScheduleError> {
+        let c = &mut self.core;
+        c.check_registry(registry)?;
+        if id.serial >= registry.next_serial {
+            return Err(ScheduleError::UnknownLaunch {
+                rank: c.rank,
+                launch: id,
+                issued: registry.next_serial,
+            });
+        }
+        match id.role {
+            Role::Gather => {
+                if let Some(g) = c.t.gather_index(id.bucket) {
+                    if let Some(s) = registry.slots[g].gathered.as_mut().filter(|s| s.launch == id) {
+                        s.done = true;
+                    }
+                }
+            }
+            Role::Reduce => {
+                if let Some(r) = c.reduces.iter_mut().find(|r| r.0 == id) {
+                    r.1 = true;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// [`Event::EndStep`]: drains this scheduler's unused prefetches, reduces unfilled
+    /// gradient buckets (missing gradients as zeros) in bucket order, makes the compute stream
+    /// wait for the step's reductions, resets the step, and applies a changed trainability
+    /// mask. The step's report is then in [`last_step`](Self::last_step).
+    ///
+    /// # Errors
+    /// [`ScheduleError::RefreshWithUnsynced`] if the mask changed while no_sync-accumulated
+    /// gradients exist (the step still ended; its actions are pushed and must run; the mask
+    /// stays pending), and the other refresh errors of
+    /// [`refresh_trainable`](Self::refresh_trainable).
+    pub fn end_step(
+        &mut self,
+        registry: &mut InflightRegistry,
+        out: &mut Vec<Action>,
+    ) -> Result<(), ScheduleError> {
+        let c = &mut self.core;
+        c.check_registry(registry)?;
+        c.report.drained.clear();
+        c.report.zero_filled.clear();
+        c.report.held.clear();
+        for k in 0..c.pending.len() {
+            let g = c.pending[k] as usize;
+            let mine = registry.slots[g].gathered.as_ref().is_some_and(|s| s.prefetched_by == Some(c.owner));
+            if mine {
+                c.report.drained.extend_from_slice(&c.t.gather[g].params);
+                c.free_slot(registry, g, out);
+            }
+        }
+        c.pending.clear();
+        for (g, &u) in c.my_bucket_users.iter().enumerate() {
+            if u > 0 {
+                let held = c.t.gather[g].params.iter().filter(|p| c.my_users[p.index()] > 0);
+                c.report.held.extend(held);
+            }
+        }
+        if !c.no_sync && (c.grads_this_step > 0 || c.n_accumulated > 0) {
+            for j in 0..c.t.grad.len() {
+                if c.grad_launched[j] {
+                    continue;
+                }
+                let buffer = c.open_grad(registry, j, out);
+                for k in 0..c.t.grad[j].params.len() {
+                    let p = c.t.grad[j].params[k];
+                    if c.grad_seen[p.index()] {
+                        continue;
+                    }
+                    if c.accumulated[p.index()] {
+                        c.accumulated[p.index()] = false;
+                        c.n_accumulated -= 1;
+                        out.push(Action::CopyGradIn {
+                            param: p,
+                            buffer,
+                            source: GradSource::Accumulated,
+                            after: None,
+                        });
+                    } else {
+                        c.report.zero_filled.push(p);
+                    }
+                }
+                c.launch_reduce(registry, j, out);
+            }
+        }
+        for &(id, done) in &c.reduces {
+            if !done {
+                out.push(Action::Wait { fence: Fence::Op(id), on: WaitOn::Stream(Stream::Compute) });
+                c.counters.waits += 1;
+            }
+        }
+        c.reduces.clear();
+        c.grad_launched.iter_mut().for_each(|x| *x = false);
+        c.grad_arrived.iter_mut().for_each(|x| *x = 0);
+        c.grad_seen.iter_mut().for_each(|x| *x = false);
+        c.grads_this_step = 0;
+        c.counters.drained_params = c.report.drained.len() as u64;
+        c.counters.zero_filled_params = c.report.zero_filled.len() as u64;
+        c.report.step = c.step;
+        c.report.counters = std::mem::take(&mut c.counters);
+        c.counters.peak_gathered_bytes = registry.live_bytes as u64;
+        c.step += 1;
+        self.policy.end_step();
+        if c.config.check_trainable && c.mask_pending {
+            let mask = std::mem::take(&mut c.mask);
+            let r = self.refresh_trainable(&mask);
+            self.core.mask = mask;
+            r?;
+            self.core.mask_pending = false;
+        }
+        Ok(())
+    }
+
+    /// [`Event::SetNoSync`]: accumulate gradients locally (on) or reduce them (off).
+    ///
+    /// # Errors
+    /// [`ScheduleError::NoSyncMidStep`] when switching after the step's first gradient.
+    pub fn set_no_sync(&mut self, on: bool) -> Result<(), ScheduleError> {
+        let c = &mut self.core;
+        if on != c.no_sync && c.grads_this_step > 0 {
+            return Err(ScheduleError::NoSyncMidStep {
+                rank: c.rank,
+                current: c.no_sync,
+                arrived: c.grads_this_step,
+            });
+        }
+        c.no_sync = on;
+        Ok(())
+    }
+
+    /// [`Event::SetTrainable`]: records the engine's `requires_grad` mask; with
+    /// `check_trainable` on, the next `EndStep` refreshes the plan if it differs.
+    ///
+    /// # Errors
+    /// [`ScheduleError::MaskLength`].
+    pub fn set_trainable(&mut self, mask: &[bool]) -> Result<(), ScheduleError> {
+        let c = &mut self.core;
+        if mask.len() != c.t.params.len() {
+            return Err(ScheduleError::MaskLength {
+                rank: c.rank,
+                got: mask.len(),
+                expected: c.t.params.len(),
+            });
+        }
+        c.mask.clear();
+        c.mask.extend_from_slice(mask);
+        c.mask_pending = true;
+        Ok(())
+    }
+
+    /// Switches to the plan for a new `requires_grad` mask now (at a step boundary): gather
+    /// buckets and shards stay, gradient buckets are rebuilt. Returns whether anything
+    /// changed. The plan fingerprint changes: exchange it with the peers again.
+    ///
+    /// # Errors
+    /// [`ScheduleError::MaskLength`], [`ScheduleError::RefreshWithUnsynced`] (no_sync
+    /// gradients not yet reduced), [`ScheduleError::RefreshMidStep`],
+    /// [`ScheduleError::NoRefreshSource`], [`ScheduleError::Refresh`]. Nothing changes on error.
+    pub fn refresh_trainable(&mut self, mask: &[bool]) -> Result<bool, ScheduleError> {
+        let c = &self.core;
+        if mask.len() != c.t.params.len() {
+            return Err(ScheduleError::MaskLength {
+                rank: c.rank,
+                got: mask.len(),
+                expected: c.t.params.len(),
+            });
+        }
+        if c.t.params.specs().iter().zip(mask).all(|(s, &m)| s.trainable == m) {
+            return Ok(false);
+        }
+        c.check_boundary()?;
+        let Some(plan) = &c.source else {
+            return Err(ScheduleError::NoRefreshSource { rank: c.rank });
+        };
+        let (next, _diff) =
+            plan.with_trainable(mask).map_err(|source| ScheduleError::Refresh { rank: c.rank, source })?;
+        self.replace_grad_tables(&ScheduleInput::from_plan(&next))?;
+        self.core.source = Some(next);
+        Ok(true)
+    }
+
+    /// Switches to refreshed tables (same gather buckets, new gradient buckets and
+    /// trainability), for schedulers built from raw tables. At a step boundary only.
+    ///
+    /// # Errors
+    /// [`ScheduleError::RefreshChangedGather`] if a gather bucket differs, the boundary errors
+    /// of [`refresh_trainable`](Self::refresh_trainable), [`ScheduleError::BadInput`].
+    pub fn replace_grad_tables(&mut self, input: &ScheduleInput) -> Result<(), ScheduleError> {
+        let c = &mut self.core;
+        c.check_boundary()?;
+        input.validate()?;
+        if input.params.len() != c.t.params.len() || input.gather.len() != c.t.gather.len() {
+            let bucket =
+                input.gather.get(c.t.gather.len().min(input.gather.len())).map_or(BucketId(0), |b| b.id);
+            return Err(ScheduleError::RefreshChangedGather { rank: c.rank, bucket });
+        }
+        if let Some((b, _)) = input.gather.iter().zip(&c.t.gather).find(|(a, b)| a != b) {
+            return Err(ScheduleError::RefreshChangedGather { rank: c.rank, bucket: b.id });
+        }
+        c.t.set_grad(input, &c.config);
+        let n_grad = c.t.grad.len();
+        c.grad_arrived = vec![0; n_grad];
+        c.grad_buffer = vec![None; n_grad];
+        c.grad_launched = vec![false; n_grad];
+        c.reduces = Vec::with_capacity(n_grad);
+        let max_id = input.gather.iter().chain(&input.grad).map(|b| b.id.index() + 1).max().unwrap_or(0);
+        c.t.bucket_index.resize(max_id.max(c.t.bucket_index.len()), NONE);
+        Ok(())
+    }
+
+    /// This plan's fingerprint (to exchange with the peers when the plan is built or
+    /// refreshed).
+    pub fn fingerprint(&self) -> u64 {
+        self.core.t.digests.fingerprint
+    }
+
+    /// This plan's digests (fingerprint and per-bucket digests), to send to the peers.
+    pub fn digests(&self) -> &PlanDigests {
+        &self.core.t.digests
+    }
+
+    /// Checks the digests received from peer ranks against this plan.
+    ///
+    /// # Errors
+    /// [`ScheduleError::PlanMismatch`] for the first peer that differs, naming the first
+    /// differing bucket.
+    pub fn check_peers<'a>(
+        &self,
+        peers: impl IntoIterator<Item = (u32, &'a PlanDigests)>,
+    ) -> Result<(), ScheduleError> {
+        let mine = &self.core.t.digests;
+        for (peer, theirs) in peers {
+            if theirs.fingerprint == mine.fingerprint {
+                continue;
+            }
+            let first = mine.buckets.iter().zip(&theirs.buckets).position(|(a, b)| a != b);
+            let bucket = match first {
+                Some(i) => Some(BucketId(i as u32)),
+                None if mine.buckets.len() != theirs.buckets.len() => {
+                    Some(BucketId(mine.buckets.len().min(theirs.buckets.len()) as u32))
+                }
+                None => None,
+            };
+            return Err(ScheduleError::PlanMismatch {
+                rank: self.core.rank,
+                peer,
+                mine: mine.fingerprint,
+                theirs: theirs.fingerprint,
+                bucket,
+            });
+        }
+        Ok(())
+    }
+
+    /// Counters of the step in progress.
+    pub fn counters(&self) -> &StepCounters {
+        &self.core.counters
+    }
+
+    /// The report of the last ended step.
+    pub fn last_step(&self) -> &StepReport {
+        &self.core.report
+    }
+
+    /// This scheduler's rank.
+    pub fn rank(&self) -> u32 {
+        self.core.rank
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.core.config
+    }
+
+    /// The parameters with the trainability mask of the current plan.
+    pub fn params(&self) -> &ParamSet {
+        &self.core.t.params
+    }
+
+    /// Whether no_sync is on.
+    pub fn is_no_sync(&self) -> bool {
+        self.core.no_sync
+    }
+
+    /// Parameters holding no_sync-accumulated gradients not yet reduced.
+    pub fn unsynced_grads(&self) -> usize {
+        self.core.n_accumulated
+    }
+
+    /// The gather bucket of a parameter.
+    pub fn gather_bucket_of(&self, param: ParamId) -> Option<BucketId> {
+        let g = *self.core.t.param_gather.get(param.index())?;
+        Some(self.core.t.gather[g as usize].id)
+    }
+
+    /// The gradient bucket of a parameter (`None` if frozen).
+    pub fn grad_bucket_of(&self, param: ParamId) -> Option<BucketId> {
+        let j = *self.core.t.param_grad.get(param.index())?;
+        self.core.t.grad.get(j as usize).map(|b| b.id)
+    }
+
+    /// The gather buckets (by position; `BucketInput::id` is the layout's id).
+    pub fn gather_buckets(&self) -> &[BucketInput] {
+        &self.core.t.gather
+    }
+
+    /// The gradient buckets of the current plan.
+    pub fn grad_buckets(&self) -> &[BucketInput] {
+        &self.core.t.grad
+    }
+
+    /// How a gradient bucket (by position in [`grad_buckets`](Self::grad_buckets)) is reduced.
+    pub fn reduce_spec(&self, index: usize) -> Option<ReduceSpec> {
+        self.core.t.grad_reduce.get(index).copied()
+    }
+
+    fn prefetch(&mut self, registry: &mut InflightRegistry, out: &mut Vec<Action>) {
+        let c = &mut self.core;
+        if c.config.max_inflight == 0 {
+            return;
+        }
+        self.policy.candidates(&mut |b| c.offer(registry, b, out));
+    }
+}
+
+impl Core {
+    fn check_registry(&self, registry: &InflightRegistry) -> Result<(), ScheduleError> {
+        if registry.uid != self.registry {
+            return Err(ScheduleError::WrongRegistry {
+                rank: self.rank,
+                what: "this is not the registry the scheduler was attached to".to_string(),
+            });
+        }
+        Ok(())
+    }
+
+    fn check_ids(&self, op: &'static str, params: &[ParamId]) -> Result<(), ScheduleError> {
+        let count = self.t.params.len();
+        match params.iter().find(|p| p.index() >= count) {
+            Some(&param) => Err(ScheduleError::UnknownParam { op, rank: self.rank, param, count }),
+            None => Ok(()),
+        }
+    }
+
+    fn check_boundary(&self) -> Result<(), ScheduleError> {
+        if self.n_accumulated > 0 {
+            let first = self.accumulated.iter().position(|&a| a).map_or(0, |i| i as u32);
+            return Err(ScheduleError::RefreshWithUnsynced {
+                rank: self.rank,
+                count: self.n_accumulated,
+                first: self.t.params.name(ParamId(first)).to_string(),
+            });
+        }
+        if self.grads_this_step > 0 {
+            return Err(ScheduleError::RefreshMidStep { rank: self.rank, arrived: self.grads_this_step });
+        }
+        Ok(())
+    }
+
+    /// First fetch of bucket `g` by this scheduler: use it if gathered, else launch it; wait
+    /// for it if not known complete.
+    fn acquire(&mut self, reg: &mut InflightRegistry, g: usize, out: &mut Vec<Action>) {
+        if reg.slots[g].gathered.is_none() {
+            self.make_room(reg, g, out);
+            self.launch_gather(reg, g, false, out);
+            self.counters.prefetch_misses += 1;
+        } else if reg.unmark_prefetch(g) {
+            self.counters.prefetch_hits += 1;
+            if let Some(k) = self.pending.iter().position(|&x| x as usize == g) {
+                self.pending.remove(k);
+            }
+        } else {
+            self.counters.already_gathered += 1;
+        }
+        if let Some(s) = reg.slots[g].gathered.as_ref() {
+            if !s.done && self.waited[g] != Some(s.launch) {
+                out.push(Action::Wait { fence: Fence::Op(s.launch), on: WaitOn::Stream(Stream::Compute) });
+                self.counters.waits += 1;
+                self.waited[g] = Some(s.launch);
+            }
+        }
+    }
+
+    /// Before a fetch launches bucket `g`: evict this scheduler's unused prefetches (newest
+    /// first) while the gathered memory would exceed `max_live_bytes`.
+    fn make_room(&mut self, reg: &mut InflightRegistry, g: usize, out: &mut Vec<Action>) {
+        let need = reg.slots[g].bytes;
+        while reg.live_bytes.saturating_add(need) > self.config.max_live_bytes {
+            let Some(v) = self.pending.pop() else { break };
+            let v = v as usize;
+            if reg.slots[v].gathered.as_ref().is_some_and(|s| s.prefetched_by == Some(self.owner)) {
+                self.free_slot(reg, v, out);
+                self.counters.evictions += 1;
+            }
+        }
+        if reg.live_bytes.saturating_add(need) > self.config.max_live_bytes {
+            self.counters.live_overruns += 1;
+        }
+    }
+
+    fn launch_gather(&mut self, reg: &mut InflightRegistry, g: usize, prefetch: bool, out: &mut Vec<Action>) {
+        let b = &self.t.gather[g];
+        let serial = reg.next_serial();
+        let id = LaunchId { serial, bucket: b.id, role: Role::Gather };
+        let mut after = Fences::new();
+        if let Some(ev) = reg.shards_fence {
+            after.push(Fence::Engine(ev));
+        }
+        out.push(Action::Launch(Launch {
+            id,
+            ops: b.ops.clone(),
+            stream: Stream::AllGather,
+            buffer: BufferId { bucket: b.id, serial },
+            bytes: b.gathered_bytes,
+            after,
+            prefetch,
+            reduce: None,
+        }));
+        reg.slots[g].gathered = Some(Gathered {
+            launch: id,
+            done: false,
+            users: 0,
+            prefetched_by: prefetch.then_some(self.owner),
+            consumers: Fences::new(),
+        });
+        reg.live_bytes += b.gathered_bytes;
+        reg.peak_live_bytes = reg.peak_live_bytes.max(reg.live_bytes);
+        self.counters.peak_gathered_bytes = self.counters.peak_gathered_bytes.max(reg.live_bytes as u64);
+        self.counters.all_gathers += 1;
+        self.counters.gathered_bytes += b.gathered_bytes as u64;
+        if prefetch {
+            if let Some(a) = reg.ahead.get_mut(self.owner as usize) {
+                a.bytes += b.gathered_bytes;
+                a.count += 1;
+            }
+            self.pending.push(g as u32);
+            self.counters.prefetch_launches += 1;
+        }
+    }
+
+    /// The prefetch policy proposes `b`.
+    fn offer(&mut self, reg: &mut InflightRegistry, b: BucketId, out: &mut Vec<Action>) -> Offer {
+        let Some(g) = self.t.gather_index(b) else { return Offer::Skipped };
+        if reg.slots[g].gathered.is_some() {
+            return Offer::Live;
+        }
+        let bytes = reg.slots[g].bytes;
+        let a = reg.ahead(self.owner);
+        let cfg = &self.config;
+        if a.count + 1 > cfg.max_inflight
+            || a.bytes.saturating_add(bytes) > cfg.prefetch_bytes
+            || reg.live_bytes.saturating_add(bytes) > cfg.max_live_bytes
+        {
+            return Offer::Stop;
+        }
+        self.launch_gather(reg, g, true, out);
+        Offer::Launched
+    }
+
+    /// The policy gave up on bucket `b`: free it if it is still this scheduler's unused
+    /// prefetch.
+    fn discard_prefetch(&mut self, reg: &mut InflightRegistry, b: BucketId, out: &mut Vec<Action>) {
+        let Some(g) = self.t.gather_index(b) else { return };
+        if reg.slots[g].gathered.as_ref().is_some_and(|s| s.prefetched_by == Some(self.owner) && s.users == 0)
+        {
+            if let Some(k) = self.pending.iter().position(|&x| x as usize == g) {
+                self.pending.remove(k);
+            }
+            self.free_slot(reg, g, out);
+            self.counters.discarded_prefetches += 1;
+        }
+    }
+
+    fn free_slot(&mut self, reg: &mut InflightRegistry, g: usize, out: &mut Vec<Action>) {
+        if let Some((launch, after)) = reg.take(g) {
+            out.push(Action::Free {
+                buffer: BufferId { bucket: launch.bucket, serial: launch.serial },
+                after,
+            });
+            self.waited[g] = None;
+        }
+    }
+
+    fn open_grad(&mut self, reg: &mut InflightRegistry, j: usize, out: &mut Vec<Action>) -> BufferId {
+        if let Some(b) = self.grad_buffer[j] {
+            return b;
+        }
+        let b = BufferId { bucket: self.t.grad[j].id, serial: reg.next_serial() };
+        out.push(Action::AllocGrad { buffer: b, bytes: self.t.grad[j].gathered_bytes });
+        self.grad_buffer[j] = Some(b);
+        b
+    }
+
+    fn launch_reduce(&mut self, reg: &mut InflightRegistry, j: usize, out: &mut Vec<Action>) {
+        let buffer = self.open_grad(reg, j, out);
+        self.grad_buffer[j] = None;
+        let b = &self.t.grad[j];
+        let id = LaunchId { serial: reg.next_serial(), bucket: b.id, role: Role::Reduce };
+        out.push(Action::Launch(Launch {
+            id,
+            ops: b.ops.clone(),
+            stream: Stream::ReduceScatter,
+            buffer,
+            bytes: b.gathered_bytes,
+            after: Fences::new(),
+            prefetch: false,
+            reduce: Some(self.t.grad_reduce[j]),
+        }));
+        let mut after = Fences::new();
+        after.push(Fence::Op(id));
+        out.push(Action::Free { buffer, after });
+        self.grad_launched[j] = true;
+        self.reduces.push((id, false));
+        self.counters.reduce_scatters += 1;
+        self.counters.reduced_bytes += b.gathered_bytes as u64;
+    }
+}

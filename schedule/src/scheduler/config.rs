@@ -1,0 +1,82 @@
+//! [`SchedulerConfig`]: every knob of the scheduler, with its default.
+
+use crate::buckets::{BucketId, DType};
+
+/// Default of [`SchedulerConfig::prefetch_bytes`]: 256 MiB launched ahead.
+pub const DEFAULT_PREFETCH_BYTES: usize = 256 << 20;
+/// Default of [`SchedulerConfig::max_inflight`]: 4 launched-but-unconsumed gathers.
+pub const DEFAULT_MAX_INFLIGHT: usize = 4;
+/// Default of [`SchedulerConfig::max_live_bytes`]: 4 GiB of gathered parameters.
+pub const DEFAULT_MAX_LIVE_BYTES: usize = 4 << 30;
+
+/// The built-in prefetch policy a scheduler starts with (replace it with
+/// [`Scheduler::set_policy`](super::Scheduler::set_policy), e.g. for
+/// [`Explicit`](super::Explicit)).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum PolicyKind {
+    /// Launch nothing ahead.
+    None,
+    /// Record the first step's bucket fetch order and replay it ([`TraceReplay`](super::TraceReplay)).
+    #[default]
+    TraceReplay,
+}
+
+/// How one gradient bucket is reduced (see [`ReduceSpec`](super::ReduceSpec)).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct GradReduce {
+    /// Element type of the reduction; `None` = the bucket's own dtype.
+    pub dtype: Option<DType>,
+    /// Divide each contribution by this before summing; `None` = 1.
+    pub pre_divide: Option<f64>,
+    /// Divide the sum by this after reducing; `None` = world size / pre_divide, so the result
+    /// is the mean over all ranks.
+    pub post_divide: Option<f64>,
+}
+
+/// Every knob of a [`Scheduler`](super::Scheduler).
+///
+/// **The budgets count deterministic state only** (what was launched and not yet fetched,
+/// what is gathered and not yet released), never completion timing: every rank must issue the
+/// same collectives in the same order. See the module docs of [`scheduler`](super).
+#[derive(Clone, Debug, PartialEq)]
+pub struct SchedulerConfig {
+    /// Prefetch policy to start with. Default [`PolicyKind::TraceReplay`].
+    pub policy: PolicyKind,
+    /// `prefetch_bytes`: at most this many gathered bytes launched ahead of their fetch
+    /// (prefetched and not yet fetched) at any time. A bucket larger than this is never
+    /// prefetched. Default [`DEFAULT_PREFETCH_BYTES`] (256 MiB).
+    pub prefetch_bytes: usize,
+    /// `max_inflight`: at most this many gathers launched ahead and not yet fetched. Default
+    /// [`DEFAULT_MAX_INFLIGHT`] (4). 0 disables prefetch.
+    pub max_inflight: usize,
+    /// `max_live_bytes`: bound on the gathered parameter memory of the registry (all
+    /// schedulers sharing it). A prefetch never exceeds it; a fetch that would, first evicts
+    /// this scheduler's unused prefetches (newest first) and then proceeds anyway (the engine
+    /// needs the parameters), counting an overrun. Default [`DEFAULT_MAX_LIVE_BYTES`] (4 GiB).
+    pub max_live_bytes: usize,
+    /// `check_trainable`: at each step boundary compare the mask given by
+    /// [`Event::SetTrainable`](super::Event::SetTrainable) with the plan's and refresh when it
+    /// differs. Off: the mask is only recorded, and the engine calls
+    /// [`Scheduler::refresh_trainable`](super::Scheduler::refresh_trainable) itself. Default on.
+    pub check_trainable: bool,
+    /// `reduce`: how gradient buckets are reduced, unless overridden in `reduce_per_bucket`.
+    /// Default: the bucket's dtype, mean over the world.
+    pub reduce: GradReduce,
+    /// `reduce_per_bucket`: overrides of `reduce`, keyed by **gather** bucket id (stable across
+    /// trainability refreshes, unlike gradient bucket ids). Default empty.
+    pub reduce_per_bucket: Vec<(BucketId, GradReduce)>,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        SchedulerConfig {
+            policy: PolicyKind::TraceReplay,
+            prefetch_bytes: DEFAULT_PREFETCH_BYTES,
+            max_inflight: DEFAULT_MAX_INFLIGHT,
+            max_live_bytes: DEFAULT_MAX_LIVE_BYTES,
+            check_trainable: true,
+            reduce: GradReduce::default(),
+            reduce_per_bucket: Vec::new(),
+        }
+    }
+}

@@ -1,0 +1,242 @@
+//! Prefetch policies: what to gather ahead of the engine's fetches.
+//!
+//! # Design note: prefetch
+//! A policy only *proposes*: after each fetch (and after each release that freed memory) the
+//! scheduler asks it for candidates, best first, and launches each one that is not gathered
+//! yet while the budgets allow (`prefetch_bytes`, `max_inflight`, `max_live_bytes`), stopping
+//! at the first one that does not fit (so the order of the proposal is kept). The policy sees
+//! only the sequence of fetched buckets, and the budgets count only launched-but-not-fetched
+//! and gathered-but-not-released state, so **what is launched is a function of the engine's
+//! event sequence alone**: every rank launches the same collectives in the same order whatever
+//! the completion timing.
+//!
+//! [`TraceReplay`] records the first step's bucket order and replays it. When a fetch is not
+//! the next bucket of the trace, it looks for that bucket further on and continues from
+//! there within the same step (DeepSpeed instead drops prefetch until the next step); a bucket
+//! not in the rest of the trace leaves the position where it was. Buckets it launched that
+//! the step then skipped are drained at `end_step`.
+
+use crate::buckets::BucketId;
+use smallvec::SmallVec;
+
+/// The scheduler's answer to a proposed bucket.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Offer {
+    /// Launched now.
+    Launched,
+    /// Not a gather bucket of this plan: nothing to do, go on.
+    Skipped,
+    /// Already gathered (held, or prefetched earlier): nothing to launch now. A policy that
+    /// replays an order should wait here, since the bucket may be freed before its turn.
+    Live,
+    /// Over a budget: stop proposing for now (ask again later from the same place).
+    Stop,
+}
+
+/// Decides which gather buckets to launch ahead of their fetch.
+///
+/// Implementations must be deterministic functions of the calls they receive (never of time):
+/// all ranks must launch the same collectives in the same order.
+pub trait PrefetchPolicy: std::fmt::Debug + Send {
+    /// A short name for logs and counters.
+    fn name(&self) -> &'static str;
+    /// The engine fetched `bucket` (the first fetch by this scheduler since it last held it).
+    fn observe_fetch(&mut self, bucket: BucketId);
+    /// Propose buckets, best first, until `offer` returns [`Offer::Stop`] or nothing is left.
+    fn candidates(&mut self, offer: &mut dyn FnMut(BucketId) -> Offer);
+    /// Buckets this policy proposed earlier that it now expects not to be fetched (e.g. trace
+    /// positions jumped over at a divergence): the scheduler frees them if they are still
+    /// unused prefetches, which gives their budget back. Called after each
+    /// [`observe_fetch`](Self::observe_fetch). Default: none.
+    fn take_skipped(&mut self, _skipped: &mut dyn FnMut(BucketId)) {}
+    /// The step ended.
+    fn end_step(&mut self) {}
+}
+
+/// Launches nothing ahead.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct NoPrefetch;
+
+impl PrefetchPolicy for NoPrefetch {
+    fn name(&self) -> &'static str {
+        "none"
+    }
+    fn observe_fetch(&mut self, _bucket: BucketId) {}
+    fn candidates(&mut self, _offer: &mut dyn FnMut(BucketId) -> Offer) {}
+}
+
+/// Records the first step's fetch order of buckets and replays it on later steps, re-syncing
+/// at the point of divergence (see the module docs).
+///
+/// # Examples
+/// ```
+/// use collsched_schedule::buckets::BucketId;
+/// use collsched_schedule::{Offer, PrefetchPolicy, TraceReplay};
+/// let mut t = TraceReplay::default();
+/// for b in [0, 1, 2, 3] { t.observe_fetch(BucketId(b)); }
+/// t.end_step();
+/// t.observe_fetch(BucketId(0));
+/// t.observe_fetch(BucketId(2)); // diverged: 1 skipped; continue after 2
+/// let mut proposed = Vec::new();
+/// t.candidates(&mut |b| { proposed.push(b); Offer::Launched });
+/// assert_eq!(proposed, [BucketId(3)]);
+/// ```
+#[derive(Clone, Debug, Default)]
+pub struct TraceReplay {
+    trace: Vec<BucketId>,
+    recorded: bool,
+    cursor: usize,
+    offered: usize,
+    divergences: u64,
+    skipped: Vec<BucketId>,
+}
+
+impl TraceReplay {
+    /// The recorded trace (empty while recording the first step).
+    pub fn trace(&self) -> &[BucketId] {
+        if self.recorded {
+            &self.trace
+        } else {
+            &[]
+        }
+    }
+
+    /// Fetches that did not match the next bucket of the trace, since creation.
+    pub fn divergences(&self) -> u64 {
+        self.divergences
+    }
+
+    /// Position in the trace of the next expected fetch.
+    pub fn cursor(&self) -> usize {
+        self.cursor
+    }
+
+    /// Forgets the trace and records again on the next step.
+    pub fn rerecord(&mut self) {
+        self.trace.clear();
+        self.recorded = false;
+        self.cursor = 0;
+        self.offered = 0;
+    }
+}
+
+impl PrefetchPolicy for TraceReplay {
+    fn name(&self) -> &'static str {
+        "trace-replay"
+    }
+
+    fn observe_fetch(&mut self, bucket: BucketId) {
+        if !self.recorded {
+            self.trace.push(bucket);
+            return;
+        }
+        if self.trace.get(self.cursor) == Some(&bucket) {
+            self.cursor += 1;
+        } else {
+            self.divergences += 1;
+            let from = self.cursor.min(self.trace.len());
+            if let Some(j) = self.trace[from..].iter().position(|&b| b == bucket) {
+                // Positions jumped over that were already proposed are not coming.
+                let proposed = self.offered.clamp(from, from + j);
+                self.skipped.extend_from_slice(&self.trace[from..proposed]);
+                self.cursor = from + j + 1;
+            }
+        }
+        self.offered = self.offered.max(self.cursor);
+    }
+
+    fn take_skipped(&mut self, skipped: &mut dyn FnMut(BucketId)) {
+        for &b in &self.skipped {
+            skipped(b);
+        }
+        self.skipped.clear();
+    }
+
+    fn candidates(&mut self, offer: &mut dyn FnMut(BucketId) -> Offer) {
+        if !self.recorded {
+            return;
+        }
+        while let Some(&b) = self.trace.get(self.offered) {
+            if matches!(offer(b), Offer::Stop | Offer::Live) {
+                break;
+            }
+            self.offered += 1;
+        }
+    }
+
+    fn end_step(&mut self) {
+        if !self.recorded && !self.trace.is_empty() {
+            self.recorded = true;
+            self.skipped.reserve(self.trace.len());
+        }
+        self.skipped.clear();
+        self.cursor = 0;
+        self.offered = 0;
+    }
+}
+
+/// The engine names what to prefetch after each fetch (FSDP2's
+/// `set_modules_to_forward_prefetch`): after bucket `a` is fetched, propose the listed buckets
+/// in order.
+///
+/// # Examples
+/// ```
+/// use collsched_schedule::buckets::BucketId;
+/// use collsched_schedule::{Explicit, Offer, PrefetchPolicy};
+/// let mut e = Explicit::default();
+/// e.after(BucketId(0), &[BucketId(1), BucketId(2)]);
+/// e.observe_fetch(BucketId(0));
+/// let mut proposed = Vec::new();
+/// e.candidates(&mut |b| { proposed.push(b); Offer::Launched });
+/// assert_eq!(proposed, [BucketId(1), BucketId(2)]);
+/// ```
+#[derive(Clone, Debug, Default)]
+pub struct Explicit {
+    rules: Vec<SmallVec<[BucketId; 4]>>,
+    current: Option<BucketId>,
+    next: usize,
+}
+
+impl Explicit {
+    /// After `bucket` is fetched, prefetch `then` (in order). Replaces an earlier rule for
+    /// `bucket`.
+    pub fn after(&mut self, bucket: BucketId, then: &[BucketId]) -> &mut Self {
+        if self.rules.len() <= bucket.index() {
+            self.rules.resize(bucket.index() + 1, SmallVec::new());
+        }
+        self.rules[bucket.index()] = then.iter().copied().collect();
+        self
+    }
+
+    /// The rule for `bucket` (empty if none).
+    pub fn rule(&self, bucket: BucketId) -> &[BucketId] {
+        self.rules.get(bucket.index()).map_or(&[], |r| r.as_slice())
+    }
+}
+
+impl PrefetchPolicy for Explicit {
+    fn name(&self) -> &'static str {
+        "explicit"
+    }
+
+    fn observe_fetch(&mut self, bucket: BucketId) {
+        self.current = Some(bucket);
+        self.next = 0;
+    }
+
+    fn candidates(&mut self, offer: &mut dyn FnMut(BucketId) -> Offer) {
+        let Some(cur) = self.current else { return };
+        let Some(rule) = self.rules.get(cur.index()) else { return };
+        while let Some(&b) = rule.get(self.next) {
+            if offer(b) == Offer::Stop {
+                return;
+            }
+            self.next += 1;
+        }
+    }
+
+    fn end_step(&mut self) {
+        self.current = None;
+        self.next = 0;
+    }
+}
