@@ -7,7 +7,7 @@
 //! integer and float operations with selects instead of branches, so that a loop over a block
 //! of them vectorizes.
 
-use crate::block::{Codec, BLOCK};
+use crate::block::Codec;
 
 /// Exponent bias difference between `f32` (127) and `f16` (15), as a multiplier: `2^112`.
 const F16_TO_F32_SCALE: f32 = f32::from_bits((254 - 15) << 23);
@@ -78,22 +78,16 @@ pub(crate) fn f32_to_bf16_bits(f: f32) -> u16 {
 pub(crate) struct F32Codec;
 
 impl Codec for F32Codec {
-    const SIZE: usize = 4;
+    type Raw = [u8; 4];
 
     #[inline(always)]
-    fn decode(self, src: &[u8], dst: &mut [f32; BLOCK]) {
-        let (src, _) = src.as_chunks::<4>();
-        for (d, s) in dst.iter_mut().zip(&src[..BLOCK]) {
-            *d = f32::from_le_bytes(*s);
-        }
+    fn load(self, r: [u8; 4]) -> f32 {
+        f32::from_le_bytes(r)
     }
 
     #[inline(always)]
-    fn encode(self, src: &[f32; BLOCK], dst: &mut [u8]) {
-        let (dst, _) = dst.as_chunks_mut::<4>();
-        for (d, s) in dst[..BLOCK].iter_mut().zip(src) {
-            *d = s.to_le_bytes();
-        }
+    fn store(self, v: f32) -> [u8; 4] {
+        v.to_le_bytes()
     }
 }
 
@@ -102,45 +96,33 @@ impl Codec for F32Codec {
 pub(crate) struct Bf16Codec;
 
 impl Codec for Bf16Codec {
-    const SIZE: usize = 2;
+    type Raw = [u8; 2];
 
     #[inline(always)]
-    fn decode(self, src: &[u8], dst: &mut [f32; BLOCK]) {
-        let (src, _) = src.as_chunks::<2>();
-        for (d, s) in dst.iter_mut().zip(&src[..BLOCK]) {
-            *d = bf16_bits_to_f32(u16::from_le_bytes(*s));
-        }
+    fn load(self, r: [u8; 2]) -> f32 {
+        bf16_bits_to_f32(u16::from_le_bytes(r))
     }
 
     #[inline(always)]
-    fn encode(self, src: &[f32; BLOCK], dst: &mut [u8]) {
-        let (dst, _) = dst.as_chunks_mut::<2>();
-        for (d, s) in dst[..BLOCK].iter_mut().zip(src) {
-            *d = f32_to_bf16_bits(*s).to_le_bytes();
-        }
+    fn store(self, v: f32) -> [u8; 2] {
+        f32_to_bf16_bits(v).to_le_bytes()
     }
 }
 
-/// Little-endian `f16` elements, converted in software (portable).
+/// Little-endian `f16` elements, converted in software (portable; vectorizes).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct F16Codec;
 
 impl Codec for F16Codec {
-    const SIZE: usize = 2;
+    type Raw = [u8; 2];
 
     #[inline(always)]
-    fn decode(self, src: &[u8], dst: &mut [f32; BLOCK]) {
-        let (src, _) = src.as_chunks::<2>();
-        for (d, s) in dst.iter_mut().zip(&src[..BLOCK]) {
-            *d = f16_bits_to_f32(u16::from_le_bytes(*s));
-        }
+    fn load(self, r: [u8; 2]) -> f32 {
+        f16_bits_to_f32(u16::from_le_bytes(r))
     }
 
     #[inline(always)]
-    fn encode(self, src: &[f32; BLOCK], dst: &mut [u8]) {
-        let (dst, _) = dst.as_chunks_mut::<2>();
-        for (d, s) in dst[..BLOCK].iter_mut().zip(src) {
-            *d = f32_to_f16_bits(*s).to_le_bytes();
-        }
+    fn store(self, v: f32) -> [u8; 2] {
+        f32_to_f16_bits(v).to_le_bytes()
     }
 }
