@@ -54,6 +54,10 @@ pub(crate) fn reduce_with(
     out: &mut [u8],
     inputs: &[&[u8]],
 ) {
+    #[cfg(target_arch = "x86_64")]
+    if ty == ElemType::F16 && isa == Isa::Avx2 {
+        return crate::block::reduce_f16c(isa, pre, post, out, inputs);
+    }
     match ty {
         ElemType::F32 => reduce_blocks(isa, F32Codec, pre, post, out, inputs),
         ElemType::F16 => reduce_blocks(isa, F16Codec, pre, post, out, inputs),
@@ -83,6 +87,11 @@ pub fn accumulate(ty: ElemType, acc: &mut [u8], src: &[u8]) -> Result<(), Kernel
 
 /// [`accumulate`] after its checks, compiled for `isa`.
 pub(crate) fn accumulate_with(isa: Isa, ty: ElemType, acc: &mut [u8], src: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    if ty == ElemType::F16 && isa == Isa::Avx2 {
+        // SAFETY: `Isa::Avx2` exists only when the CPU has AVX2 and F16C (the `Isa` invariant).
+        return unsafe { crate::f16c::accumulate(acc, src) };
+    }
     match ty {
         ElemType::F32 => accumulate_blocks(isa, F32Codec, acc, src),
         ElemType::F16 => accumulate_blocks(isa, F16Codec, acc, src),
@@ -121,6 +130,19 @@ pub(crate) fn cast_with(isa: Isa, from: ElemType, src: &[u8], to: ElemType, dst:
             ElemType::F16 => cast_blocks(isa, f, src, F16Codec, dst),
             ElemType::BF16 => cast_blocks(isa, f, src, Bf16Codec, dst),
         }
+    }
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2 && (from == ElemType::F16) != (to == ElemType::F16) {
+        // SAFETY: `Isa::Avx2` exists only when the CPU has AVX2 and F16C (the `Isa` invariant).
+        unsafe {
+            match (from, to) {
+                (ElemType::F16, ElemType::F32) => crate::f16c::cast_from(src, F32Codec, dst),
+                (ElemType::F16, _) => crate::f16c::cast_from(src, Bf16Codec, dst),
+                (ElemType::F32, _) => crate::f16c::cast_to(F32Codec, src, dst),
+                _ => crate::f16c::cast_to(Bf16Codec, src, dst),
+            }
+        }
+        return;
     }
     match from {
         ElemType::F32 if to == ElemType::F32 => dst.copy_from_slice(src),

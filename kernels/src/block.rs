@@ -296,6 +296,23 @@ pub(crate) fn reduce_blocks<C: Codec>(
     }
 }
 
+/// [`reduce_blocks`] for `f16` with F16C; lengths already checked.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn reduce_f16c(isa: Isa, pre: Divisor, post: Divisor, out: &mut [u8], inputs: &[&[u8]]) {
+    use crate::f16c::reduce;
+    use Divisor::{Div, Mul};
+    assert!(isa == Isa::Avx2, "reduce_f16c needs Isa::Avx2");
+    // SAFETY: `Isa::Avx2` exists only when the CPU has AVX2 and F16C (the `Isa` invariant).
+    unsafe {
+        match (pre, post) {
+            (Mul(p), Mul(q)) => reduce(MulBy(p), MulBy(q), out, inputs),
+            (Mul(p), Div(q)) => reduce(MulBy(p), DivBy(q), out, inputs),
+            (Div(p), Mul(q)) => reduce(DivBy(p), MulBy(q), out, inputs),
+            (Div(p), Div(q)) => reduce(DivBy(p), DivBy(q), out, inputs),
+        }
+    }
+}
+
 multiversion! {
     /// [`accumulate_impl`] compiled for `isa`.
     fn accumulate_blocks<C: Codec>(c: C, acc: &mut [u8], src: &[u8]) => accumulate_impl

@@ -28,6 +28,8 @@ mod copy;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 mod elem;
+#[cfg(target_arch = "x86_64")]
+mod f16c;
 #[doc(hidden)]
 pub mod reference;
 #[cfg(test)]
