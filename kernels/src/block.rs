@@ -195,6 +195,32 @@ fn reduce_impl<C: Codec, P: Scale, Q: Scale>(c: C, p: P, q: Q, out: &mut [u8], i
     }
 }
 
+/// `out = round((out / p + sum_k others[k] / p) / q)`: [`reduce_impl`] with the old contents of
+/// `out` as the first input; lengths already checked (`others` may be empty).
+#[inline(always)]
+fn reduce_in_place_impl<C: Codec, P: Scale, Q: Scale>(c: C, p: P, q: Q, out: &mut [u8], others: &[&[u8]]) {
+    let out = C::Raw::view_mut(out);
+    let mut acc = [0f32; BLOCK];
+    let k = others.len();
+    let ops = Ops { c, p, q };
+    for (b, o) in out.chunks_mut(BLOCK).enumerate() {
+        let range = b * BLOCK..b * BLOCK + o.len();
+        let acc = &mut acc[..o.len()];
+        // The block's old contents first (this pass writes only `acc`).
+        pass::<C, P, Q, 1, true, false>(c, p, q, [&*o], acc, &mut []);
+        let mut first = 0;
+        while k - first > GROUP {
+            group_pass::<C, P, Q, GROUP, false, false>(ops, others, first, range.clone(), acc, o);
+            first += GROUP;
+        }
+        if k == first {
+            pass::<C, P, Q, 0, false, true>(c, p, q, [], acc, o);
+        } else {
+            last_pass::<C, P, Q, false>(ops, others, first, range, acc, o);
+        }
+    }
+}
+
 /// `acc = round(acc + src)`; lengths already checked.
 #[inline(always)]
 fn accumulate_impl<C: Codec>(c: C, acc: &mut [u8], src: &[u8]) {
@@ -278,37 +304,56 @@ multiversion! {
     fn reduce_scaled<C: Codec, P: Scale, Q: Scale>(c: C, p: P, q: Q, out: &mut [u8], inputs: &[&[u8]]) => reduce_impl
 }
 
-/// `out = round((sum_k inputs[k] / pre) / post)` compiled for `isa`; lengths already checked.
+multiversion! {
+    /// [`reduce_in_place_impl`] compiled for `isa`.
+    fn reduce_in_place_scaled<C: Codec, P: Scale, Q: Scale>(c: C, p: P, q: Q, out: &mut [u8], others: &[&[u8]]) => reduce_in_place_impl
+}
+
+/// `out = round((sum_k inputs[k] / pre) / post)` compiled for `isa`, where the inputs are the
+/// old contents of `out` followed by `others` if `in_place`, else `others`; lengths already
+/// checked.
 pub(crate) fn reduce_blocks<C: Codec>(
     isa: Isa,
     c: C,
     pre: Divisor,
     post: Divisor,
+    in_place: bool,
     out: &mut [u8],
-    inputs: &[&[u8]],
+    others: &[&[u8]],
 ) {
     use Divisor::{Div, Mul};
-    match (pre, post) {
-        (Mul(p), Mul(q)) => reduce_scaled(isa, c, MulBy(p), MulBy(q), out, inputs),
-        (Mul(p), Div(q)) => reduce_scaled(isa, c, MulBy(p), DivBy(q), out, inputs),
-        (Div(p), Mul(q)) => reduce_scaled(isa, c, DivBy(p), MulBy(q), out, inputs),
-        (Div(p), Div(q)) => reduce_scaled(isa, c, DivBy(p), DivBy(q), out, inputs),
+    match (pre, post, in_place) {
+        (Mul(p), Mul(q), false) => reduce_scaled(isa, c, MulBy(p), MulBy(q), out, others),
+        (Mul(p), Div(q), false) => reduce_scaled(isa, c, MulBy(p), DivBy(q), out, others),
+        (Div(p), Mul(q), false) => reduce_scaled(isa, c, DivBy(p), MulBy(q), out, others),
+        (Div(p), Div(q), false) => reduce_scaled(isa, c, DivBy(p), DivBy(q), out, others),
+        (Mul(p), Mul(q), true) => reduce_in_place_scaled(isa, c, MulBy(p), MulBy(q), out, others),
+        (Mul(p), Div(q), true) => reduce_in_place_scaled(isa, c, MulBy(p), DivBy(q), out, others),
+        (Div(p), Mul(q), true) => reduce_in_place_scaled(isa, c, DivBy(p), MulBy(q), out, others),
+        (Div(p), Div(q), true) => reduce_in_place_scaled(isa, c, DivBy(p), DivBy(q), out, others),
     }
 }
 
 /// [`reduce_blocks`] for `f16` with F16C; lengths already checked.
 #[cfg(target_arch = "x86_64")]
-pub(crate) fn reduce_f16c(isa: Isa, pre: Divisor, post: Divisor, out: &mut [u8], inputs: &[&[u8]]) {
+pub(crate) fn reduce_f16c(
+    isa: Isa,
+    pre: Divisor,
+    post: Divisor,
+    in_place: bool,
+    out: &mut [u8],
+    inputs: &[&[u8]],
+) {
     use crate::f16c::reduce;
     use Divisor::{Div, Mul};
     assert!(isa == Isa::Avx2, "reduce_f16c needs Isa::Avx2");
     // SAFETY: `Isa::Avx2` exists only when the CPU has AVX2 and F16C (the `Isa` invariant).
     unsafe {
         match (pre, post) {
-            (Mul(p), Mul(q)) => reduce(MulBy(p), MulBy(q), out, inputs),
-            (Mul(p), Div(q)) => reduce(MulBy(p), DivBy(q), out, inputs),
-            (Div(p), Mul(q)) => reduce(DivBy(p), MulBy(q), out, inputs),
-            (Div(p), Div(q)) => reduce(DivBy(p), DivBy(q), out, inputs),
+            (Mul(p), Mul(q)) => reduce(MulBy(p), MulBy(q), in_place, out, inputs),
+            (Mul(p), Div(q)) => reduce(MulBy(p), DivBy(q), in_place, out, inputs),
+            (Div(p), Mul(q)) => reduce(DivBy(p), MulBy(q), in_place, out, inputs),
+            (Div(p), Div(q)) => reduce(DivBy(p), DivBy(q), in_place, out, inputs),
         }
     }
 }

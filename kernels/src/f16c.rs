@@ -55,17 +55,19 @@ fn narrow(src: &[f32], dst: &mut [u8]) {
     }
 }
 
-/// `out = round((sum_k inputs[k] / p) / q)` for `f16`; lengths already checked.
+/// `out = round((sum_k inputs[k] / p) / q)` for `f16`, where the inputs are the old contents of
+/// `out` followed by `others` if `in_place`, else `others`; lengths already checked.
 #[target_feature(enable = "avx2,f16c")]
-pub(crate) fn reduce<P: Scale, Q: Scale>(p: P, q: Q, out: &mut [u8], inputs: &[&[u8]]) {
+pub(crate) fn reduce<P: Scale, Q: Scale>(p: P, q: Q, in_place: bool, out: &mut [u8], others: &[&[u8]]) {
     let mut acc = [0f32; BLOCK];
     let mut x = [0f32; BLOCK];
     for (b, o) in out.chunks_mut(2 * BLOCK).enumerate() {
         let m = o.len() / 2;
         let (acc, x) = (&mut acc[..m], &mut x[..m]);
         let range = 2 * BLOCK * b..2 * BLOCK * b + o.len();
-        for (k, inp) in inputs.iter().enumerate() {
-            widen(&inp[range.clone()], x);
+        let own = if in_place { Some(&*o) } else { None };
+        for (k, inp) in own.into_iter().chain(others.iter().map(|i| &i[range.clone()])).enumerate() {
+            widen(inp, x);
             if k == 0 {
                 acc.iter_mut().zip(&*x).for_each(|(a, x)| *a = 0.0 + p.apply(*x));
             } else {

@@ -35,6 +35,6 @@ pub mod reference;
 #[cfg(test)]
 mod tests;
 
-pub use arith::{accumulate, cast, reduce};
+pub use arith::{accumulate, cast, reduce, reduce_in_place};
 pub use copy::{copy_in, copy_out};
 pub use elem::{CopySegment, ElemType, KernelError, ReduceOp, Scaling};
