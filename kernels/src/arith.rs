@@ -3,7 +3,8 @@
 use crate::block::{accumulate_blocks, cast_blocks, reduce_blocks, Codec, Divisor, Isa};
 use crate::convert::{Bf16Codec, F16Codec, F32Codec};
 use crate::elem::{
-    check_accumulate, check_cast, check_reduce, post_divisor, ElemType, KernelError, ReduceOp, Scaling,
+    check_accumulate, check_cast, check_reduce, check_reduce_in_place, post_divisor, ElemType, KernelError,
+    ReduceOp, Scaling,
 };
 
 /// Reduces `inputs` element-wise into `out`, accumulating in `f32` in input order and rounding
@@ -41,23 +42,63 @@ pub fn reduce(
     check_reduce(ty, out, inputs)?;
     let pre = Divisor::new(scaling.pre_divide);
     let post = Divisor::new(post_divisor(op, scaling, inputs.len()));
-    reduce_with(Isa::detect(), ty, pre, post, out, inputs);
+    reduce_with(Isa::detect(), ty, pre, post, false, out, inputs);
     Ok(())
 }
 
-/// [`reduce`] after its checks, compiled for `isa`.
+/// Reduces in place: like [`reduce`] with the old contents of `inout` as the first input and
+/// `others` as the rest, writing the result over `inout` (an in-place reduce-scatter or
+/// all-reduce needs no staging copy).
+///
+/// The result is bit for bit that of `reduce(ty, op, scaling, out, &[old inout, others..])`;
+/// [`ReduceOp::Avg`] divides by `1 + others.len()`. `others` may be empty (then `inout` is
+/// only scaled and rounded).
+///
+/// # Errors
+/// [`KernelError::BadLength`] if `inout` is not a whole number of elements or an input differs
+/// from it in length (input numbers count `inout` as input 0).
+///
+/// # Examples
+/// ```
+/// use collsched_kernels::{reduce_in_place, ElemType, ReduceOp, Scaling};
+/// let mut mine: Vec<u8> = [1.0f32, 2.0].iter().flat_map(|x| x.to_le_bytes()).collect();
+/// let peer: Vec<u8> = [3.0f32, 6.0].iter().flat_map(|x| x.to_le_bytes()).collect();
+/// reduce_in_place(ElemType::F32, ReduceOp::Sum, Scaling::default(), &mut mine, &[&peer])?;
+/// assert_eq!(mine[4..], 8.0f32.to_le_bytes());
+/// # Ok::<(), collsched_kernels::KernelError>(())
+/// ```
+pub fn reduce_in_place(
+    ty: ElemType,
+    op: ReduceOp,
+    scaling: Scaling,
+    inout: &mut [u8],
+    others: &[&[u8]],
+) -> Result<(), KernelError> {
+    check_reduce_in_place(ty, inout, others)?;
+    let pre = Divisor::new(scaling.pre_divide);
+    let post = Divisor::new(post_divisor(op, scaling, 1 + others.len()));
+    reduce_with(Isa::detect(), ty, pre, post, true, inout, others);
+    Ok(())
+}
+
+/// [`reduce`] (or, if `in_place`, [`reduce_in_place`]) after its checks, compiled for `isa`.
 pub(crate) fn reduce_with(
     isa: Isa,
     ty: ElemType,
     pre: Divisor,
     post: Divisor,
+    in_place: bool,
     out: &mut [u8],
     inputs: &[&[u8]],
 ) {
+    #[cfg(target_arch = "x86_64")]
+    if ty == ElemType::F16 && isa == Isa::Avx2 {
+        return crate::block::reduce_f16c(isa, pre, post, in_place, out, inputs);
+    }
     match ty {
-        ElemType::F32 => reduce_blocks(isa, F32Codec, pre, post, out, inputs),
-        ElemType::F16 => reduce_blocks(isa, F16Codec, pre, post, out, inputs),
-        ElemType::BF16 => reduce_blocks(isa, Bf16Codec, pre, post, out, inputs),
+        ElemType::F32 => reduce_blocks(isa, F32Codec, pre, post, in_place, out, inputs),
+        ElemType::F16 => reduce_blocks(isa, F16Codec, pre, post, in_place, out, inputs),
+        ElemType::BF16 => reduce_blocks(isa, Bf16Codec, pre, post, in_place, out, inputs),
     }
 }
 
@@ -83,6 +124,11 @@ pub fn accumulate(ty: ElemType, acc: &mut [u8], src: &[u8]) -> Result<(), Kernel
 
 /// [`accumulate`] after its checks, compiled for `isa`.
 pub(crate) fn accumulate_with(isa: Isa, ty: ElemType, acc: &mut [u8], src: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    if ty == ElemType::F16 && isa == Isa::Avx2 {
+        // SAFETY: `Isa::Avx2` exists only when the CPU has AVX2 and F16C (the `Isa` invariant).
+        return unsafe { crate::f16c::accumulate(acc, src) };
+    }
     match ty {
         ElemType::F32 => accumulate_blocks(isa, F32Codec, acc, src),
         ElemType::F16 => accumulate_blocks(isa, F16Codec, acc, src),
@@ -121,6 +167,19 @@ pub(crate) fn cast_with(isa: Isa, from: ElemType, src: &[u8], to: ElemType, dst:
             ElemType::F16 => cast_blocks(isa, f, src, F16Codec, dst),
             ElemType::BF16 => cast_blocks(isa, f, src, Bf16Codec, dst),
         }
+    }
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2 && (from == ElemType::F16) != (to == ElemType::F16) {
+        // SAFETY: `Isa::Avx2` exists only when the CPU has AVX2 and F16C (the `Isa` invariant).
+        unsafe {
+            match (from, to) {
+                (ElemType::F16, ElemType::F32) => crate::f16c::cast_from(src, F32Codec, dst),
+                (ElemType::F16, _) => crate::f16c::cast_from(src, Bf16Codec, dst),
+                (ElemType::F32, _) => crate::f16c::cast_to(F32Codec, src, dst),
+                _ => crate::f16c::cast_to(Bf16Codec, src, dst),
+            }
+        }
+        return;
     }
     match from {
         ElemType::F32 if to == ElemType::F32 => dst.copy_from_slice(src),

@@ -1,65 +1,64 @@
-//! Blocked kernels: the loops of reduce, accumulate and cast, generic over the element codec.
+//! The loops of reduce, accumulate and cast, generic over the element codec.
 //!
-//! A buffer is processed in blocks of [`BLOCK`] elements. Each block of each input is decoded
-//! into an `f32` array on the stack, combined element by element with fixed-length loops (which
-//! the compiler vectorizes across elements), and encoded back. The accumulation over inputs
-//! stays in input order for every element, so the results equal the scalar reference's. The
-//! last, partial block goes through a zero-padded stack copy, so byte buffers of any length and
-//! any alignment take the same path.
+//! Every loop runs over elements with the element type, the scaling and the number of inputs
+//! it combines fixed at compile time, so it has no branch inside and the compiler vectorizes
+//! it across elements. Bytes are read and written as `[u8; N]` arrays (`from_le_bytes`), which
+//! needs no alignment: a misaligned buffer takes the same vectorized path. Lengths need not be
+//! multiples of anything; the compiler's scalar epilogue handles the last few elements.
+//!
+//! A reduction goes through the buffer in blocks of [`BLOCK`] elements. Within a block it sums
+//! up to [`GROUP`] inputs per pass into an `f32` accumulator on the stack (the first pass starts
+//! from `0.0`, the last pass divides, rounds and stores): with up to `GROUP` inputs that is a
+//! single pass that reads each input once and writes the output once. The accumulation over
+//! inputs stays in input order for every element, so results equal the scalar reference's.
 //!
 //! Each kernel is compiled twice (see [`Isa`]): for the baseline target and, on x86-64, with
 //! AVX2 enabled, chosen at run time.
 
-/// Elements per block: small enough that a block of every operand stays in L1, large enough
-/// that the per-block overhead (one pass over the input list) is noise.
-pub(crate) const BLOCK: usize = 512;
+/// Elements per block of a reduction: small enough that the accumulator (4 KiB) and a block of
+/// each input stay in L1, large enough that the per-block overhead is noise.
+pub(crate) const BLOCK: usize = 1024;
 
-/// Bytes of the widest element (`f32`): the size of the padded tail buffer.
-const MAX_ELEM_BYTES: usize = 4;
+/// Inputs summed per pass over a block; more passes read and write the accumulator again.
+pub(crate) const GROUP: usize = 4;
 
-/// An element type's conversion of whole blocks between little-endian bytes and `f32`.
+/// A little-endian element as bytes: `[u8; N]`.
+pub(crate) trait Raw: Copy {
+    /// Views bytes as elements (a trailing partial element, which callers rule out, is dropped).
+    fn view(bytes: &[u8]) -> &[Self];
+    /// Views bytes as elements, mutably.
+    fn view_mut(bytes: &mut [u8]) -> &mut [Self];
+}
+
+impl<const N: usize> Raw for [u8; N] {
+    #[inline(always)]
+    fn view(bytes: &[u8]) -> &[Self] {
+        bytes.as_chunks::<N>().0
+    }
+
+    #[inline(always)]
+    fn view_mut(bytes: &mut [u8]) -> &mut [Self] {
+        bytes.as_chunks_mut::<N>().0
+    }
+}
+
+/// An element type's conversion between its little-endian bytes and `f32`.
 pub(crate) trait Codec: Copy {
-    /// Bytes per element.
-    const SIZE: usize;
-    /// Decodes `BLOCK` elements from `src` (exactly `BLOCK * SIZE` bytes, any alignment).
-    fn decode(self, src: &[u8], dst: &mut [f32; BLOCK]);
-    /// Encodes `BLOCK` elements into `dst` (exactly `BLOCK * SIZE` bytes, any alignment).
-    fn encode(self, src: &[f32; BLOCK], dst: &mut [u8]);
-}
-
-/// Decodes a full or partial block (a partial one is zero-padded; the padding is discarded).
-#[inline(always)]
-fn decode_any<C: Codec>(c: C, src: &[u8], dst: &mut [f32; BLOCK]) {
-    if src.len() == BLOCK * C::SIZE {
-        c.decode(src, dst);
-    } else {
-        let mut pad = [0u8; BLOCK * MAX_ELEM_BYTES];
-        pad[..src.len()].copy_from_slice(src);
-        c.decode(&pad[..BLOCK * C::SIZE], dst);
-    }
-}
-
-/// Encodes a full or partial block (only `dst.len()` bytes are written).
-#[inline(always)]
-fn encode_any<C: Codec>(c: C, src: &[f32; BLOCK], dst: &mut [u8]) {
-    if dst.len() == BLOCK * C::SIZE {
-        c.encode(src, dst);
-    } else {
-        let mut pad = [0u8; BLOCK * MAX_ELEM_BYTES];
-        c.encode(src, &mut pad[..BLOCK * C::SIZE]);
-        let n = dst.len();
-        dst.copy_from_slice(&pad[..n]);
-    }
+    /// One element's bytes.
+    type Raw: Raw;
+    /// Widens one element to `f32` (exactly).
+    fn load(self, r: Self::Raw) -> f32;
+    /// Rounds an `f32` to the element type (to nearest even).
+    fn store(self, v: f32) -> Self::Raw;
 }
 
 /// Division by a fixed `f32`, as cheap as bit-exactness allows.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) enum Divisor {
-    /// Dividing by 1 is the identity (IEEE division by 1 is exact).
-    One,
-    /// Divisor `±2^e` with `e` in `-126..=127`: its reciprocal `±2^-e` is exact, and then
-    /// `x * (1/d)` and `x / d` are both the correctly rounded value of the same real number,
-    /// for every `x` (zeros, infinities, subnormal results and NaN included): the same bits.
+    /// Divisor `±2^e` with `e` in `-126..=127` (1 included): its reciprocal `±2^-e` is exact,
+    /// and then `x * (1/d)` and `x / d` are both the correctly rounded value of the same real
+    /// number, for every `x` (zeros, infinities, subnormal results and NaN included): the same
+    /// bits. Multiplying is several times cheaper than dividing.
     Mul(f32),
     /// Any other divisor: a real division, as the reference does.
     Div(f32),
@@ -68,9 +67,7 @@ pub(crate) enum Divisor {
 impl Divisor {
     /// The cheapest exact form of division by `d`.
     pub(crate) fn new(d: f32) -> Divisor {
-        if d == 1.0 {
-            Divisor::One
-        } else if d.is_normal() && d.to_bits() & 0x007F_FFFF == 0 {
+        if d.is_normal() && d.to_bits() & 0x007F_FFFF == 0 {
             Divisor::Mul(1.0 / d)
         } else {
             Divisor::Div(d)
@@ -78,81 +75,169 @@ impl Divisor {
     }
 }
 
-/// `acc = 0 + x / d`, element-wise (the `0 +` turns `-0` into `+0`, as the reference does).
-#[inline(always)]
-fn set_scaled(acc: &mut [f32; BLOCK], x: &[f32; BLOCK], d: Divisor) {
-    match d {
-        Divisor::One => acc.iter_mut().zip(x).for_each(|(a, x)| *a = 0.0 + *x),
-        Divisor::Mul(r) => acc.iter_mut().zip(x).for_each(|(a, x)| *a = 0.0 + *x * r),
-        Divisor::Div(q) => acc.iter_mut().zip(x).for_each(|(a, x)| *a = 0.0 + *x / q),
+/// A [`Divisor`] case as a type, so that loops are compiled per case.
+pub(crate) trait Scale: Copy {
+    /// `x / d`.
+    fn apply(self, x: f32) -> f32;
+}
+
+/// Division by a power of two, as multiplication by its exact reciprocal.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct MulBy(pub(crate) f32);
+
+impl Scale for MulBy {
+    #[inline(always)]
+    fn apply(self, x: f32) -> f32 {
+        x * self.0
     }
 }
 
-/// `acc += x / d`, element-wise.
-#[inline(always)]
-fn add_scaled(acc: &mut [f32; BLOCK], x: &[f32; BLOCK], d: Divisor) {
-    match d {
-        Divisor::One => acc.iter_mut().zip(x).for_each(|(a, x)| *a += *x),
-        Divisor::Mul(r) => acc.iter_mut().zip(x).for_each(|(a, x)| *a += *x * r),
-        Divisor::Div(q) => acc.iter_mut().zip(x).for_each(|(a, x)| *a += *x / q),
+/// Division.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct DivBy(pub(crate) f32);
+
+impl Scale for DivBy {
+    #[inline(always)]
+    fn apply(self, x: f32) -> f32 {
+        x / self.0
     }
 }
 
-/// `acc /= d`, element-wise.
+/// One pass over a block: `a = (FIRST ? 0 : acc) + x_0/p + ... + x_{G-1}/p` in that order, then
+/// `out = round(a / q)` if `LAST`, else `acc = a`. All slices have the block's length.
 #[inline(always)]
-fn divide(acc: &mut [f32; BLOCK], d: Divisor) {
-    match d {
-        Divisor::One => {}
-        Divisor::Mul(r) => acc.iter_mut().for_each(|a| *a *= r),
-        Divisor::Div(q) => acc.iter_mut().for_each(|a| *a /= q),
-    }
-}
-
-/// `out = round((sum_k inputs[k] / pre) / post)`; lengths already checked (all equal to
-/// `out.len()`, a whole number of elements) and `inputs` is not empty.
-#[inline(always)]
-fn reduce_impl<C: Codec>(c: C, pre: Divisor, post: Divisor, out: &mut [u8], inputs: &[&[u8]]) {
-    let mut acc = [0f32; BLOCK];
-    let mut x = [0f32; BLOCK];
-    let mut start = 0;
-    for o in out.chunks_mut(BLOCK * C::SIZE) {
-        let end = start + o.len();
-        let mut first = true;
-        for inp in inputs {
-            decode_any(c, &inp[start..end], &mut x);
-            if first {
-                set_scaled(&mut acc, &x, pre);
-                first = false;
-            } else {
-                add_scaled(&mut acc, &x, pre);
-            }
+fn pass<C: Codec, P: Scale, Q: Scale, const G: usize, const FIRST: bool, const LAST: bool>(
+    c: C,
+    p: P,
+    q: Q,
+    xs: [&[C::Raw]; G],
+    acc: &mut [f32],
+    out: &mut [C::Raw],
+) {
+    let m = acc.len();
+    let xs = xs.map(|x| &x[..m]);
+    let out = if LAST { &mut out[..m] } else { &mut out[..0] };
+    for j in 0..m {
+        let mut a = if FIRST { 0.0 } else { acc[j] };
+        for x in &xs {
+            a += p.apply(c.load(x[j]));
         }
-        divide(&mut acc, post);
-        encode_any(c, &acc, o);
-        start = end;
+        if LAST {
+            out[j] = c.store(q.apply(a));
+        } else {
+            acc[j] = a;
+        }
+    }
+}
+
+/// The element codec and the two divisors of a reduction.
+#[derive(Clone, Copy, Debug)]
+struct Ops<C, P, Q> {
+    c: C,
+    p: P,
+    q: Q,
+}
+
+/// A pass over `G` of the `inputs`, starting at input `first` (the block is `range`).
+#[inline(always)]
+fn group_pass<C: Codec, P: Scale, Q: Scale, const G: usize, const FIRST: bool, const LAST: bool>(
+    ops: Ops<C, P, Q>,
+    inputs: &[&[u8]],
+    first: usize,
+    range: core::ops::Range<usize>,
+    acc: &mut [f32],
+    out: &mut [C::Raw],
+) {
+    let xs: [&[C::Raw]; G] = core::array::from_fn(|g| &C::Raw::view(inputs[first + g])[range.clone()]);
+    pass::<C, P, Q, G, FIRST, LAST>(ops.c, ops.p, ops.q, xs, acc, out);
+}
+
+/// The last pass over a block, over the `inputs.len() - first` (1 to `GROUP`) remaining inputs.
+#[inline(always)]
+fn last_pass<C: Codec, P: Scale, Q: Scale, const FIRST: bool>(
+    ops: Ops<C, P, Q>,
+    inputs: &[&[u8]],
+    first: usize,
+    range: core::ops::Range<usize>,
+    acc: &mut [f32],
+    out: &mut [C::Raw],
+) {
+    match inputs.len() - first {
+        1 => group_pass::<C, P, Q, 1, FIRST, true>(ops, inputs, first, range, acc, out),
+        2 => group_pass::<C, P, Q, 2, FIRST, true>(ops, inputs, first, range, acc, out),
+        3 => group_pass::<C, P, Q, 3, FIRST, true>(ops, inputs, first, range, acc, out),
+        _ => group_pass::<C, P, Q, GROUP, FIRST, true>(ops, inputs, first, range, acc, out),
+    }
+}
+
+/// `out = round((sum_k inputs[k] / p) / q)`; lengths already checked (all equal to `out.len()`,
+/// a whole number of elements) and `inputs` is not empty.
+#[inline(always)]
+fn reduce_impl<C: Codec, P: Scale, Q: Scale>(c: C, p: P, q: Q, out: &mut [u8], inputs: &[&[u8]]) {
+    let out = C::Raw::view_mut(out);
+    let mut acc = [0f32; BLOCK];
+    let k = inputs.len();
+    let ops = Ops { c, p, q };
+    for (b, o) in out.chunks_mut(BLOCK).enumerate() {
+        let range = b * BLOCK..b * BLOCK + o.len();
+        let acc = &mut acc[..o.len()];
+        if k <= GROUP {
+            last_pass::<C, P, Q, true>(ops, inputs, 0, range, acc, o);
+            continue;
+        }
+        group_pass::<C, P, Q, GROUP, true, false>(ops, inputs, 0, range.clone(), acc, o);
+        let mut first = GROUP;
+        while k - first > GROUP {
+            group_pass::<C, P, Q, GROUP, false, false>(ops, inputs, first, range.clone(), acc, o);
+            first += GROUP;
+        }
+        last_pass::<C, P, Q, false>(ops, inputs, first, range, acc, o);
+    }
+}
+
+/// `out = round((out / p + sum_k others[k] / p) / q)`: [`reduce_impl`] with the old contents of
+/// `out` as the first input; lengths already checked (`others` may be empty).
+#[inline(always)]
+fn reduce_in_place_impl<C: Codec, P: Scale, Q: Scale>(c: C, p: P, q: Q, out: &mut [u8], others: &[&[u8]]) {
+    let out = C::Raw::view_mut(out);
+    let mut acc = [0f32; BLOCK];
+    let k = others.len();
+    let ops = Ops { c, p, q };
+    for (b, o) in out.chunks_mut(BLOCK).enumerate() {
+        let range = b * BLOCK..b * BLOCK + o.len();
+        let acc = &mut acc[..o.len()];
+        // The block's old contents first (this pass writes only `acc`).
+        pass::<C, P, Q, 1, true, false>(c, p, q, [&*o], acc, &mut []);
+        let mut first = 0;
+        while k - first > GROUP {
+            group_pass::<C, P, Q, GROUP, false, false>(ops, others, first, range.clone(), acc, o);
+            first += GROUP;
+        }
+        if k == first {
+            pass::<C, P, Q, 0, false, true>(c, p, q, [], acc, o);
+        } else {
+            last_pass::<C, P, Q, false>(ops, others, first, range, acc, o);
+        }
     }
 }
 
 /// `acc = round(acc + src)`; lengths already checked.
 #[inline(always)]
 fn accumulate_impl<C: Codec>(c: C, acc: &mut [u8], src: &[u8]) {
-    let mut a = [0f32; BLOCK];
-    let mut x = [0f32; BLOCK];
-    for (ab, sb) in acc.chunks_mut(BLOCK * C::SIZE).zip(src.chunks(BLOCK * C::SIZE)) {
-        decode_any(c, ab, &mut a);
-        decode_any(c, sb, &mut x);
-        a.iter_mut().zip(&x).for_each(|(a, x)| *a += *x);
-        encode_any(c, &a, ab);
+    let acc = C::Raw::view_mut(acc);
+    let src = &C::Raw::view(src)[..acc.len()];
+    for (a, s) in acc.iter_mut().zip(src) {
+        *a = c.store(c.load(*a) + c.load(*s));
     }
 }
 
 /// `dst = round(src)`; element counts already checked.
 #[inline(always)]
 fn cast_impl<F: Codec, T: Codec>(from: F, src: &[u8], to: T, dst: &mut [u8]) {
-    let mut x = [0f32; BLOCK];
-    for (sb, db) in src.chunks(BLOCK * F::SIZE).zip(dst.chunks_mut(BLOCK * T::SIZE)) {
-        decode_any(from, sb, &mut x);
-        encode_any(to, &x, db);
+    let dst = T::Raw::view_mut(dst);
+    let src = &F::Raw::view(src)[..dst.len()];
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d = to.store(from.load(*s));
     }
 }
 
@@ -193,13 +278,13 @@ impl Isa {
 
 /// Defines `$name(isa, args..)`, which runs `$imp(args..)` compiled for `isa`.
 macro_rules! multiversion {
-    ($(#[$doc:meta])* fn $name:ident<$($g:ident),+>($($arg:ident: $ty:ty),* $(,)?) => $imp:ident) => {
+    ($(#[$doc:meta])* fn $name:ident<$($g:ident: $bound:ident),+>($($arg:ident: $ty:ty),* $(,)?) => $imp:ident) => {
         $(#[$doc])*
-        pub(crate) fn $name<$($g: Codec),+>(isa: Isa, $($arg: $ty),*) {
+        pub(crate) fn $name<$($g: $bound),+>(isa: Isa, $($arg: $ty),*) {
             #[cfg(target_arch = "x86_64")]
             {
                 #[target_feature(enable = "avx2,f16c")]
-                fn avx2<$($g: Codec),+>($($arg: $ty),*) {
+                fn avx2<$($g: $bound),+>($($arg: $ty),*) {
                     $imp($($arg),*)
                 }
                 if isa == Isa::Avx2 {
@@ -216,15 +301,69 @@ macro_rules! multiversion {
 
 multiversion! {
     /// [`reduce_impl`] compiled for `isa`.
-    fn reduce_blocks<C>(c: C, pre: Divisor, post: Divisor, out: &mut [u8], inputs: &[&[u8]]) => reduce_impl
+    fn reduce_scaled<C: Codec, P: Scale, Q: Scale>(c: C, p: P, q: Q, out: &mut [u8], inputs: &[&[u8]]) => reduce_impl
+}
+
+multiversion! {
+    /// [`reduce_in_place_impl`] compiled for `isa`.
+    fn reduce_in_place_scaled<C: Codec, P: Scale, Q: Scale>(c: C, p: P, q: Q, out: &mut [u8], others: &[&[u8]]) => reduce_in_place_impl
+}
+
+/// `out = round((sum_k inputs[k] / pre) / post)` compiled for `isa`, where the inputs are the
+/// old contents of `out` followed by `others` if `in_place`, else `others`; lengths already
+/// checked.
+pub(crate) fn reduce_blocks<C: Codec>(
+    isa: Isa,
+    c: C,
+    pre: Divisor,
+    post: Divisor,
+    in_place: bool,
+    out: &mut [u8],
+    others: &[&[u8]],
+) {
+    use Divisor::{Div, Mul};
+    match (pre, post, in_place) {
+        (Mul(p), Mul(q), false) => reduce_scaled(isa, c, MulBy(p), MulBy(q), out, others),
+        (Mul(p), Div(q), false) => reduce_scaled(isa, c, MulBy(p), DivBy(q), out, others),
+        (Div(p), Mul(q), false) => reduce_scaled(isa, c, DivBy(p), MulBy(q), out, others),
+        (Div(p), Div(q), false) => reduce_scaled(isa, c, DivBy(p), DivBy(q), out, others),
+        (Mul(p), Mul(q), true) => reduce_in_place_scaled(isa, c, MulBy(p), MulBy(q), out, others),
+        (Mul(p), Div(q), true) => reduce_in_place_scaled(isa, c, MulBy(p), DivBy(q), out, others),
+        (Div(p), Mul(q), true) => reduce_in_place_scaled(isa, c, DivBy(p), MulBy(q), out, others),
+        (Div(p), Div(q), true) => reduce_in_place_scaled(isa, c, DivBy(p), DivBy(q), out, others),
+    }
+}
+
+/// [`reduce_blocks`] for `f16` with F16C; lengths already checked.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn reduce_f16c(
+    isa: Isa,
+    pre: Divisor,
+    post: Divisor,
+    in_place: bool,
+    out: &mut [u8],
+    inputs: &[&[u8]],
+) {
+    use crate::f16c::reduce;
+    use Divisor::{Div, Mul};
+    assert!(isa == Isa::Avx2, "reduce_f16c needs Isa::Avx2");
+    // SAFETY: `Isa::Avx2` exists only when the CPU has AVX2 and F16C (the `Isa` invariant).
+    unsafe {
+        match (pre, post) {
+            (Mul(p), Mul(q)) => reduce(MulBy(p), MulBy(q), in_place, out, inputs),
+            (Mul(p), Div(q)) => reduce(MulBy(p), DivBy(q), in_place, out, inputs),
+            (Div(p), Mul(q)) => reduce(DivBy(p), MulBy(q), in_place, out, inputs),
+            (Div(p), Div(q)) => reduce(DivBy(p), DivBy(q), in_place, out, inputs),
+        }
+    }
 }
 
 multiversion! {
     /// [`accumulate_impl`] compiled for `isa`.
-    fn accumulate_blocks<C>(c: C, acc: &mut [u8], src: &[u8]) => accumulate_impl
+    fn accumulate_blocks<C: Codec>(c: C, acc: &mut [u8], src: &[u8]) => accumulate_impl
 }
 
 multiversion! {
     /// [`cast_impl`] compiled for `isa`.
-    fn cast_blocks<F, T>(from: F, src: &[u8], to: T, dst: &mut [u8]) => cast_impl
+    fn cast_blocks<F: Codec, T: Codec>(from: F, src: &[u8], to: T, dst: &mut [u8]) => cast_impl
 }

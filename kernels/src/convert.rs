@@ -7,26 +7,37 @@
 //! integer and float operations with selects instead of branches, so that a loop over a block
 //! of them vectorizes.
 
-use crate::block::{Codec, BLOCK};
+use crate::block::Codec;
 
-/// Exponent bias difference between `f32` (127) and `f16` (15), as a multiplier: `2^112`.
-const F16_TO_F32_SCALE: f32 = f32::from_bits((254 - 15) << 23);
+/// `2^-24`, the value of the lowest mantissa bit of an `f16` subnormal.
+const F16_SUBNORMAL_STEP: f32 = f32::from_bits((127 - 24) << 23);
 /// `0.5`: adding it to a value below `2^-14` rounds that value to a multiple of `2^-24`, the
 /// `f16` subnormal step, with the hardware's round-to-nearest-even.
 const F16_DENORM_MAGIC: f32 = f32::from_bits(((127 - 15) + (23 - 10) + 1) << 23);
+
+// None of the float operations below sees a subnormal operand or produces a subnormal result:
+// on x86 those take a microcode assist (around a hundred cycles each), and f16 gradients are
+// often subnormal.
 
 /// `f16` bits to `f32`, exactly.
 #[inline(always)]
 pub(crate) fn f16_bits_to_f32(h: u16) -> f32 {
     let a = u32::from(h & 0x7FFF);
-    // Shifting the exponent and mantissa into place and scaling by 2^112 rebiases the
-    // exponent; for subnormal f16 inputs the product normalizes them, exactly.
-    let mut u = (f32::from_bits(a << 13) * F16_TO_F32_SCALE).to_bits();
-    // Infinity and NaN: all exponent bits set; NaN also gets its quiet bit.
-    u |= if a >= 0x7C00 { 0x7F80_0000 } else { 0 };
-    u |= if a > 0x7C00 { 0x0040_0000 } else { 0 };
-    u |= u32::from(h & 0x8000) << 16;
-    f32::from_bits(u)
+    // Normal: rebias the exponent (15 -> 127) and widen the mantissa.
+    let norm = (a << 13) + ((127 - 15) << 23);
+    // Zero and subnormal: the mantissa counts steps of 2^-24 (an exact integer conversion and an
+    // exact product, both normal).
+    let sub = (a as i32 as f32 * F16_SUBNORMAL_STEP).to_bits();
+    // Infinity and NaN: all exponent bits set; a NaN also gets its quiet bit.
+    let special = (a << 13) | 0x7F80_0000 | if a > 0x7C00 { 0x0040_0000 } else { 0 };
+    let u = if a >= 0x7C00 {
+        special
+    } else if a < 0x0400 {
+        sub
+    } else {
+        norm
+    };
+    f32::from_bits(u | (u32::from(h & 0x8000) << 16))
 }
 
 /// `f32` to `f16` bits, rounding to nearest even; overflow gives infinity.
@@ -37,8 +48,10 @@ pub(crate) fn f32_to_f16_bits(f: f32) -> u16 {
     let a = x & 0x7FFF_FFFF;
     // NaN: quiet, payload truncated to the top 9 bits below the quiet bit.
     let nan = 0x7E00 | ((a >> 13) & 0x03FF);
-    // Subnormal or zero result (|f| < 2^-14): let the FPU round at the 2^-24 step.
-    let sub = (f32::from_bits(a) + F16_DENORM_MAGIC).to_bits().wrapping_sub(F16_DENORM_MAGIC.to_bits());
+    // Subnormal or zero result (|f| < 2^-14): let the FPU round at the 2^-24 step. An `f32`
+    // subnormal rounds to zero anyway; it is zeroed first so that the addition stays fast.
+    let tiny = if a < 0x0080_0000 { 0 } else { a };
+    let sub = (f32::from_bits(tiny) + F16_DENORM_MAGIC).to_bits().wrapping_sub(F16_DENORM_MAGIC.to_bits());
     // Normal result: rebias the exponent, round to nearest even on the 13 dropped bits; a
     // carry out of the mantissa bumps the exponent, up to infinity (0x7C00) for |f| >= 65520.
     let odd = (a >> 13) & 1;
@@ -78,22 +91,16 @@ pub(crate) fn f32_to_bf16_bits(f: f32) -> u16 {
 pub(crate) struct F32Codec;
 
 impl Codec for F32Codec {
-    const SIZE: usize = 4;
+    type Raw = [u8; 4];
 
     #[inline(always)]
-    fn decode(self, src: &[u8], dst: &mut [f32; BLOCK]) {
-        let (src, _) = src.as_chunks::<4>();
-        for (d, s) in dst.iter_mut().zip(&src[..BLOCK]) {
-            *d = f32::from_le_bytes(*s);
-        }
+    fn load(self, r: [u8; 4]) -> f32 {
+        f32::from_le_bytes(r)
     }
 
     #[inline(always)]
-    fn encode(self, src: &[f32; BLOCK], dst: &mut [u8]) {
-        let (dst, _) = dst.as_chunks_mut::<4>();
-        for (d, s) in dst[..BLOCK].iter_mut().zip(src) {
-            *d = s.to_le_bytes();
-        }
+    fn store(self, v: f32) -> [u8; 4] {
+        v.to_le_bytes()
     }
 }
 
@@ -102,45 +109,33 @@ impl Codec for F32Codec {
 pub(crate) struct Bf16Codec;
 
 impl Codec for Bf16Codec {
-    const SIZE: usize = 2;
+    type Raw = [u8; 2];
 
     #[inline(always)]
-    fn decode(self, src: &[u8], dst: &mut [f32; BLOCK]) {
-        let (src, _) = src.as_chunks::<2>();
-        for (d, s) in dst.iter_mut().zip(&src[..BLOCK]) {
-            *d = bf16_bits_to_f32(u16::from_le_bytes(*s));
-        }
+    fn load(self, r: [u8; 2]) -> f32 {
+        bf16_bits_to_f32(u16::from_le_bytes(r))
     }
 
     #[inline(always)]
-    fn encode(self, src: &[f32; BLOCK], dst: &mut [u8]) {
-        let (dst, _) = dst.as_chunks_mut::<2>();
-        for (d, s) in dst[..BLOCK].iter_mut().zip(src) {
-            *d = f32_to_bf16_bits(*s).to_le_bytes();
-        }
+    fn store(self, v: f32) -> [u8; 2] {
+        f32_to_bf16_bits(v).to_le_bytes()
     }
 }
 
-/// Little-endian `f16` elements, converted in software (portable).
+/// Little-endian `f16` elements, converted in software (portable; vectorizes).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct F16Codec;
 
 impl Codec for F16Codec {
-    const SIZE: usize = 2;
+    type Raw = [u8; 2];
 
     #[inline(always)]
-    fn decode(self, src: &[u8], dst: &mut [f32; BLOCK]) {
-        let (src, _) = src.as_chunks::<2>();
-        for (d, s) in dst.iter_mut().zip(&src[..BLOCK]) {
-            *d = f16_bits_to_f32(u16::from_le_bytes(*s));
-        }
+    fn load(self, r: [u8; 2]) -> f32 {
+        f16_bits_to_f32(u16::from_le_bytes(r))
     }
 
     #[inline(always)]
-    fn encode(self, src: &[f32; BLOCK], dst: &mut [u8]) {
-        let (dst, _) = dst.as_chunks_mut::<2>();
-        for (d, s) in dst[..BLOCK].iter_mut().zip(src) {
-            *d = f32_to_f16_bits(*s).to_le_bytes();
-        }
+    fn store(self, v: f32) -> [u8; 2] {
+        f32_to_f16_bits(v).to_le_bytes()
     }
 }

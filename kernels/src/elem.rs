@@ -195,6 +195,24 @@ pub(crate) fn check_reduce(ty: ElemType, out: &[u8], inputs: &[&[u8]]) -> Result
     Ok(n)
 }
 
+/// Checks the arguments of `reduce_in_place`; returns the element count.
+pub(crate) fn check_reduce_in_place(
+    ty: ElemType,
+    inout: &[u8],
+    others: &[&[u8]],
+) -> Result<usize, KernelError> {
+    let n = check_len("reduce_in_place", inout.len(), ty, "the in-out buffer (input 0)")?;
+    for (k, inp) in others.iter().enumerate() {
+        if inp.len() != inout.len() {
+            return Err(KernelError::BadLength {
+                kernel: "reduce_in_place",
+                what: format!("input {} has {} bytes, the in-out buffer {}", k + 1, inp.len(), inout.len()),
+            });
+        }
+    }
+    Ok(n)
+}
+
 /// The divisor applied to the sum: `post_divide`, times the input count for an average.
 pub(crate) fn post_divisor(op: ReduceOp, scaling: Scaling, n_inputs: usize) -> f32 {
     match op {

@@ -28,11 +28,13 @@ mod copy;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 mod elem;
+#[cfg(target_arch = "x86_64")]
+mod f16c;
 #[doc(hidden)]
 pub mod reference;
 #[cfg(test)]
 mod tests;
 
-pub use arith::{accumulate, cast, reduce};
+pub use arith::{accumulate, cast, reduce, reduce_in_place};
 pub use copy::{copy_in, copy_out};
 pub use elem::{CopySegment, ElemType, KernelError, ReduceOp, Scaling};

@@ -166,7 +166,7 @@ fn reduce_and_friends_report_the_reference_errors() {
     let mut odd = [0u8; 7];
     for ty in TYPES {
         let sc = Scaling::default();
-        let cases: [(Result<(), KernelError>, Result<(), KernelError>); 5] = [
+        let cases: [(Result<(), KernelError>, Result<(), KernelError>); 6] = [
             (
                 crate::reduce(ty, ReduceOp::Sum, sc, &mut out, &[]),
                 reference::reduce(ty, ReduceOp::Sum, sc, &mut out.clone(), &[]),
@@ -180,6 +180,16 @@ fn reduce_and_friends_report_the_reference_errors() {
                 reference::reduce(ty, ReduceOp::Avg, sc, &mut odd.clone(), &[&a[..7]]),
             ),
             (crate::accumulate(ty, &mut out, &a[..4]), reference::accumulate(ty, &mut out.clone(), &a[..4])),
+            (
+                crate::reduce_in_place(ty, ReduceOp::Sum, sc, &mut odd, &[]),
+                reference::reduce(ty, ReduceOp::Sum, sc, &mut odd.clone(), &[&a[..7]]).map_err(|e| match e {
+                    KernelError::BadLength { what, .. } => KernelError::BadLength {
+                        kernel: "reduce_in_place",
+                        what: what.replace("the output", "the in-out buffer (input 0)"),
+                    },
+                    e => e,
+                }),
+            ),
             (
                 crate::cast(ty, &a, ElemType::F32, &mut odd),
                 reference::cast(ty, &a, ElemType::F32, &mut odd.clone()),
@@ -212,7 +222,6 @@ proptest! {
     fn divisor_shortcut_is_exact(x in any_f32(), d in any_divisor()) {
         let want = x / d;
         let got = match Divisor::new(d) {
-            Divisor::One => x,
             Divisor::Mul(r) => x * r,
             Divisor::Div(q) => x / q,
         };
@@ -249,10 +258,18 @@ proptest! {
         for isa in Isa::available() {
             let mut out = at_offset(&vec![0x5Au8; want.len()], offsets[8]);
             let (pre, post) = (Divisor::new(pre), Divisor::new(post_divisor(op, scaling, inputs.len())));
-            reduce_with(isa, ty, pre, post, &mut out[offsets[8]..], &inputs);
+            reduce_with(isa, ty, pre, post, false, &mut out[offsets[8]..], &inputs);
             same(ty, &out[offsets[8]..], &want).map_err(|e| TestCaseError::fail(format!("{isa:?}: {e}")))?;
             prop_assert!(out[..offsets[8]].iter().all(|&b| b == 0xA5), "wrote before the output");
+            // In place: the first input's buffer becomes the output.
+            let mut inout = stored[0].clone();
+            reduce_with(isa, ty, pre, post, true, &mut inout[offsets[0]..], &inputs[1..]);
+            same(ty, &inout[offsets[0]..], &want)
+                .map_err(|e| TestCaseError::fail(format!("{isa:?} in place: {e}")))?;
         }
+        let mut inout = stored[0].clone();
+        crate::reduce_in_place(ty, op, scaling, &mut inout[offsets[0]..], &inputs[1..]).unwrap();
+        same(ty, &inout[offsets[0]..], &want).map_err(|e| TestCaseError::fail(format!("in place: {e}")))?;
     }
 
     #[test]
@@ -435,4 +452,21 @@ proptest! {
         prop_assert!(got.is_err());
         prop_assert_eq!(&bufs, &l.buffers, "copy_out copied before failing");
     }
+}
+
+#[test]
+fn reduce_in_place_rejects_mismatched_inputs() {
+    let mut inout = [0u8; 8];
+    let err = crate::reduce_in_place(
+        ElemType::F32,
+        ReduceOp::Sum,
+        Scaling::default(),
+        &mut inout,
+        &[&[0u8; 8], &[0u8; 4]],
+    )
+    .unwrap_err();
+    assert!(
+        matches!(&err, KernelError::BadLength { kernel: "reduce_in_place", what } if what.contains("input 2 has 4 bytes")),
+        "{err}"
+    );
 }
