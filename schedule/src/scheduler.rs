@@ -704,6 +704,41 @@ impl Scheduler {
         Ok(())
     }
 
+    /// Detaches this scheduler from the registry for good (a coordinator going away): frees its
+    /// unused prefetches, releases every parameter it still holds (freeing buckets no other
+    /// scheduler uses), and returns those parameters, once per unreleased fetch. Gradients
+    /// not yet reduced are dropped (no collective is launched).
+    ///
+    /// # Errors
+    /// [`ScheduleError::WrongRegistry`].
+    pub fn close(
+        mut self,
+        registry: &mut InflightRegistry,
+        out: &mut Vec<Action>,
+    ) -> Result<Vec<ParamId>, ScheduleError> {
+        let c = &mut self.core;
+        c.check_registry(registry)?;
+        // No more prefetching: the releases below must not launch anything.
+        c.config.max_inflight = 0;
+        for k in 0..c.pending.len() {
+            let g = c.pending[k] as usize;
+            if registry.slots[g].gathered.as_ref().is_some_and(|s| s.prefetched_by == Some(c.owner)) {
+                c.free_slot(registry, g, out);
+            }
+        }
+        c.pending.clear();
+        let held: Vec<ParamId> = (0..c.my_users.len() as u32)
+            .flat_map(|i| std::iter::repeat_n(ParamId(i), c.my_users[i as usize] as usize))
+            .collect();
+        for b in c.grad_buffer.iter_mut() {
+            if let Some(buffer) = b.take() {
+                out.push(Action::Free { buffer, after: Fences::new() });
+            }
+        }
+        self.release(registry, &held, None, out)?;
+        Ok(held)
+    }
+
     /// This plan's fingerprint (to exchange with the peers when the plan is built or
     /// refreshed).
     pub fn fingerprint(&self) -> u64 {
@@ -923,6 +958,7 @@ impl Core {
         reg.peak_live_bytes = reg.peak_live_bytes.max(reg.live_bytes);
         self.counters.peak_gathered_bytes = self.counters.peak_gathered_bytes.max(reg.live_bytes as u64);
         self.counters.all_gathers += 1;
+        self.counters.ops_issued += b.ops.len() as u64;
         self.counters.gathered_bytes += b.gathered_bytes as u64;
         if prefetch {
             if let Some(a) = reg.ahead.get_mut(self.owner as usize) {
@@ -1008,6 +1044,7 @@ impl Core {
         self.grad_launched[j] = true;
         self.reduces.push((id, false));
         self.counters.reduce_scatters += 1;
+        self.counters.ops_issued += b.ops.len() as u64;
         self.counters.reduced_bytes += b.gathered_bytes as u64;
     }
 }

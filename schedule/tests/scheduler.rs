@@ -705,3 +705,69 @@ fn steady_state_steps_reuse_the_action_buffer() {
     assert_eq!(r.out.capacity(), cap);
     let _ = Role::Gather;
 }
+
+#[test]
+fn hybrid_and_single_owner_buckets_launch_all_their_plan_ops_in_one_launch() {
+    use collsched_schedule::buckets::{LayoutBuilder, ParamSet, ParamSpec, Sharding};
+    let set =
+        ParamSet::new(vec![ParamSpec::new("a", [4096], DType::BF16), ParamSpec::new("b", [8], DType::F32)])
+            .unwrap();
+    for sharding in [Sharding::Hybrid(2), Sharding::Greedy] {
+        let plan = Plan::new(LayoutBuilder::new(&set, sharding, 4).build().unwrap());
+        let mut reg = registry(&plan);
+        let mut s = Scheduler::from_plan(&plan, 1, no_prefetch(), &mut reg).unwrap();
+        let mut out = Vec::new();
+        let ids: Vec<ParamId> = set.ids().collect();
+        s.fetch(&mut reg, &ids, &mut out).unwrap();
+        for id in &ids {
+            s.grad_ready(&mut reg, *id, None, &mut out).unwrap();
+        }
+        let ls = launches(&out);
+        assert_eq!(ls.len(), plan.layout().gather_buckets().len() + plan.layout().grad_buckets().len());
+        for l in &ls {
+            assert_eq!(l.ops.as_slice(), plan.ops_of(l.id.bucket), "{sharding}");
+        }
+        let ops: usize = ls.iter().map(|l| l.ops.len()).sum();
+        assert_eq!(s.counters().ops_issued as usize, ops);
+    }
+}
+
+#[test]
+fn scheduler_and_registry_can_move_between_threads() {
+    fn send<T: Send>() {}
+    fn sync<T: Sync>() {}
+    send::<Scheduler>();
+    send::<InflightRegistry>();
+    sync::<InflightRegistry>();
+}
+
+#[test]
+fn closing_a_scheduler_gives_back_everything_it_held() {
+    let plan = layered(4, 4);
+    let mut reg = registry(&plan);
+    let mut train = Scheduler::from_plan(&plan, 0, SchedulerConfig::default(), &mut reg).unwrap();
+    let mut eval = Scheduler::from_plan(&plan, 0, SchedulerConfig::default(), &mut reg).unwrap();
+    let mut out = Vec::new();
+    for s in [&mut train, &mut eval] {
+        for i in 0..4 {
+            s.fetch(&mut reg, &layer(i), &mut out).unwrap();
+            s.release(&mut reg, &layer(i), None, &mut out).unwrap();
+        }
+        s.end_step(&mut reg, &mut out).unwrap();
+    }
+    // train: replay (prefetches), holds layer 0; eval holds layer 0 and 2.
+    train.fetch(&mut reg, &layer(0), &mut out).unwrap();
+    train.grad_ready(&mut reg, layer(0)[0], None, &mut out).unwrap();
+    eval.fetch(&mut reg, &layer(0), &mut out).unwrap();
+    eval.fetch(&mut reg, &layer(2), &mut out).unwrap();
+    let held = train.close(&mut reg, &mut out).unwrap();
+    assert_eq!(held, layer(0));
+    assert_eq!(reg.users(layer(0)[0]), 1, "eval's hold survives");
+    assert!(reg.gathered_by(layer(0)[0]).is_some());
+    let held = eval.close(&mut reg, &mut out).unwrap();
+    assert_eq!(held.len(), 4);
+    assert_eq!(reg.live_bytes(), 0);
+    let mut drv = CheckingDriver::default();
+    drv.run(&out, |_| false);
+    assert!(drv.live.is_empty(), "{:?}", drv.live);
+}
