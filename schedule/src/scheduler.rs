@@ -315,11 +315,7 @@ impl Scheduler {
             Event::Release { params, after } => self.release(registry, params, after, out),
             Event::GradReady { param, after } => self.grad_ready(registry, param, after, out),
             Event::OpDone(id) => self.op_done(registry, id),
-            Event::ShardsUpdated(ev) => {
-                self.core.check_registry(registry)?;
-                registry.shards_fence = Some(ev);
-                Ok(())
-            }
+            Event::ShardsUpdated(ev) => self.shards_updated(registry, ev, out),
             Event::EndStep => self.end_step(registry, out),
             Event::SetNoSync(on) => self.set_no_sync(on),
             Event::SetTrainable(mask) => self.set_trainable(mask),
@@ -382,6 +378,7 @@ impl Scheduler {
         c.check_ids("release", params)?;
         for (i, &p) in params.iter().enumerate() {
             if c.my_users[p.index()] == 0 {
+                let twice = c.released[p.index()] || params[..i].contains(&p);
                 for &q in &params[..i] {
                     c.my_users[q.index()] += 1;
                 }
@@ -390,7 +387,7 @@ impl Scheduler {
                     param: p,
                     name: c.t.params.name(p).to_string(),
                     bucket: c.t.gather[c.t.param_gather[p.index()] as usize].id,
-                    twice: c.released[p.index()],
+                    twice,
                 });
             }
             c.my_users[p.index()] -= 1;
@@ -514,6 +511,35 @@ impl Scheduler {
                 }
             }
         }
+        Ok(())
+    }
+
+    /// [`Event::ShardsUpdated`]: the optimizer wrote the shards (complete after `ev`). Gathers
+    /// launched from now on wait for `ev`; unused prefetches of any scheduler on the registry
+    /// hold the old values and are freed.
+    ///
+    /// # Errors
+    /// [`ScheduleError::WrongRegistry`].
+    pub fn shards_updated(
+        &mut self,
+        registry: &mut InflightRegistry,
+        ev: EngineEvent,
+        out: &mut Vec<Action>,
+    ) -> Result<(), ScheduleError> {
+        let c = &mut self.core;
+        c.check_registry(registry)?;
+        registry.shards_fence = Some(ev);
+        for g in 0..registry.slots.len() {
+            let stale = registry.slots[g]
+                .gathered
+                .as_ref()
+                .is_some_and(|s| s.prefetched_by.is_some() && s.users == 0);
+            if stale {
+                c.free_slot(registry, g, out);
+                c.counters.discarded_prefetches += 1;
+            }
+        }
+        c.pending.clear();
         Ok(())
     }
 

@@ -200,7 +200,7 @@ fn release_without_fetch_and_double_release_are_errors_that_change_nothing() {
     r.out.clear();
     // A release naming `w` twice fails as a whole: `b` and `w` stay held.
     let err = r.ev(Event::Release { params: &[b, w, w], after: None }).unwrap_err();
-    assert!(matches!(err, ScheduleError::NotFetched { .. }));
+    assert!(matches!(err, ScheduleError::NotFetched { twice: true, .. }));
     assert!(r.out.is_empty());
     assert_eq!((r.reg.users(w), r.reg.users(b)), (1, 1));
     r.release(&[w, b]);
@@ -770,4 +770,22 @@ fn closing_a_scheduler_gives_back_everything_it_held() {
     let mut drv = CheckingDriver::default();
     drv.run(&out, |_| false);
     assert!(drv.live.is_empty(), "{:?}", drv.live);
+}
+
+#[test]
+fn a_shard_update_frees_unused_prefetches_of_every_scheduler() {
+    let mut r = rig(4, SchedulerConfig::default());
+    let plan = r.plan.clone();
+    let b = |i: usize| plan.layout().gather_bucket_of(layer(i)[0]).unwrap();
+    let mut e = Explicit::default();
+    e.after(b(3), &[b(0)]); // prefetch the next step's first layer, FSDP-style
+    r.s.set_policy(Box::new(e));
+    r.fetch(&layer(3));
+    r.release(&layer(3));
+    assert!(r.reg.gathered_by(layer(0)[0]).is_some());
+    r.out.clear();
+    r.ev(Event::ShardsUpdated(EngineEvent { queue: 0, seq: 1 })).unwrap();
+    assert_eq!(frees(&r.out).iter().map(|f| f.bucket).collect::<Vec<_>>(), [b(0)]);
+    assert_eq!(r.reg.live_bytes(), 0);
+    assert_eq!(r.s.counters().discarded_prefetches, 1);
 }

@@ -23,6 +23,7 @@ enum Step {
     Done(usize),
     End,
     NoSync(bool),
+    Shards,
 }
 
 fn step() -> impl Strategy<Value = Step> {
@@ -34,6 +35,7 @@ fn step() -> impl Strategy<Value = Step> {
         2 => (0usize..64).prop_map(Step::Done),
         1 => Just(Step::End),
         1 => any::<bool>().prop_map(Step::NoSync),
+        1 => Just(Step::Shards),
     ]
 }
 
@@ -118,6 +120,7 @@ fn run(plan: &Plan, cfg: &SchedulerConfig, steps: &[Step], completions: Completi
             }
             Step::End => s.handle(&mut reg, Event::EndStep, &mut out),
             Step::NoSync(on) => s.handle(&mut reg, Event::SetNoSync(*on), &mut out),
+            Step::Shards => s.handle(&mut reg, Event::ShardsUpdated(EngineEvent { queue: 1, seq }), &mut out),
         };
         outcome.errors.push(r.is_err());
         if r.is_err() {
