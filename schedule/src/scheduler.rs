@@ -217,6 +217,7 @@ impl Scheduler {
         config: SchedulerConfig,
         registry: &mut InflightRegistry,
     ) -> Result<Scheduler, ScheduleError> {
+        config.validate(input)?;
         let t = Tables::new(input, &config)?;
         let n = t.params.len();
         let same = registry.param_bucket == t.param_gather

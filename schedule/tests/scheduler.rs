@@ -789,3 +789,26 @@ fn a_shard_update_frees_unused_prefetches_of_every_scheduler() {
     assert_eq!(r.reg.live_bytes(), 0);
     assert_eq!(r.s.counters().discarded_prefetches, 1);
 }
+
+#[test]
+fn bad_knobs_are_refused_with_their_name() {
+    let plan = layered(2, 4);
+    let grad_bucket = plan.layout().grad_buckets()[0].id();
+    let bad = [
+        SchedulerConfig {
+            reduce: GradReduce { pre_divide: Some(0.0), ..GradReduce::default() },
+            ..no_prefetch()
+        },
+        SchedulerConfig {
+            reduce: GradReduce { post_divide: Some(f64::NAN), ..GradReduce::default() },
+            ..no_prefetch()
+        },
+        SchedulerConfig { reduce_per_bucket: vec![(grad_bucket, GradReduce::default())], ..no_prefetch() },
+    ];
+    for (cfg, word) in bad.into_iter().zip(["pre_divide", "post_divide", "not a gather bucket"]) {
+        let mut reg = registry(&plan);
+        let err = Scheduler::from_plan(&plan, 0, cfg, &mut reg).unwrap_err();
+        assert!(matches!(err, ScheduleError::BadConfig { .. }));
+        assert!(err.to_string().contains(word), "{err}");
+    }
+}

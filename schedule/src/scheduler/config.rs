@@ -2,6 +2,9 @@
 
 use crate::buckets::{BucketId, DType};
 
+use super::error::ScheduleError;
+use super::input::ScheduleInput;
+
 /// Default of [`SchedulerConfig::prefetch_bytes`]: 256 MiB launched ahead.
 pub const DEFAULT_PREFETCH_BYTES: usize = 256 << 20;
 /// Default of [`SchedulerConfig::max_inflight`]: 4 launched-but-unconsumed gathers.
@@ -78,5 +81,42 @@ impl Default for SchedulerConfig {
             reduce: GradReduce::default(),
             reduce_per_bucket: Vec::new(),
         }
+    }
+}
+
+impl SchedulerConfig {
+    /// Checks the knobs against the plan: divide factors finite and positive, per-bucket
+    /// overrides naming gather buckets of the plan.
+    pub(crate) fn validate(&self, input: &ScheduleInput) -> Result<(), ScheduleError> {
+        let all = std::iter::once((None, &self.reduce))
+            .chain(self.reduce_per_bucket.iter().map(|(b, r)| (Some(*b), r)));
+        for (bucket, r) in all {
+            let place = match bucket {
+                Some(b) => format!("reduce_per_bucket[gather bucket {b}]"),
+                None => "reduce".to_string(),
+            };
+            for (name, v) in [("pre_divide", r.pre_divide), ("post_divide", r.post_divide)] {
+                if let Some(v) = v {
+                    if !(v.is_finite() && v > 0.0) {
+                        return Err(ScheduleError::BadConfig {
+                            what: format!(
+                                "{place}.{name} = {v}; use a finite factor > 0 (or None for the default)"
+                            ),
+                        });
+                    }
+                }
+            }
+            if let Some(b) = bucket {
+                if !input.gather.iter().any(|g| g.id == b) {
+                    return Err(ScheduleError::BadConfig {
+                        what: format!(
+                            "{place}: bucket {b} is not a gather bucket of the plan (it has {} gather buckets); key overrides by gather bucket id",
+                            input.gather.len()
+                        ),
+                    });
+                }
+            }
+        }
+        Ok(())
     }
 }
