@@ -233,7 +233,9 @@ impl Scheduler {
         let (n_gather, n_grad) = (t.gather.len(), t.grad.len());
         let policy: Box<dyn PrefetchPolicy> = match config.policy {
             PolicyKind::None => Box::new(NoPrefetch),
-            PolicyKind::TraceReplay => Box::new(TraceReplay::default()),
+            PolicyKind::TraceReplay => {
+                Box::new(TraceReplay::with_rerecord_after(config.trace_rerecord_after))
+            }
         };
         let mask = t.params.trainable_mask();
         Ok(Scheduler {

@@ -812,3 +812,26 @@ fn bad_knobs_are_refused_with_their_name() {
         assert!(err.to_string().contains(word), "{err}");
     }
 }
+
+#[test]
+fn a_trace_that_keeps_missing_is_recorded_again() {
+    let layers = 5;
+    let mut r = rig(layers, SchedulerConfig { trace_rerecord_after: 2, ..SchedulerConfig::default() });
+    let fwd = |r: &mut Rig, order: &[usize]| {
+        for &i in order {
+            r.fetch(&layer(i));
+            r.release(&layer(i));
+        }
+        r.end();
+        r.s.last_step().counters.clone()
+    };
+    fwd(&mut r, &[0, 1, 2, 3, 4]); // an unrepresentative first step
+    let reversed = [4, 3, 2, 1, 0];
+    let c1 = fwd(&mut r, &reversed);
+    let c2 = fwd(&mut r, &reversed); // second lost step: records again at the end
+    assert!(c1.prefetch_hits < 4 && c2.prefetch_hits < 4, "{c1:?} {c2:?}");
+    fwd(&mut r, &reversed); // recorded
+    let c4 = fwd(&mut r, &reversed);
+    assert_eq!(c4.prefetch_hits, 4, "{c4:?}");
+    assert_eq!(c4.prefetch_misses, 1);
+}

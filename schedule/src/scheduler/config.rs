@@ -12,6 +12,9 @@ pub const DEFAULT_MAX_INFLIGHT: usize = 4;
 /// Default of [`SchedulerConfig::max_live_bytes`]: 4 GiB of gathered parameters.
 pub const DEFAULT_MAX_LIVE_BYTES: usize = 4 << 30;
 
+/// Default of [`SchedulerConfig::trace_rerecord_after`]: 2 steps.
+pub const DEFAULT_TRACE_RERECORD_AFTER: u32 = 2;
+
 /// The built-in prefetch policy a scheduler starts with (replace it with
 /// [`Scheduler::set_policy`](super::Scheduler::set_policy), e.g. for
 /// [`Explicit`](super::Explicit)).
@@ -57,6 +60,11 @@ pub struct SchedulerConfig {
     /// this scheduler's unused prefetches (newest first) and then proceeds anyway (the engine
     /// needs the parameters), counting an overrun. Default [`DEFAULT_MAX_LIVE_BYTES`] (4 GiB).
     pub max_live_bytes: usize,
+    /// `trace_rerecord_after`: with [`PolicyKind::TraceReplay`], record the trace again after
+    /// this many consecutive steps with fetches the trace does not have ahead of its position
+    /// (skips within the trace are re-synced and do not count). 0: never. Default
+    /// [`DEFAULT_TRACE_RERECORD_AFTER`] (2).
+    pub trace_rerecord_after: u32,
     /// `check_trainable`: at each step boundary compare the mask given by
     /// [`Event::SetTrainable`](super::Event::SetTrainable) with the plan's and refresh when it
     /// differs. Off: the mask is only recorded, and the engine calls
@@ -77,6 +85,7 @@ impl Default for SchedulerConfig {
             prefetch_bytes: DEFAULT_PREFETCH_BYTES,
             max_inflight: DEFAULT_MAX_INFLIGHT,
             max_live_bytes: DEFAULT_MAX_LIVE_BYTES,
+            trace_rerecord_after: DEFAULT_TRACE_RERECORD_AFTER,
             check_trainable: true,
             reduce: GradReduce::default(),
             reduce_per_bucket: Vec::new(),
