@@ -24,6 +24,40 @@
 //! When a launch completes, the driver may feed [`Event::OpDone`] back (optional: without it
 //! every fetch of an in-flight bucket emits a `Wait`, which is always correct).
 //!
+//! ```
+//! use collsched_schedule::buckets::{DType, LayoutBuilder, ParamSet, ParamSpec, Sharding};
+//! use collsched_schedule::{Action, Event, InflightRegistry, Plan, Role, ScheduleInput, Scheduler, SchedulerConfig};
+//! let set = ParamSet::new((0..4).map(|i| ParamSpec::new(format!("l{i}.w"), [256], DType::F32)).collect())?;
+//! let plan = Plan::new(LayoutBuilder::new(&set, Sharding::EvenSplit, 2).bucket_bytes(1024).build()?);
+//! let mut registry = InflightRegistry::new(&ScheduleInput::from_plan(&plan)); // one per rank per model
+//! let mut sched = Scheduler::from_plan(&plan, 0, SchedulerConfig::default(), &mut registry)?;
+//! let mut actions = Vec::with_capacity(256); // reused: steady-state steps allocate nothing
+//! let mut completed = Vec::new();
+//! for _step in 0..3 {
+//!     let ids: Vec<_> = set.ids().collect();
+//!     for &p in ids.iter().chain(ids.iter().rev()) {
+//!         sched.handle(&mut registry, Event::Fetch(&[p]), &mut actions)?;
+//!         // ... the driver runs the actions, then the engine computes with
+//!         // registry.buffer_of(p) ...
+//!         sched.handle(&mut registry, Event::Release { params: &[p], after: None }, &mut actions)?;
+//!     }
+//!     sched.handle(&mut registry, Event::EndStep, &mut actions)?;
+//!     for a in actions.drain(..) {
+//!         if let Action::Launch(l) = a {
+//!             completed.push(l.id); // the backend reports completion later...
+//!         }
+//!     }
+//!     for id in completed.drain(..) {
+//!         sched.handle(&mut registry, Event::OpDone(id), &mut actions)?; // ...and it flows back
+//!     }
+//! }
+//! // Steps after the first replay the recorded order: only the first fetch misses.
+//! assert_eq!(sched.last_step().counters.prefetch_misses, 1);
+//! assert_eq!(registry.live_bytes(), 0);
+//! # let _ = Role::Gather;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
 //! After `Fetch(params)` returns and its actions ran, the parameters are gathered once the
 //! compute stream passed the emitted waits. `Release(params, after)` says the engine's use
 //! ends at `after`. Steady-state steps allocate nothing when the action `Vec` has capacity.
