@@ -9,6 +9,9 @@ pub struct StepCounters {
     pub all_gathers: u64,
     /// Reduce launches (one per gradient bucket reduced).
     pub reduce_scatters: u64,
+    /// Plan ops (collectives) issued by those launches: one per launch, except hybrid
+    /// sharding's reduce-scatter + cross-group all-reduce (two).
+    pub ops_issued: u64,
     /// Bytes of gathered buffers produced by all-gathers.
     pub gathered_bytes: u64,
     /// Bytes of full-size gradient buffers reduced.
