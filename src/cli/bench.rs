@@ -327,7 +327,12 @@ pub fn run_cuda(plan: &BenchPlan) -> Result<ExitCode, CliError> {
 fn run_local(plan: &BenchPlan) -> Result<ExitCode, CliError> {
     let largest = plan.sizes.last().copied().unwrap_or(0);
     let memcpy = memcpy_bandwidth(largest);
-    let printer = Printer::new(plan, "local", memcpy);
+    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+    let threads = plan.ranks.min(cores);
+    let concurrent =
+        (threads > 1).then(|| (threads, memcpy_concurrent_bandwidth(largest / plan.ranks, threads)));
+    let mut printer = Printer::new(plan, "local", memcpy);
+    printer.concurrent = concurrent;
     printer.header();
     let world = LocalWorld::with_config(plan.ranks, LocalConfig::default())?;
     let collector = Collector::new(plan.ranks);
@@ -375,11 +380,41 @@ pub fn memcpy_bandwidth(bytes: usize) -> f64 {
     bytes as f64 / best
 }
 
+/// Aggregate bandwidth (bytes copied per second, all threads together) of `threads` threads each
+/// copying `bytes` at the same time, best of a few runs: how much more than one thread the
+/// machine's memory gives to several cores, printed beside the single-thread reference.
+pub fn memcpy_concurrent_bandwidth(bytes: usize, threads: usize) -> f64 {
+    let bytes = bytes.max(4096);
+    let threads = threads.max(1);
+    let mut bufs: Vec<(Vec<u8>, Vec<u8>)> =
+        (0..threads).map(|_| (vec![1u8; bytes], vec![0u8; bytes])).collect();
+    let runs = if bytes >= 64 << 20 { 5 } else { 20 };
+    let mut best = f64::INFINITY;
+    for _ in 0..runs {
+        let barrier = std::sync::Barrier::new(threads + 1);
+        let t = std::thread::scope(|s| {
+            for (src, dst) in bufs.iter_mut() {
+                let barrier = &barrier;
+                s.spawn(move || {
+                    barrier.wait();
+                    dst.copy_from_slice(std::hint::black_box(src));
+                });
+            }
+            barrier.wait();
+            Instant::now()
+        });
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    (bytes * threads) as f64 / best
+}
+
 /// Prints the table (rank 0's thread prints each row once every rank handed it in).
 pub struct Printer {
     plan: BenchPlan,
     backend: &'static str,
     memcpy: f64,
+    /// Optional second reference: (threads, aggregate bytes/s of that many concurrent copies).
+    pub concurrent: Option<(usize, f64)>,
     state: Mutex<PrinterState>,
 }
 
@@ -398,7 +433,7 @@ fn type_name(e: ElemType) -> &'static str {
 impl Printer {
     /// A printer for `plan`, with the memcpy reference (bytes/s).
     pub fn new(plan: &BenchPlan, backend: &'static str, memcpy: f64) -> Self {
-        Printer { plan: plan.clone(), backend, memcpy, state: Mutex::default() }
+        Printer { plan: plan.clone(), backend, memcpy, concurrent: None, state: Mutex::default() }
     }
 
     /// The lines before the table.
@@ -425,6 +460,13 @@ impl Printer {
             largest,
             self.memcpy / 1e9
         );
+        if let Some((threads, bw)) = self.concurrent {
+            println!(
+                "# memcpy, {threads} threads at once ({} bytes each): {:.2} GB/s in all",
+                largest,
+                bw / 1e9
+            );
+        }
         if p.coalesce > 1 {
             println!(
                 "# coalesce: each size is {} tensors; time/algbw/busbw for one grouped launch, sep_* for {} separate launches",
