@@ -27,6 +27,9 @@ use crate::backend::local::{LocalConfig, LocalWorld};
 use crate::backend::{Backend, BackendError, CollDesc, Collective, InFlight, RankGroup, Stream};
 use crate::kernels::ElemType;
 
+/// The second reference line (concurrent memcpy) is printed from this largest size up.
+pub const CONCURRENT_MIN_BYTES: usize = 16 << 20;
+
 /// Iterations kept in flight by each rank (each needs its own set of buffers).
 pub const PIPELINE: usize = 2;
 
