@@ -6,7 +6,9 @@
 //! for `ci/ptx.sh` to assemble with ptxas.
 #![cfg(feature = "cuda")]
 
-use collsched_kernels::cuda::{compile_ptx, compiled, include_dirs, loader, nvrtc_version, SOURCES};
+use collsched_kernels::cuda::{
+    compile, compile_ptx, compiled, include_dirs, loader, nvrtc_version, CodeKind, SOURCES,
+};
 
 const ARCHS: [u32; 2] = [80, 90];
 
@@ -60,8 +62,27 @@ fn compiled_kernels_are_cached_per_arch() {
     if !nvrtc_or_skip("compiled_kernels_are_cached_per_arch") {
         return;
     }
-    let a = compiled(80).unwrap_or_else(|e| panic!("{e}"));
-    let b = compiled(80).unwrap_or_else(|e| panic!("{e}"));
+    let a = compiled(80, CodeKind::Ptx).unwrap_or_else(|e| panic!("{e}"));
+    let b = compiled(80, CodeKind::Ptx).unwrap_or_else(|e| panic!("{e}"));
     assert!(std::sync::Arc::ptr_eq(&a, &b), "second compile for the same arch was not cached");
-    assert_eq!(a.ptx.len(), SOURCES.len());
+    assert_eq!(a.images.len(), SOURCES.len());
+    assert!(
+        a.images.iter().all(|(_, img)| img.last() == Some(&0)),
+        "PTX images must end with NUL for cuModuleLoadData"
+    );
+}
+
+#[test]
+fn every_source_compiles_to_a_cubin_for_sm80_and_sm90() {
+    // What a GPU run loads first (no driver JIT needed).
+    if !nvrtc_or_skip("every_source_compiles_to_a_cubin_for_sm80_and_sm90") {
+        return;
+    }
+    for arch in ARCHS {
+        for src in SOURCES {
+            let cubin =
+                compile(src, arch, CodeKind::Cubin, &include_dirs()).unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(&cubin[..4], b"\x7fELF", "{} sm_{arch}: a CUBIN is an ELF image", src.file);
+        }
+    }
 }

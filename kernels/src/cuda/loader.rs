@@ -104,6 +104,8 @@ impl CudaLibrary {
                 "nvrtcCompileProgram",
                 "nvrtcGetPTXSize",
                 "nvrtcGetPTX",
+                "nvrtcGetCUBINSize",
+                "nvrtcGetCUBIN",
                 "nvrtcGetProgramLogSize",
                 "nvrtcGetProgramLog",
                 "nvrtcDestroyProgram",
@@ -223,7 +225,15 @@ fn open_one(candidate: &str) -> Result<Library, String> {
     // initialisers only set up their own state; this is the same call cudarc makes.
     unsafe { UnixLibrary::open(Some(candidate), RTLD_NOW | RTLD_LOCAL) }
         .map(Library::from)
-        .map_err(|e| e.to_string())
+        .map_err(|e| describe(&e))
+}
+
+/// libloading's `Display` says only "dlopen failed"; the loader's own message is its source.
+fn describe(e: &libloading::Error) -> String {
+    match std::error::Error::source(e) {
+        Some(inner) => format!("{e}: {inner}"),
+        None => e.to_string(),
+    }
 }
 
 /// Opens `library` from the knob's places or the system's, checking its required symbols.
@@ -244,7 +254,7 @@ pub fn open(library: CudaLibrary, knob_value: Option<&str>) -> Result<Loaded, Lo
                             library,
                             path: candidate,
                             symbol: symbol.to_string(),
-                            error: e.to_string(),
+                            error: describe(&e),
                         });
                     }
                 }

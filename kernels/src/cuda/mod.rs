@@ -176,11 +176,35 @@ impl Drop for Program {
     }
 }
 
+/// What NVRTC produces.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CodeKind {
+    /// PTX for `compute_{arch}`: JIT-compiled by the driver, runs on that and later GPUs, but
+    /// needs a driver at least as new as NVRTC's PTX version.
+    Ptx,
+    /// A CUBIN (machine code) for `sm_{arch}`: no JIT, runs on drivers older than NVRTC.
+    Cubin,
+}
+
 /// Compiles one source to PTX for `compute_{arch}` (e.g. 80, 90), uncached.
 ///
 /// # Errors
 /// [`CudaKernelError::Load`] without NVRTC; [`CudaKernelError::Compile`] with NVRTC's log.
 pub fn compile_ptx(source: &KernelSource, arch: u32, include: &[PathBuf]) -> Result<String, CudaKernelError> {
+    let image = compile(source, arch, CodeKind::Ptx, include)?;
+    Ok(String::from_utf8_lossy(&image).into_owned())
+}
+
+/// Compiles one source for `arch` to PTX or a CUBIN, uncached. PTX comes without the final NUL.
+///
+/// # Errors
+/// [`CudaKernelError::Load`] without NVRTC; [`CudaKernelError::Compile`] with NVRTC's log.
+pub fn compile(
+    source: &KernelSource,
+    arch: u32,
+    kind: CodeKind,
+    include: &[PathBuf],
+) -> Result<Vec<u8>, CudaKernelError> {
     loader::nvrtc()?;
     let nv = |api: &'static str| {
         move |e: nvrtc::NvrtcError| CudaKernelError::Nvrtc {
@@ -194,8 +218,12 @@ pub fn compile_ptx(source: &KernelSource, arch: u32, include: &[PathBuf]) -> Res
     let src = CString::new(source.source).unwrap_or_default();
     let name = CString::new(source.file).unwrap_or_default();
     let prog = Program(nvrtc::create_program(&src, Some(&name)).map_err(nv("nvrtcCreateProgram"))?);
+    let target = match kind {
+        CodeKind::Ptx => format!("--gpu-architecture=compute_{arch}"),
+        CodeKind::Cubin => format!("--gpu-architecture=sm_{arch}"),
+    };
     let mut options = vec![
-        format!("--gpu-architecture=compute_{arch}"),
+        target,
         "--std=c++17".to_string(),
         // The kernels spell out every rounding; keep the compiler from fusing anything anyway.
         "--fmad=false".to_string(),
@@ -215,44 +243,68 @@ pub fn compile_ptx(source: &KernelSource, arch: u32, include: &[PathBuf]) -> Res
             .unwrap_or_else(|_| format!("{:?} (no log)", e.0));
         return Err(CudaKernelError::Compile { file: source.file, arch, include: include_strs, log });
     }
-    // SAFETY: as above; the program compiled.
-    let raw = unsafe { nvrtc::get_ptx(prog.0) }.map_err(nv("nvrtcGetPTX"))?;
-    let bytes: Vec<u8> = raw.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect();
-    Ok(String::from_utf8_lossy(&bytes).into_owned())
+    match kind {
+        CodeKind::Ptx => {
+            // SAFETY: as above; the program compiled.
+            let raw = unsafe { nvrtc::get_ptx(prog.0) }.map_err(nv("nvrtcGetPTX"))?;
+            Ok(raw.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect())
+        }
+        CodeKind::Cubin => {
+            let mut size = 0usize;
+            // SAFETY: as above; `size` is a live local.
+            unsafe { nvrtc_sys::nvrtcGetCUBINSize(prog.0, &mut size) }
+                .result()
+                .map_err(nv("nvrtcGetCUBINSize"))?;
+            let mut image = vec![0u8; size];
+            // SAFETY: `image` has the size NVRTC asked for.
+            unsafe { nvrtc_sys::nvrtcGetCUBIN(prog.0, image.as_mut_ptr().cast()) }
+                .result()
+                .map_err(nv("nvrtcGetCUBIN"))?;
+            Ok(image)
+        }
+    }
 }
 
-/// The PTX of every source for one architecture.
+/// Every source compiled for one target.
 #[derive(Debug)]
 pub struct CompiledKernels {
     /// Compute capability (80 = sm_80).
     pub arch: u32,
-    /// `(source, PTX)` in the order of [`SOURCES`].
-    pub ptx: Vec<(&'static KernelSource, CString)>,
+    /// PTX or CUBIN.
+    pub kind: CodeKind,
+    /// `(source, image)` in the order of [`SOURCES`]; a PTX image ends with a NUL, as
+    /// `cuModuleLoadData` wants.
+    pub images: Vec<(&'static KernelSource, Vec<u8>)>,
 }
 
-fn cache() -> &'static Mutex<HashMap<u32, Arc<CompiledKernels>>> {
-    static CACHE: OnceLock<Mutex<HashMap<u32, Arc<CompiledKernels>>>> = OnceLock::new();
+type Cache = Mutex<HashMap<(u32, CodeKind), Arc<CompiledKernels>>>;
+
+fn cache() -> &'static Cache {
+    static CACHE: OnceLock<Cache> = OnceLock::new();
     CACHE.get_or_init(Default::default)
 }
 
-/// Every source compiled for `compute_{arch}`, once per process (later calls share the result).
+/// Every source compiled for `arch` as `kind`, once per process (later calls share the result).
 ///
 /// # Errors
-/// As [`compile_ptx`]; a failure is not cached.
-pub fn compiled(arch: u32) -> Result<Arc<CompiledKernels>, CudaKernelError> {
+/// As [`compile`]; a failure is not cached.
+pub fn compiled(arch: u32, kind: CodeKind) -> Result<Arc<CompiledKernels>, CudaKernelError> {
     // A poisoned lock only means another compile panicked; the map is still consistent.
     let mut map = cache().lock().unwrap_or_else(|p| p.into_inner());
-    if let Some(k) = map.get(&arch) {
+    if let Some(k) = map.get(&(arch, kind)) {
         return Ok(Arc::clone(k));
     }
     let include = include_dirs();
-    let mut ptx = Vec::with_capacity(SOURCES.len());
+    let mut images = Vec::with_capacity(SOURCES.len());
     for s in SOURCES {
-        let text = compile_ptx(s, arch, &include)?;
-        ptx.push((s, CString::new(text).unwrap_or_default()));
+        let mut image = compile(s, arch, kind, &include)?;
+        if kind == CodeKind::Ptx {
+            image.push(0);
+        }
+        images.push((s, image));
     }
-    let k = Arc::new(CompiledKernels { arch, ptx });
-    map.insert(arch, Arc::clone(&k));
+    let k = Arc::new(CompiledKernels { arch, kind, images });
+    map.insert((arch, kind), Arc::clone(&k));
     Ok(k)
 }
 
@@ -362,6 +414,7 @@ pub struct KernelModule {
     accumulate: [cusys::CUfunction; 3],
     cast: [[cusys::CUfunction; 3]; 3],
     arch: u32,
+    kind: CodeKind,
 }
 
 // SAFETY: CUmodule and CUfunction are driver handles usable from any thread (with the owning
@@ -371,24 +424,41 @@ unsafe impl Send for KernelModule {}
 unsafe impl Sync for KernelModule {}
 
 impl KernelModule {
-    /// Compiles (once per process, see [`compiled`]) and loads every kernel for `compute_{arch}`
-    /// into the context current on this thread.
+    /// Compiles (once per process, see [`compiled`]) and loads every kernel for a device of
+    /// compute capability `arch` (e.g. 80) into the context current on this thread.
+    ///
+    /// First a CUBIN for `sm_{arch}` (no JIT, so a driver older than NVRTC is fine); if NVRTC
+    /// does not know that GPU or the driver refuses the CUBIN, PTX for `compute_80` (JIT, for
+    /// GPUs newer than NVRTC; `compute_{arch}` below sm_80).
     ///
     /// # Errors
-    /// [`CudaKernelError`] if a library is missing, NVRTC fails, or the driver refuses the PTX
-    /// (no current context, a driver older than the PTX).
+    /// [`CudaKernelError`] if a library is missing, NVRTC fails, or the driver refuses both
+    /// images (no current context, a driver older than the PTX).
     pub fn load(arch: u32) -> Result<Self, CudaKernelError> {
         loader::driver()?;
-        let compiled = compiled(arch)?;
+        let first = compiled(arch, CodeKind::Cubin).and_then(|k| Self::load_images(&k));
+        match first {
+            Ok(m) => Ok(m),
+            Err(CudaKernelError::Load(e)) => Err(CudaKernelError::Load(e)),
+            Err(first_err) => {
+                let fallback = compiled(arch.min(80), CodeKind::Ptx).and_then(|k| Self::load_images(&k));
+                fallback.map_err(|_| first_err)
+            }
+        }
+    }
+
+    fn load_images(compiled: &CompiledKernels) -> Result<Self, CudaKernelError> {
+        let arch = compiled.arch;
         let mut modules = Vec::new();
         let mut functions: HashMap<&'static str, cusys::CUfunction> = HashMap::new();
         let drv = |what: String| move |source: DriverCallError| CudaKernelError::Driver { what, source };
         let result = (|| {
-            for (src, ptx) in &compiled.ptx {
-                // SAFETY: `ptx` is a NUL-terminated PTX image that lives across the call.
-                let module = unsafe { cu::module::load_data(ptx.as_ptr().cast::<c_void>()) }
+            for (src, image) in &compiled.images {
+                // SAFETY: `image` is a whole CUBIN or a NUL-terminated PTX image that lives
+                // across the call.
+                let module = unsafe { cu::module::load_data(image.as_ptr().cast::<c_void>()) }
                     .map_err(|e| DriverCallError::new("cuModuleLoadData", e))
-                    .map_err(drv(format!("{} (compute_{arch})", src.file)))?;
+                    .map_err(drv(format!("{} ({:?}, arch {arch})", src.file, compiled.kind)))?;
                 modules.push(module);
                 for name in src.kernels {
                     let cname = CString::new(*name).unwrap_or_default();
@@ -401,19 +471,16 @@ impl KernelModule {
             }
             Ok(())
         })();
-        let unload = |modules: &[cusys::CUmodule]| {
-            for m in modules {
-                // SAFETY: each module was loaded above and is unloaded once.
+        if let Err(e) = result {
+            for m in &modules {
+                // SAFETY: each module was loaded above and is unloaded once, here.
                 let _ = unsafe { cu::module::unload(*m) };
             }
-        };
-        if let Err(e) = result {
-            unload(&modules);
             return Err(e);
         }
         let get = |n: &str| functions.get(n).copied().unwrap_or(std::ptr::null_mut());
         let names = ["f32", "f16", "bf16"];
-        let this = KernelModule {
+        Ok(KernelModule {
             copy_in: get("collsched_copy_in"),
             copy_out: get("collsched_copy_out"),
             reduce: names.map(|t| get(&format!("collsched_reduce_{t}"))),
@@ -421,8 +488,13 @@ impl KernelModule {
             cast: names.map(|f| names.map(|t| get(&format!("collsched_cast_{f}_to_{t}")))),
             modules,
             arch,
-        };
-        Ok(this)
+            kind: compiled.kind,
+        })
+    }
+
+    /// What was loaded: a CUBIN for the device, or PTX.
+    pub fn kind(&self) -> CodeKind {
+        self.kind
     }
 
     /// The architecture the kernels were compiled for.
