@@ -1,0 +1,205 @@
+//! Host buffers of the local backend and the per-rank pool they come from.
+
+use std::alloc::{self, Layout};
+use std::collections::HashMap;
+use std::fmt;
+use std::ptr::NonNull;
+use std::sync::{Mutex, PoisonError};
+
+use super::event::LocalEvent;
+use crate::backend::{BackendBuffer, BackendError, BackendEvent};
+
+/// Alignment of every local buffer: a cache line, so vectorized kernels start aligned.
+pub const BUFFER_ALIGN: usize = 64;
+
+/// Bytes owned through a raw pointer (not a `Box`), so that moving the owner around while
+/// stream threads of other ranks read or write the bytes asserts nothing about uniqueness.
+struct Storage {
+    ptr: NonNull<u8>,
+    cap: usize,
+}
+
+// SAFETY: `Storage` owns its allocation exclusively, like a `Box<[u8]>`; sending it to another
+// thread moves that ownership. Concurrent access from stream threads goes through raw pointers
+// under the rendezvous protocol in `rendezvous.rs`, never through `&Storage`.
+unsafe impl Send for Storage {}
+// SAFETY: `&Storage` only hands out `&[u8]` (through `LocalBuffer::as_bytes`), which is sound to
+// share; mutation needs `&mut`.
+unsafe impl Sync for Storage {}
+
+impl Storage {
+    fn layout(cap: usize) -> Layout {
+        // `cap` is a multiple of BUFFER_ALIGN that fit in an isize when requested (checked in
+        // `Storage::new`); this cannot fail then.
+        Layout::from_size_align(cap, BUFFER_ALIGN).unwrap_or(Layout::new::<u8>())
+    }
+
+    fn new(rank: usize, cap: usize) -> Result<Self, BackendError> {
+        if cap == 0 {
+            return Ok(Storage { ptr: NonNull::<[u8; BUFFER_ALIGN]>::dangling().cast(), cap: 0 });
+        }
+        let layout = Layout::from_size_align(cap, BUFFER_ALIGN).map_err(|e| BackendError::OutOfMemory {
+            rank,
+            bytes: cap,
+            what: e.to_string(),
+        })?;
+        // SAFETY: `layout` has a non-zero size (cap > 0).
+        let raw = unsafe { alloc::alloc_zeroed(layout) };
+        let ptr = NonNull::new(raw).ok_or_else(|| BackendError::OutOfMemory {
+            rank,
+            bytes: cap,
+            what: "the system allocator returned null".into(),
+        })?;
+        Ok(Storage { ptr, cap })
+    }
+}
+
+impl Drop for Storage {
+    fn drop(&mut self) {
+        if self.cap > 0 {
+            // SAFETY: allocated in `Storage::new` with exactly this layout, freed once.
+            unsafe { alloc::dealloc(self.ptr.as_ptr(), Self::layout(self.cap)) };
+        }
+    }
+}
+
+/// A host buffer of the local backend, from a rank's pool. Aligned to [`BUFFER_ALIGN`] bytes.
+///
+/// Its contents can be read and written directly while the caller owns it (not while a
+/// collective has it: then it lives inside an [`crate::backend::InFlight`]).
+pub struct LocalBuffer {
+    storage: Storage,
+    len: usize,
+}
+
+impl fmt::Debug for LocalBuffer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LocalBuffer").field("len", &self.len).field("ptr", &self.storage.ptr).finish()
+    }
+}
+
+impl LocalBuffer {
+    /// The bytes.
+    pub fn as_bytes(&self) -> &[u8] {
+        // SAFETY: `storage` holds `cap >= len` initialized (zeroed at allocation) bytes, aligned,
+        // owned by `self`; no stream thread touches them while the caller holds `&self` (buffers
+        // in flight are owned by an `InFlight`, which exposes no access to them).
+        unsafe { std::slice::from_raw_parts(self.storage.ptr.as_ptr(), self.len) }
+    }
+
+    /// The bytes, mutably.
+    pub fn as_bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `as_bytes`, and `&mut self` makes this the only access.
+        unsafe { std::slice::from_raw_parts_mut(self.storage.ptr.as_ptr(), self.len) }
+    }
+
+    pub(super) fn as_ptr(&self) -> *const u8 {
+        self.storage.ptr.as_ptr()
+    }
+
+    pub(super) fn as_mut_ptr(&mut self) -> *mut u8 {
+        self.storage.ptr.as_ptr()
+    }
+}
+
+impl BackendBuffer for LocalBuffer {
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+fn class_of(bytes: usize) -> usize {
+    bytes.div_ceil(BUFFER_ALIGN) * BUFFER_ALIGN
+}
+
+#[derive(Default)]
+struct PoolInner {
+    /// Free storage by capacity.
+    free: HashMap<usize, Vec<Storage>>,
+    /// Storage waiting for an event before it is free; `true` parks the event's failure.
+    pending: Vec<(LocalEvent, Storage, bool)>,
+    /// Fresh allocations so far (for tests and logs).
+    allocations: u64,
+}
+
+/// One rank's buffer pool: exact size classes (rounded up to [`BUFFER_ALIGN`]), deferred frees,
+/// and the parked error of a dropped in-flight collective.
+pub(super) struct Pool {
+    rank: usize,
+    inner: Mutex<PoolInner>,
+    parked: Mutex<Option<BackendError>>,
+}
+
+impl Pool {
+    pub(super) fn new(rank: usize) -> Self {
+        Pool { rank, inner: Mutex::default(), parked: Mutex::new(None) }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, PoolInner> {
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    pub(super) fn park(&self, error: BackendError) {
+        let mut p = self.parked.lock().unwrap_or_else(PoisonError::into_inner);
+        if p.is_none() {
+            *p = Some(error);
+        }
+    }
+
+    pub(super) fn take_parked(&self) -> Result<(), BackendError> {
+        match self.parked.lock().unwrap_or_else(PoisonError::into_inner).take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    fn reap(&self, inner: &mut PoolInner) {
+        let mut i = 0;
+        while i < inner.pending.len() {
+            match inner.pending[i].0.query() {
+                Ok(false) => i += 1,
+                done => {
+                    let (_, s, park) = inner.pending.swap_remove(i);
+                    if let (Err(e), true) = (done, park) {
+                        self.park(e);
+                    }
+                    inner.free.entry(s.cap).or_default().push(s);
+                }
+            }
+        }
+    }
+
+    pub(super) fn alloc(&self, bytes: usize) -> Result<LocalBuffer, BackendError> {
+        let class = class_of(bytes);
+        let mut inner = self.lock();
+        if !inner.pending.is_empty() {
+            self.reap(&mut inner);
+        }
+        if let Some(storage) = inner.free.get_mut(&class).and_then(Vec::pop) {
+            return Ok(LocalBuffer { storage, len: bytes });
+        }
+        inner.allocations += 1;
+        drop(inner);
+        tracing::debug!(target: "collsched::alloc", rank = self.rank, bytes, "fresh local buffer");
+        Ok(LocalBuffer { storage: Storage::new(self.rank, class)?, len: bytes })
+    }
+
+    /// Returns `buffer` now or once `after` completed. With `park`, a failure of `after` is
+    /// parked for the rank's next fallible call (an in-flight collective dropped unfinished).
+    pub(super) fn free(&self, buffer: LocalBuffer, after: Option<&LocalEvent>, park: bool) {
+        let mut inner = self.lock();
+        match after.map(|e| (e, e.query())) {
+            Some((e, Ok(false))) => inner.pending.push((e.clone(), buffer.storage, park)),
+            other => {
+                if let (Some((_, Err(e))), true) = (other, park) {
+                    self.park(e);
+                }
+                inner.free.entry(buffer.storage.cap).or_default().push(buffer.storage);
+            }
+        }
+    }
+
+    pub(super) fn allocations(&self) -> u64 {
+        self.lock().allocations
+    }
+}

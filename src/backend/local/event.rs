@@ -1,0 +1,123 @@
+//! Events of the local backend: one-shot completion fences shared across threads.
+
+use std::fmt;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, PoisonError};
+use std::time::{Duration, Instant};
+
+use crate::backend::{BackendError, BackendEvent};
+
+const PENDING: u8 = 0;
+const DONE: u8 = 1;
+const FAILED: u8 = 2;
+
+struct Inner {
+    state: AtomicU8,
+    error: OnceLock<BackendError>,
+    lock: Mutex<()>,
+    cv: Condvar,
+    /// How long a host wait spins before it sleeps.
+    spin: Duration,
+}
+
+/// A completion fence of the local backend: pending until the stream that recorded it reaches
+/// it, then done or failed, for good. Cheap to clone; any thread (any rank) may wait on it.
+#[derive(Clone)]
+pub struct LocalEvent(Arc<Inner>);
+
+impl fmt::Debug for LocalEvent {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let state = match self.0.state.load(Ordering::Acquire) {
+            PENDING => "pending",
+            DONE => "done",
+            _ => "failed",
+        };
+        write!(f, "LocalEvent({state})")
+    }
+}
+
+impl LocalEvent {
+    pub(super) fn new(spin: Duration) -> Self {
+        LocalEvent(Arc::new(Inner {
+            state: AtomicU8::new(PENDING),
+            error: OnceLock::new(),
+            lock: Mutex::new(()),
+            cv: Condvar::new(),
+            spin,
+        }))
+    }
+
+    /// An event that is already complete.
+    pub fn completed() -> Self {
+        let e = Self::new(Duration::ZERO);
+        e.complete(Ok(()));
+        e
+    }
+
+    /// Completes the event (first call wins).
+    pub(super) fn complete(&self, result: Result<(), BackendError>) {
+        let state = match result {
+            Ok(()) => DONE,
+            Err(e) => {
+                let _ = self.0.error.set(e);
+                FAILED
+            }
+        };
+        // Publish the error (set above) and everything the stream did before this point.
+        let _ = self.0.state.compare_exchange(PENDING, state, Ordering::AcqRel, Ordering::Acquire);
+        // Taking the lock orders this notification after a sleeper's last check of the state.
+        drop(self.0.lock.lock().unwrap_or_else(PoisonError::into_inner));
+        self.0.cv.notify_all();
+    }
+
+    fn check(&self) -> Result<bool, BackendError> {
+        match self.0.state.load(Ordering::Acquire) {
+            PENDING => Ok(false),
+            DONE => Ok(true),
+            _ => Err(self.0.error.get().cloned().unwrap_or(BackendError::Unsupported {
+                what: "event failed without an error (a bug in the local backend)".into(),
+            })),
+        }
+    }
+}
+
+impl BackendEvent for LocalEvent {
+    fn query(&self) -> Result<bool, BackendError> {
+        self.check()
+    }
+
+    fn wait(&self, timeout: Duration) -> Result<(), BackendError> {
+        if self.check()? {
+            return Ok(());
+        }
+        let start = Instant::now();
+        let spin_until = start + self.0.spin.min(timeout);
+        let mut i = 0u32;
+        while Instant::now() < spin_until {
+            for _ in 0..64 {
+                std::hint::spin_loop();
+            }
+            if self.check()? {
+                return Ok(());
+            }
+            i += 1;
+            if i.is_multiple_of(16) {
+                std::thread::yield_now();
+            }
+        }
+        let deadline = start.checked_add(timeout);
+        let mut guard = self.0.lock.lock().unwrap_or_else(PoisonError::into_inner);
+        loop {
+            if self.check()? {
+                return Ok(());
+            }
+            let now = Instant::now();
+            let left = match deadline {
+                Some(d) if now >= d => return Err(BackendError::EventTimeout { waited: now - start }),
+                Some(d) => d - now,
+                None => Duration::from_secs(3600),
+            };
+            guard = self.0.cv.wait_timeout(guard, left).unwrap_or_else(PoisonError::into_inner).0;
+        }
+    }
+}

@@ -1,0 +1,458 @@
+//! The local backend: `n` ranks as threads of one process.
+//!
+//! Each rank has one thread per [`Stream`] (started on first use) that runs the rank's work on
+//! that stream in order. Events ([`LocalEvent`]) are completion fences any thread of any rank can
+//! wait on. Collectives work directly on the members' buffers (shared memory, no staging copy):
+//! an all-gather pulls each peer's shard straight into the output, a reduce-scatter reads each
+//! member's contribution once and writes the reduced shard, an all-reduce is a reduce-scatter of
+//! chunks into the outputs followed by an all-gather of the chunks, a broadcast copies from the
+//! root. The rendezvous protocol that makes this safe is described in `rendezvous.rs`.
+//!
+//! # Failures
+//! A member that panics, drops its handle, fails, or simply does not arrive makes every other
+//! member of that collective fail with an error naming the op, the group, the missing ranks and
+//! the sequence number: at once when the missing rank's stream has left for good (its handle was
+//! dropped, for instance while unwinding from a panic), otherwise after [`LocalConfig::timeout`].
+//! Members that post different collectives at the same sequence number all get
+//! [`BackendError::Mismatch`], and nothing is executed.
+//!
+//! # Knobs
+//! [`LocalConfig`]: `timeout` (default [`DEFAULT_TIMEOUT`], 300 s) and `spin` (default
+//! [`DEFAULT_SPIN`], 50 µs).
+
+mod buffer;
+mod event;
+mod rendezvous;
+mod stream;
+
+use std::num::NonZeroUsize;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use crossbeam::channel::Sender;
+use smallvec::SmallVec;
+
+pub use buffer::{LocalBuffer, BUFFER_ALIGN};
+pub use event::LocalEvent;
+
+use self::buffer::Pool;
+use self::rendezvous::{Channels, Departures, OpPost, Post, RawPtr};
+use self::stream::{HostFn, Work};
+use crate::backend::{
+    Backend, BackendBuffer, BackendError, CollKind, Collective, InFlight, LaunchError, OnDrop, OpId,
+    RankGroup, Stream,
+};
+
+/// Default of [`LocalConfig::timeout`]: 300 s.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+/// Default of [`LocalConfig::spin`]: 50 µs.
+pub const DEFAULT_SPIN: Duration = Duration::from_micros(50);
+
+/// Knobs of a [`LocalWorld`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct LocalConfig {
+    /// How long a member of a collective waits for the others to arrive, and a stream waits for
+    /// an event, before failing. Default [`DEFAULT_TIMEOUT`] (300 s); tests use a short one.
+    pub timeout: Duration,
+    /// How long a waiter spins before it sleeps, when the group has no more ranks than the
+    /// machine has cores (otherwise it sleeps at once). Spinning buys small messages their few
+    /// microseconds. Default [`DEFAULT_SPIN`] (50 µs).
+    pub spin: Duration,
+}
+
+impl Default for LocalConfig {
+    fn default() -> Self {
+        LocalConfig { timeout: DEFAULT_TIMEOUT, spin: DEFAULT_SPIN }
+    }
+}
+
+/// What every rank and stream thread of a world shares.
+pub(crate) struct Shared {
+    n: usize,
+    config: LocalConfig,
+    cores: usize,
+    channels: Channels,
+    departures: Departures,
+    claimed: Vec<AtomicBool>,
+}
+
+/// A world of `n` ranks living as threads of this process.
+///
+/// # Examples
+/// ```
+/// use collsched::backend::local::{LocalConfig, LocalWorld};
+/// use collsched::backend::Backend;
+///
+/// let world = LocalWorld::with_config(3, LocalConfig::default())?;
+/// let sizes = world.run(|rank| rank.world_size())?;
+/// assert!(sizes.into_iter().all(|s| s.ok() == Some(3)));
+/// # Ok::<(), collsched::backend::BackendError>(())
+/// ```
+pub struct LocalWorld {
+    shared: Arc<Shared>,
+}
+
+impl LocalWorld {
+    /// A world of `n` ranks with the default [`LocalConfig`].
+    ///
+    /// # Errors
+    /// [`BackendError::InvalidGroup`] if `n == 0`.
+    pub fn new(n: usize) -> Result<Self, BackendError> {
+        Self::with_config(n, LocalConfig::default())
+    }
+
+    /// A world of `n` ranks.
+    ///
+    /// # Errors
+    /// [`BackendError::InvalidGroup`] if `n == 0`.
+    pub fn with_config(n: usize, config: LocalConfig) -> Result<Self, BackendError> {
+        if n == 0 {
+            return Err(BackendError::InvalidGroup {
+                ranks: Vec::new(),
+                what: "a local world needs at least one rank (LocalWorld::new(0))".into(),
+            });
+        }
+        let cores = std::thread::available_parallelism().map_or(1, NonZeroUsize::get);
+        Ok(LocalWorld {
+            shared: Arc::new(Shared {
+                n,
+                config,
+                cores,
+                channels: Channels::default(),
+                departures: Departures::new(n),
+                claimed: (0..n).map(|_| AtomicBool::new(false)).collect(),
+            }),
+        })
+    }
+
+    /// Number of ranks.
+    pub fn size(&self) -> usize {
+        self.shared.n
+    }
+
+    /// The knobs.
+    pub fn config(&self) -> &LocalConfig {
+        &self.shared.config
+    }
+
+    /// The handle of rank `r`, to be used from that rank's thread. Each rank can be taken once;
+    /// dropping the handle lets its streams finish their work and then leave the world (peers
+    /// still waiting for it get [`BackendError::PeerFailed`]).
+    ///
+    /// # Errors
+    /// [`BackendError::InvalidGroup`] if `r` is out of range or was already taken.
+    pub fn rank(&self, r: usize) -> Result<LocalRank, BackendError> {
+        let Some(flag) = self.shared.claimed.get(r) else {
+            return Err(BackendError::InvalidGroup {
+                ranks: vec![r],
+                what: format!("rank {r} does not exist in a local world of {} ranks", self.shared.n),
+            });
+        };
+        if flag.swap(true, Ordering::SeqCst) {
+            return Err(BackendError::InvalidGroup {
+                ranks: vec![r],
+                what: format!("rank {r} of this local world was already taken; each rank has one handle"),
+            });
+        }
+        let pool = Arc::new(Pool::new(r));
+        let drop_pool = Arc::clone(&pool);
+        let on_drop: OnDrop<LocalRank> =
+            Arc::new(move |ops: Vec<Collective<LocalBuffer>>, event: &LocalEvent| {
+                let mut park = true;
+                for op in ops {
+                    for buf in op.input.into_iter().chain(std::iter::once(op.output)) {
+                        drop_pool.free(buf, Some(event), park);
+                        park = false;
+                    }
+                }
+            });
+        Ok(LocalRank {
+            rank: r,
+            shared: Arc::clone(&self.shared),
+            streams: Default::default(),
+            pool,
+            on_drop,
+        })
+    }
+
+    /// Runs `f` on every rank, each on a thread of its own, and returns each rank's outcome in
+    /// rank order (`Err` holds the panic of a rank that panicked).
+    ///
+    /// # Errors
+    /// [`BackendError::InvalidGroup`] if some rank was already taken with [`LocalWorld::rank`].
+    pub fn run<T, F>(&self, f: F) -> Result<Vec<std::thread::Result<T>>, BackendError>
+    where
+        T: Send,
+        F: Fn(LocalRank) -> T + Sync,
+    {
+        let ranks = (0..self.shared.n).map(|r| self.rank(r)).collect::<Result<Vec<_>, _>>()?;
+        let f = &f;
+        Ok(std::thread::scope(|s| {
+            let handles: Vec<_> = ranks
+                .into_iter()
+                .map(|rank| {
+                    std::thread::Builder::new()
+                        .name(format!("collsched-rank{}", rank.rank))
+                        .spawn_scoped(s, move || f(rank))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| match h {
+                    Ok(h) => h.join(),
+                    Err(e) => {
+                        Err(Box::new(format!("cannot start rank thread: {e}"))
+                            as Box<dyn std::any::Any + Send>)
+                    }
+                })
+                .collect()
+        }))
+    }
+}
+
+/// One rank of a [`LocalWorld`]: the [`Backend`] the engine of that rank uses.
+pub struct LocalRank {
+    rank: usize,
+    shared: Arc<Shared>,
+    streams: [OnceLock<Sender<Work>>; 3],
+    pool: Arc<Pool>,
+    on_drop: OnDrop<LocalRank>,
+}
+
+impl std::fmt::Debug for LocalRank {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LocalRank").field("rank", &self.rank).field("world", &self.shared.n).finish()
+    }
+}
+
+impl Drop for LocalRank {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.shared.departures.set_panicked(self.rank);
+        }
+        for s in Stream::ALL {
+            if self.streams[s.index()].get().is_none() {
+                self.shared.departures.set_departed(self.rank, s);
+                self.shared.channels.poke(self.rank, s);
+            }
+        }
+        // The senders drop next: each stream thread finishes its queue, then leaves.
+    }
+}
+
+impl LocalRank {
+    fn queue(&self, stream: Stream) -> &Sender<Work> {
+        self.streams[stream.index()]
+            .get_or_init(|| stream::spawn(self.rank, stream, Arc::clone(&self.shared)))
+    }
+
+    fn send(&self, stream: Stream, work: Work) -> Result<(), BackendError> {
+        self.queue(stream).send(work).map_err(|_| BackendError::Shutdown {
+            rank: self.rank,
+            what: format!("the {stream} stream thread is gone"),
+        })
+    }
+
+    fn new_event(&self) -> LocalEvent {
+        LocalEvent::new(self.shared.config.spin)
+    }
+
+    /// Runs `f` on `stream` in order with the stream's other work; the event completes with its
+    /// result. (How a driver runs copy-in / copy-out on a stream locally.)
+    ///
+    /// # Errors
+    /// [`BackendError::Shutdown`]; a parked failure.
+    pub fn enqueue_host<F>(&self, stream: Stream, f: F) -> Result<LocalEvent, BackendError>
+    where
+        F: FnOnce() -> Result<(), BackendError> + Send + 'static,
+    {
+        self.pool.take_parked()?;
+        let event = self.new_event();
+        let f: HostFn = Box::new(f);
+        self.send(stream, Work::Host { f, event: event.clone() })?;
+        Ok(event)
+    }
+
+    /// How many buffers this rank's pool allocated fresh (not reused) so far.
+    pub fn fresh_allocations(&self) -> u64 {
+        self.pool.allocations()
+    }
+
+    fn op_id(&self, stream: Stream, c: &Collective<LocalBuffer>) -> Box<OpId> {
+        Box::new(OpId { desc: c.desc.clone(), stream, seq: None })
+    }
+
+    /// Checks a group launch and builds this rank's post.
+    fn validate(
+        &self,
+        stream: Stream,
+        ops: &mut [Collective<LocalBuffer>],
+    ) -> Result<(RankGroup, Post), BackendError> {
+        let rank = self.rank;
+        let Some(first) = ops.first() else {
+            return Err(BackendError::Unsupported {
+                what: format!("rank {rank}: launch_group on stream {stream} got no collectives"),
+            });
+        };
+        let group = first.desc.group.clone();
+        let mut post: Post = SmallVec::with_capacity(ops.len());
+        for c in ops.iter_mut() {
+            let bad =
+                |what: String| BackendError::InvalidCollective { rank, op: self.op_id(stream, c), what };
+            let d = &c.desc;
+            if d.group != group {
+                return Err(bad(format!(
+                    "a group launch mixes rank groups {} and {}; launch them separately",
+                    group, d.group
+                )));
+            }
+            if let Some(&r) = d.group.ranks().iter().find(|&&r| r >= self.shared.n) {
+                return Err(bad(format!(
+                    "rank {r} of the group is not in this world of {} ranks",
+                    self.shared.n
+                )));
+            }
+            if d.group.position(rank).is_none() {
+                return Err(bad(format!("rank {rank} is not a member of group {}", d.group)));
+            }
+            let es = d.elem.size();
+            let need = |count: usize, what: &str, have: usize| -> Result<(), BackendError> {
+                let bytes = count.checked_mul(es).ok_or_else(|| bad(format!("{what} size overflows")))?;
+                if have < bytes {
+                    return Err(bad(format!(
+                        "the {what} buffer has {have} bytes but needs {bytes} ({count} x {}); allocate it \
+                         with the collective's size",
+                        d.elem.name()
+                    )));
+                }
+                Ok(())
+            };
+            need(d.output_count(), "output", c.output.len())?;
+            match (d.kind, &c.input) {
+                (CollKind::ReduceScatter | CollKind::AllReduce, None) => {
+                    return Err(bad(format!(
+                        "{} needs an input buffer distinct from the output (in place is not supported)",
+                        d.kind.name()
+                    )))
+                }
+                (CollKind::Broadcast { root }, input) => {
+                    if d.group.position(root).is_none() {
+                        return Err(bad(format!("root {root} is not a member of group {}", d.group)));
+                    }
+                    if root != rank && input.is_some() {
+                        return Err(bad(format!(
+                            "rank {rank} is not the root ({root}): only the root gives an input; pass None"
+                        )));
+                    }
+                }
+                _ => {}
+            }
+            if let Some(input) = &c.input {
+                need(d.input_count(), "input", input.len())?;
+            }
+            let src = c.input.as_ref().map_or(std::ptr::null_mut(), |b| b.as_ptr().cast_mut());
+            let dst = c.output.as_mut_ptr();
+            post.push(OpPost { desc: c.desc.clone(), src: RawPtr(src), dst: RawPtr(dst) });
+        }
+        Ok((group, post))
+    }
+}
+
+impl Backend for LocalRank {
+    type Buffer = LocalBuffer;
+    type Event = LocalEvent;
+
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.shared.n
+    }
+
+    fn timeout(&self) -> Duration {
+        self.shared.config.timeout
+    }
+
+    fn alloc(&self, bytes: usize) -> Result<LocalBuffer, BackendError> {
+        self.pool.take_parked()?;
+        self.pool.alloc(bytes)
+    }
+
+    fn free(&self, buffer: LocalBuffer, after: Option<&LocalEvent>) {
+        self.pool.free(buffer, after, false);
+    }
+
+    fn write_from_host(
+        &self,
+        buffer: &mut LocalBuffer,
+        offset: usize,
+        src: &[u8],
+    ) -> Result<(), BackendError> {
+        let len = buffer.len();
+        let dst = offset
+            .checked_add(src.len())
+            .filter(|&end| end <= len)
+            .map(|end| &mut buffer.as_bytes_mut()[offset..end])
+            .ok_or_else(|| BackendError::OutOfRange {
+                rank: self.rank,
+                what: format!("write of {} bytes at offset {offset} into a buffer of {len} bytes", src.len()),
+            })?;
+        dst.copy_from_slice(src);
+        Ok(())
+    }
+
+    fn read_to_host(&self, buffer: &LocalBuffer, offset: usize, dst: &mut [u8]) -> Result<(), BackendError> {
+        let len = buffer.len();
+        let src = offset
+            .checked_add(dst.len())
+            .filter(|&end| end <= len)
+            .map(|end| &buffer.as_bytes()[offset..end])
+            .ok_or_else(|| BackendError::OutOfRange {
+                rank: self.rank,
+                what: format!("read of {} bytes at offset {offset} from a buffer of {len} bytes", dst.len()),
+            })?;
+        dst.copy_from_slice(src);
+        Ok(())
+    }
+
+    fn record(&self, stream: Stream) -> Result<LocalEvent, BackendError> {
+        self.pool.take_parked()?;
+        let event = self.new_event();
+        self.send(stream, Work::Record(event.clone()))?;
+        Ok(event)
+    }
+
+    fn wait_event(&self, stream: Stream, event: &LocalEvent) -> Result<(), BackendError> {
+        self.pool.take_parked()?;
+        self.send(stream, Work::Wait(event.clone()))
+    }
+
+    fn launch_group(
+        &self,
+        stream: Stream,
+        after: &[LocalEvent],
+        mut ops: Vec<Collective<LocalBuffer>>,
+    ) -> Result<InFlight<Self>, LaunchError<LocalBuffer>> {
+        if let Err(error) = self.pool.take_parked() {
+            return Err(LaunchError { error, ops });
+        }
+        let (group, post) = match self.validate(stream, &mut ops) {
+            Ok(v) => v,
+            Err(error) => return Err(LaunchError { error, ops }),
+        };
+        let event = self.new_event();
+        let work = Work::Coll {
+            group,
+            first: ops[0].desc.clone(),
+            post: Box::new(post),
+            after: after.iter().cloned().collect(),
+            event: event.clone(),
+        };
+        if let Err(error) = self.send(stream, work) {
+            return Err(LaunchError { error, ops });
+        }
+        Ok(InFlight::new(ops, event, Arc::clone(&self.on_drop)))
+    }
+}

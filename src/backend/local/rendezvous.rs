@@ -1,0 +1,600 @@
+//! Where the ranks of a local collective meet, and the copies and reductions they then do on
+//! each other's memory.
+//!
+//! # Protocol (one slot per sequence number of a (group, stream) channel)
+//! 1. **Arrive.** Each member posts raw pointers to its buffers and its descriptions. A post
+//!    that disagrees with the first one aborts the slot at once (`Mismatch`). The last arriver
+//!    switches the slot to `Running` and freezes the posts.
+//! 2. **Wait for everyone.** A member waits (spinning briefly, then sleeping) until the slot is
+//!    `Running` or `Aborted`. If the timeout passes, or a missing member's stream has left for
+//!    good, the waiter aborts the slot. A slot is aborted only while `Collecting`, so **no
+//!    member has read anything** when it is: every post is withdrawn untouched.
+//! 3. **Move data.** Each member writes only its own output and reads peers' inputs (and, for
+//!    all-gather in place and all-reduce's second half, chunks of peers' outputs that their owner
+//!    does not write). All-reduce has a middle barrier between its reduce-scatter half and its
+//!    all-gather half.
+//! 4. **Depart.** A member counts itself done and waits until every member is done: only then
+//!    may its buffers be reused (its completion event fires after this). This wait has no
+//!    timeout and needs none: every member in `Running` is a stream thread doing bounded copies,
+//!    with panics caught.
+//!
+//! After an abort the channel stays poisoned: later collectives on it fail at once.
+
+use std::collections::HashMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use collsched_kernels::reduce;
+use smallvec::SmallVec;
+
+use super::LocalConfig;
+use crate::backend::{BackendError, CollDesc, CollKind, OpId, RankGroup, Stream};
+
+/// A raw pointer into a rank's buffer, shared with the peers of one collective.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct RawPtr(pub *mut u8);
+
+// SAFETY: the pointer is only dereferenced under the protocol in the module docs: the memory it
+// points to is owned by an `InFlight` (or a pool's pending list) until every member departed, and
+// every byte is either only read by everyone or written by exactly one member.
+unsafe impl Send for RawPtr {}
+// SAFETY: as for `Send`; sharing the pointer value itself is harmless.
+unsafe impl Sync for RawPtr {}
+
+/// One collective of a member's post.
+#[derive(Debug)]
+pub(super) struct OpPost {
+    pub desc: CollDesc,
+    /// The input, or null for in place.
+    pub src: RawPtr,
+    /// The output.
+    pub dst: RawPtr,
+}
+
+/// A member's post: its group launch.
+pub(super) type Post = SmallVec<[OpPost; 2]>;
+
+/// What a member brings to a slot.
+pub(super) enum Arrival {
+    /// Its collectives.
+    Ops(Post),
+    /// It cannot take part (its stream failed before): abort the slot.
+    Failed(BackendError),
+}
+
+#[derive(Clone, Debug)]
+enum Abort {
+    Mismatch(String),
+    Timeout { missing: Vec<usize> },
+    PeerFailed { missing: Vec<usize>, reason: String },
+}
+
+enum Phase {
+    Collecting,
+    Running(Arc<[Post]>),
+    Aborted(Abort),
+}
+
+struct Slot {
+    seq: u64,
+    posts: Vec<Option<Post>>,
+    first: Option<usize>,
+    arrived: usize,
+    phase: Phase,
+    mid: usize,
+    done: usize,
+    left: usize,
+}
+
+#[derive(Default)]
+struct ChanState {
+    slots: Vec<Slot>,
+    /// The first aborted sequence number, its reason and the error its aborter reported.
+    poisoned: Option<(u64, Abort, BackendError)>,
+}
+
+/// Per-world bookkeeping the channels consult: which (rank, stream) left for good.
+pub(super) struct Departures {
+    departed: Vec<[AtomicBool; 3]>,
+    panicked: Vec<AtomicBool>,
+}
+
+impl Departures {
+    pub(super) fn new(n: usize) -> Self {
+        Departures {
+            departed: (0..n).map(|_| Default::default()).collect(),
+            panicked: (0..n).map(|_| AtomicBool::new(false)).collect(),
+        }
+    }
+
+    pub(super) fn set_panicked(&self, rank: usize) {
+        self.panicked[rank].store(true, Ordering::SeqCst);
+    }
+
+    pub(super) fn set_departed(&self, rank: usize, stream: Stream) {
+        self.departed[rank][stream.index()].store(true, Ordering::SeqCst);
+    }
+
+    fn departed(&self, rank: usize, stream: Stream) -> bool {
+        self.departed.get(rank).is_some_and(|d| d[stream.index()].load(Ordering::SeqCst))
+    }
+
+    fn reason(&self, ranks: &[usize], stream: Stream) -> String {
+        let panicked: Vec<usize> =
+            ranks.iter().copied().filter(|&r| self.panicked[r].load(Ordering::SeqCst)).collect();
+        if panicked.is_empty() {
+            format!("their handles were dropped and their {stream} streams finished")
+        } else {
+            format!("ranks {panicked:?} panicked (their handles were dropped while unwinding)")
+        }
+    }
+}
+
+/// The meeting place of one (group, stream).
+pub(super) struct Channel {
+    group: RankGroup,
+    stream: Stream,
+    state: Mutex<ChanState>,
+    cv: Condvar,
+    epoch: AtomicU64,
+}
+
+/// Who is calling, for error messages and waits.
+pub(super) struct Caller<'a> {
+    pub rank: usize,
+    pub config: &'a LocalConfig,
+    pub departures: &'a Departures,
+    /// Whether spinning makes sense (the group fits the machine's cores).
+    pub spin: bool,
+}
+
+impl Channel {
+    pub(super) fn new(group: RankGroup, stream: Stream) -> Self {
+        Channel { group, stream, state: Mutex::default(), cv: Condvar::new(), epoch: AtomicU64::new(0) }
+    }
+
+    pub(super) fn stream(&self) -> Stream {
+        self.stream
+    }
+
+    pub(super) fn group(&self) -> &RankGroup {
+        &self.group
+    }
+
+    fn lock(&self) -> MutexGuard<'_, ChanState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Wakes every waiter (call with the state changed, lock held or just released).
+    fn notify(&self) {
+        self.epoch.fetch_add(1, Ordering::Release);
+        self.cv.notify_all();
+    }
+
+    /// Wakes waiters so they re-check departures.
+    pub(super) fn poke(&self) {
+        let g = self.lock();
+        self.notify();
+        drop(g);
+    }
+
+    /// Waits until `ready` holds or `deadline` passes (returns whether it held).
+    fn wait_until<'a>(
+        &'a self,
+        mut g: MutexGuard<'a, ChanState>,
+        caller: &Caller<'_>,
+        deadline: Option<Instant>,
+        mut ready: impl FnMut(&mut ChanState) -> bool,
+    ) -> (MutexGuard<'a, ChanState>, bool) {
+        let spin_until = caller.spin.then(|| Instant::now() + caller.config.spin);
+        loop {
+            if ready(&mut g) {
+                return (g, true);
+            }
+            let now = Instant::now();
+            if deadline.is_some_and(|d| now >= d) {
+                return (g, false);
+            }
+            if let Some(until) = spin_until.filter(|&u| now < u) {
+                let epoch = self.epoch.load(Ordering::Acquire);
+                drop(g);
+                let mut i = 0u32;
+                while self.epoch.load(Ordering::Acquire) == epoch {
+                    std::hint::spin_loop();
+                    i += 1;
+                    if i.is_multiple_of(256) && Instant::now() >= until {
+                        break;
+                    }
+                }
+                g = self.lock();
+                continue;
+            }
+            let left = deadline.map_or(Duration::from_secs(3600), |d| d - now);
+            g = self.cv.wait_timeout(g, left).unwrap_or_else(PoisonError::into_inner).0;
+        }
+    }
+
+    fn abort_error(&self, caller: &Caller<'_>, op: &OpId, abort: &Abort, waited: Duration) -> BackendError {
+        let op = Box::new(op.clone());
+        let rank = caller.rank;
+        match abort.clone() {
+            Abort::Mismatch(detail) => BackendError::Mismatch { rank, op, detail },
+            Abort::Timeout { missing } => BackendError::PeerTimeout { rank, op, missing, waited },
+            Abort::PeerFailed { missing, reason } => BackendError::PeerFailed { rank, op, missing, reason },
+        }
+    }
+
+    fn poison(&self, st: &mut ChanState, seq: u64, abort: Abort, error: &BackendError) {
+        if st.poisoned.as_ref().is_none_or(|(s, _, _)| seq < *s) {
+            st.poisoned = Some((seq, abort, error.clone()));
+        }
+    }
+
+    /// Takes part in collective number `seq` of this channel; returns once this member's part is
+    /// done and every member departed (or with the error every member gets).
+    pub(super) fn run(
+        &self,
+        caller: &Caller<'_>,
+        seq: u64,
+        arrival: Arrival,
+        op: &OpId,
+    ) -> Result<(), BackendError> {
+        let n = self.group.len();
+        let Some(me) = self.group.position(caller.rank) else {
+            return Err(BackendError::InvalidCollective {
+                rank: caller.rank,
+                op: Box::new(op.clone()),
+                what: "this rank is not a member of the group".into(),
+            });
+        };
+        let start = Instant::now();
+        let mut st = self.lock();
+        if let Some((pseq, abort, first)) = st.poisoned.clone() {
+            if pseq <= seq {
+                return Err(if pseq == seq {
+                    self.abort_error(caller, op, &abort, start.elapsed())
+                } else {
+                    BackendError::Aborted {
+                        rank: caller.rank,
+                        op: Some(Box::new(op.clone())),
+                        cause: Box::new(first),
+                    }
+                });
+            }
+        }
+        let idx = match st.slots.iter().position(|s| s.seq == seq) {
+            Some(i) => i,
+            None => {
+                st.slots.push(Slot {
+                    seq,
+                    posts: (0..n).map(|_| None).collect(),
+                    first: None,
+                    arrived: 0,
+                    phase: Phase::Collecting,
+                    mid: 0,
+                    done: 0,
+                    left: 0,
+                });
+                st.slots.len() - 1
+            }
+        };
+        match arrival {
+            Arrival::Failed(cause) => {
+                let abort = Abort::PeerFailed {
+                    missing: vec![caller.rank],
+                    reason: format!("it failed earlier: {cause}"),
+                };
+                let slot = &mut st.slots[idx];
+                slot.arrived += 1;
+                if matches!(slot.phase, Phase::Collecting) {
+                    slot.phase = Phase::Aborted(abort.clone());
+                }
+                let err = BackendError::Aborted {
+                    rank: caller.rank,
+                    op: Some(Box::new(op.clone())),
+                    cause: Box::new(cause),
+                };
+                self.poison(&mut st, seq, abort, &err);
+                self.retire(&mut st, seq, false);
+                self.notify();
+                return Err(err);
+            }
+            Arrival::Ops(post) => {
+                let slot = &mut st.slots[idx];
+                if matches!(slot.phase, Phase::Collecting) {
+                    if let Some(f) = slot.first {
+                        if let Some(detail) = self.compare(f, slot.posts[f].as_ref(), me, &post) {
+                            slot.phase = Phase::Aborted(Abort::Mismatch(detail));
+                        }
+                    } else {
+                        slot.first = Some(me);
+                    }
+                    slot.posts[me] = Some(post);
+                    slot.arrived += 1;
+                    if slot.arrived == n && matches!(slot.phase, Phase::Collecting) {
+                        let posts: Vec<Post> =
+                            slot.posts.iter_mut().map(|p| p.take().unwrap_or_default()).collect();
+                        slot.phase = Phase::Running(posts.into());
+                    }
+                    if !matches!(slot.phase, Phase::Collecting) {
+                        self.notify();
+                    }
+                } else {
+                    slot.arrived += 1;
+                }
+            }
+        }
+
+        // 2. Wait for everyone (or abort).
+        let deadline = start.checked_add(caller.config.timeout);
+        let (g, ready) = self.wait_until(st, caller, deadline, |st| {
+            let Some(slot) = st.slots.iter_mut().find(|s| s.seq == seq) else { return true };
+            if !matches!(slot.phase, Phase::Collecting) {
+                return true;
+            }
+            let gone: Vec<usize> = (0..n)
+                .filter(|&q| slot.posts[q].is_none())
+                .map(|q| self.group.ranks()[q])
+                .filter(|&r| caller.departures.departed(r, self.stream))
+                .collect();
+            if gone.is_empty() {
+                return false;
+            }
+            let reason = caller.departures.reason(&gone, self.stream);
+            slot.phase = Phase::Aborted(Abort::PeerFailed { missing: gone, reason });
+            true
+        });
+        st = g;
+        let Some(slot) = st.slots.iter_mut().find(|s| s.seq == seq) else {
+            return Err(BackendError::Unsupported { what: "local rendezvous slot vanished (a bug)".into() });
+        };
+        if !ready {
+            let missing: Vec<usize> =
+                (0..n).filter(|&q| slot.posts[q].is_none()).map(|q| self.group.ranks()[q]).collect();
+            slot.phase = Phase::Aborted(Abort::Timeout { missing });
+        }
+        let posts = match &slot.phase {
+            Phase::Running(posts) => posts.clone(),
+            Phase::Aborted(abort) => {
+                let abort = abort.clone();
+                let err = self.abort_error(caller, op, &abort, start.elapsed());
+                self.poison(&mut st, seq, abort, &err);
+                self.retire(&mut st, seq, false);
+                self.notify();
+                return Err(err);
+            }
+            Phase::Collecting => {
+                return Err(BackendError::Unsupported {
+                    what: "local rendezvous woke while collecting (a bug)".into(),
+                })
+            }
+        };
+        drop(st);
+
+        // 3. Move data.
+        let needs_mid = posts[me].iter().any(|o| o.desc.kind == CollKind::AllReduce);
+        let mut result = guarded(caller, op, || move_data_first(me, &posts, caller.rank, op));
+        if needs_mid {
+            self.barrier(caller, seq, |s| &mut s.mid);
+            if result.is_ok() {
+                result = guarded(caller, op, || move_data_second(me, &posts));
+            }
+        }
+
+        // 4. Depart.
+        self.barrier(caller, seq, |s| &mut s.done);
+        let mut st = self.lock();
+        self.retire(&mut st, seq, true);
+        drop(st);
+        result
+    }
+
+    /// Counts this member into a barrier of slot `seq` and waits for all members.
+    fn barrier(&self, caller: &Caller<'_>, seq: u64, counter: impl Fn(&mut Slot) -> &mut usize) {
+        let n = self.group.len();
+        let mut st = self.lock();
+        if let Some(slot) = st.slots.iter_mut().find(|s| s.seq == seq) {
+            let c = counter(slot);
+            *c += 1;
+            if *c == n {
+                self.notify();
+            }
+        }
+        let (g, _) = self.wait_until(st, caller, None, |st| {
+            st.slots.iter_mut().find(|s| s.seq == seq).is_none_or(|s| *counter(s) >= n)
+        });
+        drop(g);
+    }
+
+    /// Counts a member out of slot `seq`; the last one out removes it.
+    fn retire(&self, st: &mut ChanState, seq: u64, ran: bool) {
+        if let Some(i) = st.slots.iter().position(|s| s.seq == seq) {
+            let slot = &mut st.slots[i];
+            slot.left += 1;
+            let all = if ran { self.group.len() } else { slot.arrived };
+            if slot.left >= all {
+                st.slots.swap_remove(i);
+            }
+        }
+    }
+
+    /// Describes how post `b` of position `pb` differs from post `a` of position `pa`, if it does.
+    fn compare(&self, pa: usize, a: Option<&Post>, pb: usize, b: &Post) -> Option<String> {
+        let a = a?;
+        let ra = self.group.ranks()[pa];
+        let rb = self.group.ranks()[pb];
+        let list = |p: &Post| p.iter().map(|o| o.desc.to_string()).collect::<Vec<_>>().join(", ");
+        if a.len() != b.len() || a.iter().zip(b.iter()).any(|(x, y)| !x.desc.matches(&y.desc)) {
+            return Some(format!("rank {ra} posted [{}], rank {rb} posted [{}]", list(a), list(b)));
+        }
+        None
+    }
+}
+
+/// Runs `f`, turning a panic into an error (so the member still departs).
+fn guarded(
+    caller: &Caller<'_>,
+    op: &OpId,
+    f: impl FnOnce() -> Result<(), BackendError>,
+) -> Result<(), BackendError> {
+    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|p| {
+        let msg = p
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| p.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "unknown panic".into());
+        Err(BackendError::Unsupported {
+            what: format!("rank {}: {op}: a kernel panicked: {msg}", caller.rank),
+        })
+    })
+}
+
+/// Element range of chunk `q` of `count` elements split over `n` members.
+fn chunk(count: usize, n: usize, q: usize) -> (usize, usize) {
+    (q * count / n, (q + 1) * count / n)
+}
+
+/// Where member `q`'s all-gather shard (or broadcast data) is: its input, or in place in its
+/// output.
+fn shard_src(o: &OpPost, offset: usize) -> *const u8 {
+    if o.src.0.is_null() {
+        o.dst.0.wrapping_add(offset)
+    } else {
+        o.src.0
+    }
+}
+
+/// First half of every collective: all-gather, reduce-scatter, broadcast entirely, all-reduce's
+/// reduction of this member's chunk.
+fn move_data_first(me: usize, posts: &[Post], rank: usize, op: &OpId) -> Result<(), BackendError> {
+    let n = posts.len();
+    for (i, mine) in posts[me].iter().enumerate() {
+        let d = &mine.desc;
+        let es = d.elem.size();
+        match d.kind {
+            CollKind::AllGather => {
+                let bytes = d.count * es;
+                for (q, post) in posts.iter().enumerate() {
+                    if q == me && mine.src.0.is_null() {
+                        continue;
+                    }
+                    let src = shard_src(&post[i], q * bytes);
+                    // SAFETY: launch checked that member q's input holds `bytes` bytes (or its
+                    // output `n * bytes`), and the posts matched (same count and type); this member's
+                    // output holds `n * bytes`. Chunk q of our output is written only by us, and
+                    // the source is only read during the collective (module docs, step 3). The
+                    // buffers stay alive until every member departed (step 4).
+                    unsafe { std::ptr::copy_nonoverlapping(src, mine.dst.0.add(q * bytes), bytes) };
+                }
+            }
+            CollKind::ReduceScatter => {
+                let bytes = d.count * es;
+                // SAFETY: every member's input holds `n * bytes` bytes (checked at launch, posts
+                // matched); chunk `me` of each is only read during the collective. Our output holds
+                // `bytes` and is written by us alone; it is a different allocation from every input.
+                let inputs: SmallVec<[&[u8]; 16]> = posts
+                    .iter()
+                    .map(|p| unsafe { std::slice::from_raw_parts(p[i].src.0.add(me * bytes), bytes) })
+                    .collect();
+                // SAFETY: see above.
+                let out = unsafe { std::slice::from_raw_parts_mut(mine.dst.0, bytes) };
+                reduce(d.elem, d.op, d.scaling, out, &inputs)
+                    .map_err(|source| kernel_error(rank, op, source))?;
+            }
+            CollKind::AllReduce => {
+                let (lo, hi) = chunk(d.count, n, me);
+                let (off, bytes) = (lo * es, (hi - lo) * es);
+                // SAFETY: every input holds `count` elements (launch check, posts matched) and is
+                // only read; our output's chunk `me` is written only by us in this half, read by
+                // peers only after the middle barrier.
+                let inputs: SmallVec<[&[u8]; 16]> = posts
+                    .iter()
+                    .map(|p| unsafe { std::slice::from_raw_parts(p[i].src.0.add(off), bytes) })
+                    .collect();
+                // SAFETY: see above.
+                let out = unsafe { std::slice::from_raw_parts_mut(mine.dst.0.add(off), bytes) };
+                reduce(d.elem, d.op, d.scaling, out, &inputs)
+                    .map_err(|source| kernel_error(rank, op, source))?;
+            }
+            CollKind::Broadcast { root } => {
+                let bytes = d.count * es;
+                let Some(rp) = d.group.position(root) else { continue };
+                if rp == me {
+                    if !mine.src.0.is_null() {
+                        // SAFETY: our input and output each hold `bytes` (launch check), are
+                        // different allocations, and peers read our input only.
+                        unsafe { std::ptr::copy_nonoverlapping(mine.src.0, mine.dst.0, bytes) };
+                    }
+                } else {
+                    let src = shard_src(&posts[rp][i], 0);
+                    // SAFETY: the root's data (its input, or its output in place, which it does
+                    // not write then) holds `bytes` and is only read; our output is ours alone.
+                    unsafe { std::ptr::copy_nonoverlapping(src, mine.dst.0, bytes) };
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Second half, after the middle barrier: all-reduce gathers the other members' reduced chunks.
+fn move_data_second(me: usize, posts: &[Post]) -> Result<(), BackendError> {
+    let n = posts.len();
+    for (i, mine) in posts[me].iter().enumerate() {
+        let d = &mine.desc;
+        if d.kind != CollKind::AllReduce {
+            continue;
+        }
+        let es = d.elem.size();
+        for (q, post) in posts.iter().enumerate() {
+            if q == me {
+                continue;
+            }
+            let (lo, hi) = chunk(d.count, n, q);
+            // SAFETY: member q wrote chunk q of its output before the middle barrier and writes
+            // nothing in this half; we write chunk q of our own output, which peers do not read
+            // in this half (they read our chunk `me`). Both hold `count` elements.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    post[i].dst.0.add(lo * es),
+                    mine.dst.0.add(lo * es),
+                    (hi - lo) * es,
+                )
+            };
+        }
+    }
+    Ok(())
+}
+
+fn kernel_error(rank: usize, op: &OpId, source: collsched_kernels::KernelError) -> BackendError {
+    BackendError::Kernel { rank, op: Box::new(op.clone()), source }
+}
+
+/// The world's channels, created on first use.
+#[derive(Default)]
+pub(super) struct Channels(Mutex<HashMap<(Stream, RankGroup), Arc<Channel>>>);
+
+impl Channels {
+    pub(super) fn get(&self, stream: Stream, group: &RankGroup) -> Arc<Channel> {
+        let mut map = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        map.entry((stream, group.clone()))
+            .or_insert_with(|| Arc::new(Channel::new(group.clone(), stream)))
+            .clone()
+    }
+
+    /// Wakes every channel of `stream` that `rank` belongs to (it just left).
+    pub(super) fn poke(&self, rank: usize, stream: Stream) {
+        let chans: Vec<Arc<Channel>> = {
+            let map = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+            map.values()
+                .filter(|c| c.stream() == stream && c.group().position(rank).is_some())
+                .cloned()
+                .collect()
+        };
+        for c in chans {
+            c.poke();
+        }
+    }
+}
