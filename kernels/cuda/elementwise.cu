@@ -63,6 +63,14 @@ __device__ __forceinline__ void store_bf16(void* p, unsigned long long i, float 
         }                                                                             \
     }
 
+// data[i] = data[i] / divisor: the pre-divide of a collective's input and the post-divide of its
+// output (the single-input case of reduce: (x / pre) / 1 and (x / 1) / post are x / pre, x / post).
+#define DEFINE_DIVIDE(T)                                                              \
+    extern "C" __global__ void collsched_divide_##T(                                  \
+        void* data, unsigned long long n, float divisor) {                            \
+        GRID_STRIDE_LOOP(i, n) { store_##T(data, i, __fdiv_rn(load_##T(data, i), divisor)); } \
+    }
+
 // dst[i] = round_to_nearest_even<TO>(widen<FROM>(src[i])).
 #define DEFINE_CAST(FROM, TO)                                                         \
     extern "C" __global__ void collsched_cast_##FROM##_to_##TO(                       \
@@ -77,6 +85,10 @@ DEFINE_REDUCE(bf16)
 DEFINE_ACCUMULATE(f32)
 DEFINE_ACCUMULATE(f16)
 DEFINE_ACCUMULATE(bf16)
+
+DEFINE_DIVIDE(f32)
+DEFINE_DIVIDE(f16)
+DEFINE_DIVIDE(bf16)
 
 DEFINE_CAST(f32, f32)
 DEFINE_CAST(f32, f16)

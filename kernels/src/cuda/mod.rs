@@ -58,6 +58,9 @@ pub const SOURCES: &[KernelSource] = &[
             "collsched_accumulate_f32",
             "collsched_accumulate_f16",
             "collsched_accumulate_bf16",
+            "collsched_divide_f32",
+            "collsched_divide_f16",
+            "collsched_divide_bf16",
             "collsched_cast_f32_to_f32",
             "collsched_cast_f32_to_f16",
             "collsched_cast_f32_to_bf16",
@@ -412,6 +415,7 @@ pub struct KernelModule {
     copy_out: cusys::CUfunction,
     reduce: [cusys::CUfunction; 3],
     accumulate: [cusys::CUfunction; 3],
+    divide: [cusys::CUfunction; 3],
     cast: [[cusys::CUfunction; 3]; 3],
     arch: u32,
     kind: CodeKind,
@@ -485,6 +489,7 @@ impl KernelModule {
             copy_out: get("collsched_copy_out"),
             reduce: names.map(|t| get(&format!("collsched_reduce_{t}"))),
             accumulate: names.map(|t| get(&format!("collsched_accumulate_{t}"))),
+            divide: names.map(|t| get(&format!("collsched_divide_{t}"))),
             cast: names.map(|f| names.map(|t| get(&format!("collsched_cast_{f}_to_{t}")))),
             modules,
             arch,
@@ -629,6 +634,31 @@ impl KernelModule {
         let mut params = [(&raw mut a).cast(), (&raw mut s).cast(), (&raw mut nn).cast()];
         let f = self.accumulate[type_index(ty)];
         self.launch("collsched_accumulate", f, grid_for(n, BLOCK_THREADS as u64), stream, &mut params)
+    }
+
+    /// Divide in place: `data[i] = data[i] / divisor` over `n` elements of `ty` (in `f32`,
+    /// rounded once): a collective's pre- or post-divide, as the one-input case of reduce.
+    ///
+    /// # Errors
+    /// The driver's launch error.
+    ///
+    /// # Safety
+    /// `data` has `n` read-write elements valid until the launch has completed on `stream`.
+    pub unsafe fn divide(
+        &self,
+        stream: cusys::CUstream,
+        ty: ElemType,
+        data: u64,
+        n: u64,
+        divisor: f32,
+    ) -> Result<(), DriverCallError> {
+        if n == 0 {
+            return Ok(());
+        }
+        let (mut d, mut nn, mut div) = (data, n, divisor);
+        let mut params = [(&raw mut d).cast(), (&raw mut nn).cast(), (&raw mut div).cast()];
+        let f = self.divide[type_index(ty)];
+        self.launch("collsched_divide", f, grid_for(n, BLOCK_THREADS as u64), stream, &mut params)
     }
 
     /// Cast: `dst[i] = to(from(src[i]))` over `n` elements, rounding to nearest even.
