@@ -97,6 +97,7 @@ impl CudaLibrary {
                 "cuModuleGetFunction",
                 "cuModuleUnload",
                 "cuLaunchKernel",
+                "cuLaunchHostFunc",
             ],
             CudaLibrary::Nvrtc => &[
                 "nvrtcVersion",

@@ -183,17 +183,17 @@ impl Device {
 
 impl Drop for Device {
     fn drop(&mut self) {
-        if self.bind().is_err() {
-            return;
-        }
-        drop(self.kernels.take());
-        for e in lock(&self.free_events).drain(..) {
-            // SAFETY: pooled events are complete-or-unused handles of this context, destroyed once.
-            if let Err(err) = unsafe { cu::event::destroy(e) } {
-                self.park.park(CudaError::driver(
-                    "destroying an event",
-                    DriverCallError::new("cuEventDestroy", err),
-                ));
+        // Kernels and events need the context current; the context is released regardless.
+        if self.bind().is_ok() {
+            drop(self.kernels.take());
+            for e in lock(&self.free_events).drain(..) {
+                // SAFETY: pooled events are handles of this context no one else holds; destroyed once.
+                if let Err(err) = unsafe { cu::event::destroy(e) } {
+                    self.park.park(CudaError::driver(
+                        "destroying an event",
+                        DriverCallError::new("cuEventDestroy", err),
+                    ));
+                }
             }
         }
         // SAFETY: the context was retained once in `open`; released once here.

@@ -102,6 +102,15 @@ fn to_backend(rank: usize, e: CudaError) -> BackendError {
     }
 }
 
+impl CudaError {
+    /// The [`BackendError`] a [`CudaBackend`] of `rank` reports for this error: a missing
+    /// library becomes [`BackendError::Unsupported`] (with the loader's message), driver and
+    /// NCCL failures [`BackendError::Device`] naming the API.
+    pub fn into_backend(self, rank: usize) -> BackendError {
+        to_backend(rank, self)
+    }
+}
+
 impl BackendEvent for CudaEvent {
     fn query(&self) -> Result<bool, BackendError> {
         self.is_complete().map_err(|e| to_backend(self.rank(), e))
