@@ -674,9 +674,6 @@ pub struct CudaBuffer {
     owner: Owner,
 }
 
-// SAFETY: a device address is plain data; the pool it returns to is Sync.
-unsafe impl Send for CudaBuffer {}
-
 impl fmt::Debug for CudaBuffer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let kind = if matches!(self.owner, Owner::Borrowed) { "borrowed" } else { "pooled" };

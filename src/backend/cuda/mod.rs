@@ -562,6 +562,7 @@ impl CudaBackend {
         elem_size: usize,
     ) -> Result<CudaEvent, CudaError> {
         self.park.check()?;
+        self.device.bind()?;
         let es = elem_size.max(1);
         let regions: Vec<DeviceRegion> =
             many.iter().map(|b| DeviceRegion { ptr: b.ptr(), len: b.len() / es }).collect();
@@ -606,6 +607,7 @@ impl CudaBackend {
         inputs: &[&CudaBuffer],
     ) -> Result<CudaEvent, CudaError> {
         self.park.check()?;
+        self.device.bind()?;
         let bad = |what: String| CudaError::Invalid { op: format!("rank {}: reduce", self.rank), what };
         if inputs.is_empty() {
             return Err(bad("no inputs".into()));
@@ -646,6 +648,7 @@ impl CudaBackend {
         src: &CudaBuffer,
     ) -> Result<CudaEvent, CudaError> {
         self.park.check()?;
+        self.device.bind()?;
         if acc.len() != src.len() || !acc.len().is_multiple_of(ty.size()) {
             return Err(CudaError::Invalid {
                 op: format!("rank {}: accumulate", self.rank),
@@ -678,6 +681,7 @@ impl CudaBackend {
         dst: &CudaBuffer,
     ) -> Result<CudaEvent, CudaError> {
         self.park.check()?;
+        self.device.bind()?;
         let n = src.len() / from.size();
         if !src.len().is_multiple_of(from.size()) || dst.len() != n * to.size() {
             return Err(CudaError::Invalid {
