@@ -321,7 +321,7 @@ pub fn load(library: CudaLibrary) -> Result<&'static Loaded, LoadError> {
     }
     let knob = std::env::var(library.knob()).ok();
     let loaded = open(library, knob.as_deref())?;
-    let loaded = cell.get_or_init(|| loaded);
+    // Check before caching, so a library cudarc cannot see is never handed out as usable.
     let visible = match library {
         // SAFETY: `is_culib_present` only dlopens cudarc's candidate names and closes them again.
         CudaLibrary::Driver => unsafe { cudarc::driver::sys::is_culib_present() },
@@ -335,9 +335,11 @@ pub fn load(library: CudaLibrary) -> Result<&'static Loaded, LoadError> {
             CudaLibrary::Driver => cudarc::get_lib_name_candidates("cuda"),
             _ => cudarc::get_lib_name_candidates("nvrtc"),
         };
-        return Err(LoadError::HiddenFromCudarc { library, path: loaded.opened_as.clone(), names });
+        // Keep it open anyway (closing a CUDA library is never safe to rely on).
+        std::mem::forget(loaded.library);
+        return Err(LoadError::HiddenFromCudarc { library, path: loaded.opened_as, names });
     }
-    Ok(loaded)
+    Ok(cell.get_or_init(|| loaded))
 }
 
 /// Checks that the CUDA driver can be loaded (see [`load`]).
