@@ -24,6 +24,10 @@ fn cuda_backend_without_a_driver_is_a_clear_error() {
     let e = device_count().unwrap_err();
     assert!(e.to_string().starts_with("no CUDA driver found"), "{e}");
 
+    // One process driving several GPUs fails the same way, before any thread waits.
+    let e = collsched::backend::cuda::CudaWorld::new(2).unwrap_err();
+    assert!(e.to_string().starts_with("no CUDA driver found"), "{e}");
+
     // Through the Backend trait's error type, too.
     let be = err.into_backend(0);
     assert!(be.to_string().contains("no CUDA driver found"), "{be}");

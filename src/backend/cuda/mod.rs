@@ -39,6 +39,7 @@ pub mod error;
 pub mod nccl;
 pub mod park;
 pub mod rendezvous;
+pub mod world;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -54,6 +55,7 @@ pub use error::CudaError;
 pub use nccl::{CallSite, Communicator, Group, NcclCallError, NcclError, NcclOp, UniqueId};
 pub use park::ErrorPark;
 pub use rendezvous::{BootstrapError, FileRendezvous, LaunchEnv};
+pub use world::CudaWorld;
 
 use super::{
     Backend, BackendBuffer, BackendError, BackendEvent, CollKind, Collective, InFlight, LaunchError, OnDrop,
