@@ -92,18 +92,15 @@ impl BackendEvent for LocalEvent {
         }
         let start = Instant::now();
         let spin_until = start + self.0.spin.min(timeout);
-        let mut i = 0u32;
+        // Spin politely (yield each round) so the stream threads we wait for can run.
         while Instant::now() < spin_until {
-            for _ in 0..64 {
+            for _ in 0..16 {
                 std::hint::spin_loop();
             }
             if self.check()? {
                 return Ok(());
             }
-            i += 1;
-            if i.is_multiple_of(16) {
-                std::thread::yield_now();
-            }
+            std::thread::yield_now();
         }
         let deadline = start.checked_add(timeout);
         let mut guard = self.0.lock.lock().unwrap_or_else(PoisonError::into_inner);

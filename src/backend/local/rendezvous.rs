@@ -200,13 +200,13 @@ impl Channel {
             if let Some(until) = spin_until.filter(|&u| now < u) {
                 let epoch = self.epoch.load(Ordering::Acquire);
                 drop(g);
-                let mut i = 0u32;
-                while self.epoch.load(Ordering::Acquire) == epoch {
-                    std::hint::spin_loop();
-                    i += 1;
-                    if i.is_multiple_of(256) && Instant::now() >= until {
-                        break;
+                // Spin politely: yielding lets a peer (or the engine) that shares our core run,
+                // which matters when ranks outnumber cores.
+                while self.epoch.load(Ordering::Acquire) == epoch && Instant::now() < until {
+                    for _ in 0..16 {
+                        std::hint::spin_loop();
                     }
+                    std::thread::yield_now();
                 }
                 g = self.lock();
                 continue;
