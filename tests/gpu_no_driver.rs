@@ -45,3 +45,34 @@ fn launch_env_bootstrap_without_a_driver_fails_before_waiting() {
         assert!(e.to_string().contains("RANK"), "{e}");
     }
 }
+
+#[test]
+fn cuda_bench_without_a_driver_is_a_clear_error() {
+    if loader::driver().is_ok() {
+        println!("cuda_bench_without_a_driver_is_a_clear_error: skipped: this machine has a CUDA driver");
+        return;
+    }
+    use clap::Parser;
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: collsched::cli::bench::Args,
+    }
+    let cli = Cli::try_parse_from([
+        "bench",
+        "--op",
+        "all_gather",
+        "--ranks",
+        "2",
+        "-b",
+        "1K",
+        "-e",
+        "4K",
+        "-f",
+        "2",
+    ])
+    .expect("flags");
+    let plan = collsched::cli::bench::BenchPlan::new(&cli.args).expect("plan");
+    let e = collsched::backend::cuda::bench::run(&plan).unwrap_err();
+    assert!(e.to_string().starts_with("no CUDA driver found"), "{e}");
+}
