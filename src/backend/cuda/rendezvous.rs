@@ -19,7 +19,7 @@
 //! |---|---|---|
 //! | `COLLSCHED_RENDEZVOUS_FILE` | unset | path of the file rendezvous (with [`LaunchEnv`]) |
 //! | `COLLSCHED_RENDEZVOUS_TIMEOUT_SECS` | 300 | how long ranks other than 0 wait for the file |
-//! | `COLLSCHED_RUN_ID` | `TORCHELASTIC_RUN_ID`, else empty | the job's id, written into and checked in the file |
+//! | `COLLSCHED_RUN_ID` | `TORCHELASTIC_RUN_ID`, else empty | the job's id, written into and checked in the file (with `/restart-N` appended from `TORCHELASTIC_RESTART_COUNT`) |
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -201,7 +201,13 @@ impl FileRendezvous {
 }
 
 fn run_id(env: &dyn Fn(&str) -> Option<String>) -> String {
-    env("COLLSCHED_RUN_ID").or_else(|| env("TORCHELASTIC_RUN_ID")).unwrap_or_default()
+    let id = env("COLLSCHED_RUN_ID").or_else(|| env("TORCHELASTIC_RUN_ID")).unwrap_or_default();
+    // torchrun keeps the run id across restarts of a job; the restart count tells them apart,
+    // so a file left by the previous attempt is refused instead of read.
+    match env("TORCHELASTIC_RESTART_COUNT") {
+        Some(n) if !id.is_empty() => format!("{id}/restart-{n}"),
+        _ => id,
+    }
 }
 
 fn timeout(env: &dyn Fn(&str) -> Option<String>) -> Result<Duration, BootstrapError> {
@@ -395,6 +401,10 @@ mod tests {
             .rendezvous(vars(&[("TORCHELASTIC_RUN_ID", "abc"), ("COLLSCHED_RENDEZVOUS_TIMEOUT_SECS", "2.5")]))
             .unwrap();
         assert_eq!((r.world, r.run_id.as_str(), r.timeout), (8, "abc", Duration::from_millis(2500)));
+        let r = ok
+            .rendezvous(vars(&[("TORCHELASTIC_RUN_ID", "abc"), ("TORCHELASTIC_RESTART_COUNT", "2")]))
+            .unwrap();
+        assert_eq!(r.run_id, "abc/restart-2", "a restarted job must not read the previous attempt's file");
 
         let e = LaunchEnv::from_lookup(vars(&[("RANK", "0"), ("LOCAL_RANK", "0")])).unwrap_err();
         assert!(matches!(e, BootstrapError::Env { var: "WORLD_SIZE", .. }), "{e}");
