@@ -450,7 +450,10 @@ impl CudaBackend {
         let group = Group::start(self.park.clone())?;
         for op in ops {
             let d = &op.desc;
-            let comm = &comms[&(d.group.clone(), stream)];
+            let comm = comms.get(&(d.group.clone(), stream)).ok_or_else(|| CudaError::Invalid {
+                op: format!("rank {}: {d}", self.rank),
+                what: format!("no communicator for group {} on stream {stream}; declare the group in CudaConfig::groups", d.group),
+            })?;
             let pos = d.group.position(self.rank).unwrap_or(0);
             let site = CallSite::op(d.kind.name()).bucket(d.tag as usize).rank(self.rank);
             let es = d.elem.size() as u64;
