@@ -218,12 +218,13 @@ impl NcclApi {
         if code == 0 {
             return Ok(());
         }
-        // SAFETY: both return pointers to static strings inside NCCL (or null); `comm` is null
-        // or a live communicator.
+        // SAFETY: both return pointers to strings NCCL keeps (or null); `comm` is null or a
+        // live communicator.
         let (message, last_error) = unsafe {
             (
                 c_str((self.get_error_string)(code)).to_string(),
-                if comm.is_null() { String::new() } else { c_str((self.get_last_error)(comm)).to_string() },
+                // NCCL documents `comm` as unused here (NULL allowed): its last error is per thread.
+                c_str((self.get_last_error)(comm)).to_string(),
             )
         };
         Err(NcclError::Call(Box::new(NcclCallError {
@@ -753,6 +754,28 @@ mod tests {
                 let s = error_string(4).unwrap();
                 assert!(!s.is_empty());
                 assert!(!library_path().unwrap().is_empty());
+                // An empty group needs no GPU.
+                let park = ErrorPark::new();
+                Group::start(park.clone()).unwrap().end().unwrap();
+                drop(Group::start(park.clone()).unwrap()); // ended by Drop
+                assert!(park.take().is_empty());
+                match (UniqueId::generate(), UniqueId::generate()) {
+                    (Ok(a), Ok(b)) => {
+                        assert_ne!(a, b, "two unique ids are equal");
+                        if collsched_kernels::cuda::loader::driver().is_err() {
+                            // Without a GPU, NCCL's own failure comes back as an error that
+                            // names the op and rank and carries NCCL's words.
+                            let e = Communicator::init_rank(&a, 1, 0, park.clone()).unwrap_err();
+                            let s = e.to_string();
+                            println!("{s}");
+                            assert!(
+                                s.starts_with("comm_init(rank 0): ncclCommInitRank failed with nccl"),
+                                "{s}"
+                            );
+                        }
+                    }
+                    (Err(e), _) | (_, Err(e)) => println!("ncclGetUniqueId here: {e}"),
+                }
             }
             Err(e) => {
                 let s = e.to_string();
