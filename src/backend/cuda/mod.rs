@@ -28,6 +28,30 @@
 //!   the plan fingerprint exchange above the backend is what guards against them; a hang ends
 //!   with [`BackendError::EventTimeout`] on the host side.
 //!
+//! # Embedding (an engine that owns memory and streams)
+//! Compiled in CI, run only where a GPU is (`no_run`):
+//! ```no_run
+//! use collsched::backend::cuda::{CudaBackend, CudaBuffer, CudaConfig, RawStream, UniqueId};
+//! use collsched::backend::{Backend, CollDesc, Collective, RankGroup, Stream};
+//! use collsched::kernels::ElemType;
+//! # fn engine() -> (u64, u64, u64, Vec<u8>) { (0, 0, 0, vec![0; 128]) }
+//! // From the engine: its stream (`torch.cuda.current_stream().cuda_stream`), two tensors'
+//! // `data_ptr()`s, and the NCCL id it exchanged itself (e.g. through torch.distributed).
+//! let (stream, shard_ptr, full_ptr, id_bytes) = engine();
+//! let id = UniqueId::from_bytes(&id_bytes)?;
+//! // SAFETY: the stream belongs to device 0's primary context and outlives the backend.
+//! let rank = unsafe { CudaBackend::with_compute_stream(CudaConfig::new(0, 1, 0), &id, stream as RawStream) }?;
+//! let n = 1024;
+//! // SAFETY: the engine keeps both tensors alive until the all-gather completed; we never free them.
+//! let (shard, full) = unsafe { (CudaBuffer::from_raw(shard_ptr, n * 2), CudaBuffer::from_raw(full_ptr, n * 2)) };
+//! let desc = CollDesc::all_gather(RankGroup::world(1), ElemType::BF16, n).with_tag(0);
+//! let done = rank.launch(Stream::AllGather, &[], Collective { desc, input: Some(shard), output: full })
+//!     .map_err(|e| e.error)?;
+//! // The engine's stream waits for the all-gather; the host does not.
+//! rank.wait_event(Stream::Compute, done.event())?;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
 //! # Knobs
 //! | variable | default | meaning |
 //! |---|---|---|
@@ -62,6 +86,9 @@ use super::{
     Backend, BackendBuffer, BackendError, BackendEvent, CollKind, Collective, InFlight, LaunchError, OnDrop,
     OpId, RankGroup, Stream,
 };
+
+/// A raw CUDA stream handle (`CUstream`, the same as the runtime's `cudaStream_t`).
+pub type RawStream = cusys::CUstream;
 
 /// Default of [`CudaConfig::timeout`] and `COLLSCHED_CUDA_TIMEOUT_SECS`.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
