@@ -448,3 +448,70 @@ fn gpu_events_and_deferred_frees_wait_for_their_consumers() {
     drop(view);
     assert_eq!(b.pool().deferred_count(), deferred, "a borrowed buffer went into the pool");
 }
+
+#[test]
+fn gpu_hybrid_groups_reduce_within_their_members_only() {
+    let Some(world) = gpus("gpu_hybrid_groups_reduce_within_their_members_only") else {
+        return;
+    };
+    // Shard groups of consecutive ranks and replica groups across them (hybrid sharding); on
+    // one or two GPUs some groups are single ranks, which NCCL handles as well.
+    let shard = world.div_ceil(2);
+    let shard_groups: Vec<RankGroup> = (0..world)
+        .step_by(shard)
+        .map(|s| RankGroup::new((s..(s + shard).min(world)).collect::<Vec<_>>()).unwrap())
+        .collect();
+    let replica_groups: Vec<RankGroup> =
+        (0..shard).map(|p| RankGroup::new((p..world).step_by(shard).collect::<Vec<_>>()).unwrap()).collect();
+    let groups: Vec<RankGroup> = shard_groups.iter().chain(&replica_groups).cloned().collect();
+    let cuda_world =
+        collsched::backend::cuda::CudaWorld::new(world).expect("CUDA world").with_groups(groups.clone());
+    let count = 257;
+    let results = cuda_world
+        .run(|b| {
+            let rank = b.rank();
+            for g in groups.iter().filter(|g| g.position(rank).is_some()) {
+                let mine = encode(ElemType::F32, &exact_values(rank, count));
+                let inputs: Vec<Vec<u8>> =
+                    g.ranks().iter().map(|&r| encode(ElemType::F32, &exact_values(r, count))).collect();
+                let mut want = vec![0u8; count * 4];
+                reduce(
+                    ElemType::F32,
+                    ReduceOp::Sum,
+                    Scaling::default(),
+                    &mut want,
+                    &inputs.iter().map(Vec::as_slice).collect::<Vec<_>>(),
+                )
+                .unwrap();
+                let op = Collective {
+                    desc: CollDesc::all_reduce(g.clone(), ElemType::F32, count).with_tag(7),
+                    input: Some(upload(&b, &mine)),
+                    output: b.alloc(count * 4).unwrap(),
+                };
+                let done = b
+                    .launch(Stream::ReduceScatter, &[], op)
+                    .map_err(|e| e.error)
+                    .unwrap()
+                    .wait(WAIT)
+                    .unwrap();
+                assert_eq!(download(&b, &done[0].output), want, "all_reduce over {g} on rank {rank}");
+            }
+            // A group that was not declared is refused, with its buffers given back.
+            if world >= 3 {
+                let odd = RankGroup::new(vec![0, world - 1]).unwrap();
+                if !groups.contains(&odd) && odd.position(rank).is_some() {
+                    let op = Collective {
+                        desc: CollDesc::all_gather(odd.clone(), ElemType::F32, 1),
+                        input: None,
+                        output: b.alloc(8).unwrap(),
+                    };
+                    let err = b.launch(Stream::AllGather, &[], op).unwrap_err();
+                    assert!(err.error.to_string().contains("not declared"), "{}", err.error);
+                }
+            }
+        })
+        .expect("building the ranks");
+    for (r, res) in results.into_iter().enumerate() {
+        res.unwrap_or_else(|_| panic!("rank {r} panicked"));
+    }
+}
