@@ -2,8 +2,10 @@
 //!
 //! - [`loader`]: opens the CUDA driver, NVRTC and NCCL without cudarc's panics;
 //! - [`SOURCES`]: the CUDA C sources (`kernels/cuda/*.cu`, built in with `include_str!`);
-//! - [`compile_ptx`] / [`compiled`]: NVRTC to PTX, once per process and architecture;
-//! - [`KernelModule`]: the PTX loaded into a CUDA context, with one launch function per
+//! - [`compile`] / [`compile_ptx`] / [`compiled`]: NVRTC to PTX or a CUBIN, cached once per
+//!   process per (architecture, kind);
+//! - [`KernelModule`]: the kernels loaded into a CUDA context (a CUBIN for the device, PTX for
+//!   `compute_80` as the fallback), with one launch function per
 //!   kernel that takes raw device pointers and a raw stream (so the backend can run them on
 //!   streams and memory an engine owns).
 //!
