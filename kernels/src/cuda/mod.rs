@@ -1,1 +1,769 @@
 //! CUDA C twins of the CPU kernels, compiled by NVRTC (feature `cuda`).
+//!
+//! - [`loader`]: opens the CUDA driver, NVRTC and NCCL without cudarc's panics;
+//! - [`SOURCES`]: the CUDA C sources (`kernels/cuda/*.cu`, built in with `include_str!`);
+//! - [`compile`] / [`compile_ptx`] / [`compiled`]: NVRTC to PTX or a CUBIN, cached once per
+//!   process per (architecture, kind);
+//! - [`KernelModule`]: the kernels loaded into a CUDA context (a CUBIN for the device, PTX for
+//!   `compute_80` as the fallback), with one launch function per
+//!   kernel that takes raw device pointers and a raw stream (so the backend can run them on
+//!   streams and memory an engine owns).
+//!
+//! The semantics are those of the CPU kernels in this crate ([`crate::copy_in`],
+//! [`crate::copy_out`], [`crate::reduce`], [`crate::accumulate`], [`crate::cast`]); the GPU
+//! tests of the `collsched` crate check them against each other where a GPU exists.
+//!
+//! # Knobs
+//! | variable | default | meaning |
+//! |---|---|---|
+//! | `COLLSCHED_CUDA_INCLUDE` | unset | `:`-separated directories with `cuda_fp16.h` / `cuda_bf16.h` (the `nvidia-cuda-runtime-cu12` wheel's `nvidia/cuda_runtime/include`); after it, `$CUDA_HOME/include`, `$CUDA_PATH/include` and `/usr/local/cuda/include` are tried |
+//! | `COLLSCHED_NVRTC_LIB`, `COLLSCHED_CUDA_DRIVER_LIB` | unset | where the libraries are (see [`loader`]) |
+
+pub mod loader;
+
+use std::collections::HashMap;
+use std::ffi::{c_void, CStr, CString};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::driver::{result as cu, sys as cusys};
+use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
+
+use crate::{CopySegment, ElemType, KernelError};
+pub use loader::{CudaLibrary, LoadError};
+
+/// One CUDA C source file and the kernels it defines.
+#[derive(Clone, Copy, Debug)]
+pub struct KernelSource {
+    /// File name under `kernels/cuda/`.
+    pub file: &'static str,
+    /// The source text.
+    pub source: &'static str,
+    /// The `extern "C"` kernels it defines.
+    pub kernels: &'static [&'static str],
+}
+
+/// Every CUDA C source of the crate.
+pub const SOURCES: &[KernelSource] = &[
+    KernelSource {
+        file: "copy.cu",
+        source: include_str!("../../cuda/copy.cu"),
+        kernels: &["collsched_copy_in", "collsched_copy_out"],
+    },
+    KernelSource {
+        file: "elementwise.cu",
+        source: include_str!("../../cuda/elementwise.cu"),
+        kernels: &[
+            "collsched_reduce_f32",
+            "collsched_reduce_f16",
+            "collsched_reduce_bf16",
+            "collsched_accumulate_f32",
+            "collsched_accumulate_f16",
+            "collsched_accumulate_bf16",
+            "collsched_divide_f32",
+            "collsched_divide_f16",
+            "collsched_divide_bf16",
+            "collsched_cast_f32_to_f32",
+            "collsched_cast_f32_to_f16",
+            "collsched_cast_f32_to_bf16",
+            "collsched_cast_f16_to_f32",
+            "collsched_cast_f16_to_f16",
+            "collsched_cast_f16_to_bf16",
+            "collsched_cast_bf16_to_f32",
+            "collsched_cast_bf16_to_f16",
+            "collsched_cast_bf16_to_bf16",
+        ],
+    },
+];
+
+/// Copy runs longer than this are split into pieces, so that the blocks of one launch share
+/// the work of a bucket evenly. A multiple of 16, so pieces keep the 16-byte alignment.
+pub const COPY_CHUNK_BYTES: u64 = 256 << 10;
+/// Threads per block of every kernel.
+pub const BLOCK_THREADS: u32 = 256;
+/// Upper bound on the blocks of one launch (the kernels loop, so any length is covered).
+pub const MAX_GRID_BLOCKS: u32 = 8192;
+
+/// A failed CUDA driver call, with the driver's own name and description of the error.
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+#[error("{api} failed: {name}: {description}")]
+pub struct DriverCallError {
+    /// The driver function (`cuLaunchKernel`, ...).
+    pub api: &'static str,
+    /// The `CUresult` name (`CUDA_ERROR_OUT_OF_MEMORY`).
+    pub name: String,
+    /// The driver's description of it.
+    pub description: String,
+}
+
+impl DriverCallError {
+    /// Wraps cudarc's error, asking the driver for its name and description.
+    pub fn new(api: &'static str, e: cu::DriverError) -> Self {
+        let name =
+            e.error_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|_| format!("{:?}", e.0));
+        let description = e
+            .error_string()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|_| "no description".into());
+        DriverCallError { api, name, description }
+    }
+}
+
+/// Helper for the driver's C return convention: names the API that failed.
+pub fn check(api: &'static str, r: Result<(), cu::DriverError>) -> Result<(), DriverCallError> {
+    r.map_err(|e| DriverCallError::new(api, e))
+}
+
+/// Why the CUDA kernels could not be compiled or loaded.
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+pub enum CudaKernelError {
+    /// A library could not be loaded.
+    #[error(transparent)]
+    Load(#[from] LoadError),
+    /// An NVRTC call failed.
+    #[error("NVRTC {api} for {file} (compute_{arch}) failed: {code}")]
+    Nvrtc {
+        /// The NVRTC function.
+        api: &'static str,
+        /// The source file.
+        file: &'static str,
+        /// The compute capability (80 for sm_80).
+        arch: u32,
+        /// NVRTC's result code.
+        code: String,
+    },
+    /// The source did not compile; NVRTC's log says why.
+    #[error("NVRTC could not compile {file} for compute_{arch} (include path {include:?}): {log}")]
+    Compile {
+        /// The source file.
+        file: &'static str,
+        /// The compute capability.
+        arch: u32,
+        /// The include directories given to NVRTC.
+        include: Vec<String>,
+        /// NVRTC's log.
+        log: String,
+    },
+    /// A driver call failed while loading the PTX or looking up a kernel.
+    #[error("loading {what}: {source}")]
+    Driver {
+        /// What was being loaded.
+        what: String,
+        /// The driver's error.
+        source: DriverCallError,
+    },
+}
+
+/// Include directories for NVRTC: the knob's, then the usual toolkit places, those that exist.
+pub fn include_dirs() -> Vec<PathBuf> {
+    let mut dirs: Vec<PathBuf> = Vec::new();
+    if let Ok(v) = std::env::var("COLLSCHED_CUDA_INCLUDE") {
+        dirs.extend(v.split(':').filter(|s| !s.is_empty()).map(PathBuf::from));
+    }
+    for var in ["CUDA_HOME", "CUDA_PATH"] {
+        if let Ok(v) = std::env::var(var) {
+            dirs.push(Path::new(&v).join("include"));
+        }
+    }
+    dirs.push(PathBuf::from("/usr/local/cuda/include"));
+    dirs.retain(|d| d.join("cuda_fp16.h").is_file());
+    dirs.dedup();
+    dirs
+}
+
+/// Destroys an NVRTC program when dropped (errors ignored: nothing to do about them).
+struct Program(nvrtc_sys::nvrtcProgram);
+
+impl Drop for Program {
+    fn drop(&mut self) {
+        // SAFETY: the program came from `create_program` and is destroyed only here.
+        let _ = unsafe { nvrtc::destroy_program(self.0) };
+    }
+}
+
+/// What NVRTC produces.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CodeKind {
+    /// PTX for `compute_{arch}`: JIT-compiled by the driver, runs on that and later GPUs, but
+    /// needs a driver at least as new as NVRTC's PTX version.
+    Ptx,
+    /// A CUBIN (machine code) for `sm_{arch}`: no JIT, runs on drivers older than NVRTC.
+    Cubin,
+}
+
+/// Compiles one source to PTX for `compute_{arch}` (e.g. 80, 90), uncached.
+///
+/// # Errors
+/// [`CudaKernelError::Load`] without NVRTC; [`CudaKernelError::Compile`] with NVRTC's log.
+pub fn compile_ptx(source: &KernelSource, arch: u32, include: &[PathBuf]) -> Result<String, CudaKernelError> {
+    let image = compile(source, arch, CodeKind::Ptx, include)?;
+    Ok(String::from_utf8_lossy(&image).into_owned())
+}
+
+/// Compiles one source for `arch` to PTX or a CUBIN, uncached. PTX comes without the final NUL.
+///
+/// # Errors
+/// [`CudaKernelError::Load`] without NVRTC; [`CudaKernelError::Compile`] with NVRTC's log.
+pub fn compile(
+    source: &KernelSource,
+    arch: u32,
+    kind: CodeKind,
+    include: &[PathBuf],
+) -> Result<Vec<u8>, CudaKernelError> {
+    loader::nvrtc()?;
+    let nv = |api: &'static str| {
+        move |e: nvrtc::NvrtcError| CudaKernelError::Nvrtc {
+            api,
+            file: source.file,
+            arch,
+            code: format!("{:?}", e.0),
+        }
+    };
+    // The sources are ours and contain no NUL.
+    let src = CString::new(source.source).unwrap_or_default();
+    let name = CString::new(source.file).unwrap_or_default();
+    let prog = Program(nvrtc::create_program(&src, Some(&name)).map_err(nv("nvrtcCreateProgram"))?);
+    let target = match kind {
+        CodeKind::Ptx => format!("--gpu-architecture=compute_{arch}"),
+        CodeKind::Cubin => format!("--gpu-architecture=sm_{arch}"),
+    };
+    let mut options = vec![
+        target,
+        "--std=c++17".to_string(),
+        // The kernels spell out every rounding; keep the compiler from fusing anything anyway.
+        "--fmad=false".to_string(),
+        "--prec-div=true".to_string(),
+        "--ftz=false".to_string(),
+    ];
+    let include_strs: Vec<String> = include.iter().map(|d| d.to_string_lossy().into_owned()).collect();
+    options.extend(include_strs.iter().map(|d| format!("--include-path={d}")));
+    // SAFETY: `prog` is a live program created above.
+    if let Err(e) = unsafe { nvrtc::compile_program(prog.0, &options) } {
+        // SAFETY: as above.
+        let log = unsafe { nvrtc::get_program_log(prog.0) }
+            .map(|raw| {
+                let bytes: Vec<u8> = raw.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect();
+                String::from_utf8_lossy(&bytes).into_owned()
+            })
+            .unwrap_or_else(|_| format!("{:?} (no log)", e.0));
+        return Err(CudaKernelError::Compile { file: source.file, arch, include: include_strs, log });
+    }
+    match kind {
+        CodeKind::Ptx => {
+            // SAFETY: as above; the program compiled.
+            let raw = unsafe { nvrtc::get_ptx(prog.0) }.map_err(nv("nvrtcGetPTX"))?;
+            Ok(raw.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect())
+        }
+        CodeKind::Cubin => {
+            let mut size = 0usize;
+            // SAFETY: as above; `size` is a live local.
+            unsafe { nvrtc_sys::nvrtcGetCUBINSize(prog.0, &mut size) }
+                .result()
+                .map_err(nv("nvrtcGetCUBINSize"))?;
+            let mut image = vec![0u8; size];
+            // SAFETY: `image` has the size NVRTC asked for.
+            unsafe { nvrtc_sys::nvrtcGetCUBIN(prog.0, image.as_mut_ptr().cast()) }
+                .result()
+                .map_err(nv("nvrtcGetCUBIN"))?;
+            Ok(image)
+        }
+    }
+}
+
+/// Every source compiled for one target.
+#[derive(Debug)]
+pub struct CompiledKernels {
+    /// Compute capability (80 = sm_80).
+    pub arch: u32,
+    /// PTX or CUBIN.
+    pub kind: CodeKind,
+    /// `(source, image)` in the order of [`SOURCES`]; a PTX image ends with a NUL, as
+    /// `cuModuleLoadData` wants.
+    pub images: Vec<(&'static KernelSource, Vec<u8>)>,
+}
+
+type Cache = Mutex<HashMap<(u32, CodeKind), Arc<CompiledKernels>>>;
+
+fn cache() -> &'static Cache {
+    static CACHE: OnceLock<Cache> = OnceLock::new();
+    CACHE.get_or_init(Default::default)
+}
+
+/// Every source compiled for `arch` as `kind`, once per process (later calls share the result).
+///
+/// # Errors
+/// As [`compile`]; a failure is not cached.
+pub fn compiled(arch: u32, kind: CodeKind) -> Result<Arc<CompiledKernels>, CudaKernelError> {
+    // A poisoned lock only means another compile panicked; the map is still consistent.
+    let mut map = cache().lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(k) = map.get(&(arch, kind)) {
+        return Ok(Arc::clone(k));
+    }
+    let include = include_dirs();
+    let mut images = Vec::with_capacity(SOURCES.len());
+    for s in SOURCES {
+        let mut image = compile(s, arch, kind, &include)?;
+        if kind == CodeKind::Ptx {
+            image.push(0);
+        }
+        images.push((s, image));
+    }
+    let k = Arc::new(CompiledKernels { arch, kind, images });
+    map.insert((arch, kind), Arc::clone(&k));
+    Ok(k)
+}
+
+/// One copy piece as the copy kernels read it (`DeviceSegment` in `copy.cu`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct DeviceSegment {
+    /// Device address in the many-side buffer (offset applied).
+    pub many: u64,
+    /// Byte offset in the packed buffer.
+    pub packed: u64,
+    /// Bytes.
+    pub bytes: u64,
+}
+
+/// A device buffer as the copy table builder sees it: address and length in elements.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceRegion {
+    /// Device address.
+    pub ptr: u64,
+    /// Length in elements.
+    pub len: usize,
+}
+
+/// Checks `segments` exactly as the CPU kernels do and turns them into the copy kernels' table,
+/// splitting runs longer than [`COPY_CHUNK_BYTES`].
+///
+/// `kernel` is `copy_in` or `copy_out` (for the error); `many` are the sources (copy-in) or
+/// destinations (copy-out); lengths count elements of `elem_size` bytes.
+///
+/// # Errors
+/// The same [`KernelError`]s as [`crate::copy_in`] / [`crate::copy_out`] for the same input.
+pub fn device_segments(
+    kernel: &'static str,
+    segments: &[CopySegment],
+    many: &[DeviceRegion],
+    packed_len: usize,
+    elem_size: usize,
+) -> Result<Vec<DeviceSegment>, KernelError> {
+    let mut out = Vec::with_capacity(segments.len());
+    for (i, s) in segments.iter().enumerate() {
+        let Some(region) = many.get(s.buffer) else {
+            return Err(KernelError::NoSuchBuffer {
+                kernel,
+                segment: i,
+                buffer: s.buffer,
+                count: many.len(),
+            });
+        };
+        if s.buffer_offset.checked_add(s.len).is_none_or(|end| end > region.len) {
+            return Err(KernelError::SegmentOutOfBounds {
+                kernel,
+                segment: i,
+                side: format!("buffer {}", s.buffer),
+                offset: s.buffer_offset,
+                len: s.len,
+                available: region.len,
+            });
+        }
+        if s.packed_offset.checked_add(s.len).is_none_or(|end| end > packed_len) {
+            return Err(KernelError::SegmentOutOfBounds {
+                kernel,
+                segment: i,
+                side: "packed".into(),
+                offset: s.packed_offset,
+                len: s.len,
+                available: packed_len,
+            });
+        }
+        let es = elem_size as u64;
+        let (many_at, packed_at, bytes) =
+            (region.ptr + s.buffer_offset as u64 * es, s.packed_offset as u64 * es, s.len as u64 * es);
+        let mut done = 0;
+        while done < bytes {
+            let piece = (bytes - done).min(COPY_CHUNK_BYTES);
+            out.push(DeviceSegment { many: many_at + done, packed: packed_at + done, bytes: piece });
+            done += piece;
+        }
+    }
+    Ok(out)
+}
+
+/// Grid size for `items` work items (at least one block, at most [`MAX_GRID_BLOCKS`]).
+pub fn grid_for(items: u64, per_block: u64) -> u32 {
+    items.div_ceil(per_block.max(1)).clamp(1, MAX_GRID_BLOCKS as u64) as u32
+}
+
+const fn type_index(t: ElemType) -> usize {
+    match t {
+        ElemType::F32 => 0,
+        ElemType::F16 => 1,
+        ElemType::BF16 => 2,
+    }
+}
+
+/// The kernels loaded into one CUDA context.
+///
+/// Created with the context current on the calling thread; every launch must happen with that
+/// context current and on a stream of that context. The module is unloaded on drop (an error
+/// there is ignored: the context is going away with it).
+#[derive(Debug)]
+pub struct KernelModule {
+    modules: Vec<cusys::CUmodule>,
+    copy_in: cusys::CUfunction,
+    copy_out: cusys::CUfunction,
+    reduce: [cusys::CUfunction; 3],
+    accumulate: [cusys::CUfunction; 3],
+    divide: [cusys::CUfunction; 3],
+    cast: [[cusys::CUfunction; 3]; 3],
+    arch: u32,
+    kind: CodeKind,
+}
+
+// SAFETY: CUmodule and CUfunction are driver handles usable from any thread (with the owning
+// context current); the struct has no interior mutability.
+unsafe impl Send for KernelModule {}
+// SAFETY: as above; launches only read the handles.
+unsafe impl Sync for KernelModule {}
+
+impl KernelModule {
+    /// Compiles (once per process, see [`compiled`]) and loads every kernel for a device of
+    /// compute capability `arch` (e.g. 80) into the context current on this thread.
+    ///
+    /// First a CUBIN for `sm_{arch}` (no JIT, so a driver older than NVRTC is fine); if NVRTC
+    /// does not know that GPU or the driver refuses the CUBIN, PTX for `compute_80` (JIT, for
+    /// GPUs newer than NVRTC; `compute_{arch}` below sm_80).
+    ///
+    /// # Errors
+    /// [`CudaKernelError`] if a library is missing, NVRTC fails, or the driver refuses both
+    /// images (no current context, a driver older than the PTX).
+    pub fn load(arch: u32) -> Result<Self, CudaKernelError> {
+        loader::driver()?;
+        let first = compiled(arch, CodeKind::Cubin).and_then(|k| Self::load_images(&k));
+        match first {
+            Ok(m) => Ok(m),
+            Err(CudaKernelError::Load(e)) => Err(CudaKernelError::Load(e)),
+            Err(first_err) => {
+                let fallback = compiled(arch.min(80), CodeKind::Ptx).and_then(|k| Self::load_images(&k));
+                fallback.map_err(|_| first_err)
+            }
+        }
+    }
+
+    fn load_images(compiled: &CompiledKernels) -> Result<Self, CudaKernelError> {
+        let arch = compiled.arch;
+        let mut modules = Vec::new();
+        let mut functions: HashMap<&'static str, cusys::CUfunction> = HashMap::new();
+        let drv = |what: String| move |source: DriverCallError| CudaKernelError::Driver { what, source };
+        let result = (|| {
+            for (src, image) in &compiled.images {
+                // SAFETY: `image` is a whole CUBIN or a NUL-terminated PTX image that lives
+                // across the call.
+                let module = unsafe { cu::module::load_data(image.as_ptr().cast::<c_void>()) }
+                    .map_err(|e| DriverCallError::new("cuModuleLoadData", e))
+                    .map_err(drv(format!("{} ({:?}, arch {arch})", src.file, compiled.kind)))?;
+                modules.push(module);
+                for name in src.kernels {
+                    let cname = CString::new(*name).unwrap_or_default();
+                    // SAFETY: `module` was just loaded and is not unloaded before the lookup.
+                    let f = unsafe { cu::module::get_function(module, cname) }
+                        .map_err(|e| DriverCallError::new("cuModuleGetFunction", e))
+                        .map_err(drv(format!("kernel {name} of {}", src.file)))?;
+                    functions.insert(name, f);
+                }
+            }
+            Ok(())
+        })();
+        if let Err(e) = result {
+            for m in &modules {
+                // SAFETY: each module was loaded above and is unloaded once, here.
+                let _ = unsafe { cu::module::unload(*m) };
+            }
+            return Err(e);
+        }
+        let get = |n: &str| functions.get(n).copied().unwrap_or(std::ptr::null_mut());
+        let names = ["f32", "f16", "bf16"];
+        Ok(KernelModule {
+            copy_in: get("collsched_copy_in"),
+            copy_out: get("collsched_copy_out"),
+            reduce: names.map(|t| get(&format!("collsched_reduce_{t}"))),
+            accumulate: names.map(|t| get(&format!("collsched_accumulate_{t}"))),
+            divide: names.map(|t| get(&format!("collsched_divide_{t}"))),
+            cast: names.map(|f| names.map(|t| get(&format!("collsched_cast_{f}_to_{t}")))),
+            modules,
+            arch,
+            kind: compiled.kind,
+        })
+    }
+
+    /// What was loaded: a CUBIN for the device, or PTX.
+    pub fn kind(&self) -> CodeKind {
+        self.kind
+    }
+
+    /// The architecture the kernels were compiled for.
+    pub fn arch(&self) -> u32 {
+        self.arch
+    }
+
+    fn launch(
+        &self,
+        api_kernel: &'static str,
+        f: cusys::CUfunction,
+        grid: u32,
+        stream: cusys::CUstream,
+        params: &mut [*mut c_void],
+    ) -> Result<(), DriverCallError> {
+        // SAFETY: `f` belongs to this module (loaded in the current context), the parameters
+        // point at live locals of the caller matching the kernel's signature; the caller of the
+        // public unsafe launch functions guarantees the device pointers and the stream.
+        let r = unsafe { cu::launch_kernel(f, (grid, 1, 1), (BLOCK_THREADS, 1, 1), 0, stream, params) };
+        r.map_err(|e| DriverCallError::new("cuLaunchKernel", e)).map_err(|mut e| {
+            e.description = format!("{} ({api_kernel})", e.description);
+            e
+        })
+    }
+
+    /// Copy-in: packs the runs of a [`DeviceSegment`] table (`count` entries at `table`) into
+    /// `packed`, in one launch on `stream`.
+    ///
+    /// # Errors
+    /// The driver's launch error.
+    ///
+    /// # Safety
+    /// `table` holds `count` valid entries in device memory, every `many` run is readable,
+    /// `packed` is writable for every `packed + bytes`; all stay valid until the launch has
+    /// completed on `stream`, which belongs to this module's context.
+    pub unsafe fn copy_in(
+        &self,
+        stream: cusys::CUstream,
+        table: u64,
+        count: u32,
+        packed: u64,
+    ) -> Result<(), DriverCallError> {
+        if count == 0 {
+            return Ok(());
+        }
+        let (mut t, mut c, mut p) = (table, count, packed);
+        let mut params = [(&raw mut t).cast(), (&raw mut c).cast(), (&raw mut p).cast()];
+        self.launch("collsched_copy_in", self.copy_in, grid_for(count as u64, 1), stream, &mut params)
+    }
+
+    /// Copy-out: the reverse of [`KernelModule::copy_in`].
+    ///
+    /// # Errors
+    /// The driver's launch error.
+    ///
+    /// # Safety
+    /// As [`KernelModule::copy_in`], with the `many` runs writable and `packed` readable.
+    pub unsafe fn copy_out(
+        &self,
+        stream: cusys::CUstream,
+        table: u64,
+        count: u32,
+        packed: u64,
+    ) -> Result<(), DriverCallError> {
+        if count == 0 {
+            return Ok(());
+        }
+        let (mut t, mut c, mut p) = (table, count, packed);
+        let mut params = [(&raw mut t).cast(), (&raw mut c).cast(), (&raw mut p).cast()];
+        self.launch("collsched_copy_out", self.copy_out, grid_for(count as u64, 1), stream, &mut params)
+    }
+
+    /// Reduce: `out[i] = (sum_k inputs[k][i] / pre_divide) / post` over `n` elements of `ty`,
+    /// where `inputs` is a device array of `count` device pointers and `post` is what
+    /// [`reduce_post_divisor`] returns.
+    ///
+    /// # Errors
+    /// The driver's launch error.
+    ///
+    /// # Safety
+    /// `inputs` holds `count` device pointers, each to `n` readable elements; `out` has `n`
+    /// writable elements (it may be one of the inputs); all stay valid until the launch has
+    /// completed on `stream`.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn reduce(
+        &self,
+        stream: cusys::CUstream,
+        ty: ElemType,
+        out: u64,
+        inputs: u64,
+        count: u32,
+        n: u64,
+        pre_divide: f32,
+        post: f32,
+    ) -> Result<(), DriverCallError> {
+        if n == 0 {
+            return Ok(());
+        }
+        let (mut o, mut i, mut c, mut nn, mut pre, mut po) = (out, inputs, count, n, pre_divide, post);
+        let mut params = [
+            (&raw mut o).cast(),
+            (&raw mut i).cast(),
+            (&raw mut c).cast(),
+            (&raw mut nn).cast(),
+            (&raw mut pre).cast(),
+            (&raw mut po).cast(),
+        ];
+        let f = self.reduce[type_index(ty)];
+        self.launch("collsched_reduce", f, grid_for(n, BLOCK_THREADS as u64), stream, &mut params)
+    }
+
+    /// Accumulate: `acc[i] += src[i]` over `n` elements of `ty`, in `f32`, rounded once.
+    ///
+    /// # Errors
+    /// The driver's launch error.
+    ///
+    /// # Safety
+    /// `acc` and `src` have `n` elements (read-write and read) valid until the launch has
+    /// completed on `stream`.
+    pub unsafe fn accumulate(
+        &self,
+        stream: cusys::CUstream,
+        ty: ElemType,
+        acc: u64,
+        src: u64,
+        n: u64,
+    ) -> Result<(), DriverCallError> {
+        if n == 0 {
+            return Ok(());
+        }
+        let (mut a, mut s, mut nn) = (acc, src, n);
+        let mut params = [(&raw mut a).cast(), (&raw mut s).cast(), (&raw mut nn).cast()];
+        let f = self.accumulate[type_index(ty)];
+        self.launch("collsched_accumulate", f, grid_for(n, BLOCK_THREADS as u64), stream, &mut params)
+    }
+
+    /// Divide in place: `data[i] = data[i] / divisor` over `n` elements of `ty` (in `f32`,
+    /// rounded once): a collective's pre- or post-divide, as the one-input case of reduce.
+    ///
+    /// # Errors
+    /// The driver's launch error.
+    ///
+    /// # Safety
+    /// `data` has `n` read-write elements valid until the launch has completed on `stream`.
+    pub unsafe fn divide(
+        &self,
+        stream: cusys::CUstream,
+        ty: ElemType,
+        data: u64,
+        n: u64,
+        divisor: f32,
+    ) -> Result<(), DriverCallError> {
+        if n == 0 {
+            return Ok(());
+        }
+        let (mut d, mut nn, mut div) = (data, n, divisor);
+        let mut params = [(&raw mut d).cast(), (&raw mut nn).cast(), (&raw mut div).cast()];
+        let f = self.divide[type_index(ty)];
+        self.launch("collsched_divide", f, grid_for(n, BLOCK_THREADS as u64), stream, &mut params)
+    }
+
+    /// Cast: `dst[i] = to(from(src[i]))` over `n` elements, rounding to nearest even.
+    ///
+    /// # Errors
+    /// The driver's launch error.
+    ///
+    /// # Safety
+    /// `src` has `n` readable `from` elements and `dst` `n` writable `to` elements, valid until
+    /// the launch has completed on `stream`.
+    pub unsafe fn cast(
+        &self,
+        stream: cusys::CUstream,
+        from: ElemType,
+        src: u64,
+        to: ElemType,
+        dst: u64,
+        n: u64,
+    ) -> Result<(), DriverCallError> {
+        if n == 0 {
+            return Ok(());
+        }
+        let (mut s, mut d, mut nn) = (src, dst, n);
+        let mut params = [(&raw mut s).cast(), (&raw mut d).cast(), (&raw mut nn).cast()];
+        let f = self.cast[type_index(from)][type_index(to)];
+        self.launch("collsched_cast", f, grid_for(n, BLOCK_THREADS as u64), stream, &mut params)
+    }
+}
+
+impl Drop for KernelModule {
+    fn drop(&mut self) {
+        for m in self.modules.drain(..) {
+            // SAFETY: each module was loaded by `load` and is unloaded exactly once, here. An
+            // error (context already destroyed) leaves nothing to clean up.
+            let _ = unsafe { cu::module::unload(m) };
+        }
+    }
+}
+
+/// The divisor the reduce kernel applies to the sum: `post_divide` for a sum and
+/// `post_divide * inputs` (as `f32`) for an average, exactly as the CPU [`crate::reduce`] does.
+pub fn reduce_post_divisor(op: crate::ReduceOp, scaling: crate::Scaling, inputs: usize) -> f32 {
+    match op {
+        crate::ReduceOp::Sum => scaling.post_divide,
+        crate::ReduceOp::Avg => scaling.post_divide * inputs as f32,
+    }
+}
+
+/// NVRTC's version, `(major, minor)`.
+///
+/// # Errors
+/// [`CudaKernelError::Load`] without NVRTC.
+pub fn nvrtc_version() -> Result<(i32, i32), CudaKernelError> {
+    loader::nvrtc()?;
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: NVRTC is loaded (checked above); the pointers are to live locals.
+    let r = unsafe { nvrtc_sys::nvrtcVersion(&mut major, &mut minor) };
+    r.result().map_err(|e| CudaKernelError::Nvrtc {
+        api: "nvrtcVersion",
+        file: "-",
+        arch: 0,
+        code: format!("{:?}", e.0),
+    })?;
+    Ok((major, minor))
+}
+
+/// Returns the string `CStr` of a driver-owned C string, or `""` for null.
+///
+/// # Safety
+/// `p` is null or points at a NUL-terminated string that outlives the returned reference.
+pub unsafe fn c_str<'a>(p: *const std::ffi::c_char) -> &'a str {
+    if p.is_null() {
+        return "";
+    }
+    // SAFETY: guaranteed by the caller.
+    unsafe { CStr::from_ptr(p) }.to_str().unwrap_or("(not UTF-8)")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn segments_split_into_pieces_and_check_bounds_like_the_cpu() {
+        let many = [DeviceRegion { ptr: 0x1000, len: 1_000_000 }];
+        let segs = [CopySegment { buffer: 0, buffer_offset: 3, packed_offset: 5, len: 200_000 }];
+        let t = device_segments("copy_in", &segs, &many, 300_000, 4).unwrap();
+        let total: u64 = t.iter().map(|s| s.bytes).sum();
+        assert_eq!(total, 200_000 * 4);
+        assert!(t.iter().all(|s| s.bytes <= COPY_CHUNK_BYTES));
+        assert_eq!(t[0].many, 0x1000 + 12);
+        assert_eq!(t[0].packed, 20);
+        for w in t.windows(2) {
+            assert_eq!(w[1].many, w[0].many + w[0].bytes);
+            assert_eq!(w[1].packed, w[0].packed + w[0].bytes);
+        }
+        let bad = [CopySegment { buffer: 0, buffer_offset: 0, packed_offset: 299_999, len: 2 }];
+        let e = device_segments("copy_in", &bad, &many, 300_000, 4).unwrap_err();
+        let cpu =
+            crate::copy_in(&mut vec![0u8; 300_000 * 4], &[&vec![0u8; 1_000_000 * 4]], &bad, 4).unwrap_err();
+        assert_eq!(e, cpu);
+        let missing = [CopySegment { buffer: 1, buffer_offset: 0, packed_offset: 0, len: 1 }];
+        let e = device_segments("copy_out", &missing, &many, 10, 4).unwrap_err();
+        assert!(matches!(e, KernelError::NoSuchBuffer { buffer: 1, count: 1, .. }), "{e}");
+    }
+}
