@@ -753,18 +753,28 @@ impl Ctx {
             numels.iter().map(|&n| align_up(n, ae).ok_or_else(overflow)).collect::<Result<_, _>>()?;
         let mut by_size: Vec<usize> = (0..numels.len()).collect();
         by_size.sort_by_key(|&i| (Reverse(padded[i]), i));
-        // (load in this bucket, load over all buckets, rank)
-        let mut heap: BinaryHeap<Reverse<(usize, usize, u32)>> =
-            ranks.take(by_size.len()).into_iter().map(|(total, r)| Reverse((0, total, r))).collect();
+        let candidates = ranks.take(by_size.len());
         let mut owner = vec![0u32; numels.len()];
-        for &i in &by_size {
-            let Some(Reverse((load, total, r))) = heap.pop() else { break };
-            owner[i] = r;
-            let load = load.checked_add(padded[i]).ok_or_else(overflow)?;
-            heap.push(Reverse((load, total.saturating_add(padded[i]), r)));
-        }
-        for Reverse((_, total, r)) in heap {
-            ranks.used.push(Reverse((total, r)));
+        if candidates.len() == by_size.len() {
+            // A rank for every parameter: the j-th largest goes to the j-th least loaded (what
+            // the heap below would do, as every rank's load in this bucket starts at 0).
+            for (&i, &(total, r)) in by_size.iter().zip(&candidates) {
+                owner[i] = r;
+                ranks.used.push(Reverse((total.saturating_add(padded[i]), r)));
+            }
+        } else {
+            // (load in this bucket, load over all buckets, rank)
+            let mut heap: BinaryHeap<Reverse<(usize, usize, u32)>> =
+                candidates.into_iter().map(|(total, r)| Reverse((0, total, r))).collect();
+            for &i in &by_size {
+                let Some(Reverse((load, total, r))) = heap.pop() else { break };
+                owner[i] = r;
+                let load = load.checked_add(padded[i]).ok_or_else(overflow)?;
+                heap.push(Reverse((load, total.saturating_add(padded[i]), r)));
+            }
+            for Reverse((_, total, r)) in heap {
+                ranks.used.push(Reverse((total, r)));
+            }
         }
         let (offset, shard, single) = pack_by_owner(&owner, &padded);
         self.bucket(
