@@ -242,6 +242,44 @@ impl Bucket {
         Segments { bucket: self, q: q as usize, i, end }
     }
 
+    /// The one run of the `index`-th parameter of the bucket that `rank`'s shard holds (a
+    /// parameter never has two runs in one shard), in O(1); `None` if the shard holds none of
+    /// it, or for an index or rank out of range.
+    pub fn param_segment(&self, index: usize, rank: u32) -> Option<Segment> {
+        if rank >= self.world || index >= self.params.len() {
+            return None;
+        }
+        let q = self.group_rank(rank) as usize;
+        let (param, numel) = (self.params[index], self.numels[index]);
+        match &self.map {
+            ShardMap::Even { chunk, slot } => {
+                let off = q * chunk[index];
+                (off < numel).then(|| Segment {
+                    param,
+                    param_offset: off,
+                    numel: chunk[index].min(numel - off),
+                    shard_offset: slot[index],
+                })
+            }
+            ShardMap::Flat { start } => {
+                let (lo, hi) = (q * self.shard_numel, (q + 1) * self.shard_numel);
+                let (s, e) = (start[index].max(lo), (start[index] + numel).min(hi));
+                (s < e).then(|| Segment {
+                    param,
+                    param_offset: s - start[index],
+                    numel: e - s,
+                    shard_offset: s - lo,
+                })
+            }
+            ShardMap::Greedy { owner, offset } => (owner[index] as usize == q).then(|| Segment {
+                param,
+                param_offset: 0,
+                numel,
+                shard_offset: offset[index],
+            }),
+        }
+    }
+
     /// Every run of the gathered buffer, group position by group position: the copy-out list
     /// of an all-gather (or broadcast) and the copy-in list of a reduce-scatter.
     pub fn gathered_segments(&self) -> GatheredSegments<'_> {
@@ -753,18 +791,28 @@ impl Ctx {
             numels.iter().map(|&n| align_up(n, ae).ok_or_else(overflow)).collect::<Result<_, _>>()?;
         let mut by_size: Vec<usize> = (0..numels.len()).collect();
         by_size.sort_by_key(|&i| (Reverse(padded[i]), i));
-        // (load in this bucket, load over all buckets, rank)
-        let mut heap: BinaryHeap<Reverse<(usize, usize, u32)>> =
-            ranks.take(by_size.len()).into_iter().map(|(total, r)| Reverse((0, total, r))).collect();
+        let candidates = ranks.take(by_size.len());
         let mut owner = vec![0u32; numels.len()];
-        for &i in &by_size {
-            let Some(Reverse((load, total, r))) = heap.pop() else { break };
-            owner[i] = r;
-            let load = load.checked_add(padded[i]).ok_or_else(overflow)?;
-            heap.push(Reverse((load, total.saturating_add(padded[i]), r)));
-        }
-        for Reverse((_, total, r)) in heap {
-            ranks.used.push(Reverse((total, r)));
+        if candidates.len() == by_size.len() {
+            // A rank for every parameter: the j-th largest goes to the j-th least loaded (what
+            // the heap below would do, as every rank's load in this bucket starts at 0).
+            for (&i, &(total, r)) in by_size.iter().zip(&candidates) {
+                owner[i] = r;
+                ranks.used.push(Reverse((total.saturating_add(padded[i]), r)));
+            }
+        } else {
+            // (load in this bucket, load over all buckets, rank)
+            let mut heap: BinaryHeap<Reverse<(usize, usize, u32)>> =
+                candidates.into_iter().map(|(total, r)| Reverse((0, total, r))).collect();
+            for &i in &by_size {
+                let Some(Reverse((load, total, r))) = heap.pop() else { break };
+                owner[i] = r;
+                let load = load.checked_add(padded[i]).ok_or_else(overflow)?;
+                heap.push(Reverse((load, total.saturating_add(padded[i]), r)));
+            }
+            for Reverse((_, total, r)) in heap {
+                ranks.used.push(Reverse((total, r)));
+            }
         }
         let (offset, shard, single) = pack_by_owner(&owner, &padded);
         self.bucket(
@@ -914,6 +962,14 @@ impl Layout {
     /// Where a parameter sits (`None` for an id outside the set).
     pub fn placement(&self, param: ParamId) -> Option<Placement> {
         self.placement.get(param.index()).copied()
+    }
+
+    /// The part of `param` that `rank` owns (the run in its gather bucket's shard; the same
+    /// elements as in its gradient bucket), in O(1); `None` if the rank owns none of it or an
+    /// argument is out of range. What an optimizer step on `rank` updates.
+    pub fn owned(&self, param: ParamId, rank: u32) -> Option<Segment> {
+        let pl = self.placement(param)?;
+        self.bucket(pl.gather)?.param_segment(pl.gather_index as usize, rank)
     }
 
     /// The gather bucket of a parameter (`None` for an id outside the set).

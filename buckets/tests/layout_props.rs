@@ -121,6 +121,19 @@ fn check_bucket(layout: &Layout, b: &Bucket) -> Result<(), TestCaseError> {
         }
     }
     prop_assert_eq!(b.segments(layout.world()).count(), 0, "ranks outside the world hold nothing");
+    // The O(1) per-parameter lookup agrees with the shard's segment list.
+    for r in [0, layout.world() / 2, layout.world() - 1] {
+        let segs: Vec<Segment> = b.segments(r).collect();
+        for (i, &p) in b.params().iter().enumerate() {
+            let want: Vec<Segment> = segs.iter().filter(|s| s.param == p).copied().collect();
+            prop_assert!(want.len() <= 1, "param {} has {} runs on rank {}", p, want.len(), r);
+            prop_assert_eq!(b.param_segment(i, r), want.first().copied());
+            if b.kind() == BucketKind::Gather {
+                prop_assert_eq!(layout.owned(p, r), want.first().copied());
+            }
+        }
+    }
+    prop_assert_eq!(b.param_segment(b.params().len(), 0), None);
     // Every element of every parameter is owned by exactly one group position.
     let own = ownership(b);
     prop_assert_eq!(own.len(), b.params().len());

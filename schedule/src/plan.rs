@@ -498,5 +498,35 @@ pub fn plan_from_json(
     Ok(Plan::new(layout))
 }
 
+/// The entry point of the `build_plan` fuzz target (`fuzz/`): maps raw knob bytes onto a
+/// strategy (`strategy & 3`: even, flat, greedy, hybrid with group `strategy >> 2`), builds
+/// the plan of `text` with [`plan_from_json`], then walks every copy list of the first and
+/// the last rank. Returns the number of runs walked.
+///
+/// # Errors
+/// What [`plan_from_json`] returns for bad input.
+#[doc(hidden)]
+pub fn fuzz_build_plan(
+    text: &str,
+    strategy: u8,
+    world: u8,
+    bucket_bytes: u32,
+    align: u16,
+) -> Result<usize, PlanInputError> {
+    let group = u32::from(strategy >> 2);
+    let sharding = [Sharding::EvenSplit, Sharding::Flat, Sharding::Greedy, Sharding::Hybrid(group)]
+        [usize::from(strategy & 3)];
+    let plan = plan_from_json(text, sharding, u32::from(world), bucket_bytes as usize, usize::from(align))?;
+    let mut runs = 0;
+    for op in plan.ops() {
+        for rank in [0, plan.layout().world() - 1] {
+            for role in [BufferRole::Shard, BufferRole::Gathered] {
+                runs += plan.runs(op.id(), rank, role).count();
+            }
+        }
+    }
+    Ok(runs)
+}
+
 #[cfg(test)]
 mod tests;

@@ -391,3 +391,19 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn fuzz_entry_maps_knob_bytes() {
+    let text = r#"{"params": [{"name": "w", "shape": [100], "dtype": "f32"}]}"#;
+    // even over 4 ranks: two ops, each with shard and gathered runs on ranks 0 and 3.
+    let runs = super::fuzz_build_plan(text, 0, 4, 1 << 20, 256).unwrap();
+    assert!(runs > 0);
+    // hybrid:0 and hybrid:3 over 4 ranks are layout errors, world 0 too.
+    assert!(matches!(super::fuzz_build_plan(text, 3, 4, 1 << 20, 256), Err(PlanInputError::Layout(_))));
+    assert!(matches!(
+        super::fuzz_build_plan(text, 3 | (3 << 2), 4, 1 << 20, 256),
+        Err(PlanInputError::Layout(_))
+    ));
+    assert!(matches!(super::fuzz_build_plan(text, 0, 0, 1 << 20, 256), Err(PlanInputError::Layout(_))));
+    assert!(matches!(super::fuzz_build_plan("{", 0, 4, 1 << 20, 256), Err(PlanInputError::Params(_))));
+}
