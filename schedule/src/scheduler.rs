@@ -85,7 +85,7 @@ pub use action::{
 };
 pub use config::{
     GradReduce, PolicyKind, SchedulerConfig, DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_LIVE_BYTES,
-    DEFAULT_PREFETCH_BYTES,
+    DEFAULT_PREFETCH_BYTES, DEFAULT_TRACE_RERECORD_AFTER,
 };
 pub use error::ScheduleError;
 pub use input::{BucketInput, PlanDigests, ScheduleInput};
