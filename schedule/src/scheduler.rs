@@ -85,7 +85,7 @@ pub use action::{
 };
 pub use config::{
     GradReduce, PolicyKind, SchedulerConfig, DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_LIVE_BYTES,
-    DEFAULT_PREFETCH_BYTES,
+    DEFAULT_PREFETCH_BYTES, DEFAULT_TRACE_RERECORD_AFTER,
 };
 pub use error::ScheduleError;
 pub use input::{BucketInput, PlanDigests, ScheduleInput};
@@ -1022,6 +1022,9 @@ impl Core {
         self.counters.peak_gathered_bytes = self.counters.peak_gathered_bytes.max(reg.live_bytes as u64);
         self.counters.all_gathers += 1;
         self.counters.ops_issued += b.ops.len() as u64;
+        for &k in &b.kinds {
+            self.counters.ops_by_kind[report::kind_slot(k)] += 1;
+        }
         self.counters.gathered_bytes += b.gathered_bytes as u64;
         if prefetch {
             if let Some(a) = reg.ahead.get_mut(self.owner as usize) {
@@ -1108,6 +1111,9 @@ impl Core {
         self.reduces.push((id, false));
         self.counters.reduce_scatters += 1;
         self.counters.ops_issued += b.ops.len() as u64;
+        for &k in &b.kinds {
+            self.counters.ops_by_kind[report::kind_slot(k)] += 1;
+        }
         self.counters.reduced_bytes += b.gathered_bytes as u64;
     }
 }
