@@ -2,6 +2,9 @@
 //! training steps (forward fetch/release, backward fetch/grad/release, end_step) with
 //! trace-replay prefetch, after a warm-up step that records the trace.
 
+// The scheduler crate forbids unsafe code, tests included; the counting allocator needs it,
+// so this test lives in the root crate and borrows the scheduler tests' fixtures.
+#[path = "../schedule/tests/common/mod.rs"]
 mod common;
 
 use std::alloc::{GlobalAlloc, Layout, System};
