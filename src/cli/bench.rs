@@ -297,6 +297,22 @@ impl Collector {
     }
 }
 
+/// Breaks the collector if its rank's thread unwinds, so the other ranks stop waiting for it.
+pub struct BreakOnPanic<'a> {
+    /// The collector to break.
+    pub collector: &'a Collector,
+    /// The rank this guard belongs to.
+    pub rank: usize,
+}
+
+impl Drop for BreakOnPanic<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.collector.break_with(format!("rank {} panicked", self.rank));
+        }
+    }
+}
+
 /// Runs `collsched bench`.
 ///
 /// # Errors
@@ -341,6 +357,7 @@ fn run_local(plan: &BenchPlan) -> Result<ExitCode, CliError> {
     let collector = Collector::new(plan.ranks);
     let outcomes = world.run(|rank| {
         let r = rank.rank();
+        let _guard = BreakOnPanic { collector: &collector, rank: r };
         let result =
             bench_rank(&rank, plan, &collector, &|i, rows: &[RankRow]| printer.row(plan.sizes[i], rows));
         if let Err(e) = &result {
@@ -779,6 +796,22 @@ pub fn bench_rank<B: Backend>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_broken_collector_releases_every_waiter() {
+        let c = Collector::new(3);
+        std::thread::scope(|s| {
+            let waiter = s.spawn(|| c.exchange(0, RankRow::default()));
+            let panicker = s.spawn(|| {
+                let _g = BreakOnPanic { collector: &c, rank: 2 };
+                panic!("rank 2 falls over");
+            });
+            assert!(panicker.join().is_err());
+            let e = waiter.join().expect("no panic").expect_err("broken");
+            assert!(e.contains("rank 2 panicked"), "{e}");
+        });
+        assert!(c.exchange(1, RankRow::default()).is_err());
+    }
 
     #[test]
     fn sizes_parse_like_nccl_tests() {
