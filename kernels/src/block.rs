@@ -46,6 +46,10 @@ impl<const N: usize> Raw for [u8; N] {
 pub(crate) trait Codec: Copy {
     /// One element's bytes.
     type Raw: Raw;
+    /// Whether a reduction's last pass should round and store in the same loop that sums
+    /// (`f32`), or sum into the accumulator and convert it in a second, simpler loop, which the
+    /// compiler vectorizes better when the conversion is long (`f16`, `bf16`).
+    const FUSED_STORE: bool;
     /// Widens one element to `f32` (exactly).
     fn load(self, r: Self::Raw) -> f32;
     /// Rounds an `f32` to the element type (to nearest even).
@@ -117,15 +121,23 @@ fn pass<C: Codec, P: Scale, Q: Scale, const G: usize, const FIRST: bool, const L
     let m = acc.len();
     let xs = xs.map(|x| &x[..m]);
     let out = if LAST { &mut out[..m] } else { &mut out[..0] };
+    let fused = LAST && C::FUSED_STORE;
     for j in 0..m {
         let mut a = if FIRST { 0.0 } else { acc[j] };
         for x in &xs {
             a += p.apply(c.load(x[j]));
         }
-        if LAST {
+        if fused {
             out[j] = c.store(q.apply(a));
+        } else if LAST {
+            acc[j] = q.apply(a);
         } else {
             acc[j] = a;
+        }
+    }
+    if LAST && !fused {
+        for (o, a) in out.iter_mut().zip(&*acc) {
+            *o = c.store(*a);
         }
     }
 }
