@@ -50,8 +50,15 @@ pub(crate) trait Codec: Copy {
     /// (`f32`), or sum into the accumulator and convert it in a second, simpler loop, which the
     /// compiler vectorizes better when the conversion is long (`f16`, `bf16`).
     const FUSED_STORE: bool;
-    /// Widens one element to `f32` (exactly).
+    /// Widens one element to `f32` (exactly; a NaN comes out quiet).
     fn load(self, r: Self::Raw) -> f32;
+    /// Widens one element that only feeds `f32` arithmetic: like [`Codec::load`], except that a
+    /// signalling NaN may stay signalling, since the first addition or multiplication quiets
+    /// it anyway (IEEE 754), giving the same result as [`Codec::load`].
+    #[inline(always)]
+    fn load_operand(self, r: Self::Raw) -> f32 {
+        self.load(r)
+    }
     /// Rounds an `f32` to the element type (to nearest even).
     fn store(self, v: f32) -> Self::Raw;
 }
@@ -125,7 +132,7 @@ fn pass<C: Codec, P: Scale, Q: Scale, const G: usize, const FIRST: bool, const L
     for j in 0..m {
         let mut a = if FIRST { 0.0 } else { acc[j] };
         for x in &xs {
-            a += p.apply(c.load(x[j]));
+            a += p.apply(c.load_operand(x[j]));
         }
         if fused {
             out[j] = c.store(q.apply(a));
@@ -239,7 +246,7 @@ fn accumulate_impl<C: Codec>(c: C, acc: &mut [u8], src: &[u8]) {
     let acc = C::Raw::view_mut(acc);
     let src = &C::Raw::view(src)[..acc.len()];
     for (a, s) in acc.iter_mut().zip(src) {
-        *a = c.store(c.load(*a) + c.load(*s));
+        *a = c.store(c.load_operand(*a) + c.load_operand(*s));
     }
 }
 

@@ -123,6 +123,11 @@ impl Codec for Bf16Codec {
     }
 
     #[inline(always)]
+    fn load_operand(self, r: [u8; 2]) -> f32 {
+        f32::from_bits(u32::from(u16::from_le_bytes(r)) << 16)
+    }
+
+    #[inline(always)]
     fn store(self, v: f32) -> [u8; 2] {
         f32_to_bf16_bits(v).to_le_bytes()
     }
