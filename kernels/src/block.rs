@@ -263,7 +263,7 @@ fn cast_impl<F: Codec, T: Codec>(from: F, src: &[u8], to: T, dst: &mut [u8]) {
 /// The instruction sets a kernel can be compiled for.
 ///
 /// Invariant: a value other than `Baseline` exists only if the CPU running the program has
-/// the features it names ([`Isa::detect`] and [`Isa::available`] are the only ways to get one).
+/// the features it names ([`Isa::detect`] and `Isa::available` (tests) are the only ways to get one).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Isa {
     /// Whatever the compile target guarantees (SSE2 on x86-64).
