@@ -46,8 +46,19 @@ impl<const N: usize> Raw for [u8; N] {
 pub(crate) trait Codec: Copy {
     /// One element's bytes.
     type Raw: Raw;
-    /// Widens one element to `f32` (exactly).
+    /// Whether a reduction's last pass should round and store in the same loop that sums
+    /// (`f32`), or sum into the accumulator and convert it in a second, simpler loop, which the
+    /// compiler vectorizes better when the conversion is long (`f16`, `bf16`).
+    const FUSED_STORE: bool;
+    /// Widens one element to `f32` (exactly; a NaN comes out quiet).
     fn load(self, r: Self::Raw) -> f32;
+    /// Widens one element that only feeds `f32` arithmetic: like [`Codec::load`], except that a
+    /// signalling NaN may stay signalling, since the first addition or multiplication quiets
+    /// it anyway (IEEE 754), giving the same result as [`Codec::load`].
+    #[inline(always)]
+    fn load_operand(self, r: Self::Raw) -> f32 {
+        self.load(r)
+    }
     /// Rounds an `f32` to the element type (to nearest even).
     fn store(self, v: f32) -> Self::Raw;
 }
@@ -117,15 +128,23 @@ fn pass<C: Codec, P: Scale, Q: Scale, const G: usize, const FIRST: bool, const L
     let m = acc.len();
     let xs = xs.map(|x| &x[..m]);
     let out = if LAST { &mut out[..m] } else { &mut out[..0] };
+    let fused = LAST && C::FUSED_STORE;
     for j in 0..m {
         let mut a = if FIRST { 0.0 } else { acc[j] };
         for x in &xs {
-            a += p.apply(c.load(x[j]));
+            a += p.apply(c.load_operand(x[j]));
         }
-        if LAST {
+        if fused {
             out[j] = c.store(q.apply(a));
+        } else if LAST {
+            acc[j] = q.apply(a);
         } else {
             acc[j] = a;
+        }
+    }
+    if LAST && !fused {
+        for (o, a) in out.iter_mut().zip(&*acc) {
+            *o = c.store(*a);
         }
     }
 }
@@ -227,7 +246,7 @@ fn accumulate_impl<C: Codec>(c: C, acc: &mut [u8], src: &[u8]) {
     let acc = C::Raw::view_mut(acc);
     let src = &C::Raw::view(src)[..acc.len()];
     for (a, s) in acc.iter_mut().zip(src) {
-        *a = c.store(c.load(*a) + c.load(*s));
+        *a = c.store(c.load_operand(*a) + c.load_operand(*s));
     }
 }
 
@@ -244,7 +263,7 @@ fn cast_impl<F: Codec, T: Codec>(from: F, src: &[u8], to: T, dst: &mut [u8]) {
 /// The instruction sets a kernel can be compiled for.
 ///
 /// Invariant: a value other than `Baseline` exists only if the CPU running the program has
-/// the features it names ([`Isa::detect`] and [`Isa::available`] are the only ways to get one).
+/// the features it names ([`Isa::detect`] and `Isa::available` (tests) are the only ways to get one).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Isa {
     /// Whatever the compile target guarantees (SSE2 on x86-64).

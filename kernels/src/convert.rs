@@ -29,10 +29,10 @@ pub(crate) fn f16_bits_to_f32(h: u16) -> f32 {
     // exact product, both normal).
     let sub = (a as i32 as f32 * F16_SUBNORMAL_STEP).to_bits();
     // Infinity and NaN: all exponent bits set; a NaN also gets its quiet bit.
-    let special = (a << 13) | 0x7F80_0000 | if a > 0x7C00 { 0x0040_0000 } else { 0 };
-    let u = if a >= 0x7C00 {
+    let special = (a << 13) | 0x7F80_0000 | if (a as i32) > 0x7C00 { 0x0040_0000 } else { 0 };
+    let u = if (a as i32) >= 0x7C00 {
         special
-    } else if a < 0x0400 {
+    } else if (a as i32) < 0x0400 {
         sub
     } else {
         norm
@@ -50,17 +50,19 @@ pub(crate) fn f32_to_f16_bits(f: f32) -> u16 {
     let nan = 0x7E00 | ((a >> 13) & 0x03FF);
     // Subnormal or zero result (|f| < 2^-14): let the FPU round at the 2^-24 step. An `f32`
     // subnormal rounds to zero anyway; it is zeroed first so that the addition stays fast.
-    let tiny = if a < 0x0080_0000 { 0 } else { a };
+    let tiny = if (a as i32) < 0x0080_0000 { 0 } else { a };
     let sub = (f32::from_bits(tiny) + F16_DENORM_MAGIC).to_bits().wrapping_sub(F16_DENORM_MAGIC.to_bits());
     // Normal result: rebias the exponent, round to nearest even on the 13 dropped bits; a
     // carry out of the mantissa bumps the exponent, up to infinity (0x7C00) for |f| >= 65520.
     let odd = (a >> 13) & 1;
     let norm = a.wrapping_sub((127 - 15) << 23).wrapping_add(0x0FFF + odd) >> 13;
-    let r = if a > 0x7F80_0000 {
+    // `a` fits in an i32: signed compares are one vector instruction, unsigned ones two.
+    let ai = a as i32;
+    let r = if ai > 0x7F80_0000 {
         nan
-    } else if a >= 0x4780_0000 {
+    } else if ai >= 0x4780_0000 {
         0x7C00
-    } else if a < 0x3880_0000 {
+    } else if ai < 0x3880_0000 {
         sub
     } else {
         norm
@@ -83,7 +85,9 @@ pub(crate) fn f32_to_bf16_bits(f: f32) -> u16 {
     // Adding 0x7FFF plus the lowest kept bit carries into the kept half exactly when the
     // dropped half is above one half, or exactly one half and the kept part is odd.
     let rounded = x.wrapping_add(0x7FFF + ((x >> 16) & 1)) >> 16;
-    (if x & 0x7FFF_FFFF > 0x7F80_0000 { nan } else { rounded }) as u16
+    // The magnitude fits in an i32: a signed compare is one vector instruction, unsigned two.
+    let is_nan = (x & 0x7FFF_FFFF) as i32 > 0x7F80_0000;
+    (if is_nan { nan } else { rounded }) as u16
 }
 
 /// Little-endian `f32` elements.
@@ -92,6 +96,7 @@ pub(crate) struct F32Codec;
 
 impl Codec for F32Codec {
     type Raw = [u8; 4];
+    const FUSED_STORE: bool = true;
 
     #[inline(always)]
     fn load(self, r: [u8; 4]) -> f32 {
@@ -110,10 +115,16 @@ pub(crate) struct Bf16Codec;
 
 impl Codec for Bf16Codec {
     type Raw = [u8; 2];
+    const FUSED_STORE: bool = false;
 
     #[inline(always)]
     fn load(self, r: [u8; 2]) -> f32 {
         bf16_bits_to_f32(u16::from_le_bytes(r))
+    }
+
+    #[inline(always)]
+    fn load_operand(self, r: [u8; 2]) -> f32 {
+        f32::from_bits(u32::from(u16::from_le_bytes(r)) << 16)
     }
 
     #[inline(always)]
@@ -128,6 +139,7 @@ pub(crate) struct F16Codec;
 
 impl Codec for F16Codec {
     type Raw = [u8; 2];
+    const FUSED_STORE: bool = false;
 
     #[inline(always)]
     fn load(self, r: [u8; 2]) -> f32 {

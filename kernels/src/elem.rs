@@ -31,7 +31,7 @@ impl ElemType {
     }
 }
 
-/// One contiguous run of elements copied by [`copy_in`] or [`copy_out`].
+/// One contiguous run of elements copied by [`copy_in`](crate::copy_in) or [`copy_out`](crate::copy_out).
 ///
 /// Offsets and lengths count elements, not bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -47,7 +47,7 @@ pub struct CopySegment {
     pub len: usize,
 }
 
-/// How [`reduce`] combines its inputs.
+/// How [`reduce`](crate::reduce) combines its inputs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ReduceOp {
     /// Sum of the inputs.

@@ -18,6 +18,20 @@
 //! byte buffers of any alignment, and process blocks of elements with fixed-width loops that
 //! the compiler vectorizes; on x86-64 they also run an AVX2 build chosen at run time. They give
 //! the same bits as the scalar reference (`reference`, hidden), NaN payloads aside.
+//!
+//! Buffers are little-endian bytes. Typed slices (`f32`, [`half::f16`], [`half::bf16`]) pass
+//! through `bytemuck` at no cost on little-endian hosts:
+//! ```
+//! use collsched_kernels::{reduce, ElemType, ReduceOp, Scaling};
+//! use half::bf16;
+//! let a = vec![bf16::from_f32(1.5); 5];
+//! let b = vec![bf16::from_f32(2.0); 5];
+//! let mut out = vec![bf16::ZERO; 5];
+//! let inputs = [bytemuck::cast_slice(&a), bytemuck::cast_slice(&b)];
+//! reduce(ElemType::BF16, ReduceOp::Sum, Scaling::default(), bytemuck::cast_slice_mut(&mut out), &inputs)?;
+//! assert_eq!(out, vec![bf16::from_f32(3.5); 5]);
+//! # Ok::<(), collsched_kernels::KernelError>(())
+//! ```
 
 #![warn(missing_docs)]
 
