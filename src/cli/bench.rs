@@ -331,12 +331,13 @@ pub fn run(args: Args) -> Result<ExitCode, CliError> {
 /// # Errors
 /// Until then, always: a message saying what is missing.
 pub fn run_cuda(plan: &BenchPlan) -> Result<ExitCode, CliError> {
-    let _ = plan;
-    if cfg!(feature = "cuda") {
-        Err("collsched bench --backend cuda: the CUDA backend's bench is not built yet in this version; \
-             use --backend local"
-            .into())
-    } else {
+    #[cfg(feature = "cuda")]
+    {
+        crate::backend::cuda::bench::run(plan)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = plan;
         Err("collsched bench --backend cuda: this collsched was built without the `cuda` feature; \
              rebuild with `cargo build --release --features cuda` on a machine with a GPU, or use --backend local"
             .into())
