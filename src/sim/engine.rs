@@ -645,7 +645,8 @@ struct RankState {
     counters: Vec<collsched_schedule::StepCounters>,
     mem: Vec<(u64, i64)>,
     pending_free: Vec<(u64, usize, Fences)>,
-    gbuf: std::collections::HashMap<u64, usize>,
+    /// Bytes of each live gathered buffer, by buffer serial (0: none).
+    gbuf: Vec<usize>,
     spans: Vec<Span>,
     events: u64,
 }
@@ -840,7 +841,7 @@ impl Simulation {
                 counters: Vec::with_capacity(config.steps as usize),
                 mem: Vec::new(),
                 pending_free: Vec::new(),
-                gbuf: std::collections::HashMap::new(),
+                gbuf: Vec::new(),
                 spans: Vec::new(),
                 events: 0,
             });
@@ -900,7 +901,7 @@ impl Simulation {
         Ok(self.report())
     }
 
-    fn report(self) -> SimReport {
+    fn report(mut self) -> SimReport {
         let steps_n = self.shared.steps as usize;
         let world = self.ranks.len().max(1) as f64;
         let mut steps = vec![StepStats::default(); steps_n];
@@ -933,8 +934,8 @@ impl Simulation {
         }
         // Memory: frees take effect when their fences completed.
         let mut peak = 0i64;
-        for r in &self.ranks {
-            let mut mem = r.mem.clone();
+        for r in &mut self.ranks {
+            let mut mem = std::mem::take(&mut r.mem);
             for (issue, bytes, after) in &r.pending_free {
                 let t = after.iter().fold(*issue, |t, f| match f {
                     Fence::Op(id) => self.colls.get(*id).map_or(t, |c| t.max(c.end)),
@@ -966,7 +967,7 @@ impl Simulation {
                 });
             }
             Timeline {
-                compute: self.ranks.iter().map(|r| r.spans.clone()).collect(),
+                compute: self.ranks.iter_mut().map(|r| std::mem::take(&mut r.spans)).collect(),
                 collectives: colls,
                 steps: self
                     .ranks
@@ -1217,7 +1218,11 @@ fn exec(sh: &mut Shared, colls: &mut Colls, st: &mut RankState) -> Result<Flow, 
                     colls.try_resolve(s, sh.world);
                 }
                 if l.id.role == Role::Gather {
-                    st.gbuf.insert(l.buffer.serial, l.bytes);
+                    let k = l.buffer.serial as usize;
+                    if st.gbuf.len() <= k {
+                        st.gbuf.resize(k + 1, 0);
+                    }
+                    st.gbuf[k] = l.bytes;
                     st.mem.push((st.clock, l.bytes as i64));
                 }
             }
@@ -1254,8 +1259,10 @@ fn exec(sh: &mut Shared, colls: &mut Colls, st: &mut RankState) -> Result<Flow, 
                 }
             }
             Action::Free { buffer, after } => {
-                if let Some(bytes) = st.gbuf.remove(&buffer.serial) {
-                    st.pending_free.push((st.clock, bytes, after.clone()));
+                if let Some(bytes) = st.gbuf.get_mut(buffer.serial as usize).map(std::mem::take) {
+                    if bytes > 0 {
+                        st.pending_free.push((st.clock, bytes, after.clone()));
+                    }
                 }
             }
             Action::AllocGrad { .. } | Action::CopyGradIn { .. } | Action::AccumulateGrad { .. } => {}
