@@ -280,3 +280,43 @@ fn a_hand_written_trace_runs() {
     assert_eq!(r.reported()[0].reduce_scatters, 2, "one per gradient bucket, the frozen `b` in none");
     assert!(r.step_ms() * 1e-3 >= w.executed_flops() / (c.tflops * 1e12) * (1.0 - 1e-9));
 }
+
+#[test]
+fn the_timeline_adds_up_to_the_summary() {
+    let w = small(Architecture::Roberta, 2, 384, true);
+    let mut c = config("p4d", 16, Policy::Explicit);
+    c.timeline = true;
+    c.jitter = 0.1;
+    c.seed = 3;
+    c.steps = 2;
+    let r = run(&w, &c);
+    let tl = r.timeline.as_ref().unwrap();
+    use collsched::sim::engine::SpanKind;
+    for (s, stats) in r.steps.iter().enumerate() {
+        let mean = |kinds: &[SpanKind]| {
+            let total: u64 = tl
+                .compute
+                .iter()
+                .flat_map(|spans| spans.iter())
+                .filter(|x| x.step as usize == s && kinds.contains(&x.kind))
+                .map(|x| x.dur_ns)
+                .sum();
+            total as f64 / f64::from(r.world)
+        };
+        assert!((mean(&[SpanKind::Wait]) - stats.exposed_ns).abs() < 1e-6, "step {s}");
+        let compute = mean(&[SpanKind::Forward, SpanKind::Recompute, SpanKind::Backward]);
+        assert!((compute - stats.compute_ns).abs() < 1e-6, "step {s}");
+        for (lane, list) in tl.collectives.iter().enumerate() {
+            let busy: u64 = list.iter().filter(|x| x.step as usize == s).map(|x| x.dur_ns).sum();
+            assert_eq!(busy, stats.comm_ns[lane], "step {s} lane {lane}");
+        }
+        // Collectives of one stream never overlap.
+        for list in &tl.collectives {
+            assert!(list.windows(2).all(|p| p[0].start_ns + p[0].dur_ns <= p[1].start_ns));
+        }
+        // Each rank's compute lane is a sequence of disjoint spans.
+        for spans in &tl.compute {
+            assert!(spans.windows(2).all(|p| p[0].start_ns + p[0].dur_ns <= p[1].start_ns));
+        }
+    }
+}

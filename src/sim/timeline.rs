@@ -142,10 +142,12 @@ pub fn write_svg(out: &mut impl Write, report: &SimReport, rank: usize, step: us
         )?;
         for s in list.iter().filter(|s| s.start_ns < t1 && s.start_ns + s.dur_ns > t0) {
             let (a, b) = (x(s.start_ns.max(t0)), x((s.start_ns + s.dur_ns).min(t1)));
+            // Thin spans get no separating stroke (it would hide them) and at least 0.6 px.
+            let w = (b - a).max(0.6);
+            let stroke = if w > 4.0 { " stroke=\"white\" stroke-width=\"0.5\"" } else { "" };
             writeln!(
                 out,
-                "<rect x=\"{a:.2}\" y=\"{y}\" width=\"{:.2}\" height=\"{lane_h}\" fill=\"{}\" stroke=\"white\" stroke-width=\"0.3\"><title>{}</title></rect>",
-                (b - a).max(0.3),
+                "<rect x=\"{a:.2}\" y=\"{y}\" width=\"{w:.2}\" height=\"{lane_h}\" fill=\"{}\"{stroke}><title>{}</title></rect>",
                 color(s),
                 xml_escape(&label(report, s))
             )?;
