@@ -1261,7 +1261,18 @@ fn exec(sh: &mut Shared, colls: &mut Colls, st: &mut RankState) -> Result<Flow, 
             Action::Free { buffer, after } => {
                 if let Some(bytes) = st.gbuf.get_mut(buffer.serial as usize).map(std::mem::take) {
                     if bytes > 0 {
-                        st.pending_free.push((st.clock, bytes, after.clone()));
+                        // The memory is reusable once every fence completed: now if they are
+                        // known, else when the report is made (all collectives resolved by then).
+                        let mut t = Some(st.clock);
+                        for f in after {
+                            if let (Some(tt), Fence::Op(id)) = (t, f) {
+                                t = colls.get(*id).filter(|c| c.resolved).map(|c| tt.max(c.end));
+                            }
+                        }
+                        match t {
+                            Some(t) => st.mem.push((t, -(bytes as i64))),
+                            None => st.pending_free.push((st.clock, bytes, after.clone())),
+                        }
                     }
                 }
             }
