@@ -320,3 +320,38 @@ fn the_timeline_adds_up_to_the_summary() {
         }
     }
 }
+
+mod prop {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(24))]
+        /// On a static trace, trace-replay prefetch never exposes more communication than no
+        /// prefetch, whatever the model, machine, bucket cap and budgets.
+        #[test]
+        fn prefetch_never_hurts(
+            arch in prop_oneof![Just(Architecture::Gpt2), Just(Architecture::Llama), Just(Architecture::Roberta)],
+            layers in 1u32..5,
+            hidden in prop_oneof![Just(128u64), Just(256), Just(384)],
+            checkpointing in any::<bool>(),
+            topo in prop_oneof![Just("dgx-h100"), Just("p4d"), Just("pcie-8gpu")],
+            world in prop_oneof![Just(2u32), Just(4), Just(8), Just(16)],
+            bucket_kib in 16usize..2048,
+            prefetch_kib in 16usize..8192,
+            max_inflight in 1usize..9,
+            live_kib in prop_oneof![Just(1usize << 22), 256usize..8192],
+        ) {
+            let w = small(arch, layers, hidden, checkpointing);
+            let mut base = config(topo, world, Policy::Coalesced);
+            base.bucket_bytes = bucket_kib << 10;
+            base.prefetch_bytes = prefetch_kib << 10;
+            base.max_inflight = max_inflight;
+            base.max_live_bytes = live_kib << 10;
+            let none = run(&w, &base);
+            let trace = run(&w, &SimConfig { policy: Policy::Trace, ..base.clone() });
+            prop_assert!(trace.exposed_comm_ms() <= none.exposed_comm_ms(), "trace {} > none {}", trace.exposed_comm_ms(), none.exposed_comm_ms());
+            prop_assert_eq!(trace.collectives(), none.collectives());
+        }
+    }
+}

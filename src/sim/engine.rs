@@ -530,14 +530,23 @@ impl SimReport {
             },
             "tflops_per_gpu": self.tflops_per_gpu(),
             "peak_gathered_bytes": self.peak_gathered_bytes,
-            "collectives": self.collectives(),
-            "all_gathers": self.mean(|s| s.all_gathers as f64),
-            "reduce_scatters": self.mean(|s| s.reduce_scatters as f64),
-            "prefetch_hits": self.mean(|s| s.prefetch_hits as f64),
+            "collectives": count(self.collectives()),
+            "all_gathers": count(self.mean(|s| s.all_gathers as f64)),
+            "reduce_scatters": count(self.mean(|s| s.reduce_scatters as f64)),
+            "prefetch_hits": count(self.mean(|s| s.prefetch_hits as f64)),
             "gather_buckets": self.gather_buckets,
             "grad_buckets": self.grad_buckets,
             "scheduler_events": self.scheduler_events,
         })
+    }
+}
+
+/// A per-step mean of a count: an integer when every reported step had the same count.
+fn count(mean: f64) -> serde_json::Value {
+    if mean.fract() == 0.0 && mean >= 0.0 && mean < 9.0e15 {
+        serde_json::Value::from(mean as u64)
+    } else {
+        serde_json::Value::from(mean)
     }
 }
 
