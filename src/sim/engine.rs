@@ -543,7 +543,7 @@ impl SimReport {
 
 /// A per-step mean of a count: an integer when every reported step had the same count.
 fn count(mean: f64) -> serde_json::Value {
-    if mean.fract() == 0.0 && mean >= 0.0 && mean < 9.0e15 {
+    if mean.fract() == 0.0 && (0.0..9.0e15).contains(&mean) {
         serde_json::Value::from(mean as u64)
     } else {
         serde_json::Value::from(mean)
