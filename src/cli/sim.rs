@@ -1,17 +1,349 @@
-//! `collsched sim`.
+//! `collsched sim`: simulate training steps of a workload on a modelled machine with the real
+//! scheduler, and print step time, compute, exposed communication, TFLOPS, memory and
+//! collective counts (a table, one JSON object, a sweep table, a Chrome trace, an SVG).
 
+use std::fs::File;
+use std::io::{self, BufWriter, Write};
+use std::path::PathBuf;
 use std::process::ExitCode;
+
+use crate::sim::engine::{peak_tflops, simulate, Lane, Policy, SimConfig, SimReport, DEFAULT_STEPS};
+use crate::sim::timeline::{write_chrome_trace, write_svg};
+use crate::sim::workload::Workload;
+use collsched_topo::Topology;
 
 use super::CliError;
 
 /// Flags of `collsched sim`.
-#[derive(Debug, clap::Args)]
-pub struct Args {}
+#[derive(Debug, Clone, clap::Args)]
+pub struct Args {
+    /// A workload preset (gpt2-1.5b, llama-7b, llama-70b, roberta-10b, roberta-50b) or a
+    /// workload JSON file.
+    #[arg(long, value_name = "NAME|FILE")]
+    pub workload: String,
+    /// Number of ranks.
+    #[arg(long, value_name = "N")]
+    pub world: u32,
+    /// A topology preset (dgx-h100, p4d, pcie-8gpu, cpu-2socket), an hwloc XML file or a
+    /// topology JSON file; as many nodes as the world needs.
+    #[arg(long, value_name = "NAME|FILE")]
+    pub topo: String,
+    /// naive (one collective per parameter, no prefetch, host overhead per collective),
+    /// coalesced (buckets, no prefetch), trace (buckets, trace-replay prefetch) or explicit
+    /// (buckets, prefetch the next layer).
+    #[arg(long, default_value = "trace", value_name = "P")]
+    pub policy: String,
+    /// Bucket cap in MiB (ignored by naive).
+    #[arg(long, default_value_t = 64.0, value_name = "X")]
+    pub bucket_mb: f64,
+    /// Prefetch budget in MiB (gathered bytes launched ahead of their fetch).
+    #[arg(long, default_value_t = 256.0, value_name = "Y")]
+    pub prefetch_mb: f64,
+    /// Bound on gathers launched ahead and not yet fetched.
+    #[arg(long, default_value_t = 4, value_name = "K")]
+    pub max_inflight: usize,
+    /// Bound on gathered parameter memory per rank in MiB.
+    #[arg(long, default_value_t = 4096.0, value_name = "MB")]
+    pub max_live_mb: f64,
+    /// Steps to simulate; with more than one, step 1 (which records the prefetch trace) is left
+    /// out of the summary.
+    #[arg(long, default_value_t = DEFAULT_STEPS, value_name = "S")]
+    pub steps: u32,
+    /// Achieved compute throughput per rank in TFLOPS (default: 40% of the GPU's peak).
+    #[arg(long, value_name = "T")]
+    pub tflops: Option<f64>,
+    /// Host overhead per launched collective in microseconds (default: 20 for naive, else 0).
+    #[arg(long, value_name = "US")]
+    pub host_overhead_us: Option<f64>,
+    /// Compute jitter: every compute op takes 1 + jitter * u longer, u uniform in [0, 1) per
+    /// rank and op (stragglers). Default 0.
+    #[arg(long, default_value_t = 0.0, value_name = "F")]
+    pub jitter: f64,
+    /// Seed of the jitter.
+    #[arg(long, default_value_t = 0, value_name = "SEED")]
+    pub seed: u64,
+    /// Write a Chrome trace JSON (open it in Perfetto): one process per rank, one thread per
+    /// stream.
+    #[arg(long, value_name = "FILE.json")]
+    pub trace_out: Option<PathBuf>,
+    /// Draw one rank's last step as an SVG timeline.
+    #[arg(long, value_name = "FILE.svg")]
+    pub svg: Option<PathBuf>,
+    /// The rank `--svg` draws.
+    #[arg(long, default_value_t = 0, value_name = "R")]
+    pub svg_rank: usize,
+    /// Print one JSON object (with --sweep: one per line).
+    #[arg(long)]
+    pub json: bool,
+    /// Run a grid: KEY=V1,V2,.. (may repeat). Keys: policy, world, topo, workload, bucket-mb,
+    /// prefetch-mb, max-inflight, max-live-mb, steps, tflops, host-overhead-us, jitter, seed.
+    #[arg(long, value_name = "KEY=V1,V2,..")]
+    pub sweep: Vec<String>,
+}
 
 /// Runs `collsched sim`.
 ///
 /// # Errors
-/// Any failure, as one line for the user.
-pub fn run(_args: Args) -> Result<ExitCode, CliError> {
-    Err(super::not_yet("sim"))
+/// Any failure, as one line for the user: an unknown workload, topology or policy, a bad flag
+/// value, an unwritable output file.
+pub fn run(args: Args) -> Result<ExitCode, CliError> {
+    let stdout = io::stdout();
+    let mut out = BufWriter::new(stdout.lock());
+    if args.sweep.is_empty() {
+        let (report, topo, cfg) = run_one(&args, args.trace_out.is_some() || args.svg.is_some())?;
+        if let Some(path) = &args.trace_out {
+            let f = File::create(path).map_err(|e| format!("--trace-out {}: {e}", path.display()))?;
+            let mut w = BufWriter::new(f);
+            write_chrome_trace(&mut w, &report)?;
+            w.flush().map_err(|e| format!("--trace-out {}: {e}", path.display()))?;
+        }
+        if let Some(path) = &args.svg {
+            if args.svg_rank >= report.world as usize {
+                return Err(
+                    format!("--svg-rank {} is outside the world of {}", args.svg_rank, report.world).into()
+                );
+            }
+            let f = File::create(path).map_err(|e| format!("--svg {}: {e}", path.display()))?;
+            let mut w = BufWriter::new(f);
+            write_svg(&mut w, &report, args.svg_rank, report.steps.len() - 1)?;
+            w.flush().map_err(|e| format!("--svg {}: {e}", path.display()))?;
+        }
+        if args.json {
+            serde_json::to_writer(&mut out, &report.to_json())?;
+            writeln!(out)?;
+        } else {
+            write_summary(&mut out, &report, &topo, &cfg)?;
+        }
+    } else {
+        if args.trace_out.is_some() || args.svg.is_some() {
+            return Err("--trace-out and --svg draw one run; leave them out of a --sweep".into());
+        }
+        run_sweep(&mut out, &args)?;
+    }
+    out.flush()?;
+    Ok(ExitCode::SUCCESS)
+}
+
+fn mib(knob: &str, mb: f64) -> Result<usize, CliError> {
+    if !mb.is_finite() || mb <= 0.0 || mb > 1e12 {
+        return Err(format!("--{knob} {mb}: give a positive number of MiB").into());
+    }
+    Ok(((mb * 1048576.0).round() as usize).max(1))
+}
+
+/// Builds the configuration the flags describe and runs it.
+fn run_one(args: &Args, timeline: bool) -> Result<(SimReport, Topology, SimConfig), CliError> {
+    let workload = Workload::resolve(&args.workload)?;
+    let topo = collsched_topo::resolve(&args.topo)?;
+    let policy: Policy = args.policy.parse()?;
+    if args.world == 0 {
+        return Err("--world 0: give at least 1 rank".into());
+    }
+    let mut cfg = match args.tflops {
+        Some(t) => SimConfig::with_topology(&topo, args.world, t)?,
+        None => SimConfig::for_topology(&topo, args.world)?,
+    };
+    cfg.policy = policy;
+    cfg.bucket_bytes = mib("bucket-mb", args.bucket_mb)?;
+    cfg.prefetch_bytes = mib("prefetch-mb", args.prefetch_mb)?;
+    cfg.max_inflight = args.max_inflight;
+    cfg.max_live_bytes = mib("max-live-mb", args.max_live_mb)?;
+    cfg.steps = args.steps;
+    cfg.host_overhead_s = args.host_overhead_us.map(|us| us * 1e-6);
+    cfg.jitter = args.jitter;
+    cfg.seed = args.seed;
+    cfg.timeline = timeline;
+    let report = simulate(&workload, &cfg)?;
+    Ok((report, topo, cfg))
+}
+
+fn write_summary(out: &mut impl Write, r: &SimReport, topo: &Topology, cfg: &SimConfig) -> io::Result<()> {
+    let nodes = cfg.world.div_ceil(cfg.ranks_per_node);
+    writeln!(
+        out,
+        "collsched sim: {} on {} ranks of {} ({} node(s) x {}), policy {}",
+        r.workload, r.world, topo.name, nodes, cfg.ranks_per_node, r.policy
+    )?;
+    writeln!(
+        out,
+        "  layout: {} gather buckets, {} gradient buckets; compute at {:.1} TFLOPS per rank{}",
+        r.gather_buckets,
+        r.grad_buckets,
+        cfg.tflops,
+        peak_tflops(topo)
+            .map_or(String::new(), |p| format!(" ({:.0}% of {p:.0} peak)", cfg.tflops / p * 100.0))
+    )?;
+    let rep = r.reported().len();
+    if r.steps.len() > 1 {
+        writeln!(
+            out,
+            "  steps: {} simulated, {rep} reported (step 1 records the prefetch trace)",
+            r.steps.len()
+        )?;
+    } else {
+        writeln!(out, "  steps: 1 simulated and reported")?;
+    }
+    writeln!(out, "  {:<22}{:>12.3} ms", "step time", r.step_ms())?;
+    writeln!(out, "  {:<22}{:>12.3} ms  (forward + recompute + backward)", "compute", r.compute_ms())?;
+    writeln!(
+        out,
+        "  {:<22}{:>12.3} ms  (compute waiting on collectives)",
+        "exposed comm",
+        r.exposed_comm_ms()
+    )?;
+    writeln!(out, "  {:<22}{:>12.3} ms", "host overhead", r.host_ms())?;
+    for lane in [Lane::AllGather, Lane::ReduceScatter] {
+        writeln!(out, "  {:<22}{:>12.3} ms busy", format!("comm {}", lane.name()), r.comm_ms(lane))?;
+    }
+    writeln!(
+        out,
+        "  {:<22}{:>12.1}     (model FLOPs, no recomputation)",
+        "TFLOPS per GPU",
+        r.tflops_per_gpu()
+    )?;
+    writeln!(
+        out,
+        "  {:<22}{:>12.3} GiB",
+        "peak gathered",
+        r.peak_gathered_bytes as f64 / f64::from(1u32 << 30)
+    )?;
+    let last = r.reported().last().cloned().unwrap_or_default();
+    writeln!(
+        out,
+        "  {:<22}{:>12.0}     per step ({} all-gathers, {} reduce-scatters; {} prefetched, {} prefetch hits)",
+        "collectives",
+        r.collectives(),
+        last.all_gathers,
+        last.reduce_scatters,
+        last.prefetch_launches,
+        last.prefetch_hits
+    )
+}
+
+const SWEEP_KEYS: [&str; 13] = [
+    "policy",
+    "world",
+    "topo",
+    "workload",
+    "bucket-mb",
+    "prefetch-mb",
+    "max-inflight",
+    "max-live-mb",
+    "steps",
+    "tflops",
+    "host-overhead-us",
+    "jitter",
+    "seed",
+];
+
+fn apply(args: &mut Args, key: &str, v: &str) -> Result<(), CliError> {
+    let num = |v: &str| -> Result<f64, CliError> {
+        v.parse::<f64>().map_err(|_| format!("--sweep {key}={v}: `{v}` is not a number").into())
+    };
+    let int = |v: &str| -> Result<u64, CliError> {
+        v.parse::<u64>().map_err(|_| format!("--sweep {key}={v}: `{v}` is not a whole number").into())
+    };
+    let small = |v: &str| -> Result<u32, CliError> {
+        u32::try_from(int(v)?).map_err(|_| format!("--sweep {key}={v}: too large").into())
+    };
+    match key {
+        "policy" => args.policy = v.to_owned(),
+        "world" => args.world = small(v)?,
+        "topo" => args.topo = v.to_owned(),
+        "workload" => args.workload = v.to_owned(),
+        "bucket-mb" => args.bucket_mb = num(v)?,
+        "prefetch-mb" => args.prefetch_mb = num(v)?,
+        "max-inflight" => args.max_inflight = int(v)? as usize,
+        "max-live-mb" => args.max_live_mb = num(v)?,
+        "steps" => args.steps = small(v)?,
+        "tflops" => args.tflops = Some(num(v)?),
+        "host-overhead-us" => args.host_overhead_us = Some(num(v)?),
+        "jitter" => args.jitter = num(v)?,
+        "seed" => args.seed = int(v)?,
+        _ => {
+            return Err(format!("--sweep: unknown key `{key}`; use one of {}", SWEEP_KEYS.join(", ")).into());
+        }
+    }
+    Ok(())
+}
+
+/// Parses the `--sweep` flags into (key, values).
+fn parse_sweep(specs: &[String]) -> Result<Vec<(String, Vec<String>)>, CliError> {
+    let mut grid: Vec<(String, Vec<String>)> = Vec::new();
+    for s in specs {
+        let Some((k, vs)) = s.split_once('=') else {
+            return Err(
+                format!("--sweep {s}: write KEY=V1,V2,.., e.g. --sweep policy=coalesced,trace").into()
+            );
+        };
+        let k = k.trim().to_owned();
+        if !SWEEP_KEYS.contains(&k.as_str()) {
+            return Err(format!("--sweep: unknown key `{k}`; use one of {}", SWEEP_KEYS.join(", ")).into());
+        }
+        if grid.iter().any(|(g, _)| *g == k) {
+            return Err(format!("--sweep: key `{k}` given twice; list its values once").into());
+        }
+        let vs: Vec<String> = vs.split(',').map(|v| v.trim().to_owned()).filter(|v| !v.is_empty()).collect();
+        if vs.is_empty() {
+            return Err(format!("--sweep {s}: no values").into());
+        }
+        grid.push((k, vs));
+    }
+    Ok(grid)
+}
+
+fn run_sweep(out: &mut impl Write, args: &Args) -> Result<(), CliError> {
+    let grid = parse_sweep(&args.sweep)?;
+    let total: usize = grid.iter().map(|(_, v)| v.len()).product();
+    if !args.json {
+        for (k, _) in &grid {
+            write!(out, "{k:>14} ")?;
+        }
+        writeln!(
+            out,
+            "{:>12} {:>12} {:>12} {:>12} {:>12} {:>9} {:>10} {:>11}",
+            "step_ms", "compute_ms", "exposed_ms", "ag_ms", "rs_ms", "tflops", "peak_gib", "collectives"
+        )?;
+    }
+    for i in 0..total {
+        let mut a = args.clone();
+        let mut rest = i;
+        let mut chosen = Vec::with_capacity(grid.len());
+        for (k, vs) in grid.iter().rev() {
+            let v = &vs[rest % vs.len()];
+            rest /= vs.len();
+            apply(&mut a, k, v)?;
+            chosen.push((k.as_str(), v.as_str()));
+        }
+        chosen.reverse();
+        let (r, _, _) = run_one(&a, false)?;
+        if args.json {
+            let mut obj = r.to_json();
+            if let Some(m) = obj.as_object_mut() {
+                let sweep: serde_json::Map<String, serde_json::Value> =
+                    chosen.iter().map(|(k, v)| ((*k).to_owned(), serde_json::Value::from(*v))).collect();
+                m.insert("sweep".to_owned(), serde_json::Value::Object(sweep));
+            }
+            serde_json::to_writer(&mut *out, &obj)?;
+            writeln!(out)?;
+        } else {
+            for (_, v) in &chosen {
+                write!(out, "{v:>14} ")?;
+            }
+            writeln!(
+                out,
+                "{:>12.3} {:>12.3} {:>12.3} {:>12.3} {:>12.3} {:>9.1} {:>10.3} {:>11.0}",
+                r.step_ms(),
+                r.compute_ms(),
+                r.exposed_comm_ms(),
+                r.comm_ms(Lane::AllGather),
+                r.comm_ms(Lane::ReduceScatter),
+                r.tflops_per_gpu(),
+                r.peak_gathered_bytes as f64 / f64::from(1u32 << 30),
+                r.collectives()
+            )?;
+        }
+        out.flush()?;
+    }
+    Ok(())
 }

@@ -1,0 +1,220 @@
+//! `collsched sim`: the flags, the `--json` keys, the Chrome trace (valid JSON, one pid per
+//! rank), the SVG, the sweep table, and clear errors for bad input.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+use collsched::sim::workload::{Architecture, TransformerConfig};
+
+fn run(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_collsched")).arg("sim").args(args).output().expect("the binary runs")
+}
+
+fn ok_stdout(args: &[&str]) -> String {
+    let out = run(args);
+    assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).unwrap()
+}
+
+fn err_line(args: &[&str]) -> String {
+    let out = run(args);
+    assert!(!out.status.success(), "{args:?} should fail");
+    String::from_utf8(out.stderr).unwrap()
+}
+
+/// A scratch directory for this test.
+fn scratch(test: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("collsched-cli-sim-{}-{test}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// A small workload file (a generator config), so the tests run in milliseconds.
+fn small_workload(dir: &std::path::Path) -> String {
+    let cfg = TransformerConfig {
+        name: "tiny".into(),
+        architecture: Architecture::Gpt2,
+        layers: 3,
+        hidden: 256,
+        heads: 4,
+        kv_heads: None,
+        ffn_hidden: None,
+        vocab: 1000,
+        sequence: 128,
+        batch_per_rank: 2,
+        activation_checkpointing: true,
+        dtype: "bf16".into(),
+    };
+    let text = serde_json::json!({"format": "collsched-workload", "version": 1, "transformer": cfg});
+    let path = dir.join("tiny.json");
+    std::fs::write(&path, text.to_string()).unwrap();
+    path.to_str().unwrap().to_owned()
+}
+
+#[test]
+fn json_has_the_contract_keys() {
+    let dir = scratch("json");
+    let w = small_workload(&dir);
+    let text = ok_stdout(&[
+        "--workload",
+        &w,
+        "--world",
+        "8",
+        "--topo",
+        "dgx-h100",
+        "--policy",
+        "trace",
+        "--bucket-mb",
+        "0.25",
+        "--prefetch-mb",
+        "1",
+        "--max-inflight",
+        "2",
+        "--steps",
+        "3",
+        "--json",
+    ]);
+    let v: serde_json::Value = serde_json::from_str(text.trim()).unwrap();
+    for key in
+        ["step_ms", "compute_ms", "exposed_comm_ms", "tflops_per_gpu", "peak_gathered_bytes", "collectives"]
+    {
+        assert!(v[key].is_number(), "`{key}` missing or not a number: {v}");
+    }
+    let comm = v["comm_ms"].as_object().expect("comm_ms is an object");
+    assert!(comm.contains_key("all_gather") && comm.contains_key("reduce_scatter"), "{v}");
+    let step = v["step_ms"].as_f64().unwrap();
+    let parts = v["compute_ms"].as_f64().unwrap() + v["exposed_comm_ms"].as_f64().unwrap();
+    assert!((step - parts).abs() < 1e-6 * step.max(1.0), "step = compute + exposed without jitter: {v}");
+    assert_eq!(v["steps_reported"], 2, "step 1 is left out");
+    assert_eq!(v["policy"], "trace");
+    assert_eq!(v["world"], 8);
+}
+
+#[test]
+fn every_policy_runs_and_naive_issues_more_collectives() {
+    let dir = scratch("policies");
+    let w = small_workload(&dir);
+    let mut collectives = Vec::new();
+    for p in ["naive", "coalesced", "trace", "explicit"] {
+        let text = ok_stdout(&["--workload", &w, "--world", "4", "--topo", "p4d", "--policy", p, "--json"]);
+        let v: serde_json::Value = serde_json::from_str(text.trim()).unwrap();
+        collectives.push(v["collectives"].as_f64().unwrap());
+        let human = ok_stdout(&["--workload", &w, "--world", "4", "--topo", "p4d", "--policy", p]);
+        for line in [
+            "step time",
+            "compute",
+            "exposed comm",
+            "comm all_gather",
+            "comm reduce_scatter",
+            "TFLOPS per GPU",
+            "peak gathered",
+            "collectives",
+        ] {
+            assert!(human.contains(line), "{p}: `{line}` missing:\n{human}");
+        }
+    }
+    assert!(collectives[0] > collectives[1], "naive {} vs coalesced {}", collectives[0], collectives[1]);
+}
+
+#[test]
+fn trace_out_is_chrome_json_with_one_pid_per_rank() {
+    let dir = scratch("trace");
+    let w = small_workload(&dir);
+    let trace = dir.join("t.json");
+    let svg = dir.join("t.svg");
+    ok_stdout(&[
+        "--workload",
+        &w,
+        "--world",
+        "6",
+        "--topo",
+        "dgx-h100",
+        "--steps",
+        "2",
+        "--trace-out",
+        trace.to_str().unwrap(),
+        "--svg",
+        svg.to_str().unwrap(),
+        "--svg-rank",
+        "5",
+    ]);
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+    let events = v["traceEvents"].as_array().unwrap();
+    let mut pids: Vec<u64> = events.iter().map(|e| e["pid"].as_u64().unwrap()).collect();
+    pids.sort_unstable();
+    pids.dedup();
+    assert_eq!(pids, (0..6).collect::<Vec<u64>>());
+    let complete: Vec<_> = events.iter().filter(|e| e["ph"] == "X").collect();
+    assert!(!complete.is_empty());
+    for e in &complete {
+        assert!(e["ts"].as_f64().unwrap() >= 0.0 && e["dur"].as_f64().unwrap() >= 0.0, "{e}");
+        assert!(e["tid"].as_u64().unwrap() < 3, "one thread per stream: {e}");
+    }
+    for tid in 0..3 {
+        assert!(complete.iter().any(|e| e["tid"] == tid), "no events on thread {tid}");
+    }
+    let picture = std::fs::read_to_string(&svg).unwrap();
+    assert!(picture.starts_with("<svg") && picture.trim_end().ends_with("</svg>"));
+    for lane in ["compute", "all_gather", "reduce_scatter"] {
+        assert!(picture.contains(&format!(">{lane}</text>")), "lane {lane} missing");
+    }
+    assert!(picture.matches("<rect").count() > 10);
+}
+
+#[test]
+fn sweep_prints_the_grid() {
+    let dir = scratch("sweep");
+    let w = small_workload(&dir);
+    let text = ok_stdout(&[
+        "--workload",
+        &w,
+        "--world",
+        "4",
+        "--topo",
+        "dgx-h100",
+        "--sweep",
+        "policy=coalesced,trace,explicit",
+        "--sweep",
+        "world=2,8",
+    ]);
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 1 + 3 * 2, "{text}");
+    assert!(lines[0].contains("policy") && lines[0].contains("world") && lines[0].contains("step_ms"));
+    assert!(lines[1].contains("coalesced") && lines[6].contains("explicit"));
+    let json = ok_stdout(&[
+        "--workload",
+        &w,
+        "--world",
+        "4",
+        "--topo",
+        "dgx-h100",
+        "--sweep",
+        "bucket-mb=0.1,1",
+        "--json",
+    ]);
+    let rows: Vec<serde_json::Value> = json.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(rows.len(), 2);
+    assert!(rows[0]["gather_buckets"].as_u64() > rows[1]["gather_buckets"].as_u64());
+    assert_eq!(rows[1]["sweep"]["bucket-mb"], "1");
+}
+
+#[test]
+fn bad_input_is_one_clear_error() {
+    let dir = scratch("errors");
+    let w = small_workload(&dir);
+    let base = ["--workload", w.as_str(), "--world", "4", "--topo", "dgx-h100"];
+    let with = |extra: &[&str]| {
+        let mut a: Vec<&str> = base.to_vec();
+        a.extend_from_slice(extra);
+        err_line(&a)
+    };
+    assert!(with(&["--policy", "eager"]).contains("eager"));
+    assert!(with(&["--sweep", "colour=red"]).contains("colour"));
+    assert!(with(&["--sweep", "world=two"]).contains("two"));
+    assert!(with(&["--bucket-mb=-1"]).contains("--bucket-mb -1"));
+    assert!(with(&["--steps", "0"]).contains("steps"));
+    assert!(with(&["--tflops", "0"]).contains("tflops"));
+    assert!(err_line(&["--workload", "gpt9", "--world", "4", "--topo", "dgx-h100"]).contains("gpt9"));
+    assert!(err_line(&["--workload", &w, "--world", "4", "--topo", "nope"]).contains("nope"));
+    assert!(err_line(&["--workload", &w, "--world", "0", "--topo", "dgx-h100"]).contains("world"));
+}

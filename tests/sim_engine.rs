@@ -1,0 +1,357 @@
+//! The simulator: exact compute time without communication, no exposed communication on an
+//! infinitely fast network, prefetch never worse than no prefetch, determinism with jitter,
+//! collective counts that match the plan.
+
+use collsched::buckets::{DType, LayoutBuilder, ParamSet, ParamSpec, Sharding};
+use collsched::sim::engine::{simulate, Policy, SimConfig, SimReport};
+use collsched::sim::workload::{Architecture, Layer, ParamRecord, TransformerConfig, Workload};
+use collsched::topo::{preset, CostModel, Link, LinkClass};
+
+/// A small transformer of the given architecture.
+fn small(arch: Architecture, layers: u32, hidden: u64, checkpointing: bool) -> Workload {
+    TransformerConfig {
+        name: format!("small-{arch:?}-{layers}x{hidden}"),
+        architecture: arch,
+        layers,
+        hidden,
+        heads: 4,
+        kv_heads: None,
+        ffn_hidden: None,
+        vocab: 1000,
+        sequence: 128,
+        batch_per_rank: 2,
+        activation_checkpointing: checkpointing,
+        dtype: "bf16".to_owned(),
+    }
+    .workload()
+    .unwrap()
+}
+
+fn workloads() -> Vec<Workload> {
+    vec![
+        small(Architecture::Gpt2, 3, 256, true),
+        small(Architecture::Llama, 4, 512, false),
+        small(Architecture::Roberta, 2, 384, true),
+    ]
+}
+
+fn config(topo: &str, world: u32, policy: Policy) -> SimConfig {
+    let mut c = SimConfig::for_topology(&preset(topo).unwrap(), world).unwrap();
+    c.policy = policy;
+    // Small buckets so the small models have several.
+    c.bucket_bytes = 256 << 10;
+    c
+}
+
+fn run(w: &Workload, c: &SimConfig) -> SimReport {
+    simulate(w, c).unwrap_or_else(|e| panic!("{} on {} ranks, {}: {e}", w.name, c.world, c.policy))
+}
+
+#[test]
+fn one_rank_takes_exactly_its_compute_time() {
+    for w in workloads() {
+        for policy in Policy::ALL {
+            let mut c = config("dgx-h100", 1, policy);
+            c.host_overhead_s = Some(0.0);
+            let r = run(&w, &c);
+            // Reference: every compute op of a step, rounded to ns like the simulator's clock.
+            let ns = |f: f64| (f / (c.tflops * 1e12) * 1e9).round() as u64;
+            let per_step: u64 = w
+                .layers
+                .iter()
+                .map(|l| ns(l.forward_flops) + ns(l.recompute_flops) + ns(l.backward_flops))
+                .sum();
+            for s in &r.steps {
+                assert_eq!(s.step_ns, per_step, "{} {policy}", w.name);
+                assert_eq!(s.compute_ns, per_step as f64);
+                assert_eq!(s.exposed_ns, 0.0);
+                assert_eq!(s.comm_ns, [0, 0], "a group of one rank moves nothing");
+            }
+            let exact = w.executed_flops() / (c.tflops * 1e12) * 1e3;
+            assert!(
+                (r.step_ms() - exact).abs() < 1e-5 * w.layers.len() as f64 * 3.0,
+                "{} vs {exact}",
+                r.step_ms()
+            );
+        }
+    }
+}
+
+#[test]
+fn infinite_bandwidth_and_zero_latency_expose_nothing() {
+    let inf = |class| Link { class, bandwidth_gbs: f64::INFINITY, latency_us: 0.0 };
+    let cost = CostModel::new(inf(LinkClass::NvLink), inf(LinkClass::InfiniBand))
+        .with_launch_overhead(0.0)
+        .with_group_call_overhead(0.0);
+    for w in workloads() {
+        for policy in Policy::ALL {
+            for (world, rpn) in [(2, 2), (16, 8)] {
+                let mut c = SimConfig::new(world, rpn, cost, 100.0);
+                c.policy = policy;
+                c.bucket_bytes = 256 << 10;
+                let r = run(&w, &c);
+                for s in &r.steps {
+                    assert_eq!(s.exposed_ns, 0.0, "{} {policy} world {world}", w.name);
+                    assert_eq!(s.comm_ns, [0, 0]);
+                    assert_eq!(s.step_ns as f64, s.compute_ns + s.host_ns);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn prefetch_never_exposes_more_than_no_prefetch() {
+    for w in workloads() {
+        for (topo, world) in [("dgx-h100", 8), ("p4d", 16), ("pcie-8gpu", 4)] {
+            for (prefetch_bytes, max_inflight) in [(256 << 20, 4), (512 << 10, 2), (1 << 30, 16)] {
+                let mut base = config(topo, world, Policy::Coalesced);
+                base.prefetch_bytes = prefetch_bytes;
+                base.max_inflight = max_inflight;
+                let none = run(&w, &base);
+                let trace = run(&w, &SimConfig { policy: Policy::Trace, ..base.clone() });
+                let what =
+                    format!("{} on {world} x {topo}, budget {prefetch_bytes} / {max_inflight}", w.name);
+                assert!(none.exposed_comm_ms() > 0.0, "{what}: the case must expose something");
+                assert!(
+                    trace.exposed_comm_ms() <= none.exposed_comm_ms(),
+                    "{what}: trace {} > none {}",
+                    trace.exposed_comm_ms(),
+                    none.exposed_comm_ms()
+                );
+                assert!(trace.step_ms() <= none.step_ms(), "{what}");
+                // The first step records the trace and is the no-prefetch step.
+                assert_eq!(trace.steps[0].exposed_ns, none.steps[0].exposed_ns, "{what}");
+            }
+        }
+    }
+}
+
+#[test]
+fn deterministic_for_a_seed_with_jitter() {
+    let w = small(Architecture::Gpt2, 3, 256, true);
+    let mut c = config("p4d", 16, Policy::Trace);
+    c.jitter = 0.2;
+    c.seed = 7;
+    c.timeline = true;
+    let a = run(&w, &c);
+    let b = run(&w, &c);
+    assert_eq!(a, b);
+    let other = run(&w, &SimConfig { seed: 8, ..c.clone() });
+    assert_ne!(a.steps, other.steps, "another seed gives other times");
+    let calm = run(&w, &SimConfig { jitter: 0.0, ..c.clone() });
+    assert!(a.steps.iter().zip(&calm.steps).all(|(j, q)| j.step_ns >= q.step_ns), "jitter only slows down");
+    // Without jitter every rank computes the same: the mean equals each rank's sum.
+    let tl = calm.timeline.as_ref().unwrap();
+    let busy: Vec<u64> = tl
+        .compute
+        .iter()
+        .map(|s| {
+            s.iter().filter(|s| s.kind != collsched::sim::engine::SpanKind::Wait).map(|s| s.dur_ns).sum()
+        })
+        .collect();
+    assert!(busy.windows(2).all(|p| p[0] == p[1]));
+}
+
+/// Gathers a step issues when every layer releases before the next fetch: per layer (forward
+/// then backward), one per distinct bucket of its parameters.
+fn expected_gathers(w: &Workload, bucket_of: &dyn Fn(&str) -> u32) -> u64 {
+    let mut n = 0;
+    for name in w.forward_order.iter().chain(&w.backward_order) {
+        let layer = w.layer(name).unwrap();
+        let mut seen: Vec<u32> = layer.params.iter().map(|p| bucket_of(p)).collect();
+        seen.sort_unstable();
+        seen.dedup();
+        n += seen.len() as u64;
+    }
+    n
+}
+
+#[test]
+fn collective_counts_match_the_plan() {
+    let mut w = small(Architecture::Gpt2, 3, 256, true);
+    // Freeze two parameters: they take no gradient bucket.
+    for p in w.params.iter_mut().filter(|p| p.name.starts_with("block.1.attn.qkv")) {
+        p.trainable = false;
+    }
+    let trainable = w.params.iter().filter(|p| p.trainable).count() as u64;
+    for policy in Policy::ALL {
+        let c = config("dgx-h100", 8, policy);
+        let r = run(&w, &c);
+        // The reference layout: parameters in forward order, the simulator's bucket cap (naive:
+        // one parameter per bucket).
+        let specs: Vec<ParamSpec> = w
+            .params
+            .iter()
+            .map(|p| {
+                let shape: Vec<usize> = p.shape.iter().map(|&d| d as usize).collect();
+                ParamSpec::new(p.name.clone(), shape, DType::BF16).trainable(p.trainable)
+            })
+            .collect();
+        let set = ParamSet::new(specs).unwrap();
+        let mut order = Vec::new();
+        for name in &w.forward_order {
+            for p in &w.layer(name).unwrap().params {
+                let id = set.id(p).unwrap();
+                if !order.contains(&id) {
+                    order.push(id);
+                }
+            }
+        }
+        let cap = if policy == Policy::Naive { 1 } else { c.bucket_bytes };
+        let layout =
+            LayoutBuilder::new(&set, Sharding::EvenSplit, 8).bucket_bytes(cap).order(order).build().unwrap();
+        let bucket_of = |name: &str| {
+            let id = set.id(name).unwrap();
+            layout.gather_buckets().iter().position(|b| b.params().contains(&id)).unwrap() as u32
+        };
+        let gathers = expected_gathers(&w, &bucket_of);
+        let grads = layout.grad_buckets().len() as u64;
+        if policy == Policy::Naive {
+            assert_eq!(grads, trainable, "naive: one reduce-scatter per gradient");
+            let per_layer: u64 = w
+                .forward_order
+                .iter()
+                .chain(&w.backward_order)
+                .map(|n| w.layer(n).unwrap().params.len() as u64)
+                .sum();
+            assert_eq!(gathers, per_layer, "naive: one all-gather per parameter fetch");
+        }
+        assert_eq!(r.gather_buckets, layout.gather_buckets().len());
+        for (k, s) in r.steps.iter().enumerate() {
+            assert_eq!(s.all_gathers, gathers, "{policy} step {k}");
+            assert_eq!(s.reduce_scatters, grads, "{policy} step {k}");
+        }
+    }
+}
+
+#[test]
+fn peak_memory_holds_the_largest_layer_and_naive_pays_host_time() {
+    let w = small(Architecture::Llama, 4, 512, false);
+    let c = config("dgx-h100", 8, Policy::Coalesced);
+    let r = run(&w, &c);
+    let largest = w
+        .layers
+        .iter()
+        .map(|l| {
+            l.params.iter().map(|p| w.params.iter().find(|q| &q.name == p).unwrap().numel() * 2).sum::<u64>()
+        })
+        .max()
+        .unwrap();
+    assert!(r.peak_gathered_bytes >= largest, "{} < {largest}", r.peak_gathered_bytes);
+    let nc = config("dgx-h100", 8, Policy::Naive);
+    let naive = run(&w, &nc);
+    let launches = naive.reported()[0].all_gathers + naive.reported()[0].reduce_scatters;
+    let host = nc.host_overhead();
+    assert_eq!(host, collsched::sim::engine::NAIVE_HOST_OVERHEAD_S);
+    assert!(
+        (naive.host_ms() - launches as f64 * host * 1e3).abs() < 1e-6,
+        "{} vs {launches}",
+        naive.host_ms()
+    );
+    assert!(naive.step_ms() > r.step_ms());
+}
+
+#[test]
+fn a_hand_written_trace_runs() {
+    // Two layers sharing nothing, one frozen parameter, backward not the reverse of forward.
+    let rec = |name: &str, n: u64, trainable| ParamRecord {
+        name: name.into(),
+        shape: vec![n],
+        dtype: "f32".into(),
+        trainable,
+    };
+    let layer = |name: &str, params: &[&str], f: f64| Layer {
+        name: name.into(),
+        params: params.iter().map(|s| s.to_string()).collect(),
+        forward_flops: f,
+        backward_flops: 2.0 * f,
+        recompute_flops: 0.0,
+    };
+    let w = Workload {
+        name: "hand".into(),
+        params: vec![rec("a", 1 << 20, true), rec("b", 1 << 18, false), rec("c", 1 << 20, true)],
+        layers: vec![layer("l0", &["a", "b"], 1e12), layer("l1", &["c"], 2e12)],
+        forward_order: vec!["l0".into(), "l1".into()],
+        backward_order: vec!["l1".into(), "l0".into()],
+    };
+    let c = config("p4d", 8, Policy::Trace);
+    let r = run(&w, &c);
+    assert_eq!(r.reported()[0].reduce_scatters, 2, "one per gradient bucket, the frozen `b` in none");
+    assert!(r.step_ms() * 1e-3 >= w.executed_flops() / (c.tflops * 1e12) * (1.0 - 1e-9));
+}
+
+#[test]
+fn the_timeline_adds_up_to_the_summary() {
+    let w = small(Architecture::Roberta, 2, 384, true);
+    let mut c = config("p4d", 16, Policy::Explicit);
+    c.timeline = true;
+    c.jitter = 0.1;
+    c.seed = 3;
+    c.steps = 2;
+    let r = run(&w, &c);
+    let tl = r.timeline.as_ref().unwrap();
+    use collsched::sim::engine::SpanKind;
+    for (s, stats) in r.steps.iter().enumerate() {
+        let mean = |kinds: &[SpanKind]| {
+            let total: u64 = tl
+                .compute
+                .iter()
+                .flat_map(|spans| spans.iter())
+                .filter(|x| x.step as usize == s && kinds.contains(&x.kind))
+                .map(|x| x.dur_ns)
+                .sum();
+            total as f64 / f64::from(r.world)
+        };
+        assert!((mean(&[SpanKind::Wait]) - stats.exposed_ns).abs() < 1e-6, "step {s}");
+        let compute = mean(&[SpanKind::Forward, SpanKind::Recompute, SpanKind::Backward]);
+        assert!((compute - stats.compute_ns).abs() < 1e-6, "step {s}");
+        for (lane, list) in tl.collectives.iter().enumerate() {
+            let busy: u64 = list.iter().filter(|x| x.step as usize == s).map(|x| x.dur_ns).sum();
+            assert_eq!(busy, stats.comm_ns[lane], "step {s} lane {lane}");
+        }
+        // Collectives of one stream never overlap.
+        for list in &tl.collectives {
+            assert!(list.windows(2).all(|p| p[0].start_ns + p[0].dur_ns <= p[1].start_ns));
+        }
+        // Each rank's compute lane is a sequence of disjoint spans.
+        for spans in &tl.compute {
+            assert!(spans.windows(2).all(|p| p[0].start_ns + p[0].dur_ns <= p[1].start_ns));
+        }
+    }
+}
+
+mod prop {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(24))]
+        /// On a static trace, trace-replay prefetch never exposes more communication than no
+        /// prefetch, whatever the model, machine, bucket cap and budgets.
+        #[test]
+        fn prefetch_never_hurts(
+            arch in prop_oneof![Just(Architecture::Gpt2), Just(Architecture::Llama), Just(Architecture::Roberta)],
+            layers in 1u32..5,
+            hidden in prop_oneof![Just(128u64), Just(256), Just(384)],
+            checkpointing in any::<bool>(),
+            topo in prop_oneof![Just("dgx-h100"), Just("p4d"), Just("pcie-8gpu")],
+            world in prop_oneof![Just(2u32), Just(4), Just(8), Just(16)],
+            bucket_kib in 16usize..2048,
+            prefetch_kib in 16usize..8192,
+            max_inflight in 1usize..9,
+            live_kib in prop_oneof![Just(1usize << 22), 256usize..8192],
+        ) {
+            let w = small(arch, layers, hidden, checkpointing);
+            let mut base = config(topo, world, Policy::Coalesced);
+            base.bucket_bytes = bucket_kib << 10;
+            base.prefetch_bytes = prefetch_kib << 10;
+            base.max_inflight = max_inflight;
+            base.max_live_bytes = live_kib << 10;
+            let none = run(&w, &base);
+            let trace = run(&w, &SimConfig { policy: Policy::Trace, ..base.clone() });
+            prop_assert!(trace.exposed_comm_ms() <= none.exposed_comm_ms(), "trace {} > none {}", trace.exposed_comm_ms(), none.exposed_comm_ms());
+            prop_assert_eq!(trace.collectives(), none.collectives());
+        }
+    }
+}
