@@ -46,6 +46,7 @@ mod elem;
 mod f16c;
 #[doc(hidden)]
 pub mod reference;
+mod stream;
 #[cfg(test)]
 mod tests;
 

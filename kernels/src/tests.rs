@@ -470,3 +470,47 @@ fn reduce_in_place_rejects_mismatched_inputs() {
         "{err}"
     );
 }
+
+#[test]
+fn streaming_copy_copies_every_length_and_alignment() {
+    let src: Vec<u8> = (0..1200u32).map(|i| (i * 37 % 256) as u8).collect();
+    for len in [0usize, 1, 15, 16, 17, 255, 256, 257, 300, 511, 512, 1000] {
+        for dst_off in 0..17 {
+            for src_off in [0usize, 1, 3] {
+                let mut dst = vec![0xEEu8; len + 40];
+                crate::stream::copy(&mut dst[dst_off..dst_off + len], &src[src_off..src_off + len], true);
+                crate::stream::fence(true);
+                assert_eq!(
+                    &dst[dst_off..dst_off + len],
+                    &src[src_off..src_off + len],
+                    "len {len} at {dst_off}"
+                );
+                assert!(dst[..dst_off].iter().chain(&dst[dst_off + len..]).all(|&b| b == 0xEE));
+            }
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    #[test]
+    fn streaming_copy_in_and_out_match_reference(l in any_layout()) {
+        let e = l.elem_size;
+        let sources: Vec<&[u8]> = l.buffers.iter().map(|b| &b[..]).collect();
+        let mut want = vec![0x11u8; l.packed_len * e];
+        reference::copy_in(&mut want, &sources, &l.segments, e).unwrap();
+        let mut got = vec![0x11u8; l.packed_len * e];
+        crate::copy::copy_in_unchecked(&mut got, &sources, &l.segments, e, true);
+        prop_assert_eq!(&got, &want);
+        let mut want_out = l.buffers.clone();
+        let mut got_out = l.buffers.clone();
+        {
+            let mut d: Vec<&mut [u8]> = want_out.iter_mut().map(|b| &mut b[..]).collect();
+            reference::copy_out(&mut d, &want, &l.segments, e).unwrap();
+            let mut d: Vec<&mut [u8]> = got_out.iter_mut().map(|b| &mut b[..]).collect();
+            crate::copy::copy_out_unchecked(&mut d, &want, &l.segments, e, true);
+        }
+        prop_assert_eq!(got_out, want_out);
+    }
+}
