@@ -205,7 +205,7 @@ impl Serialize for OpJson<'_> {
 /// At most this many bucket rows in the table; `--json` has them all.
 const TABLE_ROWS: usize = 40;
 
-/// Writes the short human summary: one row per bucket (up to [`TABLE_ROWS`]), then totals.
+/// Writes the short human summary: one row per bucket (up to 40), then totals.
 ///
 /// # Errors
 /// A failed write.
