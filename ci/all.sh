@@ -13,3 +13,9 @@ for extra in doc ptx fuzz; do
   [ -f "ci/$extra.sh" ] && step "$extra"
 done
 echo "== ci: all green in $(( $(date +%s) - start ))s"
+# The closing line: nextest's counts, in the plain form 'N passed, N failed, N skipped'.
+summary=$(grep -E "Summary \[" "${CARGO_TARGET_DIR:-target}/ci-nextest.log" | tail -n 1 || true)
+run=$(sed -nE 's/.* ([0-9]+) tests? run: ([0-9]+) passed.*/\2/p' <<<"$summary")
+skipped=$(sed -nE 's/.* ([0-9]+) skipped.*/\1/p' <<<"$summary")
+failed=$(sed -nE 's/.* ([0-9]+) failed.*/\1/p' <<<"$summary")
+echo "tests: ${run:-0} passed, ${failed:-0} failed, ${skipped:-0} skipped"

@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # The whole test suite (doc tests, then unit, integration, property and CLI tests through
-# nextest, whose summary line closes the run), all features on.
+# nextest), all features on. Nextest's summary is kept in target/ci-nextest.log so that
+# ci/all.sh can repeat it as the run's closing line.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source ci/env.sh
 cargo test --workspace --all-features --doc
-cargo nextest run --workspace --all-features --no-fail-fast
+log="${CARGO_TARGET_DIR:-target}/ci-nextest.log"
+mkdir -p "$(dirname "$log")"
+cargo nextest run --workspace --all-features --no-fail-fast 2>&1 | tee "$log"
+exit "${PIPESTATUS[0]}"
