@@ -542,11 +542,7 @@ impl LayoutBuilder {
         }
         let ctx = Ctx { world, group, align: self.align };
         let mut buckets = Vec::with_capacity(n_gather * 2);
-        let mut ranks: BinaryHeap<Reverse<(usize, u32)>> = if matches!(self.sharding, Sharding::Greedy) {
-            (0..world).map(|r| Reverse((0, r))).collect()
-        } else {
-            BinaryHeap::new()
-        };
+        let mut ranks = RankLoads { used: BinaryHeap::new(), fresh: 0, world };
         for (i, (dtype, ps)) in groups.into_iter().enumerate() {
             let id = BucketId(i as u32);
             let ns: Vec<usize> = ps.iter().map(|p| numels[p.index()]).collect();
@@ -597,6 +593,30 @@ impl LayoutBuilder {
         }
         order.extend(self.params.ids().filter(|p| at[p.index()].is_none()));
         Ok(order)
+    }
+}
+
+/// Greedy's bytes per rank over all buckets so far. Ranks that never received a parameter
+/// (`fresh..world`) have 0 bytes and come first (lowest rank first); the others sit in a
+/// heap. Nothing is O(world).
+struct RankLoads {
+    used: BinaryHeap<Reverse<(usize, u32)>>,
+    fresh: u32,
+    world: u32,
+}
+
+impl RankLoads {
+    /// Removes and returns the `k` least-loaded ranks (fewer if the world is smaller), as
+    /// `(bytes, rank)`, ordered by bytes then rank.
+    fn take(&mut self, k: usize) -> Vec<(usize, u32)> {
+        let fresh = (self.world - self.fresh).min(u32::try_from(k).unwrap_or(u32::MAX));
+        let mut out: Vec<(usize, u32)> = (self.fresh..self.fresh + fresh).map(|r| (0, r)).collect();
+        self.fresh += fresh;
+        while out.len() < k {
+            let Some(Reverse(x)) = self.used.pop() else { break };
+            out.push(x);
+        }
+        out
     }
 }
 
@@ -725,7 +745,7 @@ impl Ctx {
         dtype: DType,
         params: Vec<ParamId>,
         numels: Vec<usize>,
-        ranks: &mut BinaryHeap<Reverse<(usize, u32)>>,
+        ranks: &mut RankLoads,
     ) -> Result<Bucket, LayoutError> {
         let ae = self.align / dtype.size();
         let overflow = || LayoutError::Overflow { bucket: id, world: self.world };
@@ -733,20 +753,28 @@ impl Ctx {
             numels.iter().map(|&n| align_up(n, ae).ok_or_else(overflow)).collect::<Result<_, _>>()?;
         let mut by_size: Vec<usize> = (0..numels.len()).collect();
         by_size.sort_by_key(|&i| (Reverse(padded[i]), i));
-        let m = by_size.len().min(ranks.len());
-        let candidates: Vec<(usize, u32)> = (0..m).filter_map(|_| ranks.pop().map(|Reverse(x)| x)).collect();
-        // (load in this bucket, load over all buckets, rank, index in candidates)
-        let mut heap: BinaryHeap<Reverse<(usize, usize, u32, usize)>> =
-            candidates.iter().enumerate().map(|(c, &(total, r))| Reverse((0, total, r, c))).collect();
+        let candidates = ranks.take(by_size.len());
         let mut owner = vec![0u32; numels.len()];
-        for &i in &by_size {
-            let Some(Reverse((load, total, r, c))) = heap.pop() else { break };
-            owner[i] = r;
-            let load = load.checked_add(padded[i]).ok_or_else(overflow)?;
-            heap.push(Reverse((load, total.saturating_add(padded[i]), r, c)));
-        }
-        for Reverse((_, total, r, _)) in heap {
-            ranks.push(Reverse((total, r)));
+        if candidates.len() == by_size.len() {
+            // A rank for every parameter: the j-th largest goes to the j-th least loaded (what
+            // the heap below would do, as every rank's load in this bucket starts at 0).
+            for (&i, &(total, r)) in by_size.iter().zip(&candidates) {
+                owner[i] = r;
+                ranks.used.push(Reverse((total.saturating_add(padded[i]), r)));
+            }
+        } else {
+            // (load in this bucket, load over all buckets, rank)
+            let mut heap: BinaryHeap<Reverse<(usize, usize, u32)>> =
+                candidates.into_iter().map(|(total, r)| Reverse((0, total, r))).collect();
+            for &i in &by_size {
+                let Some(Reverse((load, total, r))) = heap.pop() else { break };
+                owner[i] = r;
+                let load = load.checked_add(padded[i]).ok_or_else(overflow)?;
+                heap.push(Reverse((load, total.saturating_add(padded[i]), r)));
+            }
+            for Reverse((_, total, r)) in heap {
+                ranks.used.push(Reverse((total, r)));
+            }
         }
         let (offset, shard, single) = pack_by_owner(&owner, &padded);
         self.bucket(

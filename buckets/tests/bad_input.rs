@@ -178,6 +178,42 @@ fn dtype_names_round_trip() {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(256))]
 
+    /// Any valid parameter list survives the file format: written as JSON (with the dtype
+    /// spelt in any accepted way, `trainable` sometimes omitted) and parsed back, it is equal.
+    #[test]
+    fn parser_round_trips(
+        ps in prop::collection::vec(
+            ("[a-z][a-z0-9._\\\"é]{0,12}", prop::collection::vec(1usize..1000, 0..4), 0usize..6, any::<bool>(), any::<bool>()),
+            1..40,
+        ),
+    ) {
+        let mut seen = std::collections::HashSet::new();
+        let ps: Vec<_> = ps.into_iter().filter(|p| seen.insert(p.0.clone())).collect();
+        let spellings = |d: DType| match d {
+            DType::F32 => "float32",
+            DType::BF16 => "torch.bfloat16",
+            DType::F16 => "half",
+            d => d.name(),
+        };
+        let mut entries = Vec::new();
+        let mut specs = Vec::new();
+        for (name, shape, d, trainable, alias) in &ps {
+            let dtype = DType::ALL[*d];
+            let mut e = serde_json::json!({"name": name, "shape": shape, "dtype": if *alias { spellings(dtype) } else { dtype.name() }});
+            if !*trainable || *alias {
+                e["trainable"] = serde_json::Value::Bool(*trainable);
+            }
+            entries.push(e);
+            specs.push(ParamSpec::new(name.clone(), shape.clone(), dtype).trainable(*trainable));
+        }
+        let text = serde_json::to_string_pretty(&serde_json::json!({"params": entries})).unwrap();
+        let set = ParamSet::from_json(&text).map_err(|e| TestCaseError::fail(e.to_string()))?;
+        prop_assert_eq!(set.specs(), &specs[..]);
+        for (i, s) in specs.iter().enumerate() {
+            prop_assert_eq!(set.id(&s.name), Some(ParamId(i as u32)));
+        }
+    }
+
     /// Arbitrary text never panics the parser.
     #[test]
     fn parser_never_panics(text in ".{0,200}") {

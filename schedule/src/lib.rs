@@ -11,7 +11,7 @@ pub mod fingerprint;
 pub mod plan;
 
 pub use fingerprint::{PlanFingerprint, StableHasher};
-pub use plan::{BufferRole, CopyRun, Op, OpId, OpKind, Plan, RankGroups};
+pub use plan::{plan_from_json, BufferRole, CopyRun, Op, OpId, OpKind, Plan, PlanInputError, RankGroups};
 
 pub mod scheduler;
 pub use scheduler::{

@@ -16,7 +16,10 @@
 
 use std::sync::Arc;
 
-use collsched_buckets::{BucketId, BucketKind, Layout, LayoutDiff, LayoutError, ParamId, Sharding};
+use collsched_buckets::{
+    BucketId, BucketKind, Layout, LayoutBuilder, LayoutDiff, LayoutError, ParamFileError, ParamId, ParamSet,
+    Sharding,
+};
 
 use crate::fingerprint::{PlanFingerprint, StableHasher};
 
@@ -453,6 +456,46 @@ impl Plan {
         let (layout, diff) = self.layout.with_trainable(mask)?;
         Ok((Plan::new(layout), diff))
     }
+}
+
+/// Why [`plan_from_json`] failed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum PlanInputError {
+    /// The parameter file is malformed or invalid.
+    #[error(transparent)]
+    Params(#[from] ParamFileError),
+    /// The layout cannot be built with these knobs.
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
+}
+
+/// Builds the plan of a parameter file's text (see
+/// [`ParamSet::from_json`]) with the knobs of `collsched plan`: what the CLI runs, and the
+/// entry point of the plan fuzz target.
+///
+/// # Errors
+/// [`PlanInputError`]: the file's error (with line and column, or naming the parameter) or
+/// the layout's (naming the knob and parameter).
+///
+/// # Examples
+/// ```
+/// use collsched_buckets::Sharding;
+/// use collsched_schedule::plan_from_json;
+/// let text = r#"{"params": [{"name": "w", "shape": [64, 64], "dtype": "bf16"}]}"#;
+/// let plan = plan_from_json(text, Sharding::EvenSplit, 8, 64 << 20, 256).unwrap();
+/// assert_eq!(plan.ops().len(), 2); // all_gather + reduce_scatter
+/// assert!(plan_from_json(text, Sharding::Hybrid(3), 8, 64 << 20, 256).is_err());
+/// ```
+pub fn plan_from_json(
+    text: &str,
+    sharding: Sharding,
+    world: u32,
+    bucket_bytes: usize,
+    align: usize,
+) -> Result<Plan, PlanInputError> {
+    let set = ParamSet::from_json(text)?;
+    let layout = LayoutBuilder::new(&set, sharding, world).bucket_bytes(bucket_bytes).align(align).build()?;
+    Ok(Plan::new(layout))
 }
 
 #[cfg(test)]

@@ -24,6 +24,40 @@
 //! When a launch completes, the driver may feed [`Event::OpDone`] back (optional: without it
 //! every fetch of an in-flight bucket emits a `Wait`, which is always correct).
 //!
+//! ```
+//! use collsched_schedule::buckets::{DType, LayoutBuilder, ParamSet, ParamSpec, Sharding};
+//! use collsched_schedule::{Action, Event, InflightRegistry, Plan, Role, ScheduleInput, Scheduler, SchedulerConfig};
+//! let set = ParamSet::new((0..4).map(|i| ParamSpec::new(format!("l{i}.w"), [256], DType::F32)).collect())?;
+//! let plan = Plan::new(LayoutBuilder::new(&set, Sharding::EvenSplit, 2).bucket_bytes(1024).build()?);
+//! let mut registry = InflightRegistry::new(&ScheduleInput::from_plan(&plan)); // one per rank per model
+//! let mut sched = Scheduler::from_plan(&plan, 0, SchedulerConfig::default(), &mut registry)?;
+//! let mut actions = Vec::with_capacity(256); // reused: steady-state steps allocate nothing
+//! let mut completed = Vec::new();
+//! for _step in 0..3 {
+//!     let ids: Vec<_> = set.ids().collect();
+//!     for &p in ids.iter().chain(ids.iter().rev()) {
+//!         sched.handle(&mut registry, Event::Fetch(&[p]), &mut actions)?;
+//!         // ... the driver runs the actions, then the engine computes with
+//!         // registry.buffer_of(p) ...
+//!         sched.handle(&mut registry, Event::Release { params: &[p], after: None }, &mut actions)?;
+//!     }
+//!     sched.handle(&mut registry, Event::EndStep, &mut actions)?;
+//!     for a in actions.drain(..) {
+//!         if let Action::Launch(l) = a {
+//!             completed.push(l.id); // the backend reports completion later...
+//!         }
+//!     }
+//!     for id in completed.drain(..) {
+//!         sched.handle(&mut registry, Event::OpDone(id), &mut actions)?; // ...and it flows back
+//!     }
+//! }
+//! // Steps after the first replay the recorded order: only the first fetch misses.
+//! assert_eq!(sched.last_step().counters.prefetch_misses, 1);
+//! assert_eq!(registry.live_bytes(), 0);
+//! # let _ = Role::Gather;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
 //! After `Fetch(params)` returns and its actions ran, the parameters are gathered once the
 //! compute stream passed the emitted waits. `Release(params, after)` says the engine's use
 //! ends at `after`. Steady-state steps allocate nothing when the action `Vec` has capacity.
@@ -51,7 +85,7 @@ pub use action::{
 };
 pub use config::{
     GradReduce, PolicyKind, SchedulerConfig, DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_LIVE_BYTES,
-    DEFAULT_PREFETCH_BYTES,
+    DEFAULT_PREFETCH_BYTES, DEFAULT_TRACE_RERECORD_AFTER,
 };
 pub use error::ScheduleError;
 pub use input::{BucketInput, PlanDigests, ScheduleInput};
@@ -217,6 +251,7 @@ impl Scheduler {
         config: SchedulerConfig,
         registry: &mut InflightRegistry,
     ) -> Result<Scheduler, ScheduleError> {
+        config.validate(input)?;
         let t = Tables::new(input, &config)?;
         let n = t.params.len();
         let same = registry.param_bucket == t.param_gather
@@ -232,7 +267,9 @@ impl Scheduler {
         let (n_gather, n_grad) = (t.gather.len(), t.grad.len());
         let policy: Box<dyn PrefetchPolicy> = match config.policy {
             PolicyKind::None => Box::new(NoPrefetch),
-            PolicyKind::TraceReplay => Box::new(TraceReplay::default()),
+            PolicyKind::TraceReplay => {
+                Box::new(TraceReplay::with_rerecord_after(config.trace_rerecord_after))
+            }
         };
         let mask = t.params.trainable_mask();
         Ok(Scheduler {
@@ -315,11 +352,7 @@ impl Scheduler {
             Event::Release { params, after } => self.release(registry, params, after, out),
             Event::GradReady { param, after } => self.grad_ready(registry, param, after, out),
             Event::OpDone(id) => self.op_done(registry, id),
-            Event::ShardsUpdated(ev) => {
-                self.core.check_registry(registry)?;
-                registry.shards_fence = Some(ev);
-                Ok(())
-            }
+            Event::ShardsUpdated(ev) => self.shards_updated(registry, ev, out),
             Event::EndStep => self.end_step(registry, out),
             Event::SetNoSync(on) => self.set_no_sync(on),
             Event::SetTrainable(mask) => self.set_trainable(mask),
@@ -382,6 +415,7 @@ impl Scheduler {
         c.check_ids("release", params)?;
         for (i, &p) in params.iter().enumerate() {
             if c.my_users[p.index()] == 0 {
+                let twice = c.released[p.index()] || params[..i].contains(&p);
                 for &q in &params[..i] {
                     c.my_users[q.index()] += 1;
                 }
@@ -390,7 +424,7 @@ impl Scheduler {
                     param: p,
                     name: c.t.params.name(p).to_string(),
                     bucket: c.t.gather[c.t.param_gather[p.index()] as usize].id,
-                    twice: c.released[p.index()],
+                    twice,
                 });
             }
             c.my_users[p.index()] -= 1;
@@ -514,6 +548,35 @@ impl Scheduler {
                 }
             }
         }
+        Ok(())
+    }
+
+    /// [`Event::ShardsUpdated`]: the optimizer wrote the shards (complete after `ev`). Gathers
+    /// launched from now on wait for `ev`; unused prefetches of any scheduler on the registry
+    /// hold the old values and are freed.
+    ///
+    /// # Errors
+    /// [`ScheduleError::WrongRegistry`].
+    pub fn shards_updated(
+        &mut self,
+        registry: &mut InflightRegistry,
+        ev: EngineEvent,
+        out: &mut Vec<Action>,
+    ) -> Result<(), ScheduleError> {
+        let c = &mut self.core;
+        c.check_registry(registry)?;
+        registry.shards_fence = Some(ev);
+        for g in 0..registry.slots.len() {
+            let stale = registry.slots[g]
+                .gathered
+                .as_ref()
+                .is_some_and(|s| s.prefetched_by.is_some() && s.users == 0);
+            if stale {
+                c.free_slot(registry, g, out);
+                c.counters.discarded_prefetches += 1;
+            }
+        }
+        c.pending.clear();
         Ok(())
     }
 
@@ -702,6 +765,41 @@ impl Scheduler {
         let max_id = input.gather.iter().chain(&input.grad).map(|b| b.id.index() + 1).max().unwrap_or(0);
         c.t.bucket_index.resize(max_id.max(c.t.bucket_index.len()), NONE);
         Ok(())
+    }
+
+    /// Detaches this scheduler from the registry for good (a coordinator going away): frees its
+    /// unused prefetches, releases every parameter it still holds (freeing buckets no other
+    /// scheduler uses), and returns those parameters, once per unreleased fetch. Gradients
+    /// not yet reduced are dropped (no collective is launched).
+    ///
+    /// # Errors
+    /// [`ScheduleError::WrongRegistry`].
+    pub fn close(
+        mut self,
+        registry: &mut InflightRegistry,
+        out: &mut Vec<Action>,
+    ) -> Result<Vec<ParamId>, ScheduleError> {
+        let c = &mut self.core;
+        c.check_registry(registry)?;
+        // No more prefetching: the releases below must not launch anything.
+        c.config.max_inflight = 0;
+        for k in 0..c.pending.len() {
+            let g = c.pending[k] as usize;
+            if registry.slots[g].gathered.as_ref().is_some_and(|s| s.prefetched_by == Some(c.owner)) {
+                c.free_slot(registry, g, out);
+            }
+        }
+        c.pending.clear();
+        let held: Vec<ParamId> = (0..c.my_users.len() as u32)
+            .flat_map(|i| std::iter::repeat_n(ParamId(i), c.my_users[i as usize] as usize))
+            .collect();
+        for b in c.grad_buffer.iter_mut() {
+            if let Some(buffer) = b.take() {
+                out.push(Action::Free { buffer, after: Fences::new() });
+            }
+        }
+        self.release(registry, &held, None, out)?;
+        Ok(held)
     }
 
     /// This plan's fingerprint (to exchange with the peers when the plan is built or
@@ -923,6 +1021,10 @@ impl Core {
         reg.peak_live_bytes = reg.peak_live_bytes.max(reg.live_bytes);
         self.counters.peak_gathered_bytes = self.counters.peak_gathered_bytes.max(reg.live_bytes as u64);
         self.counters.all_gathers += 1;
+        self.counters.ops_issued += b.ops.len() as u64;
+        for &k in &b.kinds {
+            self.counters.ops_by_kind[report::kind_slot(k)] += 1;
+        }
         self.counters.gathered_bytes += b.gathered_bytes as u64;
         if prefetch {
             if let Some(a) = reg.ahead.get_mut(self.owner as usize) {
@@ -1008,6 +1110,10 @@ impl Core {
         self.grad_launched[j] = true;
         self.reduces.push((id, false));
         self.counters.reduce_scatters += 1;
+        self.counters.ops_issued += b.ops.len() as u64;
+        for &k in &b.kinds {
+            self.counters.ops_by_kind[report::kind_slot(k)] += 1;
+        }
         self.counters.reduced_bytes += b.gathered_bytes as u64;
     }
 }

@@ -4,8 +4,8 @@ mod common;
 
 use collsched_schedule::buckets::{BucketId, DType, ParamId};
 use collsched_schedule::{
-    Action, EngineEvent, Event, Explicit, Fence, GradReduce, GradSource, InflightRegistry, ParamState, Plan,
-    PolicyKind, Role, ScheduleError, Scheduler, SchedulerConfig, Stream, WaitOn,
+    Action, EngineEvent, Event, Explicit, Fence, GradReduce, GradSource, InflightRegistry, OpKind,
+    ParamState, Plan, PolicyKind, Role, ScheduleError, Scheduler, SchedulerConfig, Stream, WaitOn,
 };
 use common::*;
 
@@ -200,7 +200,7 @@ fn release_without_fetch_and_double_release_are_errors_that_change_nothing() {
     r.out.clear();
     // A release naming `w` twice fails as a whole: `b` and `w` stay held.
     let err = r.ev(Event::Release { params: &[b, w, w], after: None }).unwrap_err();
-    assert!(matches!(err, ScheduleError::NotFetched { .. }));
+    assert!(matches!(err, ScheduleError::NotFetched { twice: true, .. }));
     assert!(r.out.is_empty());
     assert_eq!((r.reg.users(w), r.reg.users(b)), (1, 1));
     r.release(&[w, b]);
@@ -704,4 +704,139 @@ fn steady_state_steps_reuse_the_action_buffer() {
     }
     assert_eq!(r.out.capacity(), cap);
     let _ = Role::Gather;
+}
+
+#[test]
+fn hybrid_and_single_owner_buckets_launch_all_their_plan_ops_in_one_launch() {
+    use collsched_schedule::buckets::{LayoutBuilder, ParamSet, ParamSpec, Sharding};
+    let set =
+        ParamSet::new(vec![ParamSpec::new("a", [4096], DType::BF16), ParamSpec::new("b", [8], DType::F32)])
+            .unwrap();
+    for sharding in [Sharding::Hybrid(2), Sharding::Greedy] {
+        let plan = Plan::new(LayoutBuilder::new(&set, sharding, 4).build().unwrap());
+        let mut reg = registry(&plan);
+        let mut s = Scheduler::from_plan(&plan, 1, no_prefetch(), &mut reg).unwrap();
+        let mut out = Vec::new();
+        let ids: Vec<ParamId> = set.ids().collect();
+        s.fetch(&mut reg, &ids, &mut out).unwrap();
+        for id in &ids {
+            s.grad_ready(&mut reg, *id, None, &mut out).unwrap();
+        }
+        let ls = launches(&out);
+        assert_eq!(ls.len(), plan.layout().gather_buckets().len() + plan.layout().grad_buckets().len());
+        for l in &ls {
+            assert_eq!(l.ops.as_slice(), plan.ops_of(l.id.bucket), "{sharding}");
+        }
+        let ops: usize = ls.iter().map(|l| l.ops.len()).sum();
+        assert_eq!(s.counters().ops_issued as usize, ops);
+        for kind in [OpKind::AllGather, OpKind::ReduceScatter, OpKind::AllReduce, OpKind::Broadcast] {
+            let want =
+                ls.iter().flat_map(|l| l.ops.iter()).filter(|&&o| plan.op(o).unwrap().kind() == kind).count();
+            assert_eq!(s.counters().ops_of_kind(kind) as usize, want, "{sharding} {kind:?}");
+        }
+    }
+}
+
+#[test]
+fn scheduler_and_registry_can_move_between_threads() {
+    fn send<T: Send>() {}
+    fn sync<T: Sync>() {}
+    send::<Scheduler>();
+    send::<InflightRegistry>();
+    sync::<InflightRegistry>();
+}
+
+#[test]
+fn closing_a_scheduler_gives_back_everything_it_held() {
+    let plan = layered(4, 4);
+    let mut reg = registry(&plan);
+    let mut train = Scheduler::from_plan(&plan, 0, SchedulerConfig::default(), &mut reg).unwrap();
+    let mut eval = Scheduler::from_plan(&plan, 0, SchedulerConfig::default(), &mut reg).unwrap();
+    let mut out = Vec::new();
+    for s in [&mut train, &mut eval] {
+        for i in 0..4 {
+            s.fetch(&mut reg, &layer(i), &mut out).unwrap();
+            s.release(&mut reg, &layer(i), None, &mut out).unwrap();
+        }
+        s.end_step(&mut reg, &mut out).unwrap();
+    }
+    // train: replay (prefetches), holds layer 0; eval holds layer 0 and 2.
+    train.fetch(&mut reg, &layer(0), &mut out).unwrap();
+    train.grad_ready(&mut reg, layer(0)[0], None, &mut out).unwrap();
+    eval.fetch(&mut reg, &layer(0), &mut out).unwrap();
+    eval.fetch(&mut reg, &layer(2), &mut out).unwrap();
+    let held = train.close(&mut reg, &mut out).unwrap();
+    assert_eq!(held, layer(0));
+    assert_eq!(reg.users(layer(0)[0]), 1, "eval's hold survives");
+    assert!(reg.gathered_by(layer(0)[0]).is_some());
+    let held = eval.close(&mut reg, &mut out).unwrap();
+    assert_eq!(held.len(), 4);
+    assert_eq!(reg.live_bytes(), 0);
+    let mut drv = CheckingDriver::default();
+    drv.run(&out, |_| false);
+    assert!(drv.live.is_empty(), "{:?}", drv.live);
+}
+
+#[test]
+fn a_shard_update_frees_unused_prefetches_of_every_scheduler() {
+    let mut r = rig(4, SchedulerConfig::default());
+    let plan = r.plan.clone();
+    let b = |i: usize| plan.layout().gather_bucket_of(layer(i)[0]).unwrap();
+    let mut e = Explicit::default();
+    e.after(b(3), &[b(0)]); // prefetch the next step's first layer, FSDP-style
+    r.s.set_policy(Box::new(e));
+    r.fetch(&layer(3));
+    r.release(&layer(3));
+    assert!(r.reg.gathered_by(layer(0)[0]).is_some());
+    r.out.clear();
+    r.ev(Event::ShardsUpdated(EngineEvent { queue: 0, seq: 1 })).unwrap();
+    assert_eq!(frees(&r.out).iter().map(|f| f.bucket).collect::<Vec<_>>(), [b(0)]);
+    assert_eq!(r.reg.live_bytes(), 0);
+    assert_eq!(r.s.counters().discarded_prefetches, 1);
+}
+
+#[test]
+fn bad_knobs_are_refused_with_their_name() {
+    let plan = layered(2, 4);
+    let grad_bucket = plan.layout().grad_buckets()[0].id();
+    let bad = [
+        SchedulerConfig {
+            reduce: GradReduce { pre_divide: Some(0.0), ..GradReduce::default() },
+            ..no_prefetch()
+        },
+        SchedulerConfig {
+            reduce: GradReduce { post_divide: Some(f64::NAN), ..GradReduce::default() },
+            ..no_prefetch()
+        },
+        SchedulerConfig { reduce_per_bucket: vec![(grad_bucket, GradReduce::default())], ..no_prefetch() },
+    ];
+    for (cfg, word) in bad.into_iter().zip(["pre_divide", "post_divide", "not a gather bucket"]) {
+        let mut reg = registry(&plan);
+        let err = Scheduler::from_plan(&plan, 0, cfg, &mut reg).unwrap_err();
+        assert!(matches!(err, ScheduleError::BadConfig { .. }));
+        assert!(err.to_string().contains(word), "{err}");
+    }
+}
+
+#[test]
+fn a_trace_that_keeps_missing_is_recorded_again() {
+    let layers = 5;
+    let mut r = rig(layers, SchedulerConfig { trace_rerecord_after: 2, ..SchedulerConfig::default() });
+    let fwd = |r: &mut Rig, order: &[usize]| {
+        for &i in order {
+            r.fetch(&layer(i));
+            r.release(&layer(i));
+        }
+        r.end();
+        r.s.last_step().counters.clone()
+    };
+    fwd(&mut r, &[0, 1, 2, 3, 4]); // an unrepresentative first step
+    let reversed = [4, 3, 2, 1, 0];
+    let c1 = fwd(&mut r, &reversed);
+    let c2 = fwd(&mut r, &reversed); // second lost step: records again at the end
+    assert!(c1.prefetch_hits < 4 && c2.prefetch_hits < 4, "{c1:?} {c2:?}");
+    fwd(&mut r, &reversed); // recorded
+    let c4 = fwd(&mut r, &reversed);
+    assert_eq!(c4.prefetch_hits, 4, "{c4:?}");
+    assert_eq!(c4.prefetch_misses, 1);
 }

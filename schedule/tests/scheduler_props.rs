@@ -23,6 +23,7 @@ enum Step {
     Done(usize),
     End,
     NoSync(bool),
+    Shards,
 }
 
 fn step() -> impl Strategy<Value = Step> {
@@ -34,6 +35,7 @@ fn step() -> impl Strategy<Value = Step> {
         2 => (0usize..64).prop_map(Step::Done),
         1 => Just(Step::End),
         1 => any::<bool>().prop_map(Step::NoSync),
+        1 => Just(Step::Shards),
     ]
 }
 
@@ -118,6 +120,7 @@ fn run(plan: &Plan, cfg: &SchedulerConfig, steps: &[Step], completions: Completi
             }
             Step::End => s.handle(&mut reg, Event::EndStep, &mut out),
             Step::NoSync(on) => s.handle(&mut reg, Event::SetNoSync(*on), &mut out),
+            Step::Shards => s.handle(&mut reg, Event::ShardsUpdated(EngineEvent { queue: 1, seq }), &mut out),
         };
         outcome.errors.push(r.is_err());
         if r.is_err() {
@@ -231,5 +234,112 @@ proptest! {
         let c = run(&plan, &cfg, &steps, Completions::Never);
         prop_assert_eq!(&a, &b);
         prop_assert_eq!(&a, &c);
+    }
+}
+
+/// Two schedulers (training and evaluation) on one registry, events interleaved at random.
+fn run_shared(plan: &Plan, cfg: &SchedulerConfig, steps: &[(bool, Step)]) {
+    let n = plan.layout().params().len();
+    let mut reg = InflightRegistry::new(&collsched_schedule::ScheduleInput::from_plan(plan));
+    let mut ss = [
+        Scheduler::from_plan(plan, 0, cfg.clone(), &mut reg).unwrap(),
+        Scheduler::from_plan(plan, 0, cfg.clone(), &mut reg).unwrap(),
+    ];
+    let mut held: [BTreeMap<ParamId, u32>; 2] = [BTreeMap::new(), BTreeMap::new()];
+    let mut drv = CheckingDriver::default();
+    let mut out = Vec::new();
+    let mut all: Vec<(bool, Step)> = steps.to_vec();
+    for who in [false, true] {
+        all.push((who, Step::ReleaseAll));
+        all.push((who, Step::End));
+    }
+    let union = |held: &[BTreeMap<ParamId, u32>; 2]| {
+        let mut v = held_buckets(plan, &held[0]);
+        v.extend(held_buckets(plan, &held[1]));
+        v
+    };
+    for (seq, (who, st)) in (1u64..).zip(&all) {
+        let k = usize::from(*who);
+        out.clear();
+        let before = union(&held);
+        let users_before: Vec<u32> = (0..n as u32).map(|p| reg.users(ParamId(p))).collect();
+        let s = &mut ss[k];
+        let r = match st {
+            Step::Fetch(ps) => {
+                let ps: Vec<ParamId> = ps.iter().map(|&i| ParamId((i % n) as u32)).collect();
+                let r = s.handle(&mut reg, Event::Fetch(&ps), &mut out);
+                if r.is_ok() {
+                    for p in ps {
+                        *held[k].entry(p).or_default() += 1;
+                    }
+                }
+                r
+            }
+            Step::Release(i) => {
+                let p = ParamId((i % n) as u32);
+                let r = s.handle(&mut reg, Event::Release { params: &[p], after: None }, &mut out);
+                if r.is_ok() {
+                    *held[k].get_mut(&p).unwrap() -= 1;
+                }
+                r
+            }
+            Step::ReleaseAll => {
+                let ps: Vec<ParamId> =
+                    held[k].iter().flat_map(|(p, &c)| std::iter::repeat_n(*p, c as usize)).collect();
+                held[k].clear();
+                s.handle(&mut reg, Event::Release { params: &ps, after: None }, &mut out)
+            }
+            Step::Grad(i) => {
+                s.handle(&mut reg, Event::GradReady { param: ParamId((i % n) as u32), after: None }, &mut out)
+            }
+            Step::Done(_) => Ok(()),
+            Step::End => s.handle(&mut reg, Event::EndStep, &mut out),
+            Step::NoSync(on) => s.handle(&mut reg, Event::SetNoSync(*on), &mut out),
+            Step::Shards => s.handle(&mut reg, Event::ShardsUpdated(EngineEvent { queue: 1, seq }), &mut out),
+        };
+        if r.is_err() {
+            assert!(out.is_empty());
+            let users: Vec<u32> = (0..n as u32).map(|p| reg.users(ParamId(p))).collect();
+            assert_eq!(users, users_before);
+        }
+        let after = union(&held);
+        drv.run(&out, |b| before.contains(&b) && after.contains(&b));
+        for p in 0..n as u32 {
+            let p = ParamId(p);
+            let total = held[0].get(&p).copied().unwrap_or(0) + held[1].get(&p).copied().unwrap_or(0);
+            assert_eq!(reg.users(p), total, "registry users of {p:?}");
+        }
+        assert_eq!(reg.live_bytes(), drv.live_gathered_bytes());
+        // No bucket is gathered twice at once: the driver refuses a second live buffer per
+        // launch, and the registry has one slot per bucket.
+        let mut live_buckets: Vec<BucketId> = drv
+            .live
+            .keys()
+            .filter(|b| drv.launched.iter().any(|l| l.buffer == **b && l.id.role == Role::Gather))
+            .map(|b| b.bucket)
+            .collect();
+        live_buckets.sort();
+        let count = live_buckets.len();
+        live_buckets.dedup();
+        assert_eq!(count, live_buckets.len(), "a bucket gathered twice at once");
+    }
+    assert_eq!(reg.live_bytes(), 0);
+    assert!(drv.live.is_empty(), "buffers never freed: {:?}", drv.live);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    #[test]
+    fn two_schedulers_sharing_a_registry_keep_every_invariant(
+        layers in 2usize..6,
+        cfg in config(),
+        random in prop::collection::vec((any::<bool>(), step()), 0..100),
+    ) {
+        let plan = layered(layers, 4);
+        let mut steps: Vec<(bool, Step)> = steps_with_warmup(layers, vec![]).into_iter().map(|s| (false, s)).collect();
+        steps.extend(steps_with_warmup(layers, vec![]).into_iter().map(|s| (true, s)));
+        steps.extend(random);
+        run_shared(&plan, &cfg, &steps);
     }
 }

@@ -8,8 +8,8 @@ use std::process::ExitCode;
 
 use serde::ser::{Serialize, SerializeMap, Serializer};
 
-use collsched_buckets::{Bucket, Layout, LayoutBuilder, ParamSet, Sharding};
-use collsched_schedule::{Op, OpKind, Plan};
+use collsched_buckets::{Bucket, Layout, Sharding};
+use collsched_schedule::{plan_from_json, Op, OpKind, Plan, PlanInputError};
 
 use super::CliError;
 
@@ -62,13 +62,11 @@ pub fn run(args: Args) -> Result<ExitCode, CliError> {
 pub fn build(args: &Args) -> Result<Plan, CliError> {
     let file = args.params.display();
     let text = std::fs::read_to_string(&args.params).map_err(|e| format!("cannot read {file}: {e}"))?;
-    let set = ParamSet::from_json(&text).map_err(|e| format!("{file}: {e}"))?;
     let bucket_bytes = bucket_bytes(args.bucket_mb)?;
-    let layout = LayoutBuilder::new(&set, args.strategy, args.world)
-        .bucket_bytes(bucket_bytes)
-        .align(args.align)
-        .build()?;
-    Ok(Plan::new(layout))
+    plan_from_json(&text, args.strategy, args.world, bucket_bytes, args.align).map_err(|e| match e {
+        PlanInputError::Params(e) => format!("{file}: {e}").into(),
+        PlanInputError::Layout(e) => e.into(),
+    })
 }
 
 /// `--bucket-mb` in bytes (MiB, rounded to the nearest byte).

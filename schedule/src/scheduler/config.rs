@@ -2,12 +2,18 @@
 
 use crate::buckets::{BucketId, DType};
 
+use super::error::ScheduleError;
+use super::input::ScheduleInput;
+
 /// Default of [`SchedulerConfig::prefetch_bytes`]: 256 MiB launched ahead.
 pub const DEFAULT_PREFETCH_BYTES: usize = 256 << 20;
 /// Default of [`SchedulerConfig::max_inflight`]: 4 launched-but-unconsumed gathers.
 pub const DEFAULT_MAX_INFLIGHT: usize = 4;
 /// Default of [`SchedulerConfig::max_live_bytes`]: 4 GiB of gathered parameters.
 pub const DEFAULT_MAX_LIVE_BYTES: usize = 4 << 30;
+
+/// Default of [`SchedulerConfig::trace_rerecord_after`]: 2 steps.
+pub const DEFAULT_TRACE_RERECORD_AFTER: u32 = 2;
 
 /// The built-in prefetch policy a scheduler starts with (replace it with
 /// [`Scheduler::set_policy`](super::Scheduler::set_policy), e.g. for
@@ -54,6 +60,11 @@ pub struct SchedulerConfig {
     /// this scheduler's unused prefetches (newest first) and then proceeds anyway (the engine
     /// needs the parameters), counting an overrun. Default [`DEFAULT_MAX_LIVE_BYTES`] (4 GiB).
     pub max_live_bytes: usize,
+    /// `trace_rerecord_after`: with [`PolicyKind::TraceReplay`], record the trace again after
+    /// this many consecutive steps with fetches the trace does not have ahead of its position
+    /// (skips within the trace are re-synced and do not count). 0: never. Default
+    /// [`DEFAULT_TRACE_RERECORD_AFTER`] (2).
+    pub trace_rerecord_after: u32,
     /// `check_trainable`: at each step boundary compare the mask given by
     /// [`Event::SetTrainable`](super::Event::SetTrainable) with the plan's and refresh when it
     /// differs. Off: the mask is only recorded, and the engine calls
@@ -74,9 +85,47 @@ impl Default for SchedulerConfig {
             prefetch_bytes: DEFAULT_PREFETCH_BYTES,
             max_inflight: DEFAULT_MAX_INFLIGHT,
             max_live_bytes: DEFAULT_MAX_LIVE_BYTES,
+            trace_rerecord_after: DEFAULT_TRACE_RERECORD_AFTER,
             check_trainable: true,
             reduce: GradReduce::default(),
             reduce_per_bucket: Vec::new(),
         }
+    }
+}
+
+impl SchedulerConfig {
+    /// Checks the knobs against the plan: divide factors finite and positive, per-bucket
+    /// overrides naming gather buckets of the plan.
+    pub(crate) fn validate(&self, input: &ScheduleInput) -> Result<(), ScheduleError> {
+        let all = std::iter::once((None, &self.reduce))
+            .chain(self.reduce_per_bucket.iter().map(|(b, r)| (Some(*b), r)));
+        for (bucket, r) in all {
+            let place = match bucket {
+                Some(b) => format!("reduce_per_bucket[gather bucket {b}]"),
+                None => "reduce".to_string(),
+            };
+            for (name, v) in [("pre_divide", r.pre_divide), ("post_divide", r.post_divide)] {
+                if let Some(v) = v {
+                    if !(v.is_finite() && v > 0.0) {
+                        return Err(ScheduleError::BadConfig {
+                            what: format!(
+                                "{place}.{name} = {v}; use a finite factor > 0 (or None for the default)"
+                            ),
+                        });
+                    }
+                }
+            }
+            if let Some(b) = bucket {
+                if !input.gather.iter().any(|g| g.id == b) {
+                    return Err(ScheduleError::BadConfig {
+                        what: format!(
+                            "{place}: bucket {b} is not a gather bucket of the plan (it has {} gather buckets); key overrides by gather bucket id",
+                            input.gather.len()
+                        ),
+                    });
+                }
+            }
+        }
+        Ok(())
     }
 }

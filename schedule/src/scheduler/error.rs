@@ -132,6 +132,12 @@ pub enum ScheduleError {
         /// The first gather bucket that differs.
         bucket: BucketId,
     },
+    /// A knob with a value that cannot work.
+    #[error("scheduler config: {what}")]
+    BadConfig {
+        /// What is wrong and what to use instead.
+        what: String,
+    },
     /// Tables that do not describe a valid plan.
     #[error("scheduler input: {what}")]
     BadInput {

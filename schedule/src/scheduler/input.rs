@@ -4,7 +4,8 @@
 //! works on these tables.
 
 use crate::buckets::{BucketId, DType, ParamId, ParamSet};
-use crate::plan::Plan;
+use crate::plan::{OpKind, Plan};
+use smallvec::SmallVec;
 
 use super::action::Ops;
 use super::error::ScheduleError;
@@ -24,6 +25,8 @@ pub struct BucketInput {
     pub shard_bytes: usize,
     /// The plan ops that move it, run in order on one stream.
     pub ops: Ops,
+    /// The kind of each op of `ops` (for per-kind counters).
+    pub kinds: SmallVec<[OpKind; 2]>,
     /// For a gradient bucket: its gather bucket.
     pub partner: Option<BucketId>,
 }
@@ -86,6 +89,7 @@ impl ScheduleInput {
             gathered_bytes: b.gathered_bytes(),
             shard_bytes: b.shard_bytes(),
             ops: plan.ops_of(b.id()).iter().copied().collect(),
+            kinds: plan.ops_of(b.id()).iter().filter_map(|&o| plan.op(o).map(|op| op.kind())).collect(),
             partner: b.gather_bucket(),
         };
         ScheduleInput {
@@ -106,8 +110,13 @@ impl ScheduleInput {
         for (kind, list) in [("gather", &self.gather), ("gradient", &self.grad)] {
             seen.iter_mut().for_each(|s| *s = false);
             for b in list {
-                if b.ops.is_empty() {
-                    return bad(format!("{kind} bucket {} has no op", b.id));
+                if b.ops.is_empty() || b.kinds.len() != b.ops.len() {
+                    return bad(format!(
+                        "{kind} bucket {} has {} ops and {} op kinds; give each bucket its ops and their kinds",
+                        b.id,
+                        b.ops.len(),
+                        b.kinds.len()
+                    ));
                 }
                 for &p in &b.params {
                     let Some(s) = seen.get_mut(p.index()) else {

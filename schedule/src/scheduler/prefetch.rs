@@ -89,9 +89,24 @@ pub struct TraceReplay {
     offered: usize,
     divergences: u64,
     skipped: Vec<BucketId>,
+    rerecord_after: u32,
+    lost_this_step: u32,
+    lost_steps: u32,
 }
 
 impl TraceReplay {
+    /// A replay that records again after `steps` consecutive steps with fetches the trace
+    /// does not have ahead of its position (0: never; see
+    /// [`SchedulerConfig::trace_rerecord_after`](super::SchedulerConfig::trace_rerecord_after)).
+    pub fn with_rerecord_after(steps: u32) -> TraceReplay {
+        TraceReplay { rerecord_after: steps, ..TraceReplay::default() }
+    }
+
+    /// Consecutive replayed steps so far that had fetches the trace did not have ahead.
+    pub fn lost_steps(&self) -> u32 {
+        self.lost_steps
+    }
+
     /// The recorded trace (empty while recording the first step).
     pub fn trace(&self) -> &[BucketId] {
         if self.recorded {
@@ -114,6 +129,8 @@ impl TraceReplay {
     /// Forgets the trace and records again on the next step.
     pub fn rerecord(&mut self) {
         self.trace.clear();
+        self.skipped.clear();
+        self.lost_this_step = 0;
         self.recorded = false;
         self.cursor = 0;
         self.offered = 0;
@@ -140,6 +157,8 @@ impl PrefetchPolicy for TraceReplay {
                 let proposed = self.offered.clamp(from, from + j);
                 self.skipped.extend_from_slice(&self.trace[from..proposed]);
                 self.cursor = from + j + 1;
+            } else {
+                self.lost_this_step += 1;
             }
         }
         self.offered = self.offered.max(self.cursor);
@@ -165,6 +184,15 @@ impl PrefetchPolicy for TraceReplay {
     }
 
     fn end_step(&mut self) {
+        if self.recorded {
+            self.lost_steps = if self.lost_this_step > 0 { self.lost_steps + 1 } else { 0 };
+            self.lost_this_step = 0;
+            if self.rerecord_after > 0 && self.lost_steps >= self.rerecord_after {
+                self.rerecord();
+                self.lost_steps = 0;
+                return;
+            }
+        }
         if !self.recorded && !self.trace.is_empty() {
             self.recorded = true;
             self.skipped.reserve(self.trace.len());

@@ -25,7 +25,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::buckets::{BucketId, ParamId};
 
-use super::action::{EngineEvent, Fence, Fences, LaunchId};
+use super::action::{BufferId, EngineEvent, Fence, Fences, LaunchId};
 use super::input::ScheduleInput;
 
 static NEXT_REGISTRY: AtomicU64 = AtomicU64::new(1);
@@ -133,6 +133,13 @@ impl InflightRegistry {
     pub fn gathered_by(&self, param: ParamId) -> Option<LaunchId> {
         let g = *self.param_bucket.get(param.index())?;
         self.slots.get(g as usize)?.gathered.as_ref().map(|s| s.launch)
+    }
+
+    /// The gathered buffer holding a parameter (its bucket's, named as in the gather
+    /// [`Launch`](super::Launch)), if gathered: where a driver finds the parameter's full
+    /// value after a fetch.
+    pub fn buffer_of(&self, param: ParamId) -> Option<BufferId> {
+        self.gathered_by(param).map(|l| BufferId { bucket: l.bucket, serial: l.serial })
     }
 
     /// Unreleased fetches of a parameter, over all schedulers.

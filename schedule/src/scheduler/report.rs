@@ -1,6 +1,7 @@
 //! Per-step counters and the end-of-step report.
 
 use crate::buckets::ParamId;
+use crate::plan::OpKind;
 
 /// What one step did. Reset at each [`Event::EndStep`](super::Event::EndStep).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -9,6 +10,12 @@ pub struct StepCounters {
     pub all_gathers: u64,
     /// Reduce launches (one per gradient bucket reduced).
     pub reduce_scatters: u64,
+    /// Plan ops (collectives) issued by those launches: one per launch, except hybrid
+    /// sharding's reduce-scatter + cross-group all-reduce (two).
+    pub ops_issued: u64,
+    /// Plan ops issued, by kind: `[all_gather, reduce_scatter, all_reduce, broadcast]` (see
+    /// [`StepCounters::ops_of_kind`]).
+    pub ops_by_kind: [u64; 4],
     /// Bytes of gathered buffers produced by all-gathers.
     pub gathered_bytes: u64,
     /// Bytes of full-size gradient buffers reduced.
@@ -56,4 +63,20 @@ pub struct StepReport {
     /// Parameters this scheduler fetched and did not release by the end of the step (still
     /// gathered, not freed).
     pub held: Vec<ParamId>,
+}
+
+impl StepCounters {
+    /// Plan ops of `kind` issued in the step.
+    pub fn ops_of_kind(&self, kind: OpKind) -> u64 {
+        self.ops_by_kind[kind_slot(kind)]
+    }
+}
+
+pub(crate) fn kind_slot(kind: OpKind) -> usize {
+    match kind {
+        OpKind::AllGather => 0,
+        OpKind::ReduceScatter => 1,
+        OpKind::AllReduce => 2,
+        OpKind::Broadcast => 3,
+    }
 }
