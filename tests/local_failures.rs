@@ -279,3 +279,53 @@ fn bad_launches_give_their_buffers_back() {
     .into_iter()
     .for_each(|o| o.expect("no panic"));
 }
+
+#[test]
+fn a_rank_that_panics_after_launching_still_completes_what_it_launched() {
+    let w = world(2, LONG);
+    let out = w
+        .run(|rank| {
+            let first = all_gather(&rank, 1, 4099, ElemType::F32).expect("launch");
+            if rank.rank() == 1 {
+                // Unwinding drops the in-flight value (its buffers are deferred to the pool, not
+                // freed under the peer) and then the handle (its stream finishes the queue).
+                panic!("rank 1 dies with a collective in flight");
+            }
+            let done = first.wait(LONG).map_err(|e| e.into_error());
+            let second = all_gather(&rank, 2, 17, ElemType::F32).expect("launch");
+            (done.map(|ops| ops[0].output.as_bytes().to_vec()), wait_err(second).0)
+        })
+        .expect("ranks");
+    assert!(out[1].is_err());
+    let (first, second) = out.into_iter().next().expect("rank 0").expect("no panic");
+    let bytes = first.expect("the collective rank 1 launched before dying completes");
+    assert!(bytes[..4099 * 4].iter().all(|&b| b == 1) && bytes[4099 * 4..].iter().all(|&b| b == 2));
+    match second {
+        BackendError::PeerFailed { missing, op, reason, .. } => {
+            assert_eq!(missing, vec![1]);
+            assert_eq!(op.seq, Some(1));
+            assert!(reason.contains("panicked"), "{reason}");
+        }
+        other => panic!("expected PeerFailed, got {other}"),
+    }
+}
+
+#[test]
+fn a_rank_that_drops_its_handle_is_reported_as_gone() {
+    let w = world(2, LONG);
+    let out = w
+        .run(|rank| {
+            if rank.rank() == 1 {
+                return None; // the handle drops here, without a panic
+            }
+            Some(wait_err(all_gather(&rank, 0, 1, ElemType::BF16).expect("launch")).0)
+        })
+        .expect("ranks");
+    match out[0].as_ref().expect("no panic").as_ref().expect("rank 0 reports") {
+        BackendError::PeerFailed { missing, reason, .. } => {
+            assert_eq!(missing, &vec![1]);
+            assert!(reason.contains("dropped"), "{reason}");
+        }
+        other => panic!("expected PeerFailed, got {other}"),
+    }
+}

@@ -14,7 +14,8 @@ const FAILED: u8 = 2;
 struct Inner {
     state: AtomicU8,
     error: OnceLock<BackendError>,
-    lock: Mutex<()>,
+    /// Threads asleep on `cv` (no wake-up system call when there are none).
+    lock: Mutex<usize>,
     cv: Condvar,
     /// How long a host wait spins before it sleeps.
     spin: Duration,
@@ -41,7 +42,7 @@ impl LocalEvent {
         LocalEvent(Arc::new(Inner {
             state: AtomicU8::new(PENDING),
             error: OnceLock::new(),
-            lock: Mutex::new(()),
+            lock: Mutex::new(0),
             cv: Condvar::new(),
             spin,
         }))
@@ -65,9 +66,12 @@ impl LocalEvent {
         };
         // Publish the error (set above) and everything the stream did before this point.
         let _ = self.0.state.compare_exchange(PENDING, state, Ordering::AcqRel, Ordering::Acquire);
-        // Taking the lock orders this notification after a sleeper's last check of the state.
-        drop(self.0.lock.lock().unwrap_or_else(PoisonError::into_inner));
-        self.0.cv.notify_all();
+        // Taking the lock orders this after a sleeper's last check of the state (it counts itself
+        // and checks under the lock).
+        let sleepers = self.0.lock.lock().unwrap_or_else(PoisonError::into_inner);
+        if *sleepers > 0 {
+            self.0.cv.notify_all();
+        }
     }
 
     fn check(&self) -> Result<bool, BackendError> {
@@ -92,18 +96,15 @@ impl BackendEvent for LocalEvent {
         }
         let start = Instant::now();
         let spin_until = start + self.0.spin.min(timeout);
-        let mut i = 0u32;
+        // Spin politely (yield each round) so the stream threads we wait for can run.
         while Instant::now() < spin_until {
-            for _ in 0..64 {
+            for _ in 0..16 {
                 std::hint::spin_loop();
             }
             if self.check()? {
                 return Ok(());
             }
-            i += 1;
-            if i.is_multiple_of(16) {
-                std::thread::yield_now();
-            }
+            std::thread::yield_now();
         }
         let deadline = start.checked_add(timeout);
         let mut guard = self.0.lock.lock().unwrap_or_else(PoisonError::into_inner);
@@ -117,7 +118,9 @@ impl BackendEvent for LocalEvent {
                 Some(d) => d - now,
                 None => Duration::from_secs(3600),
             };
+            *guard += 1;
             guard = self.0.cv.wait_timeout(guard, left).unwrap_or_else(PoisonError::into_inner).0;
+            *guard -= 1;
         }
     }
 }

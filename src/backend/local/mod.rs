@@ -442,6 +442,7 @@ impl Backend for LocalRank {
             Ok(v) => v,
             Err(error) => return Err(LaunchError { error, ops }),
         };
+        tracing::debug!(target: "collsched::coll", rank = self.rank, %stream, first = %ops[0].desc, ops = ops.len(), "launch");
         let event = self.new_event();
         let work = Work::Coll {
             group,

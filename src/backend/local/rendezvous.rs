@@ -93,6 +93,8 @@ struct ChanState {
     slots: Vec<Slot>,
     /// The first aborted sequence number, its reason and the error its aborter reported.
     poisoned: Option<(u64, Abort, BackendError)>,
+    /// Threads asleep on the condvar (no wake-up system call when there are none).
+    sleepers: usize,
 }
 
 /// Per-world bookkeeping the channels consult: which (rank, stream) left for good.
@@ -167,16 +169,19 @@ impl Channel {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Wakes every waiter (call with the state changed, lock held or just released).
-    fn notify(&self) {
+    /// Wakes every waiter: spinners through the epoch, sleepers through the condvar. Called with
+    /// the state changed and the lock held (`st` is the locked state).
+    fn notify(&self, st: &ChanState) {
         self.epoch.fetch_add(1, Ordering::Release);
-        self.cv.notify_all();
+        if st.sleepers > 0 {
+            self.cv.notify_all();
+        }
     }
 
     /// Wakes waiters so they re-check departures.
     pub(super) fn poke(&self) {
         let g = self.lock();
-        self.notify();
+        self.notify(&g);
         drop(g);
     }
 
@@ -200,19 +205,21 @@ impl Channel {
             if let Some(until) = spin_until.filter(|&u| now < u) {
                 let epoch = self.epoch.load(Ordering::Acquire);
                 drop(g);
-                let mut i = 0u32;
-                while self.epoch.load(Ordering::Acquire) == epoch {
-                    std::hint::spin_loop();
-                    i += 1;
-                    if i.is_multiple_of(256) && Instant::now() >= until {
-                        break;
+                // Spin politely: yielding lets a peer (or the engine) that shares our core run,
+                // which matters when ranks outnumber cores.
+                while self.epoch.load(Ordering::Acquire) == epoch && Instant::now() < until {
+                    for _ in 0..16 {
+                        std::hint::spin_loop();
                     }
+                    std::thread::yield_now();
                 }
                 g = self.lock();
                 continue;
             }
             let left = deadline.map_or(Duration::from_secs(3600), |d| d - now);
+            g.sleepers += 1;
             g = self.cv.wait_timeout(g, left).unwrap_or_else(PoisonError::into_inner).0;
+            g.sleepers -= 1;
         }
     }
 
@@ -298,7 +305,7 @@ impl Channel {
                 };
                 self.poison(&mut st, seq, abort, &err);
                 self.retire(&mut st, seq, false);
-                self.notify();
+                self.notify(&st);
                 return Err(err);
             }
             Arrival::Ops(post) => {
@@ -319,7 +326,7 @@ impl Channel {
                         slot.phase = Phase::Running(posts.into());
                     }
                     if !matches!(slot.phase, Phase::Collecting) {
-                        self.notify();
+                        self.notify(&st);
                     }
                 } else {
                     slot.arrived += 1;
@@ -362,7 +369,7 @@ impl Channel {
                 let err = self.abort_error(caller, op, &abort, start.elapsed());
                 self.poison(&mut st, seq, abort, &err);
                 self.retire(&mut st, seq, false);
-                self.notify();
+                self.notify(&st);
                 return Err(err);
             }
             Phase::Collecting => {
@@ -399,7 +406,7 @@ impl Channel {
             let c = counter(slot);
             *c += 1;
             if *c == n {
-                self.notify();
+                self.notify(&st);
             }
         }
         let (g, _) = self.wait_until(st, caller, None, |st| {

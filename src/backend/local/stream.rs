@@ -120,6 +120,7 @@ impl StreamThread {
                 let seq = entry.1;
                 entry.1 += 1;
                 let op = OpId { desc: first, stream: self.stream, seq: Some(seq) };
+                tracing::trace!(target: "collsched::coll", rank = self.rank, %op, ops = post.len(), "collective starts");
                 let arrival = match self.poison.clone() {
                     Some(p) => Arrival::Failed(p),
                     None => match after.iter().try_for_each(|e| self.wait_for(e)) {

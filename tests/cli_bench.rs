@@ -1,0 +1,225 @@
+//! `collsched bench` as scripts see it: run the binary with tiny sizes and `--check`, parse the
+//! nccl-tests columns.
+
+use std::process::Command;
+
+fn bench(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_collsched"))
+        .arg("bench")
+        .args(args)
+        .output()
+        .expect("run collsched");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+struct Row {
+    size: u64,
+    count: u64,
+    ty: String,
+    redop: String,
+    root: i64,
+    time: f64,
+    algbw: f64,
+    busbw: f64,
+    wrong: String,
+    extra: Vec<f64>,
+}
+
+fn rows(stdout: &str) -> Vec<Row> {
+    stdout
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .map(|l| {
+            let c: Vec<&str> = l.split_whitespace().collect();
+            assert!(c.len() == 9 || c.len() == 12, "unexpected row: {l}");
+            Row {
+                size: c[0].parse().expect("size"),
+                count: c[1].parse().expect("count"),
+                ty: c[2].into(),
+                redop: c[3].into(),
+                root: c[4].parse().expect("root"),
+                time: c[5].parse().expect("time"),
+                algbw: c[6].parse().expect("algbw"),
+                busbw: c[7].parse().expect("busbw"),
+                wrong: c[8].into(),
+                extra: c[9..].iter().map(|x| x.parse().expect("sep column")).collect(),
+            }
+        })
+        .collect()
+}
+
+/// What a table must show.
+struct Expect {
+    ranks: u64,
+    elem: u64,
+    ty: &'static str,
+    redop: &'static str,
+    bus: f64,
+    min: u64,
+    max: u64,
+    factor: u64,
+}
+
+fn check_table(stdout: &str, e: Expect) {
+    assert!(stdout.contains("# memcpy reference:"), "{stdout}");
+    let header = stdout
+        .lines()
+        .find(|l| l.trim_start_matches('#').split_whitespace().next() == Some("size"))
+        .expect("header");
+    let names: Vec<&str> = header.trim_start_matches('#').split_whitespace().collect();
+    assert_eq!(&names[..9], ["size", "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong"]);
+    let rows = rows(stdout);
+    // One row per size from min to max by factor (rounded down to whole elements per rank).
+    let mut want_sizes = Vec::new();
+    let mut s = e.min;
+    while s <= e.max {
+        want_sizes.push(s);
+        s *= e.factor;
+    }
+    assert_eq!(rows.len(), want_sizes.len(), "{stdout}");
+    for (r, want) in rows.iter().zip(want_sizes) {
+        assert!(
+            r.size <= want && r.size + e.ranks * e.elem * 4 > want,
+            "size {} for requested {want}",
+            r.size
+        );
+        assert_eq!(r.size, r.count * e.elem);
+        assert_eq!(r.ty, e.ty);
+        assert_eq!(r.redop, e.redop);
+        assert_eq!(r.root, -1);
+        assert_eq!(r.wrong, "0", "wrong elements: {stdout}");
+        assert!(r.time > 0.0);
+        // algbw = size / time, busbw = algbw x factor, both printed with 2 decimals.
+        let algbw = r.size as f64 / (r.time * 1e-6) / 1e9;
+        assert!((r.algbw - algbw).abs() <= 0.01 + 0.01 * algbw, "algbw {} vs {algbw}", r.algbw);
+        assert!((r.busbw - r.algbw * e.bus).abs() <= 0.011, "busbw {} vs algbw {}", r.busbw, r.algbw);
+    }
+    assert!(stdout.contains("# out of bounds values : 0 OK"), "{stdout}");
+}
+
+#[test]
+fn all_gather_two_ranks_checked() {
+    let (ok, out, err) = bench(&[
+        "--op",
+        "all_gather",
+        "--ranks",
+        "2",
+        "-b",
+        "1K",
+        "-e",
+        "16K",
+        "-f",
+        "4",
+        "--iters",
+        "3",
+        "--warmup",
+        "1",
+        "--check",
+    ]);
+    assert!(ok, "{err}");
+    check_table(
+        &out,
+        Expect { ranks: 2, elem: 4, ty: "f32", redop: "none", bus: 0.5, min: 1024, max: 16384, factor: 4 },
+    );
+}
+
+#[test]
+fn reduce_scatter_three_ranks_bf16_coalesced() {
+    let (ok, out, err) = bench(&[
+        "--op",
+        "reduce_scatter",
+        "--ranks",
+        "3",
+        "-b",
+        "1K",
+        "-e",
+        "8K",
+        "-f",
+        "8",
+        "--dtype",
+        "bf16",
+        "--iters",
+        "3",
+        "--warmup",
+        "1",
+        "--check",
+        "--coalesce",
+        "3",
+    ]);
+    assert!(ok, "{err}");
+    check_table(
+        &out,
+        Expect {
+            ranks: 3,
+            elem: 2,
+            ty: "bf16",
+            redop: "sum",
+            bus: 2.0 / 3.0,
+            min: 1024,
+            max: 8192,
+            factor: 8,
+        },
+    );
+    for r in rows(&out) {
+        assert_eq!(r.extra.len(), 3, "sep_time sep_algbw sep_busbw");
+        assert!(r.extra[0] > 0.0);
+    }
+    assert!(out.contains("sep_time"));
+}
+
+#[test]
+fn all_reduce_four_ranks_f16() {
+    let (ok, out, err) = bench(&[
+        "--op",
+        "all_reduce",
+        "--ranks",
+        "4",
+        "-b",
+        "256",
+        "-e",
+        "4K",
+        "-f",
+        "16",
+        "--dtype",
+        "f16",
+        "--iters",
+        "2",
+        "--warmup",
+        "1",
+        "--check",
+    ]);
+    assert!(ok, "{err}");
+    check_table(
+        &out,
+        Expect { ranks: 1, elem: 2, ty: "f16", redop: "sum", bus: 1.5, min: 256, max: 4096, factor: 16 },
+    );
+}
+
+#[test]
+fn bad_flags_and_cuda_without_the_feature_are_clear_errors() {
+    let (ok, _, err) = bench(&["--op", "all_gather", "--ranks", "2", "-b", "1K", "-e", "4K", "-f", "1"]);
+    assert!(!ok && err.contains("--stepfactor"), "{err}");
+    let (ok, _, err) = bench(&["--op", "all_gather", "--ranks", "2", "-b", "lots", "-e", "4K", "-f", "2"]);
+    assert!(!ok && err.contains("lots"), "{err}");
+    let (ok, _, err) = bench(&["--op", "all_gather", "--ranks", "0", "-b", "1K", "-e", "4K", "-f", "2"]);
+    assert!(!ok && err.contains("--ranks"), "{err}");
+    let (ok, _, err) = bench(&[
+        "--op",
+        "all_gather",
+        "--ranks",
+        "2",
+        "-b",
+        "1K",
+        "-e",
+        "1K",
+        "-f",
+        "2",
+        "--backend",
+        "cuda",
+    ]);
+    assert!(!ok && err.contains("cuda"), "{err}");
+}
