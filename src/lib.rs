@@ -15,4 +15,7 @@ pub use collsched_topo as topo;
 pub mod backend;
 pub mod cli;
 pub mod demo;
+pub mod runtime;
 pub mod sim;
+
+pub use runtime::{Coordinator, ModelState, RuntimeError, StepStats};

@@ -7,8 +7,14 @@
 //! sharded run reduces with (`collsched_kernels::reduce`, f32 accumulation in rank order), and
 //! applied by plain SGD to the parameters that are trainable at that step. A sharded run that
 //! is right therefore produces bit-identical parameters and losses.
+//!
+//! [`sharded_run`] is that sharded run: the same steps over a local world through the
+//! runtime's coordinators (see [`sharded`]).
 
 pub mod model;
+pub mod sharded;
+
+pub use sharded::{max_differences, sharded_run, DemoError, ShardedOptions, ShardedRun, StepCost};
 
 use collsched_kernels::{reduce, ElemType, ReduceOp, Scaling};
 

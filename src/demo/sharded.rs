@@ -1,0 +1,352 @@
+//! The sharded run of the demo: [`DemoConfig`] trained ZeRO-3 style over a [`LocalWorld`],
+//! through [`Coordinator`]s, with any sharding strategy.
+//!
+//! Per rank and step: the trainability mask of the step is applied with
+//! [`Coordinator::refresh_trainable`] when it changed; every micro-batch but the last runs
+//! under [`Coordinator::no_sync`]; a micro-batch is a forward pass layer by layer (fetch the
+//! layer's weight and bias, compute, release) and a backward pass in reverse (fetch, backward,
+//! `grad_ready` for each trainable parameter, release), then `end_step`; after the last one
+//! SGD runs on this rank's shards through [`Coordinator::update_shards_f32`]. After the steps
+//! [`DemoConfig::evaluates_after`] names, a second coordinator on the same model state runs the
+//! evaluation pass. Losses are combined across ranks in the reference's order (micro-batch
+//! major, then rank).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use collsched_buckets::{DType, LayoutBuilder, LayoutError, ParamId, ParamSet, ParamSpec, Sharding};
+use collsched_schedule::{Plan, PolicyKind, SchedulerConfig};
+
+use super::model::Mlp;
+use super::{DemoConfig, RunRecord, StepRecord};
+use crate::backend::local::{LocalConfig, LocalRank, LocalWorld};
+use crate::backend::BackendError;
+use crate::runtime::{Coordinator, ModelState, RuntimeError, StepStats};
+
+/// Default of [`ShardedOptions::bucket_bytes`]: 4 KiB, small so the demo model spreads over
+/// many buckets.
+pub const DEFAULT_DEMO_BUCKET_BYTES: usize = 4 << 10;
+
+/// How the sharded run is laid out and scheduled.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ShardedOptions {
+    /// Sharding strategy. Default [`Sharding::EvenSplit`].
+    pub sharding: Sharding,
+    /// Prefetch policy of both coordinators. Default [`PolicyKind::TraceReplay`].
+    pub policy: PolicyKind,
+    /// Bucket size cap in bytes. Default [`DEFAULT_DEMO_BUCKET_BYTES`].
+    pub bucket_bytes: usize,
+    /// Backend timeout (collectives waiting for peers). Default 120 s.
+    pub timeout: Duration,
+}
+
+impl Default for ShardedOptions {
+    fn default() -> Self {
+        ShardedOptions {
+            sharding: Sharding::EvenSplit,
+            policy: PolicyKind::TraceReplay,
+            bucket_bytes: DEFAULT_DEMO_BUCKET_BYTES,
+            timeout: Duration::from_secs(120),
+        }
+    }
+}
+
+/// What one optimizer step cost on rank 0, summed over its micro-batches.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct StepCost {
+    /// All-gathers launched (scheduler count: one per bucket gathered).
+    pub all_gathers: u64,
+    /// Gradient bucket reductions launched.
+    pub reduce_scatters: u64,
+    /// Collectives issued on the backend.
+    pub collectives: u64,
+    /// Bytes the collectives carried.
+    pub bytes_moved: u64,
+    /// Fetches served by a prefetch.
+    pub prefetch_hits: u64,
+    /// Fetches that launched their own gather.
+    pub prefetch_misses: u64,
+    /// Host time spent waiting for collectives.
+    pub wait_time: Duration,
+    /// Highest gathered bytes.
+    pub peak_gathered_bytes: u64,
+}
+
+impl StepCost {
+    fn add(&mut self, s: &StepStats) {
+        self.all_gathers += s.schedule.all_gathers;
+        self.reduce_scatters += s.schedule.reduce_scatters;
+        self.collectives += s.collectives();
+        self.bytes_moved += s.bytes_moved();
+        self.prefetch_hits += s.schedule.prefetch_hits;
+        self.prefetch_misses += s.schedule.prefetch_misses;
+        self.wait_time += s.wait_time();
+        self.peak_gathered_bytes = self.peak_gathered_bytes.max(s.peak_gathered_bytes());
+    }
+}
+
+/// Outcome of a sharded run.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ShardedRun {
+    /// Losses per step and the final parameters (gathered back), comparable with
+    /// [`super::reference_run`].
+    pub record: RunRecord,
+    /// Rank 0's cost per step.
+    pub cost: Vec<StepCost>,
+    /// Gather buckets and gradient buckets of the layout.
+    pub buckets: (usize, usize),
+}
+
+/// Why a sharded run failed.
+#[derive(Debug, thiserror::Error)]
+pub enum DemoError {
+    /// The layout could not be built (e.g. `hybrid:G` with `G` not dividing the world).
+    #[error("layout: {0}")]
+    Layout(#[from] LayoutError),
+    /// The parameter list is invalid.
+    #[error("parameters: {0}")]
+    Params(#[from] collsched_buckets::ParamError),
+    /// The local world could not be made.
+    #[error("local world: {0}")]
+    World(#[from] BackendError),
+    /// A rank failed.
+    #[error("{0}")]
+    Runtime(#[from] RuntimeError),
+    /// A rank thread panicked.
+    #[error("rank {rank} panicked: {what}")]
+    Panicked {
+        /// The rank.
+        rank: usize,
+        /// The panic message.
+        what: String,
+    },
+}
+
+/// The demo model's parameters as a [`ParamSet`] (all `f32`, trainable), in [`Mlp::params`]
+/// order.
+///
+/// # Errors
+/// [`DemoError::Params`] for a model with a zero width.
+pub fn param_set(model: &Mlp) -> Result<ParamSet, DemoError> {
+    let specs = model.params().into_iter().map(|p| ParamSpec::new(p.name, p.shape, DType::F32)).collect();
+    Ok(ParamSet::new(specs)?)
+}
+
+/// The plan of the demo model over `cfg.world` ranks.
+///
+/// # Errors
+/// [`DemoError::Layout`], [`DemoError::Params`].
+pub fn plan(cfg: &DemoConfig, opts: &ShardedOptions) -> Result<Plan, DemoError> {
+    let set = param_set(&cfg.model)?;
+    let layout =
+        LayoutBuilder::new(&set, opts.sharding, cfg.world as u32).bucket_bytes(opts.bucket_bytes).build()?;
+    Ok(Plan::new(layout))
+}
+
+struct RankOutcome {
+    losses: Vec<f32>,
+    evals: Vec<f32>,
+    params: Vec<Vec<f32>>,
+    cost: Vec<StepCost>,
+}
+
+/// Runs the demo sharded over a local world of `cfg.world` ranks.
+///
+/// # Errors
+/// [`DemoError`]: the first failing rank's error.
+pub fn sharded_run(cfg: &DemoConfig, opts: &ShardedOptions) -> Result<ShardedRun, DemoError> {
+    let plan = plan(cfg, opts)?;
+    let buckets = (plan.layout().gather_buckets().len(), plan.layout().grad_buckets().len());
+    let world =
+        LocalWorld::with_config(cfg.world, LocalConfig { timeout: opts.timeout, ..LocalConfig::default() })?;
+    let init = cfg.model.init(cfg.seed);
+    let outcomes = world.run(|rank| run_rank(cfg, opts, &plan, &init, rank))?;
+    let mut per_rank = Vec::with_capacity(cfg.world);
+    for (r, o) in outcomes.into_iter().enumerate() {
+        match o {
+            Ok(Ok(o)) => per_rank.push(o),
+            Ok(Err(e)) => return Err(e.into()),
+            Err(p) => {
+                let what = p
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_default();
+                return Err(DemoError::Panicked { rank: r, what });
+            }
+        }
+    }
+    let m = cfg.micro_batches;
+    let mut steps = Vec::with_capacity(cfg.steps);
+    let mut eval_k = 0;
+    for step in 0..cfg.steps {
+        let mut sum = 0f32;
+        for micro in 0..m {
+            for o in &per_rank {
+                sum += o.losses[step * m + micro];
+            }
+        }
+        let loss = sum / (cfg.world * m) as f32;
+        let eval_loss = cfg.evaluates_after(step).then(|| {
+            let e = per_rank[0].evals[eval_k];
+            eval_k += 1;
+            e
+        });
+        steps.push(StepRecord { loss, eval_loss });
+    }
+    let first = per_rank.swap_remove(0);
+    Ok(ShardedRun { record: RunRecord { steps, params: first.params }, cost: first.cost, buckets })
+}
+
+fn layer_ids(l: usize) -> [ParamId; 2] {
+    [ParamId(2 * l as u32), ParamId(2 * l as u32 + 1)]
+}
+
+/// One micro-batch on one rank: forward and backward through the coordinator. Returns the
+/// loss.
+fn micro_step(
+    c: &mut Coordinator<LocalRank>,
+    model: &Mlp,
+    mask: &[bool],
+    x: &[f32],
+    y: &[f32],
+) -> Result<f32, RuntimeError> {
+    let layers = model.layers();
+    let mut caches = Vec::with_capacity(layers);
+    for l in 0..layers {
+        let [w, b] = layer_ids(l);
+        let cache = {
+            let v = c.fetch(&[w, b])?;
+            let input = caches.last().map_or(x, |c: &super::model::LayerCache| &c.output[..]);
+            model.layer_forward(l, v.f32(w)?, v.f32(b)?, input)
+        };
+        c.release(&[w, b])?;
+        caches.push(cache);
+    }
+    let (loss, mut g) = Mlp::mse(&caches[layers - 1].output, y);
+    for l in (0..layers).rev() {
+        let [w, b] = layer_ids(l);
+        let (ni, no) = (model.dims[l], model.dims[l + 1]);
+        let mut gw = vec![0f32; ni * no];
+        let mut gb = vec![0f32; no];
+        g = {
+            let v = c.fetch(&[w, b])?;
+            model.layer_backward(l, v.f32(w)?, &caches[l], &g, &mut gw, &mut gb)
+        };
+        c.release(&[w, b])?;
+        if mask[w.index()] {
+            c.grad_ready_f32(w, &gw)?;
+        }
+        if mask[b.index()] {
+            c.grad_ready_f32(b, &gb)?;
+        }
+    }
+    Ok(loss)
+}
+
+fn eval_pass(c: &mut Coordinator<LocalRank>, cfg: &DemoConfig) -> Result<f32, RuntimeError> {
+    let model = &cfg.model;
+    let (x, y) = model.batch(cfg.seed, u64::MAX, u64::MAX, 4 * cfg.batch);
+    let mut h = x;
+    for l in 0..model.layers() {
+        let [w, b] = layer_ids(l);
+        h = {
+            let v = c.fetch(&[w, b])?;
+            model.layer_forward(l, v.f32(w)?, v.f32(b)?, &h).output
+        };
+        c.release(&[w, b])?;
+    }
+    c.end_step()?;
+    Ok(Mlp::mse(&h, &y).0)
+}
+
+fn run_rank(
+    cfg: &DemoConfig,
+    opts: &ShardedOptions,
+    plan: &Plan,
+    init: &[Vec<f32>],
+    rank: LocalRank,
+) -> Result<RankOutcome, RuntimeError> {
+    let r = {
+        use crate::backend::Backend;
+        rank.rank()
+    };
+    let state = ModelState::from_f32(Arc::new(rank), plan, init)?;
+    let config = SchedulerConfig { policy: opts.policy, ..SchedulerConfig::default() };
+    let mut train = state.coordinator(config.clone())?;
+    let mut eval = state.coordinator(config)?;
+    let n = plan.layout().params().len();
+    let mut mask_now = vec![true; n];
+    let m = cfg.micro_batches.max(1);
+    let mut losses = Vec::with_capacity(cfg.steps * m);
+    let mut evals = Vec::new();
+    let mut cost = Vec::with_capacity(cfg.steps);
+    let lr = cfg.lr;
+    for step in 0..cfg.steps {
+        let mask: Vec<bool> = (0..n).map(|k| cfg.trainable(k, step)).collect();
+        if mask != mask_now {
+            train.refresh_trainable(&mask)?;
+            mask_now = mask;
+        }
+        let mut step_cost = StepCost::default();
+        for micro in 0..m {
+            let sample = (step * m + micro) as u64;
+            let (x, y) = cfg.model.batch(cfg.seed, sample, r as u64, cfg.batch);
+            let (loss, stats) = if micro + 1 < m {
+                let mut g = train.no_sync()?;
+                let loss = micro_step(&mut g, &cfg.model, &mask_now, &x, &y)?;
+                (loss, g.end_step()?)
+            } else {
+                let loss = micro_step(&mut train, &cfg.model, &mask_now, &x, &y)?;
+                (loss, train.end_step()?)
+            };
+            step_cost.add(&stats);
+            losses.push(loss);
+        }
+        train.update_shards_f32(|_, _, w, g| {
+            for (wi, gi) in w.iter_mut().zip(g) {
+                *wi -= lr * gi;
+            }
+        })?;
+        if cfg.evaluates_after(step) {
+            evals.push(eval_pass(&mut eval, cfg)?);
+        }
+        cost.push(step_cost);
+    }
+    let ids: Vec<ParamId> = (0..n as u32).map(ParamId).collect();
+    let params = {
+        let v = train.fetch(&ids)?;
+        ids.iter().map(|&p| v.f32(p).map(<[f32]>::to_vec)).collect::<Result<Vec<_>, _>>()?
+    };
+    train.release(&ids)?;
+    train.end_step()?;
+    Ok(RankOutcome { losses, evals, params, cost })
+}
+
+/// The largest absolute difference between two runs' losses (training and evaluation), and
+/// between their final parameters.
+pub fn max_differences(a: &RunRecord, b: &RunRecord) -> (f32, f32) {
+    let mut loss = 0f32;
+    for (x, y) in a.steps.iter().zip(&b.steps) {
+        loss = loss.max((x.loss - y.loss).abs());
+        if let (Some(p), Some(q)) = (x.eval_loss, y.eval_loss) {
+            loss = loss.max((p - q).abs());
+        }
+        if x.eval_loss.is_some() != y.eval_loss.is_some() || x.loss.is_nan() != y.loss.is_nan() {
+            loss = f32::INFINITY;
+        }
+    }
+    if a.steps.len() != b.steps.len() {
+        loss = f32::INFINITY;
+    }
+    let mut param = 0f32;
+    for (p, q) in a.params.iter().zip(&b.params) {
+        for (x, y) in p.iter().zip(q) {
+            param = param.max((x - y).abs());
+        }
+        if p.len() != q.len() {
+            param = f32::INFINITY;
+        }
+    }
+    (loss, param)
+}

@@ -1,0 +1,614 @@
+//! The driver: runs the scheduler's actions on a [`Backend`] and feeds completions back.
+//!
+//! | action | what the driver does |
+//! |---|---|
+//! | `Launch` (gather) | copy this rank's shard into a pool buffer (copy-in), allocate the gathered buffer, launch the bucket's all-gather (or broadcast) as one group on the all-gather stream after the fences |
+//! | `Launch` (reduce) | copy the bucket's host gradient buffer into a pool buffer, launch the reduce-scatter (or all-reduce) on the reduce-scatter stream; for hybrid sharding the all-reduce across groups follows when the first stage completed |
+//! | `Wait` | host wait (with the backend's timeout) for the launch, then finish it |
+//! | `Free` | gather: drop the launch if still in flight (the backend frees its buffers when it completes) or give the gathered buffer back to the pool; gradient: nothing (the host buffer is reused) |
+//! | `AllocGrad` | zero the bucket's host gradient buffer (reused across steps) |
+//! | `CopyGradIn` | copy-in (the kernels' `copy_in`) of the fresh gradient, the accumulator, or both added, into the gradient buffer |
+//! | `AccumulateGrad` | the kernels' `accumulate` into the parameter's full-size accumulator |
+//!
+//! *Finishing* a gather reads the gathered buffer to the host and unpacks it with the kernels'
+//! `copy_out` into the bucket's unpacked buffer (parameters one after the other), which is what
+//! `fetch` hands out; the gathered buffer itself is kept until its `Free`. Finishing a
+//! reduction reads the reduced shard into the model state's gradient shards. Each finish
+//! feeds `OpDone` to the scheduler. Launches are finished by explicit waits (`Wait` actions,
+//! a fetch that needs the data, `end_step`) or, without blocking, by
+//! [`Coordinator::poll`](super::Coordinator::poll).
+//!
+//! Steady-state steps allocate nothing here: host buffers grow once and are reused, backend
+//! buffers come from the backend's pool, and the `Vec`s of collectives handed to the backend
+//! come back with the completed launch and are reused.
+
+use std::time::{Duration, Instant};
+
+use collsched_buckets::{BucketId, ParamId};
+use collsched_kernels::{accumulate, copy_in, copy_out};
+use collsched_schedule::{
+    Action, Fence, GradSource, Launch, LaunchId, Role, Scheduler, Stream as SchedStream,
+};
+
+use super::state::{Bytes, RankState};
+use super::tables::{GatherTables, GradTables};
+use super::RuntimeError;
+use crate::backend::{Backend, Collective, InFlight, LaunchError, Stream, WaitError};
+
+fn stream_of(s: SchedStream) -> Stream {
+    match s {
+        SchedStream::AllGather => Stream::AllGather,
+        SchedStream::ReduceScatter => Stream::ReduceScatter,
+        SchedStream::Compute => Stream::Compute,
+    }
+}
+
+struct PendingGather<B: Backend> {
+    id: LaunchId,
+    g: usize,
+    flight: InFlight<B>,
+}
+
+/// The gather side of the driver, shared by every coordinator of a rank on a model (it lives
+/// in the model state, because gathered buckets are shared through the registry).
+pub(crate) struct GatherSide<B: Backend> {
+    pending: Vec<PendingGather<B>>,
+    /// Per gather bucket: the finished gathered buffer, kept until its `Free`.
+    held: Vec<Option<(LaunchId, B::Buffer)>>,
+    /// Per gather bucket: host copy of the gathered buffer (copy-out source).
+    staging: Vec<Bytes>,
+    /// Per gather bucket: the unpacked parameters (what `fetch` hands out).
+    pub(crate) unpacked: Vec<Bytes>,
+    /// Per gather bucket: the launch whose data `unpacked` holds.
+    unpacked_for: Vec<Option<LaunchId>>,
+    spare: Vec<Vec<Collective<B::Buffer>>>,
+    events: Vec<B::Event>,
+}
+
+impl<B: Backend> GatherSide<B> {
+    pub(crate) fn new(tables: &GatherTables) -> Self {
+        let n = tables.gather.len();
+        GatherSide {
+            pending: Vec::with_capacity(n),
+            held: (0..n).map(|_| None).collect(),
+            staging: tables.gather.iter().map(|t| Bytes::zeroed(t.gathered_bytes)).collect(),
+            unpacked: tables.gather.iter().map(|t| Bytes::zeroed(t.unpacked_numel * t.elem.size())).collect(),
+            unpacked_for: vec![None; n],
+            spare: Vec::with_capacity(n),
+            events: Vec::with_capacity(8),
+        }
+    }
+
+    pub(crate) fn in_flight(&self) -> usize {
+        self.pending.len()
+    }
+
+    pub(crate) fn unpacked_for(&self, g: usize) -> Option<LaunchId> {
+        self.unpacked_for.get(g).copied().flatten()
+    }
+}
+
+struct PendingReduce<B: Backend> {
+    id: LaunchId,
+    j: usize,
+    stage: usize,
+    flight: InFlight<B>,
+}
+
+/// Driver counters of the step in progress (the scheduler counts the rest).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DriverCounters {
+    /// Collectives (group launches) issued on the backend: one per gather, one per reduction
+    /// stage (two for hybrid sharding's reduce-scatter + all-reduce).
+    pub collectives: u64,
+    /// Bytes the collectives carried: the gathered buffer of a gather, the input of a
+    /// reduction stage.
+    pub bytes_moved: u64,
+    /// Time the host spent blocked waiting for collectives.
+    pub wait_time: Duration,
+}
+
+/// The per-coordinator part of the driver: the action list, the reductions in flight, the
+/// host gradient buffers.
+pub(crate) struct Driver<B: Backend> {
+    pub(crate) actions: Vec<Action>,
+    reduces: Vec<PendingReduce<B>>,
+    grad_staging: Vec<Bytes>,
+    spare: Vec<Vec<Collective<B::Buffer>>>,
+    events: Vec<B::Event>,
+    pub(crate) counters: DriverCounters,
+}
+
+/// Everything a run of actions needs, borrowed for the call.
+pub(crate) struct Ctx<'a, B: Backend> {
+    pub(crate) backend: &'a B,
+    pub(crate) tables: &'a GatherTables,
+    pub(crate) grad: &'a std::sync::Arc<GradTables>,
+    pub(crate) st: &'a mut RankState<B>,
+    pub(crate) sched: &'a mut Scheduler,
+}
+
+fn backend_err(
+    rank: usize,
+    op: &'static str,
+    bucket: Option<BucketId>,
+) -> impl FnOnce(crate::backend::BackendError) -> RuntimeError {
+    move |source| RuntimeError::Backend { rank, op, bucket, source }
+}
+
+impl<B: Backend> Driver<B> {
+    pub(crate) fn new(n_grad: usize) -> Self {
+        Driver {
+            actions: Vec::with_capacity(256),
+            reduces: Vec::with_capacity(n_grad.max(4)),
+            grad_staging: Vec::new(),
+            spare: Vec::with_capacity(n_grad.max(4)),
+            events: Vec::with_capacity(8),
+            counters: DriverCounters::default(),
+        }
+    }
+
+    /// Runs `self.actions` in order (and clears them). `fresh` is the gradient handed to the
+    /// `grad_ready` call that produced them.
+    pub(crate) fn run(&mut self, cx: &mut Ctx<'_, B>, fresh: Option<&[u8]>) -> Result<(), RuntimeError> {
+        let actions = std::mem::take(&mut self.actions);
+        let mut result = Ok(());
+        for a in &actions {
+            // Run every action even after a failure would leave buffers dangling; stop at the
+            // first failure instead and report it (the scheduler's state is already advanced,
+            // the backend's failure is sticky and the next call reports it too).
+            if let Err(e) = self.run_one(cx, a, fresh) {
+                result = Err(e);
+                break;
+            }
+        }
+        self.actions = actions;
+        self.actions.clear();
+        result
+    }
+
+    fn run_one(&mut self, cx: &mut Ctx<'_, B>, a: &Action, fresh: Option<&[u8]>) -> Result<(), RuntimeError> {
+        let rank = cx.tables.rank;
+        match a {
+            Action::Launch(l) if l.id.role == Role::Gather => launch_gather(cx, l, &mut self.counters),
+            Action::Launch(l) => self.launch_reduce(cx, l),
+            Action::Wait { fence: Fence::Op(id), .. } => match id.role {
+                Role::Gather => finish_gather(cx, *id, true, &mut self.counters).map(|_| ()),
+                Role::Reduce => self.finish_reduce(cx, *id, true).map(|_| ()),
+            },
+            // Engine events: this coordinator's engine is host-synchronous (its releases and
+            // gradients are complete when it calls), so there is nothing to wait for.
+            Action::Wait { fence: Fence::Engine(_), .. } => Ok(()),
+            Action::Free { buffer, .. } => {
+                if let Some(g) = cx.tables.position(buffer.bucket) {
+                    let side = &mut cx.st.gather;
+                    if let Some(k) = side.pending.iter().position(|p| p.id.serial == buffer.serial) {
+                        // Still in flight (an unused prefetch): dropping it defers its buffers
+                        // to the pool until the collective completed.
+                        let p = side.pending.swap_remove(k);
+                        drop(p.flight);
+                    } else if matches!(side.held[g], Some((id, _)) if id.serial == buffer.serial) {
+                        if let Some((_, buf)) = side.held[g].take() {
+                            cx.backend.free(buf, None);
+                        }
+                    }
+                    if matches!(side.unpacked_for[g], Some(id) if id.serial == buffer.serial) {
+                        side.unpacked_for[g] = None;
+                    }
+                }
+                Ok(())
+            }
+            Action::AllocGrad { buffer, bytes } => {
+                let j = self.grad_position(cx, buffer.bucket)?;
+                if self.grad_staging.len() < cx.grad.grad.len() {
+                    self.grad_staging.resize_with(cx.grad.grad.len(), Bytes::default);
+                }
+                self.grad_staging[j].reset_zeroed(*bytes);
+                Ok(())
+            }
+            Action::CopyGradIn { param, buffer, source, .. } => {
+                let j = self.grad_position(cx, buffer.bucket)?;
+                let slot = cx.grad.params[param.index()];
+                let (lo, hi) = slot.copy_in;
+                let segs = &cx.grad.copy_in[lo as usize..hi as usize];
+                let elem = cx.grad.grad[j].elem;
+                let st = &mut *cx.st;
+                let p = param.index();
+                let src: &[u8] = match source {
+                    GradSource::Fresh => fresh.ok_or_else(|| no_fresh(rank, *param))?,
+                    GradSource::FreshPlusAccumulated => {
+                        let f = fresh.ok_or_else(|| no_fresh(rank, *param))?;
+                        accumulate(elem, st.accumulators[p].as_bytes_mut(), f)
+                            .map_err(|e| kernel_err(rank, *param, "accumulate", e))?;
+                        st.accumulated[p] = false;
+                        st.accumulators[p].as_bytes()
+                    }
+                    GradSource::Accumulated => {
+                        st.accumulated[p] = false;
+                        st.accumulators[p].as_bytes()
+                    }
+                };
+                copy_in(self.grad_staging[j].as_bytes_mut(), &[src], segs, elem.size())
+                    .map_err(|e| kernel_err(rank, *param, "copy_in", e))
+            }
+            Action::AccumulateGrad { param, .. } => {
+                let f = fresh.ok_or_else(|| no_fresh(rank, *param))?;
+                let p = param.index();
+                let slot = cx.tables.params[p];
+                let elem = cx.tables.gather[slot.gather].elem;
+                let st = &mut *cx.st;
+                if st.accumulated[p] {
+                    accumulate(elem, st.accumulators[p].as_bytes_mut(), f)
+                        .map_err(|e| kernel_err(rank, *param, "accumulate", e))
+                } else {
+                    // First micro-batch: the accumulator is the gradient itself (bit for bit,
+                    // as `acc = grad` would be).
+                    st.accumulators[p].reset_zeroed(f.len());
+                    st.accumulators[p].as_bytes_mut().copy_from_slice(f);
+                    st.accumulated[p] = true;
+                    Ok(())
+                }
+            }
+        }
+    }
+
+    fn grad_position(&self, cx: &Ctx<'_, B>, bucket: BucketId) -> Result<usize, RuntimeError> {
+        cx.grad.position(bucket).ok_or_else(|| RuntimeError::Plan {
+            rank: cx.tables.rank,
+            what: format!("gradient bucket {bucket} of an action is not in the driver's tables"),
+        })
+    }
+
+    fn launch_reduce(&mut self, cx: &mut Ctx<'_, B>, l: &Launch) -> Result<(), RuntimeError> {
+        let rank = cx.tables.rank;
+        let j = self.grad_position(cx, l.buffer.bucket)?;
+        let t = &cx.grad.grad[j];
+        let be = cx.backend;
+        let err = |op| backend_err(rank, op, Some(t.id));
+        let mut input = be.alloc(t.gathered_bytes).map_err(err("reduce_scatter"))?;
+        let staged = self.grad_staging.get(j).map_or(&[][..], Bytes::as_bytes);
+        be.write_from_host(&mut input, 0, staged).map_err(err("reduce_scatter copy-in"))?;
+        let output = be.alloc(t.shard_bytes).map_err(err("reduce_scatter"))?;
+        let mut ops = self.spare.pop().unwrap_or_default();
+        ops.push(Collective { desc: t.stages[0].clone(), input: Some(input), output });
+        self.events.clear();
+        fences(&cx.st.gather, &self.reduces, &l.after, &mut self.events);
+        let flight = launch(be, stream_of(l.stream), &self.events, ops, rank, t.id, "reduce_scatter")?;
+        self.counters.collectives += 1;
+        self.counters.bytes_moved += t.gathered_bytes as u64;
+        self.reduces.push(PendingReduce { id: l.id, j, stage: 0, flight });
+        Ok(())
+    }
+
+    /// Advances reduction `id`: blocking until all its stages completed, or (`block ==
+    /// false`) only as far as they already did. Returns whether it finished.
+    pub(crate) fn finish_reduce(
+        &mut self,
+        cx: &mut Ctx<'_, B>,
+        id: LaunchId,
+        block: bool,
+    ) -> Result<bool, RuntimeError> {
+        let rank = cx.tables.rank;
+        let Some(k) = self.reduces.iter().position(|p| p.id == id) else { return Ok(true) };
+        loop {
+            let p = self.reduces.swap_remove(k);
+            let t = &cx.grad.grad[p.j];
+            let ops = match wait_flight(p.flight, block, cx.backend, &mut self.counters) {
+                Ok(ops) => ops,
+                Err(Waited::Pending(flight)) => {
+                    self.reduces.push(PendingReduce { flight, ..p });
+                    let last = self.reduces.len() - 1;
+                    self.reduces.swap(k, last);
+                    return Ok(false);
+                }
+                Err(Waited::Failed(source)) => {
+                    return Err(RuntimeError::Backend {
+                        rank,
+                        op: "reduce_scatter",
+                        bucket: Some(t.id),
+                        source,
+                    })
+                }
+            };
+            let mut ops = ops;
+            let c = ops.pop();
+            let Some(c) = c else { return Ok(true) };
+            if let Some(input) = c.input {
+                cx.backend.free(input, None);
+            }
+            let next = p.stage + 1;
+            if next < t.stages.len() {
+                let out =
+                    cx.backend.alloc(t.shard_bytes).map_err(backend_err(rank, "all_reduce", Some(t.id)))?;
+                ops.push(Collective { desc: t.stages[next].clone(), input: Some(c.output), output: out });
+                let flight = launch(cx.backend, Stream::ReduceScatter, &[], ops, rank, t.id, "all_reduce")?;
+                self.counters.collectives += 1;
+                self.counters.bytes_moved += t.shard_bytes as u64;
+                self.reduces.push(PendingReduce { id, j: p.j, stage: next, flight });
+                let last = self.reduces.len() - 1;
+                self.reduces.swap(k, last);
+                continue;
+            }
+            self.spare.push(ops);
+            let st = &mut *cx.st;
+            let n = cx.grad.grad.len();
+            let same = st.grad_tables.as_ref().is_some_and(|g| std::sync::Arc::ptr_eq(g, cx.grad));
+            if !same {
+                st.grad_tables = Some(std::sync::Arc::clone(cx.grad));
+                st.grad_valid.clear();
+            }
+            if st.grad_shards.len() < n {
+                st.grad_shards.resize_with(n, Bytes::default);
+            }
+            st.grad_valid.resize(n, false);
+            st.grad_shards[p.j].reset_zeroed(t.shard_bytes);
+            let r = cx.backend.read_to_host(&c.output, 0, st.grad_shards[p.j].as_bytes_mut());
+            cx.backend.free(c.output, None);
+            r.map_err(backend_err(rank, "reduce_scatter copy-out", Some(t.id)))?;
+            st.grad_valid[p.j] = true;
+            cx.sched.op_done(&mut st.registry, id)?;
+            return Ok(true);
+        }
+    }
+
+    /// Finishes every reduction that already completed, without blocking.
+    pub(crate) fn poll_reduces(&mut self, cx: &mut Ctx<'_, B>) -> Result<(), RuntimeError> {
+        let mut i = 0;
+        while i < self.reduces.len() {
+            let id = self.reduces[i].id;
+            if self.finish_reduce(cx, id, false)? {
+                continue;
+            }
+            i += 1;
+        }
+        Ok(())
+    }
+
+    /// Waits for every reduction in flight.
+    pub(crate) fn drain_reduces(&mut self, cx: &mut Ctx<'_, B>) -> Result<(), RuntimeError> {
+        while let Some(p) = self.reduces.first() {
+            let id = p.id;
+            self.finish_reduce(cx, id, true)?;
+        }
+        Ok(())
+    }
+
+    /// Reductions in flight.
+    pub(crate) fn reduces_in_flight(&self) -> usize {
+        self.reduces.len()
+    }
+}
+
+fn no_fresh(rank: usize, param: ParamId) -> RuntimeError {
+    RuntimeError::Param {
+        rank,
+        param: Some(format!("id {param}")),
+        what: "the scheduler asked for a fresh gradient outside grad_ready (a driver bug)".into(),
+    }
+}
+
+fn kernel_err(rank: usize, param: ParamId, kernel: &str, e: collsched_kernels::KernelError) -> RuntimeError {
+    RuntimeError::Param { rank, param: Some(format!("id {param}")), what: format!("{kernel}: {e}") }
+}
+
+/// Backend events for a launch's fences (launches still in flight; finished ones need no
+/// wait, engine events are complete by construction).
+fn fences<B: Backend>(
+    side: &GatherSide<B>,
+    reduces: &[PendingReduce<B>],
+    after: &[Fence],
+    out: &mut Vec<B::Event>,
+) {
+    for f in after {
+        if let Fence::Op(id) = f {
+            if let Some(p) = side.pending.iter().find(|p| p.id == *id) {
+                out.push(p.flight.event().clone());
+            } else if let Some(p) = reduces.iter().find(|p| p.id == *id) {
+                out.push(p.flight.event().clone());
+            }
+        }
+    }
+}
+
+fn launch<B: Backend>(
+    be: &B,
+    stream: Stream,
+    after: &[B::Event],
+    ops: Vec<Collective<B::Buffer>>,
+    rank: usize,
+    bucket: BucketId,
+    op: &'static str,
+) -> Result<InFlight<B>, RuntimeError> {
+    match be.launch_group(stream, after, ops) {
+        Ok(f) => Ok(f),
+        Err(LaunchError { error, ops }) => {
+            for c in ops {
+                if let Some(i) = c.input {
+                    be.free(i, None);
+                }
+                be.free(c.output, None);
+            }
+            Err(RuntimeError::Backend { rank, op, bucket: Some(bucket), source: error })
+        }
+    }
+}
+
+enum Waited<B: Backend> {
+    Pending(InFlight<B>),
+    Failed(crate::backend::BackendError),
+}
+
+fn wait_flight<B: Backend>(
+    flight: InFlight<B>,
+    block: bool,
+    be: &B,
+    counters: &mut DriverCounters,
+) -> Result<Vec<Collective<B::Buffer>>, Waited<B>> {
+    let r = if block {
+        let start = Instant::now();
+        let r = if matches!(flight.is_done(), Ok(true)) {
+            flight.try_finish()
+        } else {
+            flight.wait(be.timeout())
+        };
+        counters.wait_time += start.elapsed();
+        r
+    } else {
+        match flight.is_done() {
+            Ok(false) => return Err(Waited::Pending(flight)),
+            _ => flight.try_finish(),
+        }
+    };
+    match r {
+        Ok(ops) => Ok(ops),
+        Err(WaitError::TimedOut { in_flight, waited }) => {
+            if block {
+                drop(in_flight);
+                Err(Waited::Failed(crate::backend::BackendError::EventTimeout { waited }))
+            } else {
+                Err(Waited::Pending(in_flight))
+            }
+        }
+        Err(WaitError::Failed { error, ops }) => {
+            for c in ops {
+                if let Some(i) = c.input {
+                    be.free(i, None);
+                }
+                be.free(c.output, None);
+            }
+            Err(Waited::Failed(error))
+        }
+    }
+}
+
+fn launch_gather<B: Backend>(
+    cx: &mut Ctx<'_, B>,
+    l: &Launch,
+    counters: &mut DriverCounters,
+) -> Result<(), RuntimeError> {
+    let rank = cx.tables.rank;
+    let g = cx.tables.position(l.buffer.bucket).ok_or_else(|| RuntimeError::Plan {
+        rank,
+        what: format!("gather launch names bucket {}, which is not a gather bucket", l.buffer.bucket),
+    })?;
+    let t = &cx.tables.gather[g];
+    let be = cx.backend;
+    let err = |op| backend_err(rank, op, Some(t.id));
+    let input = if t.sends {
+        let mut b = be.alloc(t.shard_bytes).map_err(err("all_gather"))?;
+        be.write_from_host(&mut b, 0, cx.st.shards[g].as_bytes()).map_err(err("all_gather copy-in"))?;
+        Some(b)
+    } else {
+        None
+    };
+    let output = be.alloc(t.gathered_bytes).map_err(err("all_gather"))?;
+    let side = &mut cx.st.gather;
+    let mut ops = side.spare.pop().unwrap_or_default();
+    ops.push(Collective { desc: t.desc.clone(), input, output });
+    let mut events = std::mem::take(&mut side.events);
+    events.clear();
+    fences(side, &[], &l.after, &mut events);
+    let r = launch(be, stream_of(l.stream), &events, ops, rank, t.id, "all_gather");
+    side.events = events;
+    let flight = r?;
+    counters.collectives += 1;
+    counters.bytes_moved += t.gathered_bytes as u64;
+    side.pending.push(PendingGather { id: l.id, g, flight });
+    Ok(())
+}
+
+/// Finishes gather `id` (blocking, or only if complete): copy-out into the unpacked views,
+/// keep the gathered buffer until its `Free`, report `OpDone`. Returns whether it finished
+/// (or had already).
+pub(crate) fn finish_gather<B: Backend>(
+    cx: &mut Ctx<'_, B>,
+    id: LaunchId,
+    block: bool,
+    counters: &mut DriverCounters,
+) -> Result<bool, RuntimeError> {
+    let rank = cx.tables.rank;
+    let side = &mut cx.st.gather;
+    let Some(k) = side.pending.iter().position(|p| p.id == id) else { return Ok(true) };
+    let p = side.pending.swap_remove(k);
+    let g = p.g;
+    let t = &cx.tables.gather[g];
+    let mut ops = match wait_flight(p.flight, block, cx.backend, counters) {
+        Ok(ops) => ops,
+        Err(Waited::Pending(flight)) => {
+            side.pending.push(PendingGather { id, g, flight });
+            return Ok(false);
+        }
+        Err(Waited::Failed(source)) => {
+            return Err(RuntimeError::Backend { rank, op: "all_gather", bucket: Some(t.id), source })
+        }
+    };
+    let mut result = Ok(());
+    for c in ops.drain(..) {
+        if let Some(i) = c.input {
+            cx.backend.free(i, None);
+        }
+        let staging = side.staging[g].as_bytes_mut();
+        result = cx
+            .backend
+            .read_to_host(&c.output, 0, staging)
+            .map_err(backend_err(rank, "all_gather copy-out", Some(t.id)))
+            .and_then(|()| {
+                copy_out(
+                    &mut [side.unpacked[g].as_bytes_mut()],
+                    side.staging[g].as_bytes(),
+                    &t.copy_out,
+                    t.elem.size(),
+                )
+                .map_err(|e| RuntimeError::Plan {
+                    rank,
+                    what: format!("all_gather(bucket {}) copy-out: {e}", t.id),
+                })
+            });
+        if let Some((_, old)) = side.held[g].replace((id, c.output)) {
+            cx.backend.free(old, None);
+        }
+    }
+    side.spare.push(ops);
+    result?;
+    side.unpacked_for[g] = Some(id);
+    cx.sched.op_done(&mut cx.st.registry, id)?;
+    Ok(true)
+}
+
+/// Finishes every gather that already completed, without blocking.
+pub(crate) fn poll_gathers<B: Backend>(
+    cx: &mut Ctx<'_, B>,
+    counters: &mut DriverCounters,
+) -> Result<(), RuntimeError> {
+    let mut i = 0;
+    while i < cx.st.gather.pending.len() {
+        let p = &cx.st.gather.pending[i];
+        if matches!(p.flight.is_done(), Ok(false)) {
+            i += 1;
+            continue;
+        }
+        let id = p.id;
+        finish_gather(cx, id, false, counters)?;
+        // finish_gather swap_removed index i; look at i again.
+    }
+    Ok(())
+}
+
+/// Makes sure the unpacked views of `params` hold their current gathers' data (waiting for
+/// the gathers if needed).
+pub(crate) fn ensure_unpacked<B: Backend>(
+    cx: &mut Ctx<'_, B>,
+    params: &[ParamId],
+    counters: &mut DriverCounters,
+) -> Result<(), RuntimeError> {
+    for &p in params {
+        let g = cx.tables.params[p.index()].gather;
+        let current = cx.st.registry.gathered_by(p);
+        if current.is_some() && cx.st.gather.unpacked_for[g] != current {
+            if let Some(id) = current {
+                finish_gather(cx, id, true, counters)?;
+            }
+        }
+    }
+    Ok(())
+}

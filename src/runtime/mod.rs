@@ -1,0 +1,94 @@
+//! The runtime: the driver that runs the scheduler's actions on a backend, the per-rank model
+//! state, and the engine-facing [`Coordinator`].
+//!
+//! # A training step on one rank
+//! ```text
+//! let state = ModelState::new(Arc::new(backend), &plan, &initial_values)?;  // this rank's shards
+//! let mut train = state.coordinator(SchedulerConfig::default())?;           // exchanges fingerprints
+//! let mut eval  = state.coordinator(SchedulerConfig::default())?;           // shares the registry
+//! for micro-batch in all but the last: { let mut g = train.no_sync()?; step(&mut g)?; g.end_step()?; }
+//! step(&mut train)?; train.end_step()?;             // reduces everything (accumulated too)
+//! train.update_shards_f32(|_, _, w, g| sgd(w, g))?;  // the optimizer runs on shards
+//! where step = for each layer: let v = c.fetch(&layer)?; compute(v); c.release(&layer)?;
+//!              then backward in reverse: fetch, backward, grad_ready per parameter, release
+//! ```
+//! Trainability changes go through [`Coordinator::refresh_trainable`] between steps (or
+//! [`Coordinator::set_trainable`], applied at the next `end_step`); both exchange the new plan
+//! fingerprint with the peers, so ranks that disagree get `PlanMismatch` naming the first
+//! differing bucket instead of a hang.
+//!
+//! # Departures
+//! - The engine is host-synchronous: `release` and `grad_ready` mean "done now", so the
+//!   scheduler's engine events are never used and deferred frees happen at once.
+//! - `fetch` hands out host views: each gathered bucket is read back to the host and unpacked
+//!   (the kernels' `copy_out`) into a per-bucket buffer that is kept and reused; the gathered
+//!   backend buffer itself lives until the scheduler's `Free`.
+//! - Hybrid sharding's second reduction stage (all-reduce across groups) is launched when the
+//!   first completes (the backend's group launches take one rank group).
+//! - Reductions in a dtype other than the bucket's are refused (`Unsupported`).
+//! - Gradient shards and no_sync accumulators live in the model state: one coordinator per
+//!   model should produce gradients at a time (the evaluation one only fetches).
+
+mod coordinator;
+mod driver;
+mod state;
+mod tables;
+
+pub use coordinator::{Coordinator, NoSync, ShardUpdate, StepStats, Views};
+pub use driver::DriverCounters;
+pub use state::ModelState;
+
+use collsched_buckets::BucketId;
+use collsched_schedule::ScheduleError;
+
+use crate::backend::BackendError;
+
+/// An error of the runtime: names the rank and, where one is involved, the parameter, the
+/// bucket and the op.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RuntimeError {
+    /// The scheduler refused the event (it names rank, parameter, bucket and op); nothing
+    /// changed.
+    #[error(transparent)]
+    Schedule(#[from] ScheduleError),
+    /// A collective or buffer operation of the backend failed.
+    #[error("rank {rank}: {op}{}: {source}", bucket.map_or(String::new(), |b| format!(" (bucket {b})")))]
+    Backend {
+        /// The rank.
+        rank: usize,
+        /// The operation (`all_gather`, `reduce_scatter`, `plan fingerprint exchange`, ...).
+        op: &'static str,
+        /// The bucket, if the op moves one.
+        bucket: Option<BucketId>,
+        /// The backend's error.
+        source: BackendError,
+    },
+    /// A parameter value or gradient the engine passed is wrong, or a parameter is not
+    /// available.
+    #[error("rank {rank}: parameter {}: {what}", param.as_deref().unwrap_or("(all)"))]
+    Param {
+        /// The rank.
+        rank: usize,
+        /// The parameter's name (or id), when one is concerned.
+        param: Option<String>,
+        /// What is wrong and what to do.
+        what: String,
+    },
+    /// The plan does not fit the backend or the call order.
+    #[error("rank {rank}: {what}")]
+    Plan {
+        /// The rank.
+        rank: usize,
+        /// What is wrong and what to do.
+        what: String,
+    },
+    /// Something this driver does not support yet.
+    #[error("rank {rank}: {what}")]
+    Unsupported {
+        /// The rank.
+        rank: usize,
+        /// What, and what to do instead.
+        what: String,
+    },
+}

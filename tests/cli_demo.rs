@@ -1,0 +1,43 @@
+//! `collsched demo` end to end: small settings, the last line parsed.
+
+use std::process::Command;
+
+fn demo(args: &[&str]) -> (bool, String) {
+    let out =
+        Command::new(env!("CARGO_BIN_EXE_collsched")).arg("demo").args(args).output().expect("run collsched");
+    (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+fn parse_last_line(stdout: &str) -> (f64, usize) {
+    let last = stdout.lines().last().expect("some output");
+    let rest =
+        last.strip_prefix("parity: max |loss difference| = ").unwrap_or_else(|| panic!("last line: {last}"));
+    let (x, steps) = rest.split_once(" over ").expect("` over `");
+    let steps = steps.strip_suffix(" steps").expect("` steps`");
+    (x.parse().expect("a number"), steps.parse().expect("a step count"))
+}
+
+#[test]
+fn demo_prints_parity_as_its_last_line() {
+    let (ok, stdout) = demo(&["--ranks", "2", "--steps", "3", "--strategy", "flat", "--seed", "5"]);
+    assert!(ok, "demo failed:\n{stdout}");
+    let (x, steps) = parse_last_line(&stdout);
+    assert_eq!((x, steps), (0.0, 3), "{stdout}");
+    assert!(stdout.contains("ref loss"), "{stdout}");
+}
+
+#[test]
+fn demo_hybrid_and_no_prefetch() {
+    let (ok, stdout) = demo(&["--ranks", "4", "--steps", "2", "--strategy", "hybrid:2", "--policy", "none"]);
+    assert!(ok, "demo failed:\n{stdout}");
+    let (x, steps) = parse_last_line(&stdout);
+    assert!(x <= 1e-4 && steps == 2, "{stdout}");
+}
+
+#[test]
+fn demo_rejects_bad_settings() {
+    let (ok, _) = demo(&["--ranks", "4", "--strategy", "hybrid:3"]);
+    assert!(!ok, "hybrid:3 on 4 ranks must fail");
+    let (ok, _) = demo(&["--ranks", "0"]);
+    assert!(!ok, "0 ranks must fail");
+}

@@ -1,0 +1,213 @@
+//! A steady-state training step through the coordinator allocates nothing on the engine's
+//! thread: counted with a counting global allocator (its own test binary).
+//!
+//! The backend here is a one-rank loopback that allocates nothing itself (collectives of a
+//! group of one run synchronously at launch), so the count measures the driver, the
+//! coordinator and the scheduler. (The local backend allocates per launch: an event and a
+//! work item.)
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use collsched::backend::{
+    Backend, BackendBuffer, BackendError, BackendEvent, CollKind, Collective, InFlight, LaunchError, OnDrop,
+    Stream,
+};
+use collsched::buckets::{DType, LayoutBuilder, ParamId, ParamSet, ParamSpec, Sharding};
+use collsched::kernels::{reduce, ReduceOp};
+use collsched::runtime::ModelState;
+use collsched::schedule::{Plan, PolicyKind, SchedulerConfig};
+
+struct Counting;
+
+static ALLOCS: AtomicU64 = AtomicU64::new(0);
+thread_local! {
+    static COUNTING: Cell<bool> = const { Cell::new(false) };
+}
+
+// SAFETY: forwards to the system allocator unchanged; only counts calls.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        if COUNTING.with(Cell::get) {
+            ALLOCS.fetch_add(1, Ordering::Relaxed);
+        }
+        // SAFETY: same contract as ours.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: same contract as ours.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        if COUNTING.with(Cell::get) {
+            ALLOCS.fetch_add(1, Ordering::Relaxed);
+        }
+        // SAFETY: same contract as ours.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+#[derive(Debug)]
+struct Buf(Vec<u8>);
+
+impl BackendBuffer for Buf {
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+}
+
+#[derive(Clone, Debug)]
+struct Done;
+
+impl BackendEvent for Done {
+    fn query(&self) -> Result<bool, BackendError> {
+        Ok(true)
+    }
+    fn wait(&self, _: Duration) -> Result<(), BackendError> {
+        Ok(())
+    }
+}
+
+/// One rank, collectives run at launch, buffers pooled by exact capacity (like the local
+/// backend's size classes).
+struct Loopback {
+    pool: Arc<Mutex<Vec<Vec<u8>>>>,
+    on_drop: OnDrop<Loopback>,
+}
+
+impl Loopback {
+    fn new() -> Self {
+        let pool = Arc::new(Mutex::new(Vec::with_capacity(1024)));
+        let p = Arc::clone(&pool);
+        let on_drop: OnDrop<Loopback> = Arc::new(move |ops: Vec<Collective<Buf>>, _: &Done| {
+            let mut p = p.lock().unwrap();
+            for c in ops {
+                p.extend(c.input.map(|b| b.0));
+                p.push(c.output.0);
+            }
+        });
+        Loopback { pool, on_drop }
+    }
+}
+
+impl Backend for Loopback {
+    type Buffer = Buf;
+    type Event = Done;
+
+    fn rank(&self) -> usize {
+        0
+    }
+    fn world_size(&self) -> usize {
+        1
+    }
+    fn timeout(&self) -> Duration {
+        Duration::from_secs(5)
+    }
+    fn alloc(&self, bytes: usize) -> Result<Buf, BackendError> {
+        let mut p = self.pool.lock().unwrap();
+        let mut v = match p.iter().position(|v| v.capacity() == bytes) {
+            Some(i) => p.swap_remove(i),
+            None => Vec::with_capacity(bytes),
+        };
+        v.clear();
+        v.resize(bytes, 0);
+        Ok(Buf(v))
+    }
+    fn free(&self, buffer: Buf, _: Option<&Done>) {
+        self.pool.lock().unwrap().push(buffer.0);
+    }
+    fn write_from_host(&self, buffer: &mut Buf, offset: usize, src: &[u8]) -> Result<(), BackendError> {
+        buffer.0[offset..offset + src.len()].copy_from_slice(src);
+        Ok(())
+    }
+    fn read_to_host(&self, buffer: &Buf, offset: usize, dst: &mut [u8]) -> Result<(), BackendError> {
+        dst.copy_from_slice(&buffer.0[offset..offset + dst.len()]);
+        Ok(())
+    }
+    fn record(&self, _: Stream) -> Result<Done, BackendError> {
+        Ok(Done)
+    }
+    fn wait_event(&self, _: Stream, _: &Done) -> Result<(), BackendError> {
+        Ok(())
+    }
+    fn launch_group(
+        &self,
+        _: Stream,
+        _: &[Done],
+        mut ops: Vec<Collective<Buf>>,
+    ) -> Result<InFlight<Self>, LaunchError<Buf>> {
+        for c in &mut ops {
+            let d = &c.desc;
+            let n = d.count * d.elem.size();
+            let input = c.input.as_ref().map_or(&[][..], |b| &b.0[..n]);
+            match d.kind {
+                CollKind::ReduceScatter | CollKind::AllReduce => {
+                    reduce(d.elem, ReduceOp::Sum, d.scaling, &mut c.output.0[..n], &[input]).unwrap();
+                }
+                _ => c.output.0[..n].copy_from_slice(input),
+            }
+        }
+        Ok(InFlight::new(ops, Done, Arc::clone(&self.on_drop)))
+    }
+}
+
+#[test]
+fn a_steady_state_step_allocates_nothing() {
+    for sharding in [Sharding::EvenSplit, Sharding::Flat, Sharding::Greedy] {
+        let sizes = [37usize, 5, 41, 7, 29, 3, 64, 9];
+        let specs = sizes
+            .iter()
+            .enumerate()
+            .map(|(k, &n)| ParamSpec::new(format!("p{k}"), [n], DType::F32))
+            .collect();
+        let set = ParamSet::new(specs).unwrap();
+        let plan =
+            Plan::new(LayoutBuilder::new(&set, sharding, 1).bucket_bytes(200).align(16).build().unwrap());
+        let init: Vec<Vec<f32>> = sizes.iter().map(|&n| vec![1.0; n]).collect();
+        let state = ModelState::from_f32(Arc::new(Loopback::new()), &plan, &init).unwrap();
+        let config = SchedulerConfig { policy: PolicyKind::TraceReplay, ..SchedulerConfig::default() };
+        let mut c = state.coordinator(config).unwrap();
+        let modules: Vec<[ParamId; 2]> = (0..4).map(|m| [ParamId(2 * m), ParamId(2 * m + 1)]).collect();
+        let grads: Vec<Vec<f32>> = sizes.iter().map(|&n| vec![0.25; n]).collect();
+        let mut sum = 0f32;
+        let mut step = |c: &mut collsched::Coordinator<Loopback>| {
+            for m in &modules {
+                let v = c.fetch(m).unwrap();
+                sum += v.f32(m[0]).unwrap()[0];
+                drop(v);
+                c.release(m).unwrap();
+            }
+            for m in modules.iter().rev() {
+                c.fetch(m).unwrap();
+                for &p in m {
+                    c.grad_ready_f32(p, &grads[p.index()]).unwrap();
+                }
+                c.release(m).unwrap();
+            }
+            let stats = c.end_step().unwrap();
+            c.update_shards_f32(|_, _, w, g| w.iter_mut().zip(g).for_each(|(w, g)| *w -= 0.1 * g)).unwrap();
+            stats
+        };
+        for _ in 0..3 {
+            step(&mut c);
+        }
+        ALLOCS.store(0, Ordering::SeqCst);
+        COUNTING.with(|x| x.set(true));
+        let stats = step(&mut c);
+        COUNTING.with(|x| x.set(false));
+        let n = ALLOCS.load(Ordering::SeqCst);
+        assert!(
+            stats.schedule.prefetch_hits > 0,
+            "{sharding}: the measured step had no prefetch hits: {stats:?}"
+        );
+        assert!(stats.collectives() > 0);
+        assert_eq!(n, 0, "{sharding}: a steady-state step made {n} heap allocations");
+        assert!(sum > 0.0);
+    }
+}
