@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::ptr::NonNull;
 use std::sync::{Mutex, PoisonError};
+use std::time::Duration;
 
 use super::event::LocalEvent;
 use crate::backend::{BackendBuffer, BackendError, BackendEvent};
@@ -126,13 +127,36 @@ struct PoolInner {
 /// and the parked error of a dropped in-flight collective.
 pub(super) struct Pool {
     rank: usize,
+    /// How long dropping the pool waits for a deferred free's event (the world's timeout).
+    timeout: Duration,
     inner: Mutex<PoolInner>,
     parked: Mutex<Option<BackendError>>,
 }
 
+impl Drop for Pool {
+    /// Storage waiting for an event may still be read by peers (a deferred free's event
+    /// completes only once every peer finished reading): wait for each event, bounded by the
+    /// world's timeout, and leak the storage whose event did not complete cleanly rather than
+    /// hand memory back that a peer thread may still touch.
+    fn drop(&mut self) {
+        let pending = std::mem::take(&mut self.lock().pending);
+        for (event, storage, _) in pending {
+            if let Err(e) = event.wait(self.timeout) {
+                tracing::warn!(
+                    target: "collsched::alloc",
+                    rank = self.rank,
+                    bytes = storage.cap,
+                    "leaking a buffer whose deferred free did not complete before the pool was dropped: {e}"
+                );
+                std::mem::forget(storage);
+            }
+        }
+    }
+}
+
 impl Pool {
-    pub(super) fn new(rank: usize) -> Self {
-        Pool { rank, inner: Mutex::default(), parked: Mutex::new(None) }
+    pub(super) fn new(rank: usize, timeout: Duration) -> Self {
+        Pool { rank, timeout, inner: Mutex::default(), parked: Mutex::new(None) }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, PoolInner> {

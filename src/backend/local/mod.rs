@@ -155,7 +155,7 @@ impl LocalWorld {
                 what: format!("rank {r} of this local world was already taken; each rank has one handle"),
             });
         }
-        let pool = Arc::new(Pool::new(r));
+        let pool = Arc::new(Pool::new(r, self.shared.config.timeout));
         let drop_pool = Arc::clone(&pool);
         let on_drop: OnDrop<LocalRank> =
             Arc::new(move |ops: Vec<Collective<LocalBuffer>>, event: &LocalEvent| {
