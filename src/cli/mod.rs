@@ -66,8 +66,3 @@ fn init_logging() {
     let filter = EnvFilter::try_from_env("COLLSCHED_LOG").unwrap_or_else(|_| EnvFilter::new("warn"));
     let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
 }
-
-/// The error every subcommand returns until it is built.
-pub(crate) fn not_yet(what: &str) -> CliError {
-    format!("`collsched {what}` is not built yet in this version").into()
-}
