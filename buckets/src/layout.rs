@@ -9,7 +9,7 @@
 //!
 //! Segments are not stored per rank: each strategy keeps O(parameters) numbers per bucket and
 //! [`Bucket::segments`] derives a rank's segments on demand, so building a layout costs
-//! O(parameters) whatever the world size (Greedy additionally O(world) per bucket).
+//! O(parameters) whatever the world size (Greedy: O(k log world) per bucket of `k` parameters).
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
@@ -580,7 +580,7 @@ impl LayoutBuilder {
         }
         let ctx = Ctx { world, group, align: self.align };
         let mut buckets = Vec::with_capacity(n_gather * 2);
-        let mut ranks = RankLoads { used: BinaryHeap::new(), fresh: 0, world };
+        let mut ranks = RankLoads::new(world);
         for (i, (dtype, ps)) in groups.into_iter().enumerate() {
             let id = BucketId(i as u32);
             let ns: Vec<usize> = ps.iter().map(|p| numels[p.index()]).collect();
@@ -634,51 +634,123 @@ impl LayoutBuilder {
     }
 }
 
-/// Greedy's bytes per rank over all buckets so far. Ranks that never received a parameter
-/// (`fresh..world`) have 0 bytes and come first (lowest rank first); the others sit in a
-/// heap. Nothing is O(world).
+/// Greedy's bytes per rank over all buckets so far, plus scratch buffers reused from bucket to
+/// bucket (so a bucket of `k` parameters allocates only its own `O(k)` results). Ranks that
+/// never received a parameter (`fresh..world`) have 0 bytes and come first (lowest rank
+/// first); the others sit in a heap keyed by `(bytes << 32) | rank`. Nothing is O(world).
 struct RankLoads {
-    used: BinaryHeap<Reverse<(usize, u32)>>,
+    used: BinaryHeap<Reverse<u128>>,
     fresh: u32,
     world: u32,
+    /// Per parameter of the bucket: its padded element count.
+    padded: Vec<usize>,
+    /// Indices of the bucket's parameters, largest first (ties: bucket order).
+    by_size: Vec<u32>,
+    /// Sort keys `(!padded << 32) | index` when every padded size fits in 32 bits.
+    keys: Vec<u64>,
+    /// Sort keys `(!padded << 64) | index` otherwise.
+    wide_keys: Vec<u128>,
+    /// The candidate ranks as `(bytes over all buckets, rank)`, ascending.
+    candidates: Vec<(usize, u32)>,
+    /// Per parameter: the index of its owner in `candidates`.
+    local: Vec<u32>,
+    /// Per candidate: its fill of the bucket's shard.
+    fill: Vec<usize>,
+    /// The heap of the many-parameters-per-rank case: `(load in this bucket, bytes over all
+    /// buckets, rank, candidate index)`.
+    heap: BinaryHeap<Reverse<(usize, usize, u32, u32)>>,
 }
 
 impl RankLoads {
-    /// Removes and returns the `k` least-loaded ranks (fewer if the world is smaller), as
-    /// `(bytes, rank)`, ordered by bytes then rank.
-    fn take(&mut self, k: usize) -> Vec<(usize, u32)> {
-        let fresh = (self.world - self.fresh).min(u32::try_from(k).unwrap_or(u32::MAX));
-        let mut out: Vec<(usize, u32)> = (self.fresh..self.fresh + fresh).map(|r| (0, r)).collect();
-        self.fresh += fresh;
-        while out.len() < k {
-            let Some(Reverse(x)) = self.used.pop() else { break };
-            out.push(x);
+    fn new(world: u32) -> Self {
+        RankLoads {
+            used: BinaryHeap::new(),
+            fresh: 0,
+            world,
+            padded: Vec::new(),
+            by_size: Vec::new(),
+            keys: Vec::new(),
+            wide_keys: Vec::new(),
+            candidates: Vec::new(),
+            local: Vec::new(),
+            fill: Vec::new(),
+            heap: BinaryHeap::new(),
         }
-        out
+    }
+
+    /// Moves the `k` least-loaded ranks (fewer if the world is smaller) into `candidates`, as
+    /// `(bytes, rank)`, ordered by bytes then rank.
+    fn take(&mut self, k: usize) {
+        self.candidates.clear();
+        let fresh = (self.world - self.fresh).min(u32::try_from(k).unwrap_or(u32::MAX));
+        self.candidates.extend((self.fresh..self.fresh + fresh).map(|r| (0, r)));
+        self.fresh += fresh;
+        while self.candidates.len() < k {
+            let Some(Reverse(x)) = self.used.pop() else { break };
+            self.candidates.push(((x >> 32) as usize, x as u32));
+        }
+    }
+
+    /// Fills `by_size` from `padded`: largest first, ties in bucket order. The keys are
+    /// unique (they hold the index), so an unstable sort is exact; indices fit in 32 bits
+    /// because parameter ids are `u32`.
+    fn sort_by_size(&mut self) {
+        self.by_size.clear();
+        if self.padded.iter().all(|&p| u32::try_from(p).is_ok()) {
+            self.keys.clear();
+            self.keys.extend(
+                self.padded.iter().enumerate().map(|(i, &p)| (u64::from(!(p as u32)) << 32) | i as u64),
+            );
+            self.keys.sort_unstable();
+            self.by_size.extend(self.keys.iter().map(|&k| k as u32));
+        } else {
+            self.wide_keys.clear();
+            self.wide_keys.extend(
+                self.padded.iter().enumerate().map(|(i, &p)| (u128::from(!(p as u64)) << 64) | i as u128),
+            );
+            self.wide_keys.sort_unstable();
+            self.by_size.extend(self.wide_keys.iter().map(|&k| k as u32));
+        }
+    }
+
+    /// Returns a rank with its new bytes over all buckets to the heap.
+    fn put_back(&mut self, total: usize, rank: u32) {
+        self.used.push(Reverse(((total as u128) << 32) | u128::from(rank)));
     }
 }
 
 /// Offsets of whole parameters packed per owner in bucket order; the largest owner's fill
-/// (the shard size); the owner if there is only one.
-fn pack_by_owner(owner: &[u32], padded: &[usize]) -> (Vec<usize>, usize, Option<u32>) {
-    let mut idx: Vec<usize> = (0..owner.len()).collect();
-    idx.sort_by_key(|&i| owner[i]); // stable: bucket order within an owner
+/// (the shard size); the owner if there is only one. `distinct`: the caller knows that no two
+/// parameters share an owner (then every offset is 0 and nothing is sorted).
+fn pack_by_owner(owner: &[u32], padded: &[usize], distinct: bool) -> (Vec<usize>, usize, Option<u32>) {
     let mut offset = vec![0usize; owner.len()];
-    let (mut shard, mut fill, mut prev) = (0usize, 0usize, None);
-    for &i in &idx {
-        if prev != Some(owner[i]) {
-            fill = 0;
-            prev = Some(owner[i]);
+    let mut shard = 0usize;
+    if distinct {
+        shard = padded.iter().copied().max().unwrap_or(0);
+    } else {
+        // Keys are unique, so the unstable sort gives owner order, bucket order within one.
+        let mut keys: Vec<u64> =
+            owner.iter().enumerate().map(|(i, &o)| (u64::from(o) << 32) | i as u64).collect();
+        keys.sort_unstable();
+        let (mut fill, mut prev) = (0usize, None);
+        for &key in &keys {
+            let (o, i) = ((key >> 32) as u32, key as u32 as usize);
+            if prev != Some(o) {
+                fill = 0;
+                prev = Some(o);
+            }
+            offset[i] = fill;
+            fill += padded[i];
+            shard = shard.max(fill);
         }
-        offset[i] = fill;
-        fill += padded[i];
-        shard = shard.max(fill);
     }
-    let single = match (owner.first(), owner.iter().all(|&o| Some(&o) == owner.first())) {
-        (Some(&o), true) => Some(o),
-        _ => None,
-    };
-    (offset, shard, single)
+    (offset, shard, single_owner(owner))
+}
+
+/// The owner of every parameter, if it is the same one.
+fn single_owner(owner: &[u32]) -> Option<u32> {
+    let &first = owner.first()?;
+    owner.iter().all(|&o| o == first).then_some(first)
 }
 
 fn dtype_slot(d: DType) -> usize {
@@ -787,42 +859,64 @@ impl Ctx {
     ) -> Result<Bucket, LayoutError> {
         let ae = self.align / dtype.size();
         let overflow = || LayoutError::Overflow { bucket: id, world: self.world };
-        let padded: Vec<usize> =
-            numels.iter().map(|&n| align_up(n, ae).ok_or_else(overflow)).collect::<Result<_, _>>()?;
-        let mut by_size: Vec<usize> = (0..numels.len()).collect();
-        by_size.sort_by_key(|&i| (Reverse(padded[i]), i));
-        let candidates = ranks.take(by_size.len());
-        let mut owner = vec![0u32; numels.len()];
-        if candidates.len() == by_size.len() {
-            // A rank for every parameter: the j-th largest goes to the j-th least loaded (what
-            // the heap below would do, as every rank's load in this bucket starts at 0).
-            for (&i, &(total, r)) in by_size.iter().zip(&candidates) {
-                owner[i] = r;
-                ranks.used.push(Reverse((total.saturating_add(padded[i]), r)));
-            }
-        } else {
-            // (load in this bucket, load over all buckets, rank)
-            let mut heap: BinaryHeap<Reverse<(usize, usize, u32)>> =
-                candidates.into_iter().map(|(total, r)| Reverse((0, total, r))).collect();
-            for &i in &by_size {
-                let Some(Reverse((load, total, r))) = heap.pop() else { break };
-                owner[i] = r;
-                let load = load.checked_add(padded[i]).ok_or_else(overflow)?;
-                heap.push(Reverse((load, total.saturating_add(padded[i]), r)));
-            }
-            for Reverse((_, total, r)) in heap {
-                ranks.used.push(Reverse((total, r)));
-            }
+        let k = numels.len();
+        ranks.padded.clear();
+        for &n in &numels {
+            ranks.padded.push(align_up(n, ae).ok_or_else(overflow)?);
         }
-        let (offset, shard, single) = pack_by_owner(&owner, &padded);
-        self.bucket(
-            (id, BucketKind::Gather, dtype),
-            params,
-            numels,
-            shard,
-            single,
-            ShardMap::Greedy { owner, offset },
-        )
+        ranks.sort_by_size();
+        ranks.take(k);
+        let mut owner = vec![0u32; k];
+        if ranks.candidates.len() == k {
+            // A rank for every parameter: the j-th largest goes to the j-th least loaded (what
+            // the heap below would do, as every rank's load in this bucket starts at 0). Every
+            // parameter has its own owner, so every offset is 0.
+            for j in 0..k {
+                let i = ranks.by_size[j] as usize;
+                let (total, r) = ranks.candidates[j];
+                owner[i] = r;
+                ranks.put_back(total.saturating_add(ranks.padded[i]), r);
+            }
+            let (offset, shard, single) = pack_by_owner(&owner, &ranks.padded, true);
+            let map = ShardMap::Greedy { owner, offset };
+            return self.bucket((id, BucketKind::Gather, dtype), params, numels, shard, single, map);
+        }
+        // Fewer ranks than parameters: a heap of (load in this bucket, load over all buckets,
+        // rank), carrying the candidate's index to pack the offsets below without sorting.
+        ranks.heap.clear();
+        ranks.heap.extend(
+            ranks.candidates.iter().enumerate().map(|(c, &(total, r))| Reverse((0, total, r, c as u32))),
+        );
+        ranks.local.clear();
+        ranks.local.resize(k, 0);
+        for j in 0..k {
+            let i = ranks.by_size[j] as usize;
+            let Some(Reverse((load, total, r, c))) = ranks.heap.pop() else { break };
+            owner[i] = r;
+            ranks.local[i] = c;
+            let load = load.checked_add(ranks.padded[i]).ok_or_else(overflow)?;
+            ranks.heap.push(Reverse((load, total.saturating_add(ranks.padded[i]), r, c)));
+        }
+        // In any order: the keys of `used` are unique, so its pops do not depend on it.
+        let mut heap = std::mem::take(&mut ranks.heap);
+        for Reverse((_, total, r, _)) in heap.drain() {
+            ranks.put_back(total, r);
+        }
+        ranks.heap = heap;
+        // Pack each owner's parameters in bucket order (the loads above bound every fill).
+        ranks.fill.clear();
+        ranks.fill.resize(ranks.candidates.len(), 0);
+        let mut offset = Vec::with_capacity(k);
+        let mut shard = 0usize;
+        for (&c, &p) in ranks.local.iter().zip(&ranks.padded) {
+            let fill = &mut ranks.fill[c as usize];
+            offset.push(*fill);
+            *fill += p;
+            shard = shard.max(*fill);
+        }
+        let single = single_owner(&owner);
+        let map = ShardMap::Greedy { owner, offset };
+        self.bucket((id, BucketKind::Gather, dtype), params, numels, shard, single, map)
     }
 
     /// The gradient bucket of a gather bucket: its trainable parameters, each element owned by
@@ -846,12 +940,15 @@ impl Ctx {
                 self.bucket(key, params, numels, gather.shard_numel, None, ShardMap::Flat { start })?
             }
             // Same owners, offsets packed over each owner's trainable parameters.
-            ShardMap::Greedy { owner, .. } => {
+            ShardMap::Greedy { owner, offset } => {
                 let ae = self.align / dtype.size();
+                // All gather offsets 0: no two parameters share an owner (a second one would
+                // sit after the first), so none of the kept ones do either.
+                let distinct = offset.iter().all(|&o| o == 0);
                 let owner: Vec<u32> = keep.iter().map(|&i| owner[i]).collect();
                 // Fits: the gather bucket held these with the same padding.
                 let padded: Vec<usize> = numels.iter().map(|&n| align_up(n, ae).unwrap_or(n)).collect();
-                let (offset, shard, single) = pack_by_owner(&owner, &padded);
+                let (offset, shard, single) = pack_by_owner(&owner, &padded, distinct);
                 let key = (id, BucketKind::Grad, dtype);
                 self.bucket(key, params, numels, shard, single, ShardMap::Greedy { owner, offset })?
             }
@@ -1099,5 +1196,104 @@ impl Layout {
         self.placement = placement;
         self.grad_for = grad_for;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ParamSpec;
+    use proptest::prelude::*;
+
+    /// `(owner, offset, shard_numel, single_owner)` of a Greedy bucket.
+    type Parts = (Vec<u32>, Vec<usize>, usize, Option<u32>);
+
+    /// Greedy's assignment spelt out naively over all ranks (O(world) per parameter): per
+    /// gather bucket, parameters largest first (ties: bucket order), each to the rank with the
+    /// least `(padded elements in this bucket, padded elements over all buckets, rank)`; per
+    /// owner the parameters packed in bucket order. Returns `(owner, offset, shard, single)`.
+    fn reference(buckets: &[(Vec<usize>, usize)], world: u32) -> Vec<Parts> {
+        let mut total = vec![0usize; world as usize];
+        let mut out = Vec::new();
+        for (numels, ae) in buckets {
+            let padded: Vec<usize> = numels.iter().map(|&n| n.div_ceil(*ae) * ae).collect();
+            let mut order: Vec<usize> = (0..padded.len()).collect();
+            order.sort_by_key(|&i| (Reverse(padded[i]), i));
+            let mut load = vec![0usize; world as usize];
+            let mut owner = vec![0u32; padded.len()];
+            for i in order {
+                let r = (0..world as usize).min_by_key(|&r| (load[r], total[r], r)).unwrap();
+                owner[i] = r as u32;
+                load[r] += padded[i];
+                total[r] += padded[i];
+            }
+            out.push(pack_reference(&owner, &padded, world));
+        }
+        out
+    }
+
+    fn pack_reference(owner: &[u32], padded: &[usize], world: u32) -> Parts {
+        let mut fill = vec![0usize; world as usize];
+        let offset: Vec<usize> = owner
+            .iter()
+            .zip(padded)
+            .map(|(&o, &p)| {
+                let at = fill[o as usize];
+                fill[o as usize] += p;
+                at
+            })
+            .collect();
+        let shard = fill.iter().copied().max().unwrap_or(0);
+        let single = owner.iter().all(|&o| o == owner[0]).then_some(owner[0]);
+        (owner.to_vec(), offset, shard, single)
+    }
+
+    fn parts(b: &Bucket) -> Parts {
+        let ShardMap::Greedy { owner, offset } = &b.map else { panic!("bucket {} is not greedy", b.id) };
+        (owner.clone(), offset.clone(), b.shard_numel, b.single_owner)
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+
+        /// The heap-based, sort-free builder gives exactly the naive assignment and packing,
+        /// for gather and gradient buckets, both when a bucket has fewer parameters than
+        /// ranks and when it has more.
+        #[test]
+        fn greedy_matches_naive_reference(
+            ps in prop::collection::vec(
+                (1usize..=1 << 16, prop::sample::select(vec![DType::F32, DType::BF16, DType::U8]), any::<bool>()),
+                1..=300,
+            ),
+            world in 1u32..=64,
+            align in prop::sample::select(vec![4usize, 64, 256]),
+            bucket_bytes in prop::sample::select(vec![1usize << 12, 1 << 16, 1 << 20, 1 << 26]),
+        ) {
+            let specs = ps
+                .iter()
+                .enumerate()
+                .map(|(i, &(n, d, t))| ParamSpec::new(format!("p{i}"), [n], d).trainable(t))
+                .collect();
+            let set = ParamSet::new(specs).unwrap();
+            let layout = LayoutBuilder::new(&set, Sharding::Greedy, world)
+                .align(align)
+                .bucket_bytes(bucket_bytes)
+                .build()
+                .unwrap();
+            let gathers: Vec<(Vec<usize>, usize)> =
+                layout.gather_buckets().iter().map(|b| (b.numels.clone(), align / b.dtype.size())).collect();
+            let want = reference(&gathers, world);
+            for (b, w) in layout.gather_buckets().iter().zip(&want) {
+                prop_assert_eq!(&parts(b), w, "gather bucket {}", b.id);
+                if let Some(g) = layout.grad_bucket_for(b.id).and_then(|id| layout.bucket(id)) {
+                    let ae = align / b.dtype.size();
+                    let keep: Vec<usize> =
+                        (0..b.params.len()).filter(|&i| set.specs()[b.params[i].index()].trainable).collect();
+                    let owner: Vec<u32> = keep.iter().map(|&i| w.0[i]).collect();
+                    let padded: Vec<usize> = keep.iter().map(|&i| b.numels[i].div_ceil(ae) * ae).collect();
+                    prop_assert_eq!(parts(g), pack_reference(&owner, &padded, world), "grad bucket {}", g.id);
+                }
+            }
+        }
     }
 }
