@@ -1,5 +1,7 @@
-//! The sharded run of the demo: [`DemoConfig`] trained ZeRO-3 style over a [`LocalWorld`],
-//! through [`Coordinator`]s, with any sharding strategy.
+//! The sharded run of the demo: [`DemoConfig`] trained ZeRO-3 style over a [`LocalWorld`]
+//! ([`sharded_run`]) or, with feature `cuda`, over one GPU per rank (`sharded_run_cuda`, a
+//! `CudaWorld`), through [`Coordinator`]s, with any sharding strategy. The per-rank loop is the
+//! same code on any [`Backend`].
 //!
 //! Per rank and step: the trainability mask of the step is applied with
 //! [`Coordinator::refresh_trainable`] when it changed; every micro-batch but the last runs
@@ -19,8 +21,8 @@ use collsched_schedule::{Plan, PolicyKind, SchedulerConfig};
 
 use super::model::Mlp;
 use super::{DemoConfig, RunRecord, StepRecord};
-use crate::backend::local::{LocalConfig, LocalRank, LocalWorld};
-use crate::backend::BackendError;
+use crate::backend::local::{LocalConfig, LocalWorld};
+use crate::backend::{Backend, BackendError};
 use crate::runtime::{Coordinator, ModelState, RuntimeError, StepStats};
 
 /// Default of [`ShardedOptions::bucket_bytes`]: 4 KiB, small so the demo model spreads over
@@ -112,6 +114,11 @@ pub enum DemoError {
     /// A rank failed.
     #[error("{0}")]
     Runtime(#[from] RuntimeError),
+    /// The CUDA world could not be made or a rank's CUDA backend could not be built (no CUDA
+    /// driver, no NCCL, fewer GPUs than ranks, ...).
+    #[cfg(feature = "cuda")]
+    #[error("CUDA backend: {0}")]
+    Cuda(#[from] crate::backend::cuda::CudaError),
     /// A rank thread panicked.
     #[error("rank {rank} panicked: {what}")]
     Panicked {
@@ -161,6 +168,56 @@ pub fn sharded_run(cfg: &DemoConfig, opts: &ShardedOptions) -> Result<ShardedRun
         LocalWorld::with_config(cfg.world, LocalConfig { timeout: opts.timeout, ..LocalConfig::default() })?;
     let init = cfg.model.init(cfg.seed);
     let outcomes = world.run(|rank| run_rank(cfg, opts, &plan, &init, rank))?;
+    combine(cfg, outcomes, buckets)
+}
+
+/// Runs the demo sharded over `cfg.world` GPUs of this process (device `r` for rank `r`, one
+/// thread per GPU, one NCCL world; hybrid sharding's shard and replica groups are declared to
+/// the backends from the plan). Same steps and result as [`sharded_run`]; the reductions go
+/// through NCCL, whose summation order may differ from the local backend's for more than two
+/// ranks.
+///
+/// # Errors
+/// [`DemoError::Cuda`] when there is no CUDA driver (`no CUDA driver found: ...`), no NCCL,
+/// fewer devices than `cfg.world`, or a rank's backend cannot be built; otherwise as
+/// [`sharded_run`].
+#[cfg(feature = "cuda")]
+pub fn sharded_run_cuda(cfg: &DemoConfig, opts: &ShardedOptions) -> Result<ShardedRun, DemoError> {
+    use crate::backend::cuda::CudaWorld;
+    let plan = plan(cfg, opts)?;
+    let buckets = (plan.layout().gather_buckets().len(), plan.layout().grad_buckets().len());
+    let world = CudaWorld::new(cfg.world)?.with_groups(extra_groups(&plan)?).with_timeout(opts.timeout);
+    let init = cfg.model.init(cfg.seed);
+    let outcomes = world.run(|backend| run_rank(cfg, opts, &plan, &init, backend))?;
+    combine(cfg, outcomes, buckets)
+}
+
+/// The rank groups other than the world that the plan's collectives use (hybrid sharding's
+/// shard and replica groups), each once, in plan order (the same list on every rank).
+#[cfg(feature = "cuda")]
+fn extra_groups(plan: &Plan) -> Result<Vec<crate::backend::RankGroup>, DemoError> {
+    use crate::backend::RankGroup;
+    let world = RankGroup::world(plan.layout().world() as usize);
+    let mut out: Vec<RankGroup> = Vec::new();
+    for op in plan.ops() {
+        let groups = op.groups();
+        for g in 0..groups.count() {
+            let group = RankGroup::new(groups.ranks(g).map(|r| r as usize).collect::<Vec<_>>())?;
+            if group != world && !out.contains(&group) {
+                out.push(group);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The ranks' outcomes (in rank order) combined into the run's record: the first failing
+/// rank's error, else losses summed in the reference's order and rank 0's parameters and cost.
+fn combine(
+    cfg: &DemoConfig,
+    outcomes: Vec<std::thread::Result<Result<RankOutcome, RuntimeError>>>,
+    buckets: (usize, usize),
+) -> Result<ShardedRun, DemoError> {
     let mut per_rank = Vec::with_capacity(cfg.world);
     for (r, o) in outcomes.into_iter().enumerate() {
         match o {
@@ -204,8 +261,8 @@ fn layer_ids(l: usize) -> [ParamId; 2] {
 
 /// One micro-batch on one rank: forward and backward through the coordinator. Returns the
 /// loss.
-fn micro_step(
-    c: &mut Coordinator<LocalRank>,
+fn micro_step<B: Backend>(
+    c: &mut Coordinator<B>,
     model: &Mlp,
     mask: &[bool],
     x: &[f32],
@@ -244,7 +301,7 @@ fn micro_step(
     Ok(loss)
 }
 
-fn eval_pass(c: &mut Coordinator<LocalRank>, cfg: &DemoConfig) -> Result<f32, RuntimeError> {
+fn eval_pass<B: Backend>(c: &mut Coordinator<B>, cfg: &DemoConfig) -> Result<f32, RuntimeError> {
     let model = &cfg.model;
     let (x, y) = model.batch(cfg.seed, u64::MAX, u64::MAX, 4 * cfg.batch);
     let mut h = x;
@@ -260,18 +317,16 @@ fn eval_pass(c: &mut Coordinator<LocalRank>, cfg: &DemoConfig) -> Result<f32, Ru
     Ok(Mlp::mse(&h, &y).0)
 }
 
-fn run_rank(
+/// One rank's whole run on its backend (a local world's rank or one GPU).
+fn run_rank<B: Backend>(
     cfg: &DemoConfig,
     opts: &ShardedOptions,
     plan: &Plan,
     init: &[Vec<f32>],
-    rank: LocalRank,
+    backend: B,
 ) -> Result<RankOutcome, RuntimeError> {
-    let r = {
-        use crate::backend::Backend;
-        rank.rank()
-    };
-    let state = ModelState::from_f32(Arc::new(rank), plan, init)?;
+    let r = backend.rank();
+    let state = ModelState::from_f32(Arc::new(backend), plan, init)?;
     let config = SchedulerConfig { policy: opts.policy, ..SchedulerConfig::default() };
     let mut train = state.coordinator(config.clone())?;
     let mut eval = state.coordinator(config)?;
