@@ -2,13 +2,17 @@
 //! bucket each), trace-replay prefetch; the engine fetches and releases a module's
 //! parameters together, as FSDP-style engines do. Targets: fetch + release under 1 µs per parameter; a whole training step
 //! (forward fetch/release, backward fetch/grad/release, end_step) well under 1 ms.
+//! `train_step_1000_params_with_completions` also reports every launch complete right after
+//! the event that launched it (as the simulator does), which puts `OpDone` on the hot path.
 //!
 //! Run: `cargo bench -p collsched-schedule --bench scheduler`.
 
 use std::hint::black_box;
 
 use collsched_schedule::buckets::{DType, LayoutBuilder, ParamId, ParamSet, ParamSpec, Sharding};
-use collsched_schedule::{Action, Event, InflightRegistry, Plan, ScheduleInput, Scheduler, SchedulerConfig};
+use collsched_schedule::{
+    Action, Event, InflightRegistry, LaunchId, Plan, ScheduleInput, Scheduler, SchedulerConfig,
+};
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 
 const PARAMS: u32 = 1000;
@@ -54,6 +58,51 @@ impl Rig {
         }
     }
 
+    /// Feeds `OpDone` for every launch pushed since `from` (completions arriving right after
+    /// their launch, as with a fast network), into `done` (reused).
+    fn complete_since(&mut self, from: usize, done: &mut Vec<LaunchId>) {
+        done.clear();
+        done.extend(self.out[from..].iter().filter_map(|a| match a {
+            Action::Launch(l) => Some(l.id),
+            _ => None,
+        }));
+        for &id in done.iter() {
+            self.s.handle(&mut self.reg, Event::OpDone(id), &mut self.out).unwrap();
+        }
+    }
+
+    /// A training step whose every launch is reported complete right after the event that
+    /// launched it (what the simulator does), so `OpDone` is on the hot path.
+    fn step_with_completions(&mut self, done: &mut Vec<LaunchId>) {
+        let mut ps = [ParamId(0); MODULE as usize];
+        for backward in [false, true] {
+            for k in 0..PARAMS / MODULE {
+                let m = if backward { PARAMS / MODULE - 1 - k } else { k };
+                module(m, &mut ps);
+                let from = self.out.len();
+                self.s.handle(&mut self.reg, Event::Fetch(&ps), &mut self.out).unwrap();
+                self.complete_since(from, done);
+                if backward {
+                    for &p in &ps {
+                        let from = self.out.len();
+                        self.s
+                            .handle(&mut self.reg, Event::GradReady { param: p, after: None }, &mut self.out)
+                            .unwrap();
+                        self.complete_since(from, done);
+                    }
+                }
+                let from = self.out.len();
+                self.s
+                    .handle(&mut self.reg, Event::Release { params: &ps, after: None }, &mut self.out)
+                    .unwrap();
+                self.complete_since(from, done);
+            }
+        }
+        self.s.handle(&mut self.reg, Event::EndStep, &mut self.out).unwrap();
+        black_box(self.out.len());
+        self.out.clear();
+    }
+
     fn step(&mut self) {
         self.forward();
         let mut ps = [ParamId(0); MODULE as usize];
@@ -89,6 +138,11 @@ fn bench(c: &mut Criterion) {
     let mut r = Rig::new();
     g.throughput(Throughput::Elements(1));
     g.bench_function("train_step_1000_params", |b| b.iter(|| r.step()));
+    let mut r = Rig::new();
+    let mut done = Vec::with_capacity(256);
+    g.bench_function("train_step_1000_params_with_completions", |b| {
+        b.iter(|| r.step_with_completions(&mut done))
+    });
     g.finish();
 }
 

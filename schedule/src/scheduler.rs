@@ -7,7 +7,8 @@
 //! hangs; completions arrive at different times on different ranks. So:
 //! - the budgets count deterministic state only: bytes and gathers *launched and not yet
 //!   fetched* (`prefetch_bytes`, `max_inflight`) and bytes *gathered and not yet released*
-//!   (`max_live_bytes`);
+//!   (`max_live_bytes`); the first bucket ahead is admitted whatever its size, further ones
+//!   within `prefetch_bytes` (see [`SchedulerConfig::prefetch_bytes`]);
 //! - [`Event::OpDone`] only moves a bucket from in flight to available; it changes whether a
 //!   fetch needs a [`Action::Wait`], never what is launched or freed.
 //!
@@ -93,6 +94,8 @@ pub use prefetch::{Explicit, NoPrefetch, Offer, PrefetchPolicy, TraceReplay};
 pub use registry::{InflightRegistry, ParamState};
 pub use report::{StepCounters, StepReport};
 
+use std::collections::VecDeque;
+
 use crate::buckets::{BucketId, ParamId, ParamSet};
 use crate::plan::Plan;
 use registry::{add_consumer, Gathered};
@@ -109,7 +112,10 @@ struct Tables {
     gather: Vec<BucketInput>,
     grad: Vec<BucketInput>,
     grad_reduce: Vec<ReduceSpec>,
+    /// Gather bucket position by `BucketId` index.
     bucket_index: Vec<u32>,
+    /// Gradient bucket position by `BucketId` index.
+    grad_bucket_index: Vec<u32>,
     digests: PlanDigests,
 }
 
@@ -135,6 +141,7 @@ impl Tables {
             grad: Vec::new(),
             grad_reduce: Vec::new(),
             bucket_index,
+            grad_bucket_index: Vec::new(),
             digests: input.digests.clone(),
         };
         t.set_grad(input, config);
@@ -145,7 +152,10 @@ impl Tables {
         self.params = input.params.clone();
         self.digests = input.digests.clone();
         self.param_grad = vec![NONE; input.params.len()];
+        let max_id = input.grad.iter().map(|b| b.id.index() + 1).max().unwrap_or(0);
+        self.grad_bucket_index = vec![NONE; max_id];
         for (j, b) in input.grad.iter().enumerate() {
+            self.grad_bucket_index[b.id.index()] = j as u32;
             for p in &b.params {
                 self.param_grad[p.index()] = j as u32;
             }
@@ -177,6 +187,13 @@ impl Tables {
             _ => None,
         }
     }
+
+    fn grad_index(&self, b: BucketId) -> Option<usize> {
+        match self.grad_bucket_index.get(b.index()) {
+            Some(&j) if j != NONE => Some(j as usize),
+            _ => None,
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -198,11 +215,17 @@ struct Core {
     // per gather bucket
     my_bucket_users: Vec<u32>,
     waited: Vec<Option<LaunchId>>,
-    pending: Vec<u32>,
+    /// This scheduler's unused prefetches, oldest first (fetches usually hit the front;
+    /// evictions take the back).
+    pending: VecDeque<u32>,
     // per gradient bucket
     grad_arrived: Vec<u32>,
     grad_buffer: Vec<Option<BufferId>>,
     grad_launched: Vec<bool>,
+    /// Position in `reduces` of the gradient bucket's reduce this step (checked against the
+    /// id, so stale entries of earlier steps are harmless): makes `OpDone` O(1).
+    reduce_slot: Vec<u32>,
+    /// The step's reduce launches in launch order, with their completion.
     reduces: Vec<(LaunchId, bool)>,
     grads_this_step: usize,
     no_sync: bool,
@@ -287,10 +310,11 @@ impl Scheduler {
                 mask_pending: false,
                 my_bucket_users: vec![0; n_gather],
                 waited: vec![None; n_gather],
-                pending: Vec::with_capacity(n_gather),
+                pending: VecDeque::with_capacity(n_gather),
                 grad_arrived: vec![0; n_grad],
                 grad_buffer: vec![None; n_grad],
                 grad_launched: vec![false; n_grad],
+                reduce_slot: vec![NONE; n_grad],
                 reduces: Vec::with_capacity(n_grad),
                 grads_this_step: 0,
                 no_sync: false,
@@ -543,7 +567,8 @@ impl Scheduler {
                 }
             }
             Role::Reduce => {
-                if let Some(r) = c.reduces.iter_mut().find(|r| r.0 == id) {
+                let slot = c.t.grad_index(id.bucket).and_then(|j| c.reduce_slot.get(j)).copied();
+                if let Some(r) = slot.and_then(|k| c.reduces.get_mut(k as usize)).filter(|r| r.0 == id) {
                     r.1 = true;
                 }
             }
@@ -761,6 +786,7 @@ impl Scheduler {
         c.grad_arrived = vec![0; n_grad];
         c.grad_buffer = vec![None; n_grad];
         c.grad_launched = vec![false; n_grad];
+        c.reduce_slot = vec![NONE; n_grad];
         c.reduces = Vec::with_capacity(n_grad);
         let max_id = input.gather.iter().chain(&input.grad).map(|b| b.id.index() + 1).max().unwrap_or(0);
         c.t.bucket_index.resize(max_id.max(c.t.bucket_index.len()), NONE);
@@ -980,7 +1006,7 @@ impl Core {
     fn make_room(&mut self, reg: &mut InflightRegistry, g: usize, out: &mut Vec<Action>) {
         let need = reg.slots[g].bytes;
         while reg.live_bytes.saturating_add(need) > self.config.max_live_bytes {
-            let Some(v) = self.pending.pop() else { break };
+            let Some(v) = self.pending.pop_back() else { break };
             let v = v as usize;
             if reg.slots[v].gathered.as_ref().is_some_and(|s| s.prefetched_by == Some(self.owner)) {
                 self.free_slot(reg, v, out);
@@ -1031,7 +1057,7 @@ impl Core {
                 a.bytes += b.gathered_bytes;
                 a.count += 1;
             }
-            self.pending.push(g as u32);
+            self.pending.push_back(g as u32);
             self.counters.prefetch_launches += 1;
         }
     }
@@ -1045,8 +1071,12 @@ impl Core {
         let bytes = reg.slots[g].bytes;
         let a = reg.ahead(self.owner);
         let cfg = &self.config;
+        // The first bucket ahead is admitted whatever its size (a bucket larger than
+        // `prefetch_bytes` would otherwise never be prefetched); beyond it, `prefetch_bytes`
+        // bounds the bytes ahead. `max_inflight` and `max_live_bytes` always hold.
+        let over_bytes = a.count > 0 && a.bytes.saturating_add(bytes) > cfg.prefetch_bytes;
         if a.count + 1 > cfg.max_inflight
-            || a.bytes.saturating_add(bytes) > cfg.prefetch_bytes
+            || over_bytes
             || reg.live_bytes.saturating_add(bytes) > cfg.max_live_bytes
         {
             return Offer::Stop;
@@ -1108,6 +1138,7 @@ impl Core {
         after.push(Fence::Op(id));
         out.push(Action::Free { buffer, after });
         self.grad_launched[j] = true;
+        self.reduce_slot[j] = self.reduces.len() as u32;
         self.reduces.push((id, false));
         self.counters.reduce_scatters += 1;
         self.counters.ops_issued += b.ops.len() as u64;

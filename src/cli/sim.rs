@@ -10,6 +10,7 @@ use std::process::ExitCode;
 use crate::sim::engine::{peak_tflops, simulate, Lane, Policy, SimConfig, SimReport, DEFAULT_STEPS};
 use crate::sim::timeline::{write_chrome_trace, write_svg};
 use crate::sim::workload::Workload;
+use collsched_schedule::scheduler::{DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_LIVE_BYTES, DEFAULT_PREFETCH_BYTES};
 use collsched_topo::Topology;
 
 use super::CliError;
@@ -37,13 +38,13 @@ pub struct Args {
     #[arg(long, default_value_t = 64.0, value_name = "X")]
     pub bucket_mb: f64,
     /// Prefetch budget in MiB (gathered bytes launched ahead of their fetch).
-    #[arg(long, default_value_t = 256.0, value_name = "Y")]
+    #[arg(long, default_value_t = (DEFAULT_PREFETCH_BYTES >> 20) as f64, value_name = "Y")]
     pub prefetch_mb: f64,
     /// Bound on gathers launched ahead and not yet fetched.
-    #[arg(long, default_value_t = 4, value_name = "K")]
+    #[arg(long, default_value_t = DEFAULT_MAX_INFLIGHT, value_name = "K")]
     pub max_inflight: usize,
     /// Bound on gathered parameter memory per rank in MiB.
-    #[arg(long, default_value_t = 4096.0, value_name = "MB")]
+    #[arg(long, default_value_t = (DEFAULT_MAX_LIVE_BYTES >> 20) as f64, value_name = "MB")]
     pub max_live_mb: f64,
     /// Steps to simulate; with more than one, step 1 (which records the prefetch trace) is left
     /// out of the summary.

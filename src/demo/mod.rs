@@ -14,9 +14,9 @@
 pub mod model;
 pub mod sharded;
 
-pub use sharded::{max_differences, sharded_run, DemoError, ShardedOptions, ShardedRun, StepCost};
 #[cfg(feature = "cuda")]
 pub use sharded::sharded_run_cuda;
+pub use sharded::{max_differences, sharded_run, DemoError, ShardedOptions, ShardedRun, StepCost};
 
 use collsched_kernels::{reduce, ElemType, ReduceOp, Scaling};
 

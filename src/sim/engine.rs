@@ -185,9 +185,11 @@ pub struct SimConfig {
     /// `bucket_bytes`: the layout's bucket cap. Default 64 MiB (ignored by [`Policy::Naive`],
     /// which puts every parameter in its own bucket).
     pub bucket_bytes: usize,
-    /// `prefetch_bytes`: the scheduler's prefetch budget. Default 256 MiB.
+    /// `prefetch_bytes`: the scheduler's prefetch budget. Default the scheduler's
+    /// `DEFAULT_PREFETCH_BYTES` (256 MiB).
     pub prefetch_bytes: usize,
-    /// `max_inflight`: the scheduler's bound on gathers launched ahead. Default 4.
+    /// `max_inflight`: the scheduler's bound on gathers launched ahead. Default the scheduler's
+    /// `DEFAULT_MAX_INFLIGHT` (16).
     pub max_inflight: usize,
     /// `max_live_bytes`: the scheduler's bound on gathered memory. Default 4 GiB.
     pub max_live_bytes: usize,

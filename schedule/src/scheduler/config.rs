@@ -5,10 +5,16 @@ use crate::buckets::{BucketId, DType};
 use super::error::ScheduleError;
 use super::input::ScheduleInput;
 
-/// Default of [`SchedulerConfig::prefetch_bytes`]: 256 MiB launched ahead.
+/// Default of [`SchedulerConfig::prefetch_bytes`]: 256 MiB launched ahead (beyond the first
+/// bucket ahead, which is admitted whatever its size).
 pub const DEFAULT_PREFETCH_BYTES: usize = 256 << 20;
-/// Default of [`SchedulerConfig::max_inflight`]: 4 launched-but-unconsumed gathers.
-pub const DEFAULT_MAX_INFLIGHT: usize = 4;
+/// Default of [`SchedulerConfig::max_inflight`]: 16 launched-but-unconsumed gathers.
+///
+/// A transformer block is about 8 gather buckets in the simulator's workloads; 16 lets a whole block's buckets be launched ahead of its
+/// fetch (FSDP2 prefetches one module ahead) with room for the start of the next one. The
+/// count only bounds how many gathered buffers exist ahead of use; memory is bounded by
+/// `prefetch_bytes` and `max_live_bytes`, which stay the binding limits for large buckets.
+pub const DEFAULT_MAX_INFLIGHT: usize = 16;
 /// Default of [`SchedulerConfig::max_live_bytes`]: 4 GiB of gathered parameters.
 pub const DEFAULT_MAX_LIVE_BYTES: usize = 4 << 30;
 
@@ -48,12 +54,19 @@ pub struct GradReduce {
 pub struct SchedulerConfig {
     /// Prefetch policy to start with. Default [`PolicyKind::TraceReplay`].
     pub policy: PolicyKind,
-    /// `prefetch_bytes`: at most this many gathered bytes launched ahead of their fetch
-    /// (prefetched and not yet fetched) at any time. A bucket larger than this is never
-    /// prefetched. Default [`DEFAULT_PREFETCH_BYTES`] (256 MiB).
+    /// `prefetch_bytes`: bound on the gathered bytes launched ahead of their fetch
+    /// (prefetched by this scheduler and not yet fetched) **beyond the first bucket ahead**.
+    /// When nothing is launched ahead, the next bucket is admitted whatever its size (so a
+    /// bucket larger than this is still prefetched one ahead, like DeepSpeed's
+    /// check-before-add and FSDP2's one-module-ahead); once one is ahead, a further bucket is
+    /// admitted only if the bytes ahead stay within `prefetch_bytes`. Hence: with two or more
+    /// buckets ahead, their bytes are at most `prefetch_bytes`; with one, it may be larger.
+    /// `max_inflight` and `max_live_bytes` bound every prefetch, the first included. 0 means
+    /// at most one bucket ahead. Default [`DEFAULT_PREFETCH_BYTES`] (256 MiB).
     pub prefetch_bytes: usize,
-    /// `max_inflight`: at most this many gathers launched ahead and not yet fetched. Default
-    /// [`DEFAULT_MAX_INFLIGHT`] (4). 0 disables prefetch.
+    /// `max_inflight`: at most this many gathers launched ahead and not yet fetched (this
+    /// scheduler's). Default [`DEFAULT_MAX_INFLIGHT`] (16: one transformer block's buckets,
+    /// see the constant). 0 disables prefetch.
     pub max_inflight: usize,
     /// `max_live_bytes`: bound on the gathered parameter memory of the registry (all
     /// schedulers sharing it). A prefetch never exceeds it; a fetch that would, first evicts

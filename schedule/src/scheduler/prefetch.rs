@@ -4,7 +4,10 @@
 //! A policy only *proposes*: after each fetch (and after each release that freed memory) the
 //! scheduler asks it for candidates, best first, and launches each one that is not gathered
 //! yet while the budgets allow (`prefetch_bytes`, `max_inflight`, `max_live_bytes`), stopping
-//! at the first one that does not fit (so the order of the proposal is kept). The policy sees
+//! at the first one that does not fit (so the order of the proposal is kept). The first bucket
+//! ahead is always admitted by `prefetch_bytes` (a bucket larger than the budget is still
+//! prefetched one ahead); further ones must fit in it; `max_inflight` and `max_live_bytes`
+//! bound every prefetch. The policy sees
 //! only the sequence of fetched buckets, and the budgets count only launched-but-not-fetched
 //! and gathered-but-not-released state, so **what is launched is a function of the engine's
 //! event sequence alone**: every rank launches the same collectives in the same order whatever
