@@ -9,15 +9,9 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::sync::Arc;
 
-use collsched::backend::{
-    Backend, BackendBuffer, BackendError, BackendEvent, CollKind, Collective, InFlight, LaunchError, OnDrop,
-    Stream,
-};
 use collsched::buckets::{DType, LayoutBuilder, ParamId, ParamSet, ParamSpec, Sharding};
-use collsched::kernels::{reduce, ReduceOp};
 use collsched::runtime::ModelState;
 use collsched::schedule::{Plan, PolicyKind, SchedulerConfig};
 
@@ -53,109 +47,9 @@ unsafe impl GlobalAlloc for Counting {
 #[global_allocator]
 static GLOBAL: Counting = Counting;
 
-#[derive(Debug)]
-struct Buf(Vec<u8>);
-
-impl BackendBuffer for Buf {
-    fn len(&self) -> usize {
-        self.0.len()
-    }
-}
-
-#[derive(Clone, Debug)]
-struct Done;
-
-impl BackendEvent for Done {
-    fn query(&self) -> Result<bool, BackendError> {
-        Ok(true)
-    }
-    fn wait(&self, _: Duration) -> Result<(), BackendError> {
-        Ok(())
-    }
-}
-
-/// One rank, collectives run at launch, buffers pooled by exact capacity (like the local
-/// backend's size classes).
-struct Loopback {
-    pool: Arc<Mutex<Vec<Vec<u8>>>>,
-    on_drop: OnDrop<Loopback>,
-}
-
-impl Loopback {
-    fn new() -> Self {
-        let pool = Arc::new(Mutex::new(Vec::with_capacity(1024)));
-        let p = Arc::clone(&pool);
-        let on_drop: OnDrop<Loopback> = Arc::new(move |ops: Vec<Collective<Buf>>, _: &Done| {
-            let mut p = p.lock().unwrap();
-            for c in ops {
-                p.extend(c.input.map(|b| b.0));
-                p.push(c.output.0);
-            }
-        });
-        Loopback { pool, on_drop }
-    }
-}
-
-impl Backend for Loopback {
-    type Buffer = Buf;
-    type Event = Done;
-
-    fn rank(&self) -> usize {
-        0
-    }
-    fn world_size(&self) -> usize {
-        1
-    }
-    fn timeout(&self) -> Duration {
-        Duration::from_secs(5)
-    }
-    fn alloc(&self, bytes: usize) -> Result<Buf, BackendError> {
-        let mut p = self.pool.lock().unwrap();
-        let mut v = match p.iter().position(|v| v.capacity() == bytes) {
-            Some(i) => p.swap_remove(i),
-            None => Vec::with_capacity(bytes),
-        };
-        v.clear();
-        v.resize(bytes, 0);
-        Ok(Buf(v))
-    }
-    fn free(&self, buffer: Buf, _: Option<&Done>) {
-        self.pool.lock().unwrap().push(buffer.0);
-    }
-    fn write_from_host(&self, buffer: &mut Buf, offset: usize, src: &[u8]) -> Result<(), BackendError> {
-        buffer.0[offset..offset + src.len()].copy_from_slice(src);
-        Ok(())
-    }
-    fn read_to_host(&self, buffer: &Buf, offset: usize, dst: &mut [u8]) -> Result<(), BackendError> {
-        dst.copy_from_slice(&buffer.0[offset..offset + dst.len()]);
-        Ok(())
-    }
-    fn record(&self, _: Stream) -> Result<Done, BackendError> {
-        Ok(Done)
-    }
-    fn wait_event(&self, _: Stream, _: &Done) -> Result<(), BackendError> {
-        Ok(())
-    }
-    fn launch_group(
-        &self,
-        _: Stream,
-        _: &[Done],
-        mut ops: Vec<Collective<Buf>>,
-    ) -> Result<InFlight<Self>, LaunchError<Buf>> {
-        for c in &mut ops {
-            let d = &c.desc;
-            let n = d.count * d.elem.size();
-            let input = c.input.as_ref().map_or(&[][..], |b| &b.0[..n]);
-            match d.kind {
-                CollKind::ReduceScatter | CollKind::AllReduce => {
-                    reduce(d.elem, ReduceOp::Sum, d.scaling, &mut c.output.0[..n], &[input]).unwrap();
-                }
-                _ => c.output.0[..n].copy_from_slice(input),
-            }
-        }
-        Ok(InFlight::new(ops, Done, Arc::clone(&self.on_drop)))
-    }
-}
+#[path = "support/loopback.rs"]
+mod loopback;
+use loopback::Loopback;
 
 #[test]
 fn a_steady_state_step_allocates_nothing() {
