@@ -13,10 +13,7 @@ use hwlocality::object::types::{OSDeviceType, ObjectType};
 use hwlocality::object::TopologyObject;
 use hwlocality::topology::builder::TypeFilter;
 
-use crate::{
-    Gpu, LinkClass, Machine, Nic, NumaNode, PciAddress, TopoError, Topology, PCI_VENDOR_AMAZON,
-    PCI_VENDOR_NVIDIA,
-};
+use crate::{Gpu, LinkClass, Machine, Nic, NumaNode, PciAddress, TopoError, Topology, PCI_VENDOR_NVIDIA};
 
 /// Discovers this machine with hwloc: one node, links as [`crate::from_hwloc_xml`] chooses them.
 ///
@@ -99,19 +96,7 @@ pub fn discover() -> Result<Topology, TopoError> {
             Some(ObjectAttributes::PCIDevice(a)) => (a.class_id(), a.vendor_id()),
             _ => (0, 0),
         };
-        let has_of = devs.iter().any(|(_, of)| *of);
-        let netdevs: Vec<&str> = devs.iter().filter(|(_, of)| !*of).map(|(n, _)| n.as_str()).collect();
-        let class = if vendor == PCI_VENDOR_AMAZON {
-            LinkClass::Efa
-        } else if class_id == 0x0207
-            || (has_of && (netdevs.is_empty() || netdevs.iter().any(|n| n.starts_with("ib"))))
-        {
-            LinkClass::InfiniBand
-        } else if has_of {
-            LinkClass::Roce
-        } else {
-            LinkClass::Ethernet
-        };
+        let class = LinkClass::of_nic(class_id, vendor, &devs);
         nics.push(Nic {
             pci,
             class,

@@ -43,6 +43,28 @@ pub enum LinkClass {
 }
 
 impl LinkClass {
+    /// The class of a network adapter from what hwloc shows of it (XML or live discovery): its
+    /// PCI device's class id and vendor, and its OS devices as `(name, is_openfabrics)`. An
+    /// Amazon adapter is EFA; PCI class 0x0207 or an OpenFabrics device without an Ethernet
+    /// name (or beside an `ib*` one) is InfiniBand; an OpenFabrics device beside Ethernet names
+    /// is RoCE; anything else is Ethernet.
+    pub(crate) fn of_nic(class_id: u16, vendor: u16, devs: &[(String, bool)]) -> LinkClass {
+        let has_of = devs.iter().any(|(_, of)| *of);
+        let mut netdevs = devs.iter().filter(|(_, of)| !*of).map(|(n, _)| n.as_str()).peekable();
+        let no_netdev = netdevs.peek().is_none();
+        if vendor == PCI_VENDOR_AMAZON {
+            LinkClass::Efa
+        } else if class_id == 0x0207 || (has_of && (no_netdev || netdevs.any(|n| n.starts_with("ib")))) {
+            LinkClass::InfiniBand
+        } else if has_of {
+            LinkClass::Roce
+        } else {
+            LinkClass::Ethernet
+        }
+    }
+}
+
+impl LinkClass {
     /// Every class, in declaration order.
     pub const ALL: [LinkClass; 7] = [
         LinkClass::NvLink,

@@ -29,8 +29,7 @@ use std::path::Path;
 use roxmltree::{Document, Node, ParsingOptions};
 
 use crate::{
-    Gpu, Link, LinkClass, Machine, Nic, NumaNode, PciAddress, TopoError, Topology, PCI_VENDOR_AMAZON,
-    PCI_VENDOR_NVIDIA,
+    Gpu, Link, LinkClass, Machine, Nic, NumaNode, PciAddress, TopoError, Topology, PCI_VENDOR_NVIDIA,
 };
 
 /// Object types that are I/O or misc objects (not part of the CPU/memory tree).
@@ -203,19 +202,7 @@ fn parse(text: &str, origin: &str, name: &str) -> Result<Topology, TopoError> {
             }
             None => (0, 0),
         };
-        let has_of = devs.iter().any(|(_, of)| *of);
-        let netdevs: Vec<&str> = devs.iter().filter(|(_, of)| !*of).map(|(n, _)| n.as_str()).collect();
-        let class = if vendor == PCI_VENDOR_AMAZON {
-            LinkClass::Efa
-        } else if class_id == 0x0207
-            || (has_of && (netdevs.is_empty() || netdevs.iter().any(|n| n.starts_with("ib"))))
-        {
-            LinkClass::InfiniBand
-        } else if has_of {
-            LinkClass::Roce
-        } else {
-            LinkClass::Ethernet
-        };
+        let class = LinkClass::of_nic(class_id, vendor, &devs);
         let (pci, numa) = match parent {
             Some(p) => (pci_address(&cx, p)?, numa_of(&cx, p)?),
             None => (None, None),
