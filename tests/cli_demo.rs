@@ -41,3 +41,25 @@ fn demo_rejects_bad_settings() {
     let (ok, _) = demo(&["--ranks", "0"]);
     assert!(!ok, "0 ranks must fail");
 }
+
+/// `--backend cuda` on a machine without a GPU (or a build without the `cuda` feature) is one
+/// clear error line and a failing exit status, never a panic. With `COLLSCHED_GPU=1` on a GPU
+/// machine the cuda run is the parity run itself (tests/gpu_demo.rs), so this checks only
+/// the no-GPU path.
+#[test]
+fn demo_cuda_backend_without_gpu_is_a_clear_error() {
+    if std::env::var_os("COLLSCHED_GPU").is_some_and(|v| v == "1") {
+        eprintln!("skipped: COLLSCHED_GPU=1 (a GPU may be present; tests/gpu_demo.rs covers it)");
+        return;
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_collsched"))
+        .args(["demo", "--backend", "cuda", "--ranks", "2", "--steps", "1"])
+        .output()
+        .expect("run collsched");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "demo --backend cuda must fail here:\n{stderr}");
+    assert!(!stderr.contains("panicked"), "a panic instead of an error:\n{stderr}");
+    let expected =
+        if cfg!(feature = "cuda") { "no CUDA driver found" } else { "built without the `cuda` feature" };
+    assert!(stderr.contains(expected), "expected `{expected}` in:\n{stderr}");
+}
