@@ -429,6 +429,16 @@ unsafe impl Send for KernelModule {}
 // SAFETY: as above; launches only read the handles.
 unsafe impl Sync for KernelModule {}
 
+/// `launch!(self, "name", function, grid, stream, [a, b, ..])`: copies each argument into a
+/// local and launches `function` with pointers to them, in order (the kernel's signature).
+macro_rules! launch {
+    ($self:ident, $name:literal, $f:expr, $grid:expr, $stream:expr, [$($arg:ident),+]) => {{
+        $(let mut $arg = $arg;)+
+        let mut params = [$((&raw mut $arg).cast::<c_void>()),+];
+        $self.launch($name, $f, $grid, $stream, &mut params)
+    }};
+}
+
 impl KernelModule {
     /// Compiles (once per process, see [`compiled`]) and loads every kernel for a device of
     /// compute capability `arch` (e.g. 80) into the context current on this thread.
@@ -509,6 +519,8 @@ impl KernelModule {
         self.arch
     }
 
+    /// Launches `f` with `params` (pointers to the argument values, as `cuLaunchKernel`
+    /// takes them); use the `launch!` macro, which builds them from the arguments.
     fn launch(
         &self,
         api_kernel: &'static str,
@@ -547,9 +559,14 @@ impl KernelModule {
         if count == 0 {
             return Ok(());
         }
-        let (mut t, mut c, mut p) = (table, count, packed);
-        let mut params = [(&raw mut t).cast(), (&raw mut c).cast(), (&raw mut p).cast()];
-        self.launch("collsched_copy_in", self.copy_in, grid_for(count as u64, 1), stream, &mut params)
+        launch!(
+            self,
+            "collsched_copy_in",
+            self.copy_in,
+            grid_for(count as u64, 1),
+            stream,
+            [table, count, packed]
+        )
     }
 
     /// Copy-out: the reverse of [`KernelModule::copy_in`].
@@ -569,9 +586,14 @@ impl KernelModule {
         if count == 0 {
             return Ok(());
         }
-        let (mut t, mut c, mut p) = (table, count, packed);
-        let mut params = [(&raw mut t).cast(), (&raw mut c).cast(), (&raw mut p).cast()];
-        self.launch("collsched_copy_out", self.copy_out, grid_for(count as u64, 1), stream, &mut params)
+        launch!(
+            self,
+            "collsched_copy_out",
+            self.copy_out,
+            grid_for(count as u64, 1),
+            stream,
+            [table, count, packed]
+        )
     }
 
     /// Reduce: `out[i] = (sum_k inputs[k][i] / pre_divide) / post` over `n` elements of `ty`,
@@ -600,17 +622,14 @@ impl KernelModule {
         if n == 0 {
             return Ok(());
         }
-        let (mut o, mut i, mut c, mut nn, mut pre, mut po) = (out, inputs, count, n, pre_divide, post);
-        let mut params = [
-            (&raw mut o).cast(),
-            (&raw mut i).cast(),
-            (&raw mut c).cast(),
-            (&raw mut nn).cast(),
-            (&raw mut pre).cast(),
-            (&raw mut po).cast(),
-        ];
-        let f = self.reduce[type_index(ty)];
-        self.launch("collsched_reduce", f, grid_for(n, BLOCK_THREADS as u64), stream, &mut params)
+        launch!(
+            self,
+            "collsched_reduce",
+            self.reduce[type_index(ty)],
+            grid_for(n, BLOCK_THREADS as u64),
+            stream,
+            [out, inputs, count, n, pre_divide, post]
+        )
     }
 
     /// Accumulate: `acc[i] += src[i]` over `n` elements of `ty`, in `f32`, rounded once.
@@ -632,10 +651,14 @@ impl KernelModule {
         if n == 0 {
             return Ok(());
         }
-        let (mut a, mut s, mut nn) = (acc, src, n);
-        let mut params = [(&raw mut a).cast(), (&raw mut s).cast(), (&raw mut nn).cast()];
-        let f = self.accumulate[type_index(ty)];
-        self.launch("collsched_accumulate", f, grid_for(n, BLOCK_THREADS as u64), stream, &mut params)
+        launch!(
+            self,
+            "collsched_accumulate",
+            self.accumulate[type_index(ty)],
+            grid_for(n, BLOCK_THREADS as u64),
+            stream,
+            [acc, src, n]
+        )
     }
 
     /// Divide in place: `data[i] = data[i] / divisor` over `n` elements of `ty` (in `f32`,
@@ -657,10 +680,14 @@ impl KernelModule {
         if n == 0 {
             return Ok(());
         }
-        let (mut d, mut nn, mut div) = (data, n, divisor);
-        let mut params = [(&raw mut d).cast(), (&raw mut nn).cast(), (&raw mut div).cast()];
-        let f = self.divide[type_index(ty)];
-        self.launch("collsched_divide", f, grid_for(n, BLOCK_THREADS as u64), stream, &mut params)
+        launch!(
+            self,
+            "collsched_divide",
+            self.divide[type_index(ty)],
+            grid_for(n, BLOCK_THREADS as u64),
+            stream,
+            [data, n, divisor]
+        )
     }
 
     /// Cast: `dst[i] = to(from(src[i]))` over `n` elements, rounding to nearest even.
@@ -683,10 +710,14 @@ impl KernelModule {
         if n == 0 {
             return Ok(());
         }
-        let (mut s, mut d, mut nn) = (src, dst, n);
-        let mut params = [(&raw mut s).cast(), (&raw mut d).cast(), (&raw mut nn).cast()];
-        let f = self.cast[type_index(from)][type_index(to)];
-        self.launch("collsched_cast", f, grid_for(n, BLOCK_THREADS as u64), stream, &mut params)
+        launch!(
+            self,
+            "collsched_cast",
+            self.cast[type_index(from)][type_index(to)],
+            grid_for(n, BLOCK_THREADS as u64),
+            stream,
+            [src, dst, n]
+        )
     }
 }
 

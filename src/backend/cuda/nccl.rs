@@ -195,6 +195,17 @@ nccl_api! {
     broadcast = "ncclBroadcast": fn(*const c_void, *mut c_void, usize, nsys::ncclDataType_t, c_int, nsys::ncclComm_t, Stream) -> RawResult;
 }
 
+/// The C signature NCCL's `ncclReduceScatter` and `ncclAllReduce` share.
+type ReducingFn = unsafe extern "C" fn(
+    *const c_void,
+    *mut c_void,
+    usize,
+    nsys::ncclDataType_t,
+    nsys::ncclRedOp_t,
+    nsys::ncclComm_t,
+    Stream,
+) -> RawResult;
+
 /// Loads NCCL (once per process) and resolves its functions.
 pub(crate) fn api() -> Result<&'static NcclApi, NcclError> {
     static API: OnceLock<NcclApi> = OnceLock::new();
@@ -553,21 +564,11 @@ impl Communicator {
         op: NcclOp,
         stream: cusys::CUstream,
     ) -> Result<(), NcclError> {
-        self.check_count(site, "reduce_scatter", count, ty.size())?;
         let a = api()?;
         // SAFETY: guaranteed by the caller.
-        let code = unsafe {
-            (a.reduce_scatter)(
-                send as *const c_void,
-                recv as *mut c_void,
-                count,
-                nccl_type(ty),
-                op.raw(),
-                self.comm,
-                stream_of(stream),
-            )
-        };
-        a.check(site, "ncclReduceScatter", code, self.comm)
+        unsafe {
+            self.reducing(site, a, a.reduce_scatter, "ncclReduceScatter", send, recv, count, ty, op, stream)
+        }
     }
 
     /// `ncclAllReduce` of `count` elements (in place when `send == recv`).
@@ -589,11 +590,35 @@ impl Communicator {
         op: NcclOp,
         stream: cusys::CUstream,
     ) -> Result<(), NcclError> {
-        self.check_count(site, "all_reduce", count, ty.size())?;
         let a = api()?;
         // SAFETY: guaranteed by the caller.
+        unsafe { self.reducing(site, a, a.all_reduce, "ncclAllReduce", send, recv, count, ty, op, stream) }
+    }
+
+    /// The shared body of [`Communicator::reduce_scatter`] and [`Communicator::all_reduce`]
+    /// (NCCL gives both the same C signature): checks the count, calls `f`, checks its result.
+    ///
+    /// # Safety
+    /// As the public function `name` names.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn reducing(
+        &self,
+        site: CallSite,
+        a: &NcclApi,
+        f: ReducingFn,
+        name: &'static str,
+        send: u64,
+        recv: u64,
+        count: usize,
+        ty: ElemType,
+        op: NcclOp,
+        stream: cusys::CUstream,
+    ) -> Result<(), NcclError> {
+        let what = if name == "ncclAllReduce" { "all_reduce" } else { "reduce_scatter" };
+        self.check_count(site, what, count, ty.size())?;
+        // SAFETY: guaranteed by the caller of the public function.
         let code = unsafe {
-            (a.all_reduce)(
+            f(
                 send as *const c_void,
                 recv as *mut c_void,
                 count,
@@ -603,7 +628,7 @@ impl Communicator {
                 stream_of(stream),
             )
         };
-        a.check(site, "ncclAllReduce", code, self.comm)
+        a.check(site, name, code, self.comm)
     }
 
     /// `ncclBroadcast` of `bytes` bytes from `root` (as `ncclUint8`, so any element type).
