@@ -10,7 +10,7 @@ use std::ffi::c_void;
 use std::sync::mpsc;
 use std::time::Duration;
 
-use collsched::backend::cuda::{device_count, CudaBackend, CudaBuffer, CudaConfig, UniqueId};
+use collsched::backend::cuda::{CudaBackend, CudaBuffer, CudaConfig, UniqueId};
 use collsched::backend::{Backend, BackendEvent, CollDesc, Collective, RankGroup, Stream};
 use collsched_kernels::{
     accumulate, cast, copy_in, copy_out, reduce, CopySegment, ElemType, ReduceOp, Scaling,
@@ -19,23 +19,12 @@ use half::{bf16, f16};
 
 const WAIT: Duration = Duration::from_secs(60);
 
-/// Number of GPUs to use, or `None` (and a printed reason) when the GPU tests must skip.
+#[path = "support/gpu.rs"]
+mod gpu;
+
+/// Number of GPUs to use (at most 4), or `None` (and a printed reason) when the GPU tests must skip.
 fn gpus(test: &str) -> Option<usize> {
-    if std::env::var("COLLSCHED_GPU").as_deref() != Ok("1") {
-        println!("{test}: skipped: COLLSCHED_GPU=1 is not set (GPU tests not run)");
-        return None;
-    }
-    match device_count() {
-        Ok(0) => {
-            println!("{test}: skipped: COLLSCHED_GPU=1 but the driver sees no CUDA device");
-            None
-        }
-        Ok(n) => Some(n.min(4)),
-        Err(e) => {
-            println!("{test}: skipped: COLLSCHED_GPU=1 but {e}");
-            None
-        }
-    }
+    gpu::gpus(test, 4)
 }
 
 /// A one-rank backend on device 0 (NCCL world of one).

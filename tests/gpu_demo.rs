@@ -36,23 +36,12 @@ const REORDERED_SUM_TOLERANCE: f32 = 1e-5;
 /// Largest world tried.
 const MAX_GPUS: usize = 8;
 
-/// Number of GPUs to use, or `None` (and a printed reason) when the GPU tests must skip.
+#[path = "support/gpu.rs"]
+mod gpu;
+
+/// Number of GPUs to use (at most MAX_GPUS), or `None` (and a printed reason) when the GPU tests must skip.
 fn gpus(test: &str) -> Option<usize> {
-    if std::env::var("COLLSCHED_GPU").as_deref() != Ok("1") {
-        println!("{test}: skipped: COLLSCHED_GPU=1 is not set (GPU tests not run)");
-        return None;
-    }
-    match device_count() {
-        Ok(0) => {
-            println!("{test}: skipped: COLLSCHED_GPU=1 but the driver sees no CUDA device");
-            None
-        }
-        Ok(n) => Some(n.min(MAX_GPUS)),
-        Err(e) => {
-            println!("{test}: skipped: COLLSCHED_GPU=1 but {e}");
-            None
-        }
-    }
+    gpu::gpus(test, MAX_GPUS)
 }
 
 /// The small model of `tests/demo_parity.rs`: odd widths, 3 steps of 2 micro-batches, layer
