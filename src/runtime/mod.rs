@@ -38,7 +38,7 @@ pub use coordinator::{Coordinator, NoSync, ShardUpdate, StepStats, Views};
 pub use driver::DriverCounters;
 pub use state::ModelState;
 
-use collsched_buckets::BucketId;
+use collsched_buckets::{BucketId, DType};
 use collsched_schedule::ScheduleError;
 
 use crate::backend::BackendError;
@@ -81,6 +81,28 @@ pub enum RuntimeError {
         /// The rank.
         rank: usize,
         /// What is wrong and what to do.
+        what: String,
+    },
+    /// A gradient bucket's reduction dtype (`GradReduce::dtype`) cannot be used with its
+    /// gradients' dtype.
+    #[error(
+        "rank {rank}: gradient bucket {bucket}{}: holds {dtype} gradients, reduction dtype {reduce} \
+         refused: {what}",
+        gather_bucket.map_or(String::new(), |g| format!(" (of gather bucket {g}, the key of reduce_per_bucket)"))
+    )]
+    ReduceDtype {
+        /// The rank.
+        rank: usize,
+        /// The gradient bucket.
+        bucket: BucketId,
+        /// The gather bucket it belongs to (the key of `SchedulerConfig::reduce_per_bucket`),
+        /// if one.
+        gather_bucket: Option<BucketId>,
+        /// The bucket's (parameters' and gradients') dtype.
+        dtype: DType,
+        /// The reduction dtype asked for.
+        reduce: DType,
+        /// Why, and what to do.
         what: String,
     },
     /// Something this driver does not support yet.
