@@ -93,7 +93,7 @@ fn a_refused_chain_gives_the_first_launch_back_intact() {
             let ChainError { error, first, outputs } =
                 match rank.launch_then(first, Stream::AllGather, [next]) {
                     Ok(_) => panic!("rank {r}: a chain reading collective 1 of a launch of 1 was accepted"),
-                    Err(e) => e,
+                    Err(e) => *e,
                 };
             assert!(matches!(error, BackendError::InvalidCollective { .. }), "{error}");
             assert!(error.to_string().contains("input_of 1"), "{error}");

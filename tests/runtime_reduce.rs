@@ -186,7 +186,10 @@ fn reference(case: &Case) -> (Vec<Vec<Vec<f32>>>, Vec<Vec<f32>>) {
 
 /// What one rank saw: per step, the gradient runs its optimizer hook got (parameter, offset,
 /// values), and the parameters it fetched at the end.
-type Seen = (Vec<Vec<(usize, usize, Vec<f32>)>>, Vec<Vec<f32>>);
+type Seen = (Vec<Vec<Run>>, Vec<Vec<f32>>);
+
+/// A gradient run an optimizer hook got: parameter, offset, values.
+type Run = (usize, usize, Vec<f32>);
 
 fn world(n: usize) -> LocalWorld {
     LocalWorld::with_config(n, LocalConfig { timeout: Duration::from_secs(30), ..LocalConfig::default() })
@@ -211,9 +214,7 @@ fn backward(
     Ok(())
 }
 
-fn sgd_hook(
-    seen: &mut Vec<(usize, usize, Vec<f32>)>,
-) -> impl FnMut(collsched::runtime::ShardUpdate<'_>) + '_ {
+fn sgd_hook(seen: &mut Vec<Run>) -> impl FnMut(collsched::runtime::ShardUpdate<'_>) + '_ {
     move |u| {
         let g = decode(u.grad_elem, u.grad);
         let w = decode(u.elem, u.values);
@@ -299,7 +300,7 @@ fn check(case: &Case) {
 
 fn strategies(world: usize) -> Vec<Sharding> {
     let mut s = vec![Sharding::EvenSplit, Sharding::Flat, Sharding::Greedy];
-    s.extend((1..world).filter(|g| world % g == 0).map(|g| Sharding::Hybrid(g as u32)));
+    s.extend((1..world).filter(|g| world.is_multiple_of(*g)).map(|g| Sharding::Hybrid(g as u32)));
     s
 }
 
@@ -358,7 +359,7 @@ fn the_optimizer_gets_the_gradient_in_the_reduction_dtype_and_update_shards_f32_
     let init = case.init();
     let (grads, _) = reference(&case);
     let out = world(2)
-        .run(|rank| -> Result<Vec<(usize, usize, Vec<f32>, ElemType)>, RuntimeError> {
+        .run(|rank| -> Result<Vec<Run>, RuntimeError> {
             let state = ModelState::from_f32(Arc::new(rank), &plan, &init)?;
             let mut c = state.coordinator(case.config())?;
             for micro in 0..MICRO - 1 {
@@ -369,7 +370,7 @@ fn the_optimizer_gets_the_gradient_in_the_reduction_dtype_and_update_shards_f32_
             backward(&mut c, &case, 0, MICRO - 1)?;
             c.end_step()?;
             let mut seen = Vec::new();
-            c.update_shards_f32(|p, off, _, g| seen.push((p.index(), off, g.to_vec(), ElemType::F32)))?;
+            c.update_shards_f32(|p, off, _, g| seen.push((p.index(), off, g.to_vec())))?;
             // Consumed: a second call visits nothing.
             assert_eq!(c.update_shards(|_| {})?, 0);
             Ok(seen)
@@ -377,7 +378,7 @@ fn the_optimizer_gets_the_gradient_in_the_reduction_dtype_and_update_shards_f32_
         .expect("ranks");
     let mut runs = 0;
     for (r, seen) in out.into_iter().enumerate() {
-        for (p, off, g, _) in seen.expect("rank thread").expect("rank") {
+        for (p, off, g) in seen.expect("rank thread").expect("rank") {
             assert_eq!(bits(&g), bits(&grads[0][p][off..off + g.len()]), "rank {r}, p{p} at {off}");
             runs += 1;
         }
@@ -472,7 +473,7 @@ fn hybrid_all_reduce_is_launched_before_the_reduce_scatter_completed() {
     let bytes: Vec<Vec<u8>> = case.init().iter().map(|v| encode(elem(case.dtype), v)).collect();
     let refs: Vec<&[u8]> = bytes.iter().map(Vec::as_slice).collect();
     let out = world(4)
-        .run(|rank| -> Result<(u64, usize, Vec<(usize, usize, Vec<f32>)>), RuntimeError> {
+        .run(|rank| -> Result<(u64, usize, Vec<Run>), RuntimeError> {
             let state = ModelState::new(Arc::new(rank), &plan, &refs)?;
             let mut c = state.coordinator(SchedulerConfig { ..case.config() })?;
             let go = gate(state.backend());

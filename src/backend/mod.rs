@@ -689,7 +689,7 @@ pub trait Backend: Send + Sync {
     /// [`Backend::free`]; the local and CUDA backends use it.
     ///
     /// # Errors
-    /// [`ChainError`] with `first` given back still in flight (untouched) and the `next`
+    /// [`ChainError`] (boxed: the failure path is rare) with `first` given back still in flight (untouched) and the `next`
     /// outputs, if an `input_of` names no collective of `first` or two name the same one
     /// ([`BackendError::InvalidCollective`]), if `next` is empty, or if the launch of `next`
     /// was refused (as [`Backend::launch_group`]).
@@ -698,7 +698,7 @@ pub trait Backend: Send + Sync {
         first: InFlight<Self>,
         stream: Stream,
         next: I,
-    ) -> Result<InFlight<Self>, ChainError<Self>>
+    ) -> Result<InFlight<Self>, Box<ChainError<Self>>>
     where
         Self: Sized,
         I: IntoIterator<Item = Chained<Self::Buffer>>,
@@ -758,7 +758,7 @@ fn launch_in_stream_order<B: Backend, I: IntoIterator<Item = Chained<B::Buffer>>
     mut first: InFlight<B>,
     stream: Stream,
     next: I,
-) -> Result<InFlight<B>, ChainError<B>> {
+) -> Result<InFlight<B>, Box<ChainError<B>>> {
     let next: smallvec::SmallVec<[Chained<B::Buffer>; 4]> = next.into_iter().collect();
     let n = first.ops.len();
     let mut taken: smallvec::SmallVec<[bool; 8]> = smallvec::smallvec![false; n];
@@ -791,7 +791,7 @@ fn launch_in_stream_order<B: Backend, I: IntoIterator<Item = Chained<B::Buffer>>
             None => BackendError::Unsupported { what: format!("rank {}: {what}", backend.rank()) },
         };
         let outputs = next.into_iter().map(|c| c.output).collect();
-        return Err(ChainError { error, first, outputs });
+        return Err(Box::new(ChainError { error, first, outputs }));
     }
     let event = first.event.clone();
     let on_drop = first.backend.take();
@@ -800,10 +800,10 @@ fn launch_in_stream_order<B: Backend, I: IntoIterator<Item = Chained<B::Buffer>>
     // `first`'s collectives, each either whole or with its output lent to a chained one.
     let mut earlier: smallvec::SmallVec<[Option<Collective<B::Buffer>>; 4]> =
         ops.drain(..).map(Some).collect();
-    let mut lent: smallvec::SmallVec<[(usize, CollDesc, Option<B::Buffer>); 4]> = smallvec::SmallVec::new();
+    let mut lent: smallvec::SmallVec<[Lent<B::Buffer>; 4]> = smallvec::SmallVec::new();
     for c in next {
         if let Some(e) = earlier.get_mut(c.input_of).and_then(Option::take) {
-            lent.push((c.input_of, e.desc, e.input));
+            lent.push(Lent { at: c.input_of, desc: e.desc, input: e.input });
             ops.push(Collective { desc: c.desc, input: Some(e.output), output: c.output });
         }
     }
@@ -811,7 +811,7 @@ fn launch_in_stream_order<B: Backend, I: IntoIterator<Item = Chained<B::Buffer>>
     match backend.launch_group(stream, &fence, ops) {
         Ok(flight) => {
             let rest = earlier.into_iter().flatten().flat_map(|c| c.input.into_iter().chain([c.output]));
-            for buf in rest.chain(lent.into_iter().filter_map(|(_, _, input)| input)) {
+            for buf in rest.chain(lent.into_iter().filter_map(|l| l.input)) {
                 backend.free(buf, Some(&event));
             }
             Ok(flight)
@@ -823,27 +823,35 @@ fn launch_in_stream_order<B: Backend, I: IntoIterator<Item = Chained<B::Buffer>>
             for c in back.drain(..) {
                 outputs.push(c.output);
                 match (c.input, lent.next()) {
-                    (Some(output), Some((i, desc, input))) => {
-                        earlier[i] = Some(Collective { desc, input, output });
+                    (Some(output), Some(Lent { at, desc, input })) => {
+                        earlier[at] = Some(Collective { desc, input, output });
                     }
                     // A backend that did not give the ops back as launched broke the
                     // contract: keep what is left alive until `first` completed.
                     (output, lent) => {
-                        let input = lent.and_then(|l| l.2);
+                        let input = lent.and_then(|l| l.input);
                         for b in output.into_iter().chain(input) {
                             backend.free(b, Some(&event));
                         }
                     }
                 }
             }
-            for b in lent.filter_map(|l| l.2) {
+            for b in lent.filter_map(|l| l.input) {
                 backend.free(b, Some(&event));
             }
             back.extend(earlier.into_iter().flatten());
             let first = InFlight { ops: back, event, backend: on_drop };
-            Err(ChainError { error, first, outputs })
+            Err(Box::new(ChainError { error, first, outputs }))
         }
     }
+}
+
+/// A collective of the earlier launch whose output a chained collective took: where it was,
+/// and what is left of it.
+struct Lent<Buf> {
+    at: usize,
+    desc: CollDesc,
+    input: Option<Buf>,
 }
 
 /// What a backend does with the collectives of an [`InFlight`] dropped unfinished: defer their

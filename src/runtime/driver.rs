@@ -3,12 +3,12 @@
 //! | action | what the driver does |
 //! |---|---|
 //! | `Launch` (gather) | copy this rank's shard into a pool buffer (copy-in), allocate the gathered buffer, launch the bucket's all-gather (or broadcast) as one group on the all-gather stream after the fences |
-//! | `Launch` (reduce) | copy the bucket's host gradient buffer into a pool buffer, launch the reduce-scatter (or all-reduce) on the reduce-scatter stream; for hybrid sharding the all-reduce across groups follows when the first stage completed |
+//! | `Launch` (reduce) | copy the bucket's host gradient buffer (in the reduction dtype) into a pool buffer, launch the reduce-scatter (or all-reduce) on the reduce-scatter stream; for hybrid sharding the all-reduce across groups is chained right behind it on the same stream (`Backend::launch_then`, no host wait) |
 //! | `Wait` | host wait (with the backend's timeout) for the launch, then finish it |
 //! | `Free` | gather: drop the launch if still in flight (the backend frees its buffers when it completes) or give the gathered buffer back to the pool; gradient: nothing (the host buffer is reused) |
 //! | `AllocGrad` | zero the bucket's host gradient buffer (reused across steps) |
-//! | `CopyGradIn` | copy-in (the kernels' `copy_in`) of the fresh gradient, the accumulator, or both added, into the gradient buffer |
-//! | `AccumulateGrad` | the kernels' `accumulate` into the parameter's full-size accumulator |
+//! | `CopyGradIn` | copy-in of the fresh gradient (cast from the parameters' dtype to the reduction dtype per run), the accumulator, or both added, into the gradient buffer |
+//! | `AccumulateGrad` | add into the parameter's full-size accumulator, in the reduction dtype (the kernels' `accumulate`; through f32 when the dtypes differ) |
 //!
 //! *Finishing* a gather reads the gathered buffer to the host and unpacks it with the kernels'
 //! `copy_out` into the bucket's unpacked buffer (parameters one after the other), which is what
@@ -315,7 +315,8 @@ impl<B: Backend> Driver<B> {
             flight =
                 match be.launch_then(flight, stream, [Chained { desc: desc.clone(), input_of: 0, output }]) {
                     Ok(f) => f,
-                    Err(ChainError { error, first, outputs }) => {
+                    Err(refused) => {
+                        let ChainError { error, first, outputs } = *refused;
                         drop(first); // its buffers go back to the pool once it completed
                         for b in outputs {
                             be.free(b, None);
