@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use collsched::backend::local::{LocalBuffer, LocalRank, LocalWorld};
 use collsched::backend::{
-    Backend, BackendError, ChainError, Chained, CollDesc, Collective, RankGroup, Stream,
+    Backend, BackendError, ChainError, Chained, CollDesc, Collective, InFlight, RankGroup, Stream,
 };
 use collsched::kernels::{ElemType, ReduceOp, Scaling};
 
@@ -13,6 +13,18 @@ const T: Duration = Duration::from_secs(30);
 
 fn f32s(b: &[u8]) -> Vec<f32> {
     b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+}
+
+/// Waits for `flight`, reads the first `count` f32 of its first output, frees its buffers.
+fn finish_f32(rank: &LocalRank, flight: InFlight<LocalRank>, count: usize) -> Result<Vec<f32>, BackendError> {
+    let mut done = flight.wait(T).map_err(|e| e.into_error())?;
+    let mut host = vec![0u8; count * 4];
+    rank.read_to_host(&done[0].output, 0, &mut host)?;
+    for c in done.drain(..) {
+        c.input.into_iter().for_each(|b| rank.free(b, None));
+        rank.free(c.output, None);
+    }
+    Ok(f32s(&host))
 }
 
 /// Rank r's reduce-scatter over its pair `{r - r % 2, r - r % 2 + 1}`: input element i is
@@ -47,14 +59,7 @@ fn a_chained_all_reduce_reads_the_reduce_scatter_output_in_stream_order() {
             let chained = rank
                 .launch_then(first, Stream::ReduceScatter, [Chained { desc, input_of: 0, output }])
                 .map_err(|e| e.error)?;
-            let mut done = chained.wait(T).map_err(|e| e.into_error())?;
-            let mut host = vec![0u8; count * 4];
-            rank.read_to_host(&done[0].output, 0, &mut host)?;
-            for c in done.drain(..) {
-                c.input.into_iter().for_each(|b| rank.free(b, None));
-                rank.free(c.output, None);
-            }
-            Ok(f32s(&host))
+            finish_f32(&rank, chained, count)
         })
         .expect("ranks");
     for (r, got) in out.into_iter().enumerate() {
@@ -99,14 +104,7 @@ fn a_refused_chain_gives_the_first_launch_back_intact() {
             assert!(error.to_string().contains("input_of 1"), "{error}");
             assert_eq!(outputs.len(), 1);
             outputs.into_iter().for_each(|b| rank.free(b, None));
-            let mut done = first.wait(T).map_err(|e| e.into_error())?;
-            let mut host = vec![0u8; 16];
-            rank.read_to_host(&done[0].output, 0, &mut host)?;
-            for c in done.drain(..) {
-                c.input.into_iter().for_each(|b| rank.free(b, None));
-                rank.free(c.output, None);
-            }
-            Ok(f32s(&host))
+            finish_f32(&rank, first, 4)
         })
         .expect("ranks");
     for got in out {

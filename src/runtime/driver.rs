@@ -354,9 +354,11 @@ impl<B: Backend> Driver<B> {
             }
             Err(Waited::Failed(source)) => {
                 // Name the stage that failed: a chained all-reduce fails with its
-                // reduce-scatter, whose own event then carries the first failure.
+                // reduce-scatter, whose own event then carries the first failure (or is still
+                // pending when the wait timed out).
                 let (op, source) = match p.first.as_ref().map(BackendEvent::query) {
                     Some(Err(first)) => (t.stages[0].kind.name(), first),
+                    Some(Ok(false)) => (t.stages[0].kind.name(), source),
                     _ => (t.stages.last().map_or("reduce_scatter", |d| d.kind.name()), source),
                 };
                 return Err(RuntimeError::Backend { rank, op, bucket: Some(t.id), source });
