@@ -688,6 +688,39 @@ pub trait Backend: Send + Sync {
     /// The provided implementation does exactly that with [`Backend::launch_group`] and
     /// [`Backend::free`]; the local and CUDA backends use it.
     ///
+    /// # Examples
+    /// Hybrid sharding's two stages on 4 ranks: a reduce-scatter within `{0, 1}` and `{2, 3}`,
+    /// then, chained behind it, an all-reduce across `{0, 2}` and `{1, 3}`; one host wait.
+    /// ```
+    /// use collsched::backend::{Backend, Chained, CollDesc, Collective, RankGroup, Stream};
+    /// use collsched::backend::local::LocalWorld;
+    /// use collsched::kernels::ElemType;
+    /// use std::time::Duration;
+    ///
+    /// let world = LocalWorld::new(4)?;
+    /// let sums = world.run(|rank| -> Result<f32, Box<dyn std::error::Error + Send + Sync>> {
+    ///     let r = rank.rank();
+    ///     let mut input = rank.alloc(8)?;
+    ///     rank.write_from_host(&mut input, 0, &[1.0f32.to_le_bytes(), 1.0f32.to_le_bytes()].concat())?;
+    ///     let pair = RankGroup::new(vec![r - r % 2, r - r % 2 + 1])?;
+    ///     let rs = CollDesc::reduce_scatter(pair, ElemType::F32, 1);
+    ///     let first = rank
+    ///         .launch(Stream::ReduceScatter, &[], Collective { desc: rs, input: Some(input), output: rank.alloc(4)? })
+    ///         .map_err(|e| e.error)?;
+    ///     let across = CollDesc::all_reduce(RankGroup::new(vec![r % 2, r % 2 + 2])?, ElemType::F32, 1);
+    ///     let next = Chained { desc: across, input_of: 0, output: rank.alloc(4)? };
+    ///     let both = rank.launch_then(first, Stream::ReduceScatter, [next]).map_err(|e| e.error.clone())?;
+    ///     let done = both.wait(Duration::from_secs(30)).map_err(|e| e.into_error())?;
+    ///     let mut host = [0u8; 4];
+    ///     rank.read_to_host(&done[0].output, 0, &mut host)?;
+    ///     Ok(f32::from_le_bytes(host))
+    /// })?;
+    /// for s in sums {
+    ///     assert_eq!(s.expect("rank thread").map_err(|e| e.to_string())?, 4.0);
+    /// }
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    ///
     /// # Errors
     /// [`ChainError`] (boxed: the failure path is rare) with `first` given back still in flight (untouched) and the `next`
     /// outputs, if an `input_of` names no collective of `first` or two name the same one
