@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use collsched::buckets::{DType, LayoutBuilder, ParamId, ParamSet, ParamSpec, Sharding};
 use collsched::runtime::ModelState;
-use collsched::schedule::{Plan, PolicyKind, SchedulerConfig};
+use collsched::schedule::{GradReduce, Plan, PolicyKind, SchedulerConfig};
 
 struct Counting;
 
@@ -53,7 +53,17 @@ use loopback::Loopback;
 
 #[test]
 fn a_steady_state_step_allocates_nothing() {
-    for sharding in [Sharding::EvenSplit, Sharding::Flat, Sharding::Greedy] {
+    // Also with a reduction in bf16 of the f32 parameters and a no_sync micro-batch before the
+    // sync one: the casts at copy-in, the mixed accumulation and the widening for
+    // `update_shards_f32` reuse their buffers too.
+    let cases = [
+        (Sharding::EvenSplit, None),
+        (Sharding::Flat, None),
+        (Sharding::Greedy, None),
+        (Sharding::EvenSplit, Some(DType::BF16)),
+        (Sharding::Flat, Some(DType::BF16)),
+    ];
+    for (sharding, reduce) in cases {
         let sizes = [37usize, 5, 41, 7, 29, 3, 64, 9];
         let specs = sizes
             .iter()
@@ -65,12 +75,16 @@ fn a_steady_state_step_allocates_nothing() {
             Plan::new(LayoutBuilder::new(&set, sharding, 1).bucket_bytes(200).align(16).build().unwrap());
         let init: Vec<Vec<f32>> = sizes.iter().map(|&n| vec![1.0; n]).collect();
         let state = ModelState::from_f32(Arc::new(Loopback::new()), &plan, &init).unwrap();
-        let config = SchedulerConfig { policy: PolicyKind::TraceReplay, ..SchedulerConfig::default() };
+        let config = SchedulerConfig {
+            policy: PolicyKind::TraceReplay,
+            reduce: GradReduce { dtype: reduce, ..GradReduce::default() },
+            ..SchedulerConfig::default()
+        };
         let mut c = state.coordinator(config).unwrap();
         let modules: Vec<[ParamId; 2]> = (0..4).map(|m| [ParamId(2 * m), ParamId(2 * m + 1)]).collect();
         let grads: Vec<Vec<f32>> = sizes.iter().map(|&n| vec![0.25; n]).collect();
         let mut sum = 0f32;
-        let mut step = |c: &mut collsched::Coordinator<Loopback>| {
+        let mut pass = |c: &mut collsched::Coordinator<Loopback>| {
             for m in &modules {
                 let v = c.fetch(m).unwrap();
                 sum += v.f32(m[0]).unwrap()[0];
@@ -84,6 +98,14 @@ fn a_steady_state_step_allocates_nothing() {
                 }
                 c.release(m).unwrap();
             }
+        };
+        let mut step = |c: &mut collsched::Coordinator<Loopback>| {
+            if reduce.is_some() {
+                let mut g = c.no_sync().unwrap();
+                pass(&mut g);
+                g.end_step().unwrap();
+            }
+            pass(c);
             let stats = c.end_step().unwrap();
             c.update_shards_f32(|_, _, w, g| w.iter_mut().zip(g).for_each(|(w, g)| *w -= 0.1 * g)).unwrap();
             stats
@@ -98,10 +120,10 @@ fn a_steady_state_step_allocates_nothing() {
         let n = ALLOCS.load(Ordering::SeqCst);
         assert!(
             stats.schedule.prefetch_hits > 0,
-            "{sharding}: the measured step had no prefetch hits: {stats:?}"
+            "{sharding}, {reduce:?}: the measured step had no prefetch hits: {stats:?}"
         );
         assert!(stats.collectives() > 0);
-        assert_eq!(n, 0, "{sharding}: a steady-state step made {n} heap allocations");
+        assert_eq!(n, 0, "{sharding}, reduce in {reduce:?}: a steady-state step made {n} heap allocations");
         assert!(sum > 0.0);
     }
 }

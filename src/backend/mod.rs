@@ -668,6 +668,223 @@ pub trait Backend: Send + Sync {
     fn synchronize(&self, stream: Stream, timeout: Duration) -> Result<(), BackendError> {
         self.record(stream)?.wait(timeout)
     }
+
+    /// Launches `next` on `stream` **behind** `first`, without waiting for it on the host:
+    /// each [`Chained`] collective reads the output of one collective of `first` (hybrid
+    /// sharding's cross-group all-reduce of the in-group reduce-scatter's shard, say). Returns
+    /// the chained launch: its event completes after both, and its collectives (whose inputs
+    /// are `first`'s outputs) come back from it; the rest of `first`'s buffers (its inputs,
+    /// outputs no collective of `next` reads) go back to the pool once `first` completed.
+    ///
+    /// Why this is safe although `first` is still running: its buffers move, but their memory
+    /// does not (every backend's buffers own their memory through a pointer, as an `InFlight`
+    /// moved around already requires); `next` is fenced on `first`'s event, which on the same
+    /// stream the stream's order already guarantees (so it costs nothing), and on another
+    /// stream makes that stream wait; memory `next` does not take is freed with `first`'s
+    /// event as its deferred-free fence, so the pool does not hand it out while `first` reads
+    /// it. A failure of `first` fails the chained event (the fence's failure, and on the same
+    /// stream the stream's sticky failure), so it is never lost.
+    ///
+    /// The provided implementation does exactly that with [`Backend::launch_group`] and
+    /// [`Backend::free`]; the local and CUDA backends use it.
+    ///
+    /// # Examples
+    /// Hybrid sharding's two stages on 4 ranks: a reduce-scatter within `{0, 1}` and `{2, 3}`,
+    /// then, chained behind it, an all-reduce across `{0, 2}` and `{1, 3}`; one host wait.
+    /// ```
+    /// use collsched::backend::{Backend, Chained, CollDesc, Collective, RankGroup, Stream};
+    /// use collsched::backend::local::LocalWorld;
+    /// use collsched::kernels::ElemType;
+    /// use std::time::Duration;
+    ///
+    /// let world = LocalWorld::new(4)?;
+    /// let sums = world.run(|rank| -> Result<f32, Box<dyn std::error::Error + Send + Sync>> {
+    ///     let r = rank.rank();
+    ///     let mut input = rank.alloc(8)?;
+    ///     rank.write_from_host(&mut input, 0, &[1.0f32.to_le_bytes(), 1.0f32.to_le_bytes()].concat())?;
+    ///     let pair = RankGroup::new(vec![r - r % 2, r - r % 2 + 1])?;
+    ///     let rs = CollDesc::reduce_scatter(pair, ElemType::F32, 1);
+    ///     let first = rank
+    ///         .launch(Stream::ReduceScatter, &[], Collective { desc: rs, input: Some(input), output: rank.alloc(4)? })
+    ///         .map_err(|e| e.error)?;
+    ///     let across = CollDesc::all_reduce(RankGroup::new(vec![r % 2, r % 2 + 2])?, ElemType::F32, 1);
+    ///     let next = Chained { desc: across, input_of: 0, output: rank.alloc(4)? };
+    ///     let both = rank.launch_then(first, Stream::ReduceScatter, [next]).map_err(|e| e.error.clone())?;
+    ///     let done = both.wait(Duration::from_secs(30)).map_err(|e| e.into_error())?;
+    ///     let mut host = [0u8; 4];
+    ///     rank.read_to_host(&done[0].output, 0, &mut host)?;
+    ///     Ok(f32::from_le_bytes(host))
+    /// })?;
+    /// for s in sums {
+    ///     assert_eq!(s.expect("rank thread").map_err(|e| e.to_string())?, 4.0);
+    /// }
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`ChainError`] (boxed: the failure path is rare) with `first` given back still in flight (untouched) and the `next`
+    /// outputs, if an `input_of` names no collective of `first` or two name the same one
+    /// ([`BackendError::InvalidCollective`]), if `next` is empty, or if the launch of `next`
+    /// was refused (as [`Backend::launch_group`]).
+    fn launch_then<I>(
+        &self,
+        first: InFlight<Self>,
+        stream: Stream,
+        next: I,
+    ) -> Result<InFlight<Self>, Box<ChainError<Self>>>
+    where
+        Self: Sized,
+        I: IntoIterator<Item = Chained<Self::Buffer>>,
+    {
+        launch_in_stream_order(self, first, stream, next)
+    }
+}
+
+/// A collective launched behind an in-flight launch ([`Backend::launch_then`]) whose input is
+/// the output of one collective of that launch.
+#[derive(Debug)]
+pub struct Chained<Buf> {
+    /// What to do (a reduce-scatter or all-reduce needs its input distinct from its output, as
+    /// usual: it is the earlier collective's output).
+    pub desc: CollDesc,
+    /// The position, in the earlier launch's group, of the collective whose output is this
+    /// collective's input.
+    pub input_of: usize,
+    /// Where the result goes.
+    pub output: Buf,
+}
+
+/// A refused [`Backend::launch_then`]: the error, the earlier launch given back still in
+/// flight and unchanged, and the outputs of the refused collectives (STYLE 7).
+pub struct ChainError<B: Backend> {
+    /// Why.
+    pub error: BackendError,
+    /// The earlier launch, still in flight with all its buffers.
+    pub first: InFlight<B>,
+    /// The `output` buffers of the refused chained collectives, in the order given.
+    pub outputs: Vec<B::Buffer>,
+}
+
+impl<B: Backend> fmt::Debug for ChainError<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ChainError")
+            .field("error", &self.error)
+            .field("first", &self.first)
+            .field("outputs", &self.outputs.len())
+            .finish()
+    }
+}
+
+impl<B: Backend> fmt::Display for ChainError<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "chained launch refused: {}", self.error)
+    }
+}
+
+impl<B: Backend> std::error::Error for ChainError<B> {}
+
+/// The stream-ordered chain behind [`Backend::launch_then`]'s provided implementation. No heap
+/// allocation for up to four collectives per launch: the `Vec` of `first`'s collectives
+/// carries the chained ones.
+fn launch_in_stream_order<B: Backend, I: IntoIterator<Item = Chained<B::Buffer>>>(
+    backend: &B,
+    mut first: InFlight<B>,
+    stream: Stream,
+    next: I,
+) -> Result<InFlight<B>, Box<ChainError<B>>> {
+    let next: smallvec::SmallVec<[Chained<B::Buffer>; 4]> = next.into_iter().collect();
+    let n = first.ops.len();
+    let mut taken: smallvec::SmallVec<[bool; 8]> = smallvec::smallvec![false; n];
+    let mut bad = None;
+    if next.is_empty() {
+        bad = Some("launch_then got no collectives to chain".to_string());
+    }
+    for c in &next {
+        match taken.get_mut(c.input_of) {
+            None => {
+                bad = Some(format!(
+                    "input_of {} names no collective of the earlier launch (it has {n})",
+                    c.input_of
+                ));
+            }
+            Some(t) if *t => {
+                bad = Some(format!("two chained collectives read the output of collective {}", c.input_of));
+            }
+            Some(t) => *t = true,
+        }
+    }
+    if let Some(what) = bad {
+        let op = next.first().map(|c| c.desc.clone()).or_else(|| first.descs().next().cloned());
+        let error = match op {
+            Some(desc) => BackendError::InvalidCollective {
+                rank: backend.rank(),
+                op: Box::new(OpId { desc, stream, seq: None }),
+                what,
+            },
+            None => BackendError::Unsupported { what: format!("rank {}: {what}", backend.rank()) },
+        };
+        let outputs = next.into_iter().map(|c| c.output).collect();
+        return Err(Box::new(ChainError { error, first, outputs }));
+    }
+    let event = first.event.clone();
+    let on_drop = first.backend.take();
+    let mut ops = std::mem::take(&mut first.ops);
+    drop(first);
+    // `first`'s collectives, each either whole or with its output lent to a chained one.
+    let mut earlier: smallvec::SmallVec<[Option<Collective<B::Buffer>>; 4]> =
+        ops.drain(..).map(Some).collect();
+    let mut lent: smallvec::SmallVec<[Lent<B::Buffer>; 4]> = smallvec::SmallVec::new();
+    for c in next {
+        if let Some(e) = earlier.get_mut(c.input_of).and_then(Option::take) {
+            lent.push(Lent { at: c.input_of, desc: e.desc, input: e.input });
+            ops.push(Collective { desc: c.desc, input: Some(e.output), output: c.output });
+        }
+    }
+    let fence = [event.clone()];
+    match backend.launch_group(stream, &fence, ops) {
+        Ok(flight) => {
+            let rest = earlier.into_iter().flatten().flat_map(|c| c.input.into_iter().chain([c.output]));
+            for buf in rest.chain(lent.into_iter().filter_map(|l| l.input)) {
+                backend.free(buf, Some(&event));
+            }
+            Ok(flight)
+        }
+        Err(LaunchError { error, ops: mut back }) => {
+            // Give `first` back whole: the refused collectives' inputs are its outputs.
+            let mut outputs = Vec::with_capacity(back.len());
+            let mut lent = lent.into_iter();
+            for c in back.drain(..) {
+                outputs.push(c.output);
+                match (c.input, lent.next()) {
+                    (Some(output), Some(Lent { at, desc, input })) => {
+                        earlier[at] = Some(Collective { desc, input, output });
+                    }
+                    // A backend that did not give the ops back as launched broke the
+                    // contract: keep what is left alive until `first` completed.
+                    (output, lent) => {
+                        let input = lent.and_then(|l| l.input);
+                        for b in output.into_iter().chain(input) {
+                            backend.free(b, Some(&event));
+                        }
+                    }
+                }
+            }
+            for b in lent.filter_map(|l| l.input) {
+                backend.free(b, Some(&event));
+            }
+            back.extend(earlier.into_iter().flatten());
+            let first = InFlight { ops: back, event, backend: on_drop };
+            Err(Box::new(ChainError { error, first, outputs }))
+        }
+    }
+}
+
+/// A collective of the earlier launch whose output a chained collective took: where it was,
+/// and what is left of it.
+struct Lent<Buf> {
+    at: usize,
+    desc: CollDesc,
+    input: Option<Buf>,
 }
 
 /// What a backend does with the collectives of an [`InFlight`] dropped unfinished: defer their

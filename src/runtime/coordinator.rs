@@ -66,6 +66,8 @@ pub struct Coordinator<B: Backend> {
     grad: Arc<GradTables>,
     parked: Option<RuntimeError>,
     stats: StepStats,
+    /// `update_shards_f32`'s widened gradient (grows once, reused).
+    wide: Vec<f32>,
 }
 
 impl<B: Backend> std::fmt::Debug for Coordinator<B> {
@@ -138,18 +140,27 @@ impl<B: Backend> Views<'_, B> {
 
 /// One trainable parameter's shard, handed to the optimizer hook
 /// ([`Coordinator::update_shards`]).
+///
+/// The gradient comes **in the reduction dtype** (`GradReduce::dtype`, by default the
+/// parameter's): the reduced shard exactly as the collective left it, never rounded again.
+/// With bf16 parameters reduced in f32 the optimizer gets the f32 gradient (as FSDP2 does when
+/// the sharded gradient's dtype is set to the reduction's, avoiding a lossy round trip), and
+/// with f32 parameters reduced in bf16 it gets the bf16 gradient (widening it to f32 is
+/// exact; [`Coordinator::update_shards_f32`] does that).
 #[derive(Debug)]
 pub struct ShardUpdate<'a> {
     /// The parameter.
     pub param: ParamId,
     /// First element of the parameter (flattened) this run covers.
     pub param_offset: usize,
-    /// This rank's elements of the parameter (little-endian bytes of its dtype), to update.
+    /// This rank's elements of the parameter (little-endian bytes of `elem`), to update.
     pub values: &'a mut [u8],
-    /// The reduced gradient of exactly those elements.
+    /// The reduced gradient of exactly those elements (little-endian bytes of `grad_elem`).
     pub grad: &'a [u8],
-    /// Element type of both.
+    /// Element type of `values` (the parameter's dtype).
     pub elem: ElemType,
+    /// Element type of `grad` (the reduction dtype).
+    pub grad_elem: ElemType,
 }
 
 /// The no_sync guard ([`Coordinator::no_sync`]): gradients accumulate locally until it is
@@ -203,7 +214,15 @@ impl<B: Backend> Coordinator<B> {
         };
         let grad = Arc::new(GradTables::new(&state.shared.plan, &sched, rank)?);
         let driver = Driver::new(grad.grad.len());
-        let mut c = Coordinator { state, sched, driver, grad, parked: None, stats: StepStats::default() };
+        let mut c = Coordinator {
+            state,
+            sched,
+            driver,
+            grad,
+            parked: None,
+            stats: StepStats::default(),
+            wide: Vec::new(),
+        };
         c.exchange_fingerprints()?;
         Ok(c)
     }
@@ -429,6 +448,12 @@ impl<B: Backend> Coordinator<B> {
         self.driver.reduces_in_flight()
     }
 
+    /// The driver's counters of the step in progress (collectives issued so far, bytes, host
+    /// wait time); [`end_step`](Self::end_step) returns and resets them.
+    pub fn driver_counters(&self) -> &DriverCounters {
+        &self.driver.counters
+    }
+
     /// The optimizer hook: calls `f` once per run of every trainable parameter this rank
     /// holds, with the parameter's shard elements (mutable) and the reduced gradient of the
     /// same elements from the last synchronized step. The layout guarantees a gradient
@@ -472,6 +497,8 @@ impl<B: Backend> Coordinator<B> {
             let g = pslot.gather;
             let es = pslot.elem_size;
             let elem = t.gather[g].elem;
+            let grad_elem = grad.grad[j].elem;
+            let gs = grad_elem.size();
             let (glo, ghi) = slot.shard_runs;
             let gruns = &grad.shard_runs[glo as usize..ghi as usize];
             let pruns = t.runs_of(p);
@@ -485,8 +512,15 @@ impl<B: Backend> Coordinator<B> {
                 let values =
                     &mut st.shards[g].as_bytes_mut()[pr.shard_offset * es..(pr.shard_offset + pr.numel) * es];
                 let gbytes =
-                    &st.grad_shards[j].as_bytes()[gr.shard_offset * es..(gr.shard_offset + gr.numel) * es];
-                f(ShardUpdate { param: p, param_offset: pr.param_offset, values, grad: gbytes, elem });
+                    &st.grad_shards[j].as_bytes()[gr.shard_offset * gs..(gr.shard_offset + gr.numel) * gs];
+                f(ShardUpdate {
+                    param: p,
+                    param_offset: pr.param_offset,
+                    values,
+                    grad: gbytes,
+                    elem,
+                    grad_elem,
+                });
                 visited += 1;
             }
         }
@@ -495,7 +529,7 @@ impl<B: Backend> Coordinator<B> {
     }
 
     /// [`update_shards`](Self::update_shards) for `f32` parameters: `f(param, param_offset,
-    /// values, grad)`.
+    /// values, grad)`. A gradient reduced in f16 or bf16 is widened to f32 (exactly).
     ///
     /// # Errors
     /// As [`update_shards`](Self::update_shards); [`RuntimeError::Param`] for a parameter that
@@ -506,19 +540,32 @@ impl<B: Backend> Coordinator<B> {
     {
         let rank = self.state.rank();
         let mut bad = None;
+        let mut wide = std::mem::take(&mut self.wide);
         let n = self.update_shards(|u| {
             if bad.is_some() {
                 return;
             }
-            match (
-                u.elem,
-                bytemuck::try_cast_slice_mut::<u8, f32>(u.values),
-                bytemuck::try_cast_slice::<u8, f32>(u.grad),
-            ) {
+            let grad: Result<&[f32], _> = if u.grad_elem == ElemType::F32 {
+                bytemuck::try_cast_slice::<u8, f32>(u.grad).map_err(|_| ())
+            } else {
+                wide.clear();
+                wide.resize(u.grad.len() / u.grad_elem.size(), 0.0);
+                collsched_kernels::cast(
+                    u.grad_elem,
+                    u.grad,
+                    ElemType::F32,
+                    bytemuck::cast_slice_mut(&mut wide),
+                )
+                .map(|()| &wide[..])
+                .map_err(|_| ())
+            };
+            match (u.elem, bytemuck::try_cast_slice_mut::<u8, f32>(u.values), grad) {
                 (ElemType::F32, Ok(w), Ok(g)) => f(u.param, u.param_offset, w, g),
                 _ => bad = Some(u.param),
             }
-        })?;
+        });
+        self.wide = wide;
+        let n = n?;
         match bad {
             Some(p) => Err(RuntimeError::Param {
                 rank,

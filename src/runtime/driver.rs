@@ -3,12 +3,12 @@
 //! | action | what the driver does |
 //! |---|---|
 //! | `Launch` (gather) | copy this rank's shard into a pool buffer (copy-in), allocate the gathered buffer, launch the bucket's all-gather (or broadcast) as one group on the all-gather stream after the fences |
-//! | `Launch` (reduce) | copy the bucket's host gradient buffer into a pool buffer, launch the reduce-scatter (or all-reduce) on the reduce-scatter stream; for hybrid sharding the all-reduce across groups follows when the first stage completed |
+//! | `Launch` (reduce) | copy the bucket's host gradient buffer (in the reduction dtype) into a pool buffer, launch the reduce-scatter (or all-reduce) on the reduce-scatter stream; for hybrid sharding the all-reduce across groups is chained right behind it on the same stream (`Backend::launch_then`, no host wait) |
 //! | `Wait` | host wait (with the backend's timeout) for the launch, then finish it |
 //! | `Free` | gather: drop the launch if still in flight (the backend frees its buffers when it completes) or give the gathered buffer back to the pool; gradient: nothing (the host buffer is reused) |
 //! | `AllocGrad` | zero the bucket's host gradient buffer (reused across steps) |
-//! | `CopyGradIn` | copy-in (the kernels' `copy_in`) of the fresh gradient, the accumulator, or both added, into the gradient buffer |
-//! | `AccumulateGrad` | the kernels' `accumulate` into the parameter's full-size accumulator |
+//! | `CopyGradIn` | copy-in of the fresh gradient (cast from the parameters' dtype to the reduction dtype per run), the accumulator, or both added, into the gradient buffer |
+//! | `AccumulateGrad` | add into the parameter's full-size accumulator, in the reduction dtype (the kernels' `accumulate`; through f32 when the dtypes differ) |
 //!
 //! *Finishing* a gather reads the gathered buffer to the host and unpacks it with the kernels'
 //! `copy_out` into the bucket's unpacked buffer (parameters one after the other), which is what
@@ -25,7 +25,7 @@
 use std::time::{Duration, Instant};
 
 use collsched_buckets::{BucketId, ParamId};
-use collsched_kernels::{accumulate, copy_in, copy_out};
+use collsched_kernels::{accumulate, cast, copy_in, copy_out, CopySegment, ElemType, KernelError};
 use collsched_schedule::{
     Action, Fence, GradSource, Launch, LaunchId, Role, Scheduler, Stream as SchedStream,
 };
@@ -33,7 +33,9 @@ use collsched_schedule::{
 use super::state::{Bytes, RankState};
 use super::tables::{GatherTables, GradTables};
 use super::RuntimeError;
-use crate::backend::{Backend, Collective, InFlight, LaunchError, Stream, WaitError};
+use crate::backend::{
+    Backend, BackendEvent, ChainError, Chained, Collective, InFlight, LaunchError, Stream, WaitError,
+};
 
 fn stream_of(s: SchedStream) -> Stream {
     match s {
@@ -91,7 +93,9 @@ impl<B: Backend> GatherSide<B> {
 struct PendingReduce<B: Backend> {
     id: LaunchId,
     j: usize,
-    stage: usize,
+    /// Hybrid sharding: the event of the in-group reduce-scatter, which `flight` (the
+    /// cross-group all-reduce chained behind it) follows; tells which stage failed.
+    first: Option<B::Event>,
     flight: InFlight<B>,
 }
 
@@ -113,7 +117,10 @@ pub struct DriverCounters {
 pub(crate) struct Driver<B: Backend> {
     pub(crate) actions: Vec<Action>,
     reduces: Vec<PendingReduce<B>>,
+    /// Per gradient bucket: the full-size gradient buffer, in the reduction dtype.
     grad_staging: Vec<Bytes>,
+    /// f32 scratch for mixed-dtype accumulation (grows once, reused).
+    wide: [Bytes; 2],
     spare: Vec<Vec<Collective<B::Buffer>>>,
     events: Vec<B::Event>,
     pub(crate) counters: DriverCounters,
@@ -142,6 +149,7 @@ impl<B: Backend> Driver<B> {
             actions: Vec::with_capacity(256),
             reduces: Vec::with_capacity(n_grad.max(4)),
             grad_staging: Vec::new(),
+            wide: [Bytes::default(), Bytes::default()],
             spare: Vec::with_capacity(n_grad.max(4)),
             events: Vec::with_capacity(8),
             counters: DriverCounters::default(),
@@ -198,12 +206,14 @@ impl<B: Backend> Driver<B> {
                 }
                 Ok(())
             }
-            Action::AllocGrad { buffer, bytes } => {
+            Action::AllocGrad { buffer, .. } => {
+                // The scheduler sizes the buffer in the bucket's dtype; it holds the reduction
+                // dtype.
                 let j = self.grad_position(cx, buffer.bucket)?;
                 if self.grad_staging.len() < cx.grad.grad.len() {
                     self.grad_staging.resize_with(cx.grad.grad.len(), Bytes::default);
                 }
-                self.grad_staging[j].reset_zeroed(*bytes);
+                self.grad_staging[j].reset_zeroed(cx.grad.grad[j].gathered_bytes);
                 Ok(())
             }
             Action::CopyGradIn { param, buffer, source, .. } => {
@@ -211,40 +221,54 @@ impl<B: Backend> Driver<B> {
                 let slot = cx.grad.params[param.index()];
                 let (lo, hi) = slot.copy_in;
                 let segs = &cx.grad.copy_in[lo as usize..hi as usize];
-                let elem = cx.grad.grad[j].elem;
+                let t = &cx.grad.grad[j];
                 let st = &mut *cx.st;
                 let p = param.index();
-                let src: &[u8] = match source {
-                    GradSource::Fresh => fresh.ok_or_else(|| no_fresh(rank, *param))?,
+                // The fresh gradient is in the parameter's dtype, the accumulator in the
+                // reduction dtype; both land in the gradient buffer in the reduction dtype.
+                let (src, src_elem): (&[u8], ElemType) = match source {
+                    GradSource::Fresh => (fresh.ok_or_else(|| no_fresh(rank, *param))?, t.param_elem),
                     GradSource::FreshPlusAccumulated => {
                         let f = fresh.ok_or_else(|| no_fresh(rank, *param))?;
-                        accumulate(elem, st.accumulators[p].as_bytes_mut(), f)
+                        let acc = st.accumulators[p].as_bytes_mut();
+                        accumulate_mixed(t.elem, acc, t.param_elem, f, &mut self.wide)
                             .map_err(|e| kernel_err(rank, *param, "accumulate", e))?;
                         st.accumulated[p] = false;
-                        st.accumulators[p].as_bytes()
+                        (st.accumulators[p].as_bytes(), t.elem)
                     }
                     GradSource::Accumulated => {
                         st.accumulated[p] = false;
-                        st.accumulators[p].as_bytes()
+                        (st.accumulators[p].as_bytes(), t.elem)
                     }
                 };
-                copy_in(self.grad_staging[j].as_bytes_mut(), &[src], segs, elem.size())
+                copy_in_cast(self.grad_staging[j].as_bytes_mut(), t.elem, src, src_elem, segs)
                     .map_err(|e| kernel_err(rank, *param, "copy_in", e))
             }
             Action::AccumulateGrad { param, .. } => {
                 let f = fresh.ok_or_else(|| no_fresh(rank, *param))?;
                 let p = param.index();
-                let slot = cx.tables.params[p];
-                let elem = cx.tables.gather[slot.gather].elem;
+                let j = cx.grad.params[p].bucket as usize;
+                let t = cx.grad.grad.get(j).ok_or_else(|| RuntimeError::Plan {
+                    rank,
+                    what: format!("parameter id {param} has no gradient bucket in the driver's tables"),
+                })?;
                 let st = &mut *cx.st;
                 if st.accumulated[p] {
-                    accumulate(elem, st.accumulators[p].as_bytes_mut(), f)
-                        .map_err(|e| kernel_err(rank, *param, "accumulate", e))
+                    accumulate_mixed(
+                        t.elem,
+                        st.accumulators[p].as_bytes_mut(),
+                        t.param_elem,
+                        f,
+                        &mut self.wide,
+                    )
+                    .map_err(|e| kernel_err(rank, *param, "accumulate", e))
                 } else {
-                    // First micro-batch: the accumulator is the gradient itself (bit for bit,
-                    // as `acc = grad` would be).
-                    st.accumulators[p].reset_zeroed(f.len());
-                    st.accumulators[p].as_bytes_mut().copy_from_slice(f);
+                    // First micro-batch: the accumulator is the gradient itself in the
+                    // reduction dtype (bit for bit `acc = grad` when the dtypes agree).
+                    let numel = f.len() / t.param_elem.size();
+                    st.accumulators[p].reset_zeroed(numel * t.elem.size());
+                    cast_into(t.param_elem, f, t.elem, st.accumulators[p].as_bytes_mut())
+                        .map_err(|e| kernel_err(rank, *param, "cast", e))?;
                     st.accumulated[p] = true;
                     Ok(())
                 }
@@ -259,29 +283,57 @@ impl<B: Backend> Driver<B> {
         })
     }
 
+    /// Launches a gradient bucket's reduction on the reduce-scatter stream: the gradient
+    /// buffer (in the reduction dtype) into a pool buffer, the reduce-scatter (or all-reduce);
+    /// for hybrid sharding the cross-group all-reduce is chained behind it in stream order
+    /// (no host wait), its input the reduce-scatter's output.
     fn launch_reduce(&mut self, cx: &mut Ctx<'_, B>, l: &Launch) -> Result<(), RuntimeError> {
         let rank = cx.tables.rank;
         let j = self.grad_position(cx, l.buffer.bucket)?;
         let t = &cx.grad.grad[j];
         let be = cx.backend;
         let err = |op| backend_err(rank, op, Some(t.id));
-        let mut input = be.alloc(t.gathered_bytes).map_err(err("reduce_scatter"))?;
+        let first_op = t.stages[0].kind.name();
+        let mut input = be.alloc(t.gathered_bytes).map_err(err(first_op))?;
         let staged = self.grad_staging.get(j).map_or(&[][..], Bytes::as_bytes);
         be.write_from_host(&mut input, 0, staged).map_err(err("reduce_scatter copy-in"))?;
-        let output = be.alloc(t.shard_bytes).map_err(err("reduce_scatter"))?;
+        let output = be.alloc(t.shard_bytes).map_err(err(first_op))?;
         let mut ops = self.spare.pop().unwrap_or_default();
         ops.push(Collective { desc: t.stages[0].clone(), input: Some(input), output });
         self.events.clear();
         fences(&cx.st.gather, &self.reduces, &l.after, &mut self.events);
-        let flight = launch(be, stream_of(l.stream), &self.events, ops, rank, t.id, "reduce_scatter")?;
+        let stream = stream_of(l.stream);
+        let mut flight = launch(be, stream, &self.events, ops, rank, t.id, first_op)?;
         self.counters.collectives += 1;
         self.counters.bytes_moved += t.gathered_bytes as u64;
-        self.reduces.push(PendingReduce { id: l.id, j, stage: 0, flight });
+        let mut first = None;
+        for desc in &t.stages[1..] {
+            let op = desc.kind.name();
+            let output = be.alloc(t.shard_bytes).map_err(err(op))?;
+            let event = flight.event().clone();
+            // Same stream, right behind the previous stage: the stream's order is the fence.
+            flight =
+                match be.launch_then(flight, stream, [Chained { desc: desc.clone(), input_of: 0, output }]) {
+                    Ok(f) => f,
+                    Err(refused) => {
+                        let ChainError { error, first, outputs } = *refused;
+                        drop(first); // its buffers go back to the pool once it completed
+                        for b in outputs {
+                            be.free(b, None);
+                        }
+                        return Err(RuntimeError::Backend { rank, op, bucket: Some(t.id), source: error });
+                    }
+                };
+            first.get_or_insert(event);
+            self.counters.collectives += 1;
+            self.counters.bytes_moved += t.shard_bytes as u64;
+        }
+        self.reduces.push(PendingReduce { id: l.id, j, first, flight });
         Ok(())
     }
 
-    /// Advances reduction `id`: blocking until all its stages completed, or (`block ==
-    /// false`) only as far as they already did. Returns whether it finished.
+    /// Finishes reduction `id` (blocking, or only if complete): the reduced shard into the
+    /// model state's gradient shards, `OpDone`. Returns whether it finished (or had already).
     pub(crate) fn finish_reduce(
         &mut self,
         cx: &mut Ctx<'_, B>,
@@ -290,65 +342,55 @@ impl<B: Backend> Driver<B> {
     ) -> Result<bool, RuntimeError> {
         let rank = cx.tables.rank;
         let Some(k) = self.reduces.iter().position(|p| p.id == id) else { return Ok(true) };
-        loop {
-            let p = self.reduces.swap_remove(k);
-            let t = &cx.grad.grad[p.j];
-            let ops = match wait_flight(p.flight, block, cx.backend, &mut self.counters) {
-                Ok(ops) => ops,
-                Err(Waited::Pending(flight)) => {
-                    self.reduces.push(PendingReduce { flight, ..p });
-                    let last = self.reduces.len() - 1;
-                    self.reduces.swap(k, last);
-                    return Ok(false);
-                }
-                Err(Waited::Failed(source)) => {
-                    return Err(RuntimeError::Backend {
-                        rank,
-                        op: "reduce_scatter",
-                        bucket: Some(t.id),
-                        source,
-                    })
-                }
-            };
-            let mut ops = ops;
-            let c = ops.pop();
-            let Some(c) = c else { return Ok(true) };
-            if let Some(input) = c.input {
-                cx.backend.free(input, None);
-            }
-            let next = p.stage + 1;
-            if next < t.stages.len() {
-                let out =
-                    cx.backend.alloc(t.shard_bytes).map_err(backend_err(rank, "all_reduce", Some(t.id)))?;
-                ops.push(Collective { desc: t.stages[next].clone(), input: Some(c.output), output: out });
-                let flight = launch(cx.backend, Stream::ReduceScatter, &[], ops, rank, t.id, "all_reduce")?;
-                self.counters.collectives += 1;
-                self.counters.bytes_moved += t.shard_bytes as u64;
-                self.reduces.push(PendingReduce { id, j: p.j, stage: next, flight });
+        let p = self.reduces.swap_remove(k);
+        let t = &cx.grad.grad[p.j];
+        let mut ops = match wait_flight(p.flight, block, cx.backend, &mut self.counters) {
+            Ok(ops) => ops,
+            Err(Waited::Pending(flight)) => {
+                self.reduces.push(PendingReduce { flight, ..p });
                 let last = self.reduces.len() - 1;
                 self.reduces.swap(k, last);
-                continue;
+                return Ok(false);
             }
-            self.spare.push(ops);
-            let st = &mut *cx.st;
-            let n = cx.grad.grad.len();
-            let same = st.grad_tables.as_ref().is_some_and(|g| std::sync::Arc::ptr_eq(g, cx.grad));
-            if !same {
-                st.grad_tables = Some(std::sync::Arc::clone(cx.grad));
-                st.grad_valid.clear();
+            Err(Waited::Failed(source)) => {
+                // Name the stage that failed: a chained all-reduce fails with its
+                // reduce-scatter, whose own event then carries the first failure (or is still
+                // pending when the wait timed out).
+                let (op, source) = match p.first.as_ref().map(BackendEvent::query) {
+                    Some(Err(first)) => (t.stages[0].kind.name(), first),
+                    Some(Ok(false)) => (t.stages[0].kind.name(), source),
+                    _ => (t.stages.last().map_or("reduce_scatter", |d| d.kind.name()), source),
+                };
+                return Err(RuntimeError::Backend { rank, op, bucket: Some(t.id), source });
             }
-            if st.grad_shards.len() < n {
-                st.grad_shards.resize_with(n, Bytes::default);
-            }
-            st.grad_valid.resize(n, false);
-            st.grad_shards[p.j].reset_zeroed(t.shard_bytes);
-            let r = cx.backend.read_to_host(&c.output, 0, st.grad_shards[p.j].as_bytes_mut());
-            cx.backend.free(c.output, None);
-            r.map_err(backend_err(rank, "reduce_scatter copy-out", Some(t.id)))?;
-            st.grad_valid[p.j] = true;
-            cx.sched.op_done(&mut st.registry, id)?;
-            return Ok(true);
+        };
+        let Some(c) = ops.pop() else { return Ok(true) };
+        for o in ops.drain(..) {
+            o.input.into_iter().for_each(|b| cx.backend.free(b, None));
+            cx.backend.free(o.output, None);
         }
+        self.spare.push(ops);
+        if let Some(input) = c.input {
+            cx.backend.free(input, None);
+        }
+        let st = &mut *cx.st;
+        let n = cx.grad.grad.len();
+        let same = st.grad_tables.as_ref().is_some_and(|g| std::sync::Arc::ptr_eq(g, cx.grad));
+        if !same {
+            st.grad_tables = Some(std::sync::Arc::clone(cx.grad));
+            st.grad_valid.clear();
+        }
+        if st.grad_shards.len() < n {
+            st.grad_shards.resize_with(n, Bytes::default);
+        }
+        st.grad_valid.resize(n, false);
+        st.grad_shards[p.j].reset_zeroed(t.shard_bytes);
+        let r = cx.backend.read_to_host(&c.output, 0, st.grad_shards[p.j].as_bytes_mut());
+        cx.backend.free(c.output, None);
+        r.map_err(backend_err(rank, "reduce_scatter copy-out", Some(t.id)))?;
+        st.grad_valid[p.j] = true;
+        cx.sched.op_done(&mut st.registry, id)?;
+        Ok(true)
     }
 
     /// Finishes every reduction that already completed, without blocking.
@@ -377,6 +419,94 @@ impl<B: Backend> Driver<B> {
     pub(crate) fn reduces_in_flight(&self) -> usize {
         self.reduces.len()
     }
+}
+
+/// `dst` (in `dst_elem`) = `src` (in `src_elem`), rounded to nearest even; a copy when the
+/// types agree.
+fn cast_into(src_elem: ElemType, src: &[u8], dst_elem: ElemType, dst: &mut [u8]) -> Result<(), KernelError> {
+    if src_elem == dst_elem && src.len() == dst.len() {
+        dst.copy_from_slice(src);
+        return Ok(());
+    }
+    cast(src_elem, src, dst_elem, dst)
+}
+
+/// Copy-in with a cast: the runs `segs` of `src` (in `src_elem`) into `packed` (in
+/// `packed_elem`). The kernels' `copy_in` when the types agree; else one cast per run,
+/// checked like `copy_in` (nothing is written if a run overruns).
+fn copy_in_cast(
+    packed: &mut [u8],
+    packed_elem: ElemType,
+    src: &[u8],
+    src_elem: ElemType,
+    segs: &[CopySegment],
+) -> Result<(), KernelError> {
+    if packed_elem == src_elem {
+        return copy_in(packed, &[src], segs, src_elem.size());
+    }
+    let (ps, ss) = (packed_elem.size(), src_elem.size());
+    let oob = |segment: usize, s: &CopySegment, side: &str, offset: usize, available: usize| {
+        KernelError::SegmentOutOfBounds {
+            kernel: "copy_in",
+            segment,
+            side: side.to_string(),
+            offset,
+            len: s.len,
+            available,
+        }
+    };
+    for (i, s) in segs.iter().enumerate() {
+        if s.buffer != 0 {
+            return Err(KernelError::NoSuchBuffer {
+                kernel: "copy_in",
+                segment: i,
+                buffer: s.buffer,
+                count: 1,
+            });
+        }
+        if s.buffer_offset.checked_add(s.len).is_none_or(|end| end > src.len() / ss) {
+            return Err(oob(i, s, "buffer 0", s.buffer_offset, src.len() / ss));
+        }
+        if s.packed_offset.checked_add(s.len).is_none_or(|end| end > packed.len() / ps) {
+            return Err(oob(i, s, "packed", s.packed_offset, packed.len() / ps));
+        }
+    }
+    for s in segs {
+        let from = &src[s.buffer_offset * ss..(s.buffer_offset + s.len) * ss];
+        cast(src_elem, from, packed_elem, &mut packed[s.packed_offset * ps..(s.packed_offset + s.len) * ps])?;
+    }
+    Ok(())
+}
+
+/// no_sync accumulation in the reduction dtype: `acc` (in `acc_elem`) += `src` (in
+/// `src_elem`), the sum computed in f32 and rounded to `acc_elem` (the kernels' `accumulate`
+/// when the types agree). `wide` is f32 scratch.
+fn accumulate_mixed(
+    acc_elem: ElemType,
+    acc: &mut [u8],
+    src_elem: ElemType,
+    src: &[u8],
+    wide: &mut [Bytes; 2],
+) -> Result<(), KernelError> {
+    if acc_elem == src_elem {
+        return accumulate(acc_elem, acc, src);
+    }
+    let wide_bytes = acc.len() / acc_elem.size() * 4;
+    let [wa, wb] = wide;
+    let src: &[u8] = if src_elem == ElemType::F32 {
+        src
+    } else {
+        wb.reset_zeroed(wide_bytes);
+        cast(src_elem, src, ElemType::F32, wb.as_bytes_mut())?;
+        wb.as_bytes()
+    };
+    if acc_elem == ElemType::F32 {
+        return accumulate(ElemType::F32, acc, src);
+    }
+    wa.reset_zeroed(wide_bytes);
+    cast(acc_elem, acc, ElemType::F32, wa.as_bytes_mut())?;
+    accumulate(ElemType::F32, wa.as_bytes_mut(), src)?;
+    cast(ElemType::F32, wa.as_bytes(), acc_elem, acc)
 }
 
 fn no_fresh(rank: usize, param: ParamId) -> RuntimeError {

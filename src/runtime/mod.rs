@@ -17,15 +17,25 @@
 //! fingerprint with the peers, so ranks that disagree get `PlanMismatch` naming the first
 //! differing bucket instead of a hang.
 //!
+//! # Gradients in another dtype, and hybrid's two stages
+//! A bucket of dtype P reduced in R (`GradReduce::dtype`: f16/bf16 -> f32, f32 -> bf16/f16, or
+//! P itself; other pairs are [`RuntimeError::ReduceDtype`] when the coordinator is created):
+//! the engine's gradient (P) is cast into the gradient buffer (R) at copy-in; no_sync
+//! accumulators hold R (as FSDP2 keeps the unsharded gradient in `reduce_dtype`; each later
+//! micro-batch is added in f32 and rounded to R); the collectives run in R with the pre/post
+//! divide factors; the optimizer hook gets the reduced gradient in R
+//! ([`ShardUpdate::grad_elem`]), never rounded again ([`Coordinator::update_shards_f32`]
+//! widens it for f32 parameters). Hybrid sharding's cross-group all-reduce is chained behind
+//! the in-group reduce-scatter on the same stream
+//! ([`Backend::launch_then`](crate::backend::Backend::launch_then)): no host wait between the
+//! stages.
+//!
 //! # Departures
 //! - The engine is host-synchronous: `release` and `grad_ready` mean "done now", so the
 //!   scheduler's engine events are never used and deferred frees happen at once.
 //! - `fetch` hands out host views: each gathered bucket is read back to the host and unpacked
 //!   (the kernels' `copy_out`) into a per-bucket buffer that is kept and reused; the gathered
 //!   backend buffer itself lives until the scheduler's `Free`.
-//! - Hybrid sharding's second reduction stage (all-reduce across groups) is launched when the
-//!   first completes (the backend's group launches take one rank group).
-//! - Reductions in a dtype other than the bucket's are refused (`Unsupported`).
 //! - Gradient shards and no_sync accumulators live in the model state: one coordinator per
 //!   model should produce gradients at a time (the evaluation one only fetches).
 
@@ -38,7 +48,7 @@ pub use coordinator::{Coordinator, NoSync, ShardUpdate, StepStats, Views};
 pub use driver::DriverCounters;
 pub use state::ModelState;
 
-use collsched_buckets::BucketId;
+use collsched_buckets::{BucketId, DType};
 use collsched_schedule::ScheduleError;
 
 use crate::backend::BackendError;
@@ -81,6 +91,28 @@ pub enum RuntimeError {
         /// The rank.
         rank: usize,
         /// What is wrong and what to do.
+        what: String,
+    },
+    /// A gradient bucket's reduction dtype (`GradReduce::dtype`) cannot be used with its
+    /// gradients' dtype.
+    #[error(
+        "rank {rank}: gradient bucket {bucket}{}: holds {dtype} gradients, reduction dtype {reduce} \
+         refused: {what}",
+        gather_bucket.map_or(String::new(), |g| format!(" (of gather bucket {g}, the key of reduce_per_bucket)"))
+    )]
+    ReduceDtype {
+        /// The rank.
+        rank: usize,
+        /// The gradient bucket.
+        bucket: BucketId,
+        /// The gather bucket it belongs to (the key of `SchedulerConfig::reduce_per_bucket`),
+        /// if one.
+        gather_bucket: Option<BucketId>,
+        /// The bucket's (parameters' and gradients') dtype.
+        dtype: DType,
+        /// The reduction dtype asked for.
+        reduce: DType,
+        /// Why, and what to do.
         what: String,
     },
     /// Something this driver does not support yet.

@@ -26,6 +26,34 @@ pub(crate) fn elem_of(dtype: DType, rank: usize, bucket: BucketId) -> Result<Ele
     }
 }
 
+/// The element type a bucket of `dtype` gradients is reduced in, for `GradReduce::dtype`
+/// `reduce`; `Err` says why the pair is refused and what to do.
+///
+/// Supported: the bucket's own dtype; f16 or bf16 gradients reduced in f32 (mixed precision:
+/// the cast is exact); f32 gradients reduced in f16 or bf16 (half the traffic, rounded once
+/// at copy-in). Refused: a reduction dtype the kernels do not reduce (f64, u8, i8), and
+/// f16 <-> bf16, which loses range one way and precision the other.
+pub(crate) fn reduce_elem(dtype: DType, reduce: DType) -> Result<ElemType, String> {
+    let of = |d: DType| match d {
+        DType::F32 => Some(ElemType::F32),
+        DType::F16 => Some(ElemType::F16),
+        DType::BF16 => Some(ElemType::BF16),
+        _ => None,
+    };
+    match (of(dtype), of(reduce)) {
+        (Some(p), Some(r)) if p == r || p == ElemType::F32 || r == ElemType::F32 => Ok(r),
+        (Some(_), Some(_)) => Err(format!(
+            "{dtype} gradients reduced in {reduce} would lose {}; reduce in f32 or in {dtype}",
+            if reduce == DType::F16 { "range" } else { "precision" }
+        )),
+        (Some(_), None) => Err(format!(
+            "collectives reduce in f32, f16 or bf16, not {reduce}; set GradReduce::dtype to one of them \
+             (or None for {dtype})"
+        )),
+        (None, _) => Err(format!("collectives move f32, f16 and bf16 gradients only, not {dtype}")),
+    }
+}
+
 fn group_of(plan: &Plan, op: collsched_schedule::OpId, rank: usize) -> Result<RankGroup, RuntimeError> {
     let o = plan.op(op).ok_or_else(|| RuntimeError::Unsupported {
         rank,
@@ -180,8 +208,15 @@ impl GatherTables {
 #[derive(Debug)]
 pub(crate) struct GradTable {
     pub(crate) id: BucketId,
+    /// The reduction's element type (`GradReduce::dtype`): of the gradient buffer, the
+    /// collectives, the no_sync accumulators and the reduced shard.
     pub(crate) elem: ElemType,
+    /// The parameters' (and so the engine's gradients') element type; cast to `elem` at
+    /// copy-in.
+    pub(crate) param_elem: ElemType,
+    /// Bytes of the full-size gradient buffer, in `elem`.
     pub(crate) gathered_bytes: usize,
+    /// Bytes of this rank's reduced shard, in `elem`.
     pub(crate) shard_bytes: usize,
     /// The collectives, run one after the other (reduce-scatter; for hybrid then the
     /// all-reduce across groups; or one all-reduce).
@@ -227,23 +262,19 @@ impl GradTables {
                 what: format!("gradient bucket {} of the scheduler is not in the plan", input.id),
             })?;
             by_id[b.id().index()] = j as u32;
-            let elem = elem_of(b.dtype(), rank, b.id())?;
+            let param_elem = elem_of(b.dtype(), rank, b.id())?;
             let spec = sched.reduce_spec(j).ok_or_else(|| RuntimeError::Unsupported {
                 rank,
                 what: format!("gradient bucket {} has no reduce spec", b.id()),
             })?;
-            if spec.dtype != b.dtype() {
-                return Err(RuntimeError::Unsupported {
-                    rank,
-                    what: format!(
-                        "gradient bucket {} reduces in {} but holds {}; reduction in another dtype is not \
-                         supported by this driver yet (leave GradReduce::dtype unset)",
-                        b.id(),
-                        spec.dtype,
-                        b.dtype()
-                    ),
-                });
-            }
+            let elem = reduce_elem(b.dtype(), spec.dtype).map_err(|what| RuntimeError::ReduceDtype {
+                rank,
+                bucket: b.id(),
+                gather_bucket: input.partner,
+                dtype: b.dtype(),
+                reduce: spec.dtype,
+                what,
+            })?;
             let ops = plan.grad_ops(b.id());
             let mut stages = Vec::with_capacity(ops.len());
             let last = ops.len().saturating_sub(1);
@@ -290,11 +321,13 @@ impl GradTables {
                 let shi = shard_runs.len() as u32;
                 params[p.index()] = GradSlot { bucket: j as u32, copy_in: (lo, hi), shard_runs: (slo, shi) };
             }
+            let in_reduce = |bytes: usize| bytes / param_elem.size() * elem.size();
             grad.push(GradTable {
                 id: b.id(),
                 elem,
-                gathered_bytes: b.gathered_bytes(),
-                shard_bytes: b.shard_bytes(),
+                param_elem,
+                gathered_bytes: in_reduce(b.gathered_bytes()),
+                shard_bytes: in_reduce(b.shard_bytes()),
                 stages,
             });
         }

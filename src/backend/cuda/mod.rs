@@ -24,6 +24,13 @@
 //!   of an average) is applied to the output after it. Both use the same `f32` division as the
 //!   CPU kernels; NCCL's sum itself runs in the element type in NCCL's order, so f16/bf16 sums
 //!   differ from the CPU's f32-accumulated ones by rounding.
+//! - [`Backend::launch_then`] (hybrid's all-reduce chained behind its reduce-scatter) is the
+//!   trait's stream-ordered implementation: the second NCCL call is enqueued right behind the
+//!   first on the same stream (its `cuStreamWaitEvent` on the first's event is already
+//!   satisfied by stream order), and the first's other buffers go back to the pool with that
+//!   event as their deferred-free fence; no host synchronization between them. Every rank
+//!   enqueues the stages in the same order on one stream, so the two communicators cannot
+//!   deadlock each other.
 //! - Mismatched collectives across ranks cannot be detected by NCCL (they hang or corrupt):
 //!   the plan fingerprint exchange above the backend is what guards against them; a hang ends
 //!   with [`BackendError::EventTimeout`] on the host side.

@@ -8,6 +8,13 @@
 //! chunks into the outputs followed by an all-gather of the chunks, a broadcast copies from the
 //! root. The rendezvous protocol that makes this safe is described in `rendezvous.rs`.
 //!
+//! [`Backend::launch_then`] (a collective chained behind an in-flight one, reading its output)
+//! is the trait's stream-ordered implementation: the chained work item is queued right behind
+//! the first on the same stream thread, fenced on the first's event (already complete when the
+//! thread reaches it), and the first's other buffers wait in the pool's deferred frees for
+//! that event. A buffer's memory does not move with the [`LocalBuffer`] value, which is what
+//! lets the chained collective take the first one's output while it is still being written.
+//!
 //! # Failures
 //! A member that panics, drops its handle, fails, or simply does not arrive makes every other
 //! member of that collective fail with an error naming the op, the group, the missing ranks and

@@ -1,0 +1,565 @@
+//! Gradient reduction in a dtype other than the parameters' (bf16 or f16 parameters reduced in
+//! f32, f32 parameters reduced in bf16 or f16), against an unsharded reference computed here
+//! that does the same casts and sums in the reduce-scatter's order; refused dtype pairs; and
+//! hybrid sharding's cross-group all-reduce chained behind the in-group reduce-scatter in
+//! stream order (launched before the reduce-scatter completed; a failure of the first stage
+//! reported on every rank).
+
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::Duration;
+
+use collsched::backend::local::{LocalConfig, LocalRank, LocalWorld};
+use collsched::backend::{BackendError, Stream};
+use collsched::buckets::{DType, LayoutBuilder, ParamId, ParamSet, ParamSpec, Sharding};
+use collsched::kernels::ElemType;
+use collsched::runtime::{Coordinator, ModelState, RuntimeError};
+use collsched::schedule::{GradReduce, Plan, SchedulerConfig};
+use half::{bf16, f16};
+
+/// Odd sizes, several buckets of 64 bytes.
+const SIZES: [usize; 6] = [17, 35, 5, 33, 3, 18];
+const STEPS: usize = 2;
+const MICRO: usize = 3;
+const LR: f32 = 0.125;
+
+fn elem(d: DType) -> ElemType {
+    match d {
+        DType::F32 => ElemType::F32,
+        DType::F16 => ElemType::F16,
+        DType::BF16 => ElemType::BF16,
+        other => panic!("no element type for {other}"),
+    }
+}
+
+/// `v` rounded to `t` (round to nearest even), as f32.
+fn round(t: ElemType, v: f32) -> f32 {
+    match t {
+        ElemType::F32 => v,
+        ElemType::F16 => f16::from_f32(v).to_f32(),
+        ElemType::BF16 => bf16::from_f32(v).to_f32(),
+    }
+}
+
+fn encode(t: ElemType, v: &[f32]) -> Vec<u8> {
+    v.iter()
+        .flat_map(|&x| match t {
+            ElemType::F32 => x.to_le_bytes().to_vec(),
+            ElemType::F16 => f16::from_f32(x).to_le_bytes().to_vec(),
+            ElemType::BF16 => bf16::from_f32(x).to_le_bytes().to_vec(),
+        })
+        .collect()
+}
+
+fn decode(t: ElemType, b: &[u8]) -> Vec<f32> {
+    b.chunks_exact(t.size())
+        .map(|c| match t {
+            ElemType::F32 => f32::from_le_bytes([c[0], c[1], c[2], c[3]]),
+            ElemType::F16 => f16::from_le_bytes([c[0], c[1]]).to_f32(),
+            ElemType::BF16 => bf16::from_le_bytes([c[0], c[1]]).to_f32(),
+        })
+        .collect()
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// A deterministic gradient value (before rounding to the parameters' dtype): magnitudes from
+/// 2^-14 to 8 so that casts and sums round.
+fn grad_value(step: usize, micro: usize, rank: usize, param: usize, i: usize) -> f32 {
+    let mut h =
+        (step as u64) << 48 ^ (micro as u64) << 40 ^ (rank as u64) << 32 ^ (param as u64) << 20 ^ i as u64;
+    h = h.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    h ^= h >> 29;
+    h = h.wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    h ^= h >> 32;
+    let mant = (h & 0xFFFF) as f32 / 65536.0 * 2.0 - 1.0;
+    let scale = [8.0, 1.0, 0.3, 2f32.powi(-9), 2f32.powi(-14)][((h >> 16) % 5) as usize];
+    mant * scale
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Case {
+    dtype: DType,
+    reduce: DType,
+    world: usize,
+    sharding: Sharding,
+    pre: Option<f64>,
+    post: Option<f64>,
+}
+
+impl Case {
+    fn config(&self) -> SchedulerConfig {
+        SchedulerConfig {
+            reduce: GradReduce { dtype: Some(self.reduce), pre_divide: self.pre, post_divide: self.post },
+            ..SchedulerConfig::default()
+        }
+    }
+
+    fn plan(&self) -> Plan {
+        let specs = SIZES
+            .iter()
+            .enumerate()
+            .map(|(k, &n)| ParamSpec::new(format!("p{k}"), [n], self.dtype))
+            .collect();
+        let set = ParamSet::new(specs).expect("params");
+        let layout = LayoutBuilder::new(&set, self.sharding, self.world as u32)
+            .bucket_bytes(64)
+            .build()
+            .expect("layout");
+        Plan::new(layout)
+    }
+
+    fn init(&self) -> Vec<Vec<f32>> {
+        let p = elem(self.dtype);
+        SIZES
+            .iter()
+            .enumerate()
+            .map(|(k, &n)| (0..n).map(|i| round(p, (k as f32 + 1.0) * 0.37 - i as f32 * 0.0625)).collect())
+            .collect()
+    }
+
+    /// The shard groups of the first reduction stage, and whether a second stage (all-reduce
+    /// across them) follows: hybrid sharding over several groups.
+    fn groups(&self) -> Vec<Vec<usize>> {
+        match self.sharding {
+            Sharding::Hybrid(g) if (g as usize) < self.world => {
+                let g = g as usize;
+                (0..self.world / g).map(|b| (b * g..(b + 1) * g).collect()).collect()
+            }
+            _ => vec![(0..self.world).collect()],
+        }
+    }
+}
+
+/// The reference: the unsharded run doing the driver's casts. Per rank, the micro-batch
+/// gradients (in the parameters' dtype) accumulate in the reduction dtype (the first cast,
+/// each later one added in f32 and rounded); then the contributions are summed in f32 in
+/// rank order within each shard group, each divided by `pre`, the sum divided by `post` (by
+/// 1 for hybrid's first stage, whose results are then summed across groups in group order
+/// and divided by `post`), each stage rounded to the reduction dtype. Returns per step the
+/// reduced gradients, and the parameters after the SGD steps.
+fn reference(case: &Case) -> (Vec<Vec<Vec<f32>>>, Vec<Vec<f32>>) {
+    let (p, r) = (elem(case.dtype), elem(case.reduce));
+    let pre = case.pre.unwrap_or(1.0);
+    let post = case.post.unwrap_or(case.world as f64 / pre) as f32;
+    let pre = pre as f32;
+    let groups = case.groups();
+    let mut params = case.init();
+    let mut grads = Vec::new();
+    for step in 0..STEPS {
+        let mut step_grads = Vec::new();
+        for (k, w) in params.iter_mut().enumerate() {
+            let mut red = vec![0f32; w.len()];
+            for (i, out) in red.iter_mut().enumerate() {
+                let contribution = |rank: usize| {
+                    let g = |m: usize| round(p, grad_value(step, m, rank, k, i));
+                    (1..MICRO).fold(round(r, g(0)), |acc, m| round(r, acc + g(m)))
+                };
+                let stage = |group: &[usize], post: f32| {
+                    let mut s = 0f32;
+                    for &rank in group {
+                        s += contribution(rank) / pre;
+                    }
+                    round(r, s / post)
+                };
+                *out = if groups.len() == 1 {
+                    stage(&groups[0], post)
+                } else {
+                    let mut s = 0f32;
+                    for g in &groups {
+                        s += stage(g, 1.0) / 1.0;
+                    }
+                    round(r, s / post)
+                };
+            }
+            for (x, g) in w.iter_mut().zip(&red) {
+                *x = round(p, *x - LR * g);
+            }
+            step_grads.push(red);
+        }
+        grads.push(step_grads);
+    }
+    (grads, params)
+}
+
+/// What one rank saw: per step, the gradient runs its optimizer hook got (parameter, offset,
+/// values), and the parameters it fetched at the end.
+type Seen = (Vec<Vec<Run>>, Vec<Vec<f32>>);
+
+/// A gradient run an optimizer hook got: parameter, offset, values.
+type Run = (usize, usize, Vec<f32>);
+
+fn world(n: usize) -> LocalWorld {
+    LocalWorld::with_config(n, LocalConfig { timeout: Duration::from_secs(30), ..LocalConfig::default() })
+        .expect("world")
+}
+
+/// Backward of one micro-batch: per parameter in reverse, fetch, hand the gradient, release.
+fn backward(
+    c: &mut Coordinator<LocalRank>,
+    case: &Case,
+    step: usize,
+    micro: usize,
+) -> Result<(), RuntimeError> {
+    let p = elem(case.dtype);
+    for k in (0..SIZES.len()).rev() {
+        let id = ParamId(k as u32);
+        c.fetch(&[id])?;
+        let g: Vec<f32> = (0..SIZES[k]).map(|i| grad_value(step, micro, c.model().rank(), k, i)).collect();
+        c.grad_ready(id, &encode(p, &g))?;
+        c.release(&[id])?;
+    }
+    Ok(())
+}
+
+fn sgd_hook(seen: &mut Vec<Run>) -> impl FnMut(collsched::runtime::ShardUpdate<'_>) + '_ {
+    move |u| {
+        let g = decode(u.grad_elem, u.grad);
+        let w = decode(u.elem, u.values);
+        let new: Vec<f32> = w.iter().zip(&g).map(|(x, g)| x - LR * g).collect();
+        u.values.copy_from_slice(&encode(u.elem, &new));
+        seen.push((u.param.index(), u.param_offset, g));
+    }
+}
+
+fn sharded(case: &Case) -> Vec<Seen> {
+    let plan = case.plan();
+    let init = case.init();
+    let bytes: Vec<Vec<u8>> = init.iter().map(|v| encode(elem(case.dtype), v)).collect();
+    let refs: Vec<&[u8]> = bytes.iter().map(Vec::as_slice).collect();
+    let results = world(case.world)
+        .run(|rank| -> Result<Seen, RuntimeError> {
+            let state = ModelState::new(Arc::new(rank), &plan, &refs)?;
+            let mut c = state.coordinator(case.config())?;
+            let mut steps = Vec::new();
+            for step in 0..STEPS {
+                for micro in 0..MICRO - 1 {
+                    let mut g = c.no_sync()?;
+                    backward(&mut g, case, step, micro)?;
+                    g.end_step()?;
+                }
+                backward(&mut c, case, step, MICRO - 1)?;
+                c.end_step()?;
+                let mut seen = Vec::new();
+                c.update_shards(sgd_hook(&mut seen))?;
+                steps.push(seen);
+            }
+            let all: Vec<ParamId> = (0..SIZES.len() as u32).map(ParamId).collect();
+            let v = c.fetch(&all)?;
+            let t = elem(case.dtype);
+            let fin = all.iter().map(|&p| v.bytes(p).map(|b| decode(t, b))).collect::<Result<Vec<_>, _>>()?;
+            drop(v);
+            c.release(&all)?;
+            c.end_step()?;
+            Ok((steps, fin))
+        })
+        .expect("ranks");
+    results
+        .into_iter()
+        .enumerate()
+        .map(|(r, x)| {
+            x.unwrap_or_else(|_| panic!("{case:?}: rank {r} panicked"))
+                .unwrap_or_else(|e| panic!("{case:?}: rank {r}: {e}"))
+        })
+        .collect()
+}
+
+/// Every rank's gradients and final parameters equal the reference's bit for bit, and every
+/// gradient element reached exactly one optimizer per shard group.
+fn check(case: &Case) {
+    let (grads, params) = reference(case);
+    let ranks = sharded(case);
+    for (step, want) in grads.iter().enumerate() {
+        let mut cover: Vec<Vec<usize>> = SIZES.iter().map(|&n| vec![0; n]).collect();
+        for (r, (steps, _)) in ranks.iter().enumerate() {
+            for (p, off, g) in &steps[step] {
+                assert_eq!(
+                    bits(g),
+                    bits(&want[*p][*off..off + g.len()]),
+                    "{case:?}: step {step}, rank {r}, parameter p{p} at {off}: reduced gradient differs"
+                );
+                cover[*p][*off..off + g.len()].iter_mut().for_each(|c| *c += 1);
+            }
+        }
+        let copies = case.groups().len();
+        for (p, c) in cover.iter().enumerate() {
+            assert!(
+                c.iter().all(|&n| n == copies),
+                "{case:?}: step {step}: p{p} covered {c:?} times, want {copies}"
+            );
+        }
+    }
+    for (r, (_, fin)) in ranks.iter().enumerate() {
+        for (k, (got, want)) in fin.iter().zip(&params).enumerate() {
+            assert_eq!(bits(got), bits(want), "{case:?}: rank {r}: final p{k} differs");
+        }
+    }
+}
+
+fn strategies(world: usize) -> Vec<Sharding> {
+    let mut s = vec![Sharding::EvenSplit, Sharding::Flat, Sharding::Greedy];
+    s.extend((1..world).filter(|g| world.is_multiple_of(*g)).map(|g| Sharding::Hybrid(g as u32)));
+    s
+}
+
+fn all_cases(dtype: DType, reduce: DType) {
+    for world in 1..=5 {
+        for (k, sharding) in strategies(world).into_iter().enumerate() {
+            // Alternate the divide factors: the defaults (mean), a pre-divide, both given.
+            let (pre, post) = [(None, None), (Some(2.0), None), (Some(4.0), Some(0.75))][(world + k) % 3];
+            check(&Case { dtype, reduce, world, sharding, pre, post });
+        }
+    }
+}
+
+#[test]
+fn bf16_params_reduced_in_f32_match_the_reference() {
+    all_cases(DType::BF16, DType::F32);
+}
+
+#[test]
+fn f16_params_reduced_in_f32_match_the_reference() {
+    all_cases(DType::F16, DType::F32);
+}
+
+#[test]
+fn f32_params_reduced_in_bf16_match_their_reference() {
+    all_cases(DType::F32, DType::BF16);
+}
+
+#[test]
+fn f32_params_reduced_in_f16_match_their_reference() {
+    for world in [2, 4] {
+        for sharding in [Sharding::EvenSplit, Sharding::Hybrid(2)] {
+            check(&Case {
+                dtype: DType::F32,
+                reduce: DType::F16,
+                world,
+                sharding,
+                pre: Some(2.0),
+                post: None,
+            });
+        }
+    }
+}
+
+#[test]
+fn the_optimizer_gets_the_gradient_in_the_reduction_dtype_and_update_shards_f32_widens_it() {
+    let case = Case {
+        dtype: DType::F32,
+        reduce: DType::BF16,
+        world: 2,
+        sharding: Sharding::EvenSplit,
+        pre: None,
+        post: None,
+    };
+    let plan = case.plan();
+    let init = case.init();
+    let (grads, _) = reference(&case);
+    let out = world(2)
+        .run(|rank| -> Result<Vec<Run>, RuntimeError> {
+            let state = ModelState::from_f32(Arc::new(rank), &plan, &init)?;
+            let mut c = state.coordinator(case.config())?;
+            for micro in 0..MICRO - 1 {
+                let mut g = c.no_sync()?;
+                backward(&mut g, &case, 0, micro)?;
+                g.end_step()?;
+            }
+            backward(&mut c, &case, 0, MICRO - 1)?;
+            c.end_step()?;
+            let mut seen = Vec::new();
+            c.update_shards_f32(|p, off, _, g| seen.push((p.index(), off, g.to_vec())))?;
+            // Consumed: a second call visits nothing.
+            assert_eq!(c.update_shards(|_| {})?, 0);
+            Ok(seen)
+        })
+        .expect("ranks");
+    let mut runs = 0;
+    for (r, seen) in out.into_iter().enumerate() {
+        for (p, off, g) in seen.expect("rank thread").expect("rank") {
+            assert_eq!(bits(&g), bits(&grads[0][p][off..off + g.len()]), "rank {r}, p{p} at {off}");
+            runs += 1;
+        }
+    }
+    assert!(runs >= SIZES.len(), "every parameter has at least one run, got {runs}");
+}
+
+#[test]
+fn refused_dtype_pairs_name_the_bucket_and_both_dtypes() {
+    for (dtype, reduce, words) in [
+        (DType::BF16, DType::F16, "range"),
+        (DType::F16, DType::BF16, "precision"),
+        (DType::F32, DType::F64, "f32, f16 or bf16"),
+        (DType::BF16, DType::I8, "f32, f16 or bf16"),
+    ] {
+        let case = Case { dtype, reduce, world: 2, sharding: Sharding::EvenSplit, pre: None, post: None };
+        let plan = case.plan();
+        let gather = plan.layout().gather_buckets()[1].id();
+        // Only one gather bucket's override is bad: the error names its gradient bucket.
+        let config = SchedulerConfig {
+            reduce_per_bucket: vec![(gather, GradReduce { dtype: Some(reduce), ..GradReduce::default() })],
+            ..SchedulerConfig::default()
+        };
+        let bytes: Vec<Vec<u8>> = case.init().iter().map(|v| encode(elem(dtype), v)).collect();
+        let refs: Vec<&[u8]> = bytes.iter().map(Vec::as_slice).collect();
+        let out = world(2)
+            .run(|rank| {
+                let state = ModelState::new(Arc::new(rank), &plan, &refs).expect("state");
+                state.coordinator(config.clone()).map(|_| ())
+            })
+            .expect("ranks");
+        for (r, res) in out.into_iter().enumerate() {
+            let e = res.expect("rank thread").expect_err("a refused pair");
+            let msg = e.to_string();
+            match e {
+                RuntimeError::ReduceDtype { rank, gather_bucket, dtype: d, reduce: rd, .. } => {
+                    assert_eq!((rank, gather_bucket, d, rd), (r, Some(gather), dtype, reduce), "{msg}");
+                }
+                other => panic!("{dtype}/{reduce}: expected ReduceDtype, got {other}"),
+            }
+            for w in
+                ["gradient bucket", &format!("gather bucket {gather}"), dtype.name(), reduce.name(), words]
+            {
+                assert!(msg.contains(w), "{dtype}/{reduce}: message lacks {w:?}: {msg}");
+            }
+        }
+    }
+}
+
+/// Blocks rank's reduce-scatter stream until the test says go (`true`) or fail (`false`).
+fn gate(rank: &LocalRank) -> mpsc::Sender<bool> {
+    let (tx, rx) = mpsc::channel::<bool>();
+    rank.enqueue_host(Stream::ReduceScatter, move || match rx.recv() {
+        Ok(false) => {
+            Err(BackendError::Unsupported { what: "injected failure before the reduce-scatter".into() })
+        }
+        _ => Ok(()),
+    })
+    .expect("gate");
+    tx
+}
+
+fn hybrid_case() -> Case {
+    Case {
+        dtype: DType::BF16,
+        reduce: DType::F32,
+        world: 4,
+        sharding: Sharding::Hybrid(2),
+        pre: None,
+        post: None,
+    }
+}
+
+/// All gradients of one step (no fetches) with the reduce-scatter stream gated: every
+/// reduction, both stages, is launched while no reduce-scatter can have run.
+fn gated_step(c: &mut Coordinator<LocalRank>, case: &Case) -> Result<usize, RuntimeError> {
+    let p = elem(case.dtype);
+    for k in (0..SIZES.len()).rev() {
+        let g: Vec<f32> = (0..SIZES[k]).map(|i| grad_value(0, 0, c.model().rank(), k, i)).collect();
+        c.grad_ready(ParamId(k as u32), &encode(p, &g))?;
+    }
+    c.poll()?;
+    Ok(c.reductions_in_flight())
+}
+
+#[test]
+fn hybrid_all_reduce_is_launched_before_the_reduce_scatter_completed() {
+    let case = Case { pre: Some(2.0), ..hybrid_case() };
+    let plan = case.plan();
+    let n_grad = plan.layout().grad_buckets().len();
+    assert!(n_grad >= 3, "want several gradient buckets, got {n_grad}");
+    let bytes: Vec<Vec<u8>> = case.init().iter().map(|v| encode(elem(case.dtype), v)).collect();
+    let refs: Vec<&[u8]> = bytes.iter().map(Vec::as_slice).collect();
+    let out = world(4)
+        .run(|rank| -> Result<(u64, usize, Vec<Run>), RuntimeError> {
+            let state = ModelState::new(Arc::new(rank), &plan, &refs)?;
+            let mut c = state.coordinator(SchedulerConfig { ..case.config() })?;
+            let go = gate(state.backend());
+            let in_flight = gated_step(&mut c, &case)?;
+            // Both stages of every bucket were issued while the stream was held.
+            let launched = c.driver_counters().collectives;
+            go.send(true).expect("gate");
+            c.end_step()?;
+            let mut seen = Vec::new();
+            c.update_shards(sgd_hook(&mut seen))?;
+            Ok((launched, in_flight, seen))
+        })
+        .expect("ranks");
+    // The reference of this single micro-batch step, by the rule of `reference`.
+    let groups = case.groups();
+    let post = (4.0 / 2.0) as f32;
+    let mut runs = 0;
+    for (r, res) in out.into_iter().enumerate() {
+        let (launched, in_flight, seen) =
+            res.expect("rank thread").unwrap_or_else(|e| panic!("rank {r}: {e}"));
+        assert_eq!(in_flight, n_grad, "rank {r}: a reduction finished while its stream was gated");
+        assert_eq!(
+            launched,
+            2 * n_grad as u64,
+            "rank {r}: all-reduces not launched before the reduce-scatters ran"
+        );
+        runs += seen.len();
+        for (p, off, g) in seen {
+            let want: Vec<f32> = (off..off + g.len())
+                .map(|i| {
+                    let stage = |group: &[usize]| {
+                        let mut s = 0f32;
+                        for &q in group {
+                            s += round(ElemType::BF16, grad_value(0, 0, q, p, i)) / 2.0;
+                        }
+                        s
+                    };
+                    let mut s = 0f32;
+                    for grp in &groups {
+                        s += stage(grp);
+                    }
+                    s / post
+                })
+                .collect();
+            assert_eq!(bits(&g), bits(&want), "rank {r}: p{p} at {off}");
+        }
+    }
+    // (With 64-byte buckets of bf16 and the layout's alignment, some ranks own only padding.)
+    assert!(runs >= 2 * SIZES.len(), "every parameter reached an optimizer in both groups: {runs} runs");
+}
+
+#[test]
+fn a_failed_first_stage_is_reported_on_every_rank_naming_the_op_and_bucket() {
+    let case = hybrid_case();
+    let plan = case.plan();
+    let bytes: Vec<Vec<u8>> = case.init().iter().map(|v| encode(elem(case.dtype), v)).collect();
+    let refs: Vec<&[u8]> = bytes.iter().map(Vec::as_slice).collect();
+    let out = world(4)
+        .run(|rank| {
+            let state = ModelState::new(Arc::new(rank), &plan, &refs).expect("state");
+            let mut c = state.coordinator(case.config()).expect("coordinator");
+            let go = gate(state.backend());
+            gated_step(&mut c, &case).expect("launches");
+            // Rank 0's reduce-scatter stream fails before its first reduce-scatter.
+            go.send(state.rank() != 0).expect("gate");
+            c.end_step().map(|_| ())
+        })
+        .expect("ranks");
+    for (r, res) in out.into_iter().enumerate() {
+        let e = res.expect("rank thread").expect_err("every rank reports the failure");
+        let msg = e.to_string();
+        match e {
+            RuntimeError::Backend { rank, op, bucket, source } => {
+                assert_eq!(rank, r);
+                assert!(bucket.is_some(), "{msg}");
+                // Ranks 0 and 1 share the failed reduce-scatter; ranks 2 and 3 completed
+                // theirs and fail in the all-reduce with the failed peers.
+                let want = if r < 2 { "reduce_scatter" } else { "all_reduce" };
+                assert_eq!(op, want, "rank {r}: {msg}");
+                assert!(
+                    !matches!(source, BackendError::PeerTimeout { .. } | BackendError::EventTimeout { .. }),
+                    "rank {r}: a timeout instead of the failure: {msg}"
+                );
+                assert!(msg.contains("bucket"), "{msg}");
+            }
+            other => panic!("rank {r}: expected a backend error, got {other}"),
+        }
+    }
+}
