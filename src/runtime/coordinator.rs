@@ -4,7 +4,7 @@
 use std::borrow::Cow;
 use std::ops::{Deref, DerefMut, Range};
 use std::sync::{Arc, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use collsched_buckets::{BucketId, ParamId};
 use collsched_kernels::ElemType;
@@ -440,14 +440,17 @@ impl<B: Backend> Coordinator<B> {
 
     /// [`grad_ready`](Self::grad_ready) for a gradient that is complete only once `event`
     /// completed (e.g. the engine queued the device-to-host copy of `grad` on its stream and
-    /// recorded `event` after it). The copy of the gradient into its bucket (or the no_sync
-    /// accumulation) waits for `event` on the host, at most the backend's timeout, within this
-    /// call (the slice is only borrowed for the call); the time counts as waiting time. The
-    /// reduction launches after the copy, as with `grad_ready`.
+    /// recorded `event` after it). The gradient is a host slice borrowed for this call only,
+    /// so the call waits for `event` on the host (at most the backend's timeout; counted as
+    /// waiting time) **before** anything changes, then proceeds as `grad_ready`: the copy into
+    /// the gradient bucket (or the no_sync accumulation) reads `grad` after `event`. The
+    /// scheduler gets the event too (its `CopyGradIn` / `AccumulateGrad` actions name it,
+    /// complete by then).
     ///
     /// # Errors
     /// As [`grad_ready`](Self::grad_ready); [`RuntimeError::Backend`] if `event` failed or
-    /// did not complete within the timeout (the gradient was not used).
+    /// did not complete within the timeout: then nothing was changed (the gradient was not
+    /// taken; call again once the event can complete).
     pub fn grad_ready_after(
         &mut self,
         param: ParamId,
@@ -481,15 +484,26 @@ impl<B: Backend> Coordinator<B> {
                 });
             }
         }
+        if let Some(e) = event {
+            // The gradient is complete only after the engine's event: wait before anything
+            // changes, so a failure or timeout leaves the step as it was.
+            let be = &*self.state.shared.backend;
+            let start = Instant::now();
+            let r = e.wait(be.timeout());
+            self.driver.counters.wait_time += start.elapsed();
+            r.map_err(|source| RuntimeError::Backend {
+                rank: be.rank(),
+                op: "grad_ready_after (waiting for the engine's event; nothing was changed)",
+                bucket: self.sched.grad_bucket_of(param),
+                source,
+            })?;
+        }
         let id = event.map(|_| self.engine_event());
         let shared = &self.state.shared;
         let mut st = shared.lock();
         let mut cx = ctx!(self, st);
         cx.sched.grad_ready(&mut cx.st.registry, param, id, &mut self.driver.actions)?;
-        self.driver.engine = id.zip(event.cloned());
-        let r = self.driver.run(&mut cx, Some(grad));
-        self.driver.engine = None;
-        r
+        self.driver.run(&mut cx, Some(grad))
     }
 
     /// [`grad_ready`](Self::grad_ready) for an `f32` gradient.

@@ -210,8 +210,6 @@ pub(crate) struct Driver<B: Backend> {
     spare: Vec<Vec<Collective<B::Buffer>>>,
     events: Vec<B::Event>,
     pub(crate) counters: DriverCounters,
-    /// The engine event of the call being run (`grad_ready_after`), by its scheduler name.
-    pub(crate) engine: Option<(EngineEvent, B::Event)>,
 }
 
 /// Everything a run of actions needs, borrowed for the call.
@@ -240,38 +238,7 @@ impl<B: Backend> Driver<B> {
             spare: Vec::with_capacity(n_grad.max(4)),
             events: Vec::with_capacity(8),
             counters: DriverCounters::default(),
-            engine: None,
         }
-    }
-
-    /// Blocks until the engine event an action names (`grad_ready_after`'s) completed, at
-    /// most the backend's timeout: the gradient the engine handed over is complete only then.
-    fn wait_engine(
-        &mut self,
-        cx: &Ctx<'_, B>,
-        param: ParamId,
-        after: Option<EngineEvent>,
-    ) -> Result<(), RuntimeError> {
-        let Some(want) = after else { return Ok(()) };
-        let rank = cx.tables.rank;
-        let Some((_, event)) = self.engine.as_ref().filter(|(id, _)| *id == want) else {
-            return Err(RuntimeError::Param {
-                rank,
-                param: Some(format!("id {param}")),
-                what: format!(
-                    "the scheduler names engine event {want:?}, which this call did not give (a driver bug)"
-                ),
-            });
-        };
-        let start = Instant::now();
-        let r = event.wait(cx.backend.timeout());
-        self.counters.wait_time += start.elapsed();
-        r.map_err(|source| RuntimeError::Backend {
-            rank,
-            op: "grad_ready (engine event)",
-            bucket: None,
-            source,
-        })
     }
 
     /// Runs `self.actions` in order (and clears them). `fresh` is the gradient handed to the
@@ -317,8 +284,7 @@ impl<B: Backend> Driver<B> {
                 self.grad_staging[j].reset_zeroed(*bytes);
                 Ok(())
             }
-            Action::CopyGradIn { param, buffer, source, after } => {
-                self.wait_engine(cx, *param, *after)?;
+            Action::CopyGradIn { param, buffer, source, .. } => {
                 let j = self.grad_position(cx, buffer.bucket)?;
                 let slot = cx.grad.params[param.index()];
                 let (lo, hi) = slot.copy_in;
@@ -343,8 +309,7 @@ impl<B: Backend> Driver<B> {
                 copy_in(self.grad_staging[j].as_bytes_mut(), &[src], segs, elem.size())
                     .map_err(|e| kernel_err(rank, *param, "copy_in", e))
             }
-            Action::AccumulateGrad { param, after } => {
-                self.wait_engine(cx, *param, *after)?;
+            Action::AccumulateGrad { param, .. } => {
                 let f = fresh.ok_or_else(|| no_fresh(rank, *param))?;
                 let p = param.index();
                 let slot = cx.tables.params[p];
