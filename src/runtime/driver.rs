@@ -2,25 +2,34 @@
 //!
 //! | action | what the driver does |
 //! |---|---|
-//! | `Launch` (gather) | copy this rank's shard into a pool buffer (copy-in), allocate the gathered buffer, launch the bucket's all-gather (or broadcast) as one group on the all-gather stream after the fences |
+//! | `Launch` (gather) | copy this rank's shard into a pool buffer (copy-in), allocate the gathered buffer (and, for a bucket with parameters not contiguous in it, the unpacked buffer), launch the bucket's all-gather (or broadcast) as one group on the all-gather stream after the fences |
 //! | `Launch` (reduce) | copy the bucket's host gradient buffer into a pool buffer, launch the reduce-scatter (or all-reduce) on the reduce-scatter stream; for hybrid sharding the all-reduce across groups follows when the first stage completed |
 //! | `Wait` | host wait (with the backend's timeout) for the launch, then finish it |
-//! | `Free` | gather: drop the launch if still in flight (the backend frees its buffers when it completes) or give the gathered buffer back to the pool; gradient: nothing (the host buffer is reused) |
+//! | `Free` | gather: drop the launch if still in flight and unviewed (the backend frees its buffers when it completes), else give the gathered and unpacked buffers back to the pool after the fences: the engine events the consumers gave to `release_after` and the unpack's event (one pending event: `backend.free(buf, Some(&event))`; several: kept in a deferred list until all but one completed); gradient: nothing (the host buffer is reused) |
 //! | `AllocGrad` | zero the bucket's host gradient buffer (reused across steps) |
 //! | `CopyGradIn` | copy-in (the kernels' `copy_in`) of the fresh gradient, the accumulator, or both added, into the gradient buffer |
 //! | `AccumulateGrad` | the kernels' `accumulate` into the parameter's full-size accumulator |
 //!
-//! *Finishing* a gather reads the gathered buffer to the host and unpacks it with the kernels'
-//! `copy_out` into the bucket's unpacked buffer (parameters one after the other), which is what
-//! `fetch` hands out; the gathered buffer itself is kept until its `Free`. Finishing a
+//! Engine events (the scheduler's [`EngineEvent`]s) are named per coordinator (one engine
+//! queue each, increasing sequence numbers) and mapped back to the backend events the engine
+//! gave, per gather bucket (the latest per queue, as the scheduler keeps them). The fence of
+//! a `CopyGradIn` / `AccumulateGrad` is complete when the action runs: `grad_ready_after`
+//! waited for it before the scheduler saw the gradient.
+//!
+//! *Finishing* a gather keeps its gathered buffer until its `Free` (views of parameters that
+//! are one contiguous run of it point straight into it) and unpacks the other parameters once,
+//! with the backend's `unpack` (the kernels' `copy_out`, straight from the gathered buffer: on
+//! the calling thread for host memory, on the all-gather stream for a device, with the compute
+//! stream waiting for it), into the unpacked buffer allocated with the gathered one. Finishing a
 //! reduction reads the reduced shard into the model state's gradient shards. Each finish
 //! feeds `OpDone` to the scheduler. Launches are finished by explicit waits (`Wait` actions,
 //! a fetch that needs the data, `end_step`) or, without blocking, by
 //! [`Coordinator::poll`](super::Coordinator::poll).
 //!
 //! Steady-state steps allocate nothing here: host buffers grow once and are reused, backend
-//! buffers come from the backend's pool, and the `Vec`s of collectives handed to the backend
-//! come back with the completed launch and are reused.
+//! buffers come from the backend's pool, the per-bucket consumer lists and the deferred list
+//! keep their capacity, and the `Vec`s of collectives handed to the backend come back with the
+//! completed launch and are reused.
 
 use std::time::{Duration, Instant};
 
