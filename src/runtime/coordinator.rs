@@ -44,7 +44,8 @@ impl StepStats {
         self.driver.wait_time
     }
 
-    /// Highest gathered bytes of the rank during the step.
+    /// Highest gathered bytes of the rank during the step (gathered buffers and their
+    /// unpacked copies).
     pub fn peak_gathered_bytes(&self) -> u64 {
         self.schedule.peak_gathered_bytes
     }
