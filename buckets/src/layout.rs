@@ -290,6 +290,53 @@ impl Bucket {
         GatheredSegments { bucket: self, next: first, last, current: None }
     }
 
+    /// Where the `index`-th parameter of the bucket starts in the gathered buffer (in
+    /// elements) when all of it is **one contiguous run** there, so a view can point straight
+    /// into the gathered buffer: always for Greedy (a parameter lives in one shard) and
+    /// single-owner buckets, for Flat (shards are consecutive slices of the concatenation),
+    /// and for every layout in a group of one. `None` when its elements lie apart (EvenSplit
+    /// and Hybrid with a group of two or more: each shard holds a chunk of every parameter,
+    /// so the chunks of one parameter are a shard apart), or for an index out of range.
+    ///
+    /// # Examples
+    /// ```
+    /// use collsched_buckets::{DType, LayoutBuilder, ParamSet, ParamSpec, Sharding};
+    /// let set = ParamSet::new(vec![ParamSpec::new("w", [10], DType::F32)]).unwrap();
+    /// let even = LayoutBuilder::new(&set, Sharding::EvenSplit, 4).build().unwrap();
+    /// assert_eq!(even.gather_buckets()[0].contiguous_offset(0), None);
+    /// let flat = LayoutBuilder::new(&set, Sharding::Flat, 4).build().unwrap();
+    /// assert_eq!(flat.gather_buckets()[0].contiguous_offset(0), Some(0));
+    /// ```
+    pub fn contiguous_offset(&self, index: usize) -> Option<usize> {
+        let numel = *self.numels.get(index)?;
+        let (first, last) = match self.single_owner {
+            Some(o) => (o, o + 1),
+            None => (0, self.group_size),
+        };
+        // (elements seen so far, where the next run must start, where the first started)
+        let mut run: Option<(usize, usize, usize)> = None;
+        for q in first..last {
+            // Group position q is global rank q (the first group), as in `gathered_segments`.
+            let Some(s) = self.param_segment(index, q) else { continue };
+            let at = self.gathered_base(q) + s.shard_offset;
+            run = match run {
+                None if s.param_offset == 0 => Some((s.numel, at + s.numel, at)),
+                Some((seen, next, start)) if s.param_offset == seen && at == next => {
+                    Some((seen + s.numel, next + s.numel, start))
+                }
+                _ => return None,
+            };
+        }
+        run.filter(|&(seen, _, _)| seen == numel).map(|(_, _, start)| start)
+    }
+
+    /// Elements of the parameters that are not one contiguous run of the gathered buffer
+    /// ([`Bucket::contiguous_offset`] is `None`): what a driver unpacks (copies out) to hand
+    /// out contiguous views. 0 for Flat, Greedy and single-owner buckets.
+    pub fn unpacked_numel(&self) -> usize {
+        (0..self.params.len()).filter(|&i| self.contiguous_offset(i).is_none()).map(|i| self.numels[i]).sum()
+    }
+
     /// Offset in the gathered buffer of the shard of group position `q`.
     fn gathered_base(&self, q: u32) -> usize {
         match self.single_owner {

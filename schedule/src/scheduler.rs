@@ -279,7 +279,7 @@ impl Scheduler {
         let n = t.params.len();
         let same = registry.param_bucket == t.param_gather
             && registry.slots.len() == t.gather.len()
-            && registry.slots.iter().zip(&t.gather).all(|(s, b)| s.id == b.id && s.bytes == b.gathered_bytes);
+            && registry.slots.iter().zip(&t.gather).all(|(s, b)| s.id == b.id && s.bytes == b.memory_bytes());
         if !same {
             return Err(ScheduleError::WrongRegistry {
                 rank,
@@ -1031,7 +1031,7 @@ impl Core {
             ops: b.ops.clone(),
             stream: Stream::AllGather,
             buffer: BufferId { bucket: b.id, serial },
-            bytes: b.gathered_bytes,
+            bytes: b.memory_bytes(),
             after,
             prefetch,
             reduce: None,
@@ -1043,7 +1043,7 @@ impl Core {
             prefetched_by: prefetch.then_some(self.owner),
             consumers: Fences::new(),
         });
-        reg.live_bytes += b.gathered_bytes;
+        reg.live_bytes += b.memory_bytes();
         reg.peak_live_bytes = reg.peak_live_bytes.max(reg.live_bytes);
         self.counters.peak_gathered_bytes = self.counters.peak_gathered_bytes.max(reg.live_bytes as u64);
         self.counters.all_gathers += 1;
@@ -1054,7 +1054,7 @@ impl Core {
         self.counters.gathered_bytes += b.gathered_bytes as u64;
         if prefetch {
             if let Some(a) = reg.ahead.get_mut(self.owner as usize) {
-                a.bytes += b.gathered_bytes;
+                a.bytes += b.memory_bytes();
                 a.count += 1;
             }
             self.pending.push_back(g as u32);

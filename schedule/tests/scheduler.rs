@@ -74,7 +74,7 @@ fn a_fetch_gathers_the_whole_bucket_once() {
     let l = launches(&a)[0];
     assert_eq!(l.ops.as_slice(), r.plan.ops_of(g[0]));
     assert_eq!(l.stream, Stream::AllGather);
-    assert_eq!(l.bytes, r.plan.layout().bucket(g[0]).unwrap().gathered_bytes());
+    assert_eq!(l.bytes, memory_bytes(&r.plan, g[0]));
     // Both params of the bucket are gathered by that one launch.
     for p in layer(1) {
         assert_eq!(r.reg.param_state(p), ParamState::InFlight(l.id));
@@ -496,7 +496,7 @@ fn explicit_prefetch_follows_the_engines_rules() {
 fn prefetch_stays_inside_its_byte_and_count_budgets() {
     let layers = 6;
     let plan = layered(layers, 4);
-    let one = plan.layout().gather_buckets().iter().map(|b| b.gathered_bytes()).max().unwrap();
+    let one = plan.layout().gather_buckets().iter().map(|b| memory_bytes(&plan, b.id())).max().unwrap();
     for (prefetch_bytes, max_inflight) in [(one, 10), (10 * one, 1), (3 * one, 2), (one - 1, 10)] {
         let cfg = SchedulerConfig { prefetch_bytes, max_inflight, ..SchedulerConfig::default() };
         let mut r = rig(layers, cfg);
@@ -511,8 +511,8 @@ fn prefetch_stays_inside_its_byte_and_count_budgets() {
         // The budget is used as far as the next bucket allows.
         let next =
             plan.layout().bucket(plan.layout().gather_bucket_of(layer(pre.len() + 1)[0]).unwrap()).unwrap();
-        let full =
-            pre.len() == max_inflight || pre.iter().sum::<usize>() + next.gathered_bytes() > prefetch_bytes;
+        let full = pre.len() == max_inflight
+            || pre.iter().sum::<usize>() + memory_bytes(&plan, next.id()) > prefetch_bytes;
         assert!(full, "stopped early: {pre:?} ({prefetch_bytes}, {max_inflight})");
     }
 }
@@ -521,9 +521,7 @@ fn prefetch_stays_inside_its_byte_and_count_budgets() {
 fn a_bucket_larger_than_prefetch_bytes_is_prefetched_one_ahead_and_a_second_is_not() {
     let layers = 5;
     let plan = layered(layers, 4);
-    let bytes = |i: usize| {
-        plan.layout().bucket(plan.layout().gather_bucket_of(layer(i)[0]).unwrap()).unwrap().gathered_bytes()
-    };
+    let bytes = |i: usize| memory_bytes(&plan, plan.layout().gather_bucket_of(layer(i)[0]).unwrap());
     let b = |i: usize| plan.layout().gather_bucket_of(layer(i)[0]).unwrap();
     let smallest = (0..layers).map(bytes).min().unwrap();
     let cfg =
@@ -573,7 +571,7 @@ fn a_bucket_larger_than_prefetch_bytes_is_prefetched_one_ahead_and_a_second_is_n
 fn gathered_memory_stays_under_max_live_bytes_and_fetches_evict_unused_prefetches() {
     let layers = 6;
     let plan = layered(layers, 4);
-    let one = plan.layout().gather_buckets().iter().map(|b| b.gathered_bytes()).max().unwrap();
+    let one = plan.layout().gather_buckets().iter().map(|b| memory_bytes(&plan, b.id())).max().unwrap();
     let cfg = SchedulerConfig { max_live_bytes: 2 * one, ..SchedulerConfig::default() };
     let mut r = rig(layers, cfg);
     r.train_step(&(0..layers).collect::<Vec<_>>());

@@ -70,7 +70,7 @@ fn run(plan: &Plan, cfg: &SchedulerConfig, steps: &[Step], completions: Completi
     let mut launched: Vec<LaunchId> = Vec::new();
     let mut pending: HashMap<BucketId, usize> = HashMap::new(); // prefetched, not yet fetched
     let mut outcome = Outcome { launches: vec![], frees: vec![], errors: vec![] };
-    let bytes_of = |b: BucketId| plan.layout().bucket(b).unwrap().gathered_bytes();
+    let bytes_of = |b: BucketId| common::memory_bytes(plan, b);
     let mut all: Vec<Step> = steps.to_vec();
     all.push(Step::ReleaseAll);
     all.push(Step::End);

@@ -73,7 +73,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use collsched_kernels::{ElemType, KernelError, ReduceOp, Scaling};
+use collsched_kernels::{CopySegment, ElemType, KernelError, ReduceOp, Scaling};
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -659,6 +659,72 @@ pub trait Backend: Send + Sync {
         Self: Sized,
     {
         self.launch_group(stream, after, vec![op])
+    }
+
+    /// The bytes of `buffer` when they are host memory the caller may read directly (the
+    /// local backend), `None` for device memory (CUDA: hand the buffer to device code, or
+    /// copy it with [`Backend::read_to_host`]). The default is `None`.
+    fn host_bytes<'a>(&self, buffer: &'a Self::Buffer) -> Option<&'a [u8]> {
+        let _ = buffer;
+        None
+    }
+
+    /// Unpacks runs of `packed` into `dst`: the kernels' `copy_out` with one destination
+    /// (every segment's `buffer` is 0; offsets and lengths count elements of `elem_size`
+    /// bytes), on `stream` in order with its other work. Returns `None` when the copy is
+    /// complete on return (host memory, copied on the calling thread), else the event after
+    /// which `dst` holds the runs: until it completed, neither buffer may be written, freed
+    /// without it, or read by other streams (free them with it: [`Backend::free`]).
+    ///
+    /// The default copies on the calling thread through [`Backend::host_bytes`] and
+    /// [`Backend::write_from_host`].
+    ///
+    /// # Errors
+    /// [`BackendError::OutOfRange`] naming the segment if one does not fit either buffer
+    /// (nothing is copied then); [`BackendError::Unsupported`] for the default on a backend
+    /// without host bytes; the backend's failures.
+    fn unpack(
+        &self,
+        stream: Stream,
+        dst: &mut Self::Buffer,
+        packed: &Self::Buffer,
+        segments: &[CopySegment],
+        elem_size: usize,
+    ) -> Result<Option<Self::Event>, BackendError> {
+        let Some(src) = self.host_bytes(packed) else {
+            return Err(BackendError::Unsupported {
+                what: format!(
+                    "rank {}: unpack on stream {stream}: this backend's buffers are not host memory and it \
+                     implements no unpack of its own",
+                    self.rank()
+                ),
+            });
+        };
+        let dst_len = dst.len();
+        let byte_range = |k: usize, s: &CopySegment| -> Result<(usize, usize, usize), BackendError> {
+            let fits = |off: usize, len: usize| off.checked_add(s.len).filter(|&e| e <= len).is_some();
+            let es = elem_size.max(1);
+            if s.buffer != 0 || !fits(s.buffer_offset, dst_len / es) || !fits(s.packed_offset, src.len() / es)
+            {
+                return Err(BackendError::OutOfRange {
+                    rank: self.rank(),
+                    what: format!(
+                        "unpack segment {k} ({s:?}, elements of {elem_size} bytes) does not fit a destination of \
+                         {dst_len} bytes and a packed buffer of {} bytes",
+                        src.len()
+                    ),
+                });
+            }
+            Ok((s.buffer_offset * es, s.packed_offset * es, s.len * es))
+        };
+        for (k, s) in segments.iter().enumerate() {
+            byte_range(k, s)?;
+        }
+        for (k, s) in segments.iter().enumerate() {
+            let (at, from, len) = byte_range(k, s)?;
+            self.write_from_host(dst, at, &src[from..from + len])?;
+        }
+        Ok(None)
     }
 
     /// Blocks until everything launched on `stream` so far completed (record + wait).

@@ -275,7 +275,7 @@ fn micro_step<B: Backend>(
         let cache = {
             let v = c.fetch(&[w, b])?;
             let input = caches.last().map_or(x, |c: &super::model::LayerCache| &c.output[..]);
-            model.layer_forward(l, v.f32(w)?, v.f32(b)?, input)
+            model.layer_forward(l, &v.read_f32(w)?, &v.read_f32(b)?, input)
         };
         c.release(&[w, b])?;
         caches.push(cache);
@@ -288,7 +288,7 @@ fn micro_step<B: Backend>(
         let mut gb = vec![0f32; no];
         g = {
             let v = c.fetch(&[w, b])?;
-            model.layer_backward(l, v.f32(w)?, &caches[l], &g, &mut gw, &mut gb)
+            model.layer_backward(l, &v.read_f32(w)?, &caches[l], &g, &mut gw, &mut gb)
         };
         c.release(&[w, b])?;
         if mask[w.index()] {
@@ -309,7 +309,7 @@ fn eval_pass<B: Backend>(c: &mut Coordinator<B>, cfg: &DemoConfig) -> Result<f32
         let [w, b] = layer_ids(l);
         h = {
             let v = c.fetch(&[w, b])?;
-            model.layer_forward(l, v.f32(w)?, v.f32(b)?, &h).output
+            model.layer_forward(l, &v.read_f32(w)?, &v.read_f32(b)?, &h).output
         };
         c.release(&[w, b])?;
     }
@@ -371,7 +371,7 @@ fn run_rank<B: Backend>(
     let ids: Vec<ParamId> = (0..n as u32).map(ParamId).collect();
     let params = {
         let v = train.fetch(&ids)?;
-        ids.iter().map(|&p| v.f32(p).map(<[f32]>::to_vec)).collect::<Result<Vec<_>, _>>()?
+        ids.iter().map(|&p| v.read_f32(p).map(std::borrow::Cow::into_owned)).collect::<Result<Vec<_>, _>>()?
     };
     train.release(&ids)?;
     train.end_step()?;

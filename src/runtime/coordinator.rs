@@ -1,15 +1,16 @@
 //! [`Coordinator`]: the engine-facing API (DESIGN's `fetch` / `release` / `grad_ready` /
 //! `no_sync` / `end_step`), one per engine per rank per model.
 
-use std::ops::{Deref, DerefMut};
+use std::borrow::Cow;
+use std::ops::{Deref, DerefMut, Range};
 use std::sync::{Arc, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use collsched_buckets::{BucketId, ParamId};
 use collsched_kernels::ElemType;
-use collsched_schedule::{PlanDigests, Scheduler, SchedulerConfig, StepCounters, StepReport};
+use collsched_schedule::{EngineEvent, PlanDigests, Scheduler, SchedulerConfig, StepCounters, StepReport};
 
-use super::driver::{ensure_unpacked, poll_gathers, Ctx, Driver, DriverCounters};
+use super::driver::{ensure_gathered, poll_gathers, Ctx, Driver, DriverCounters, Gathered};
 use super::state::{ModelState, RankState};
 use super::tables::GradTables;
 use super::RuntimeError;
@@ -43,7 +44,8 @@ impl StepStats {
         self.driver.wait_time
     }
 
-    /// Highest gathered bytes of the rank during the step.
+    /// Highest gathered bytes of the rank during the step (gathered buffers and their
+    /// unpacked copies).
     pub fn peak_gathered_bytes(&self) -> u64 {
         self.schedule.peak_gathered_bytes
     }
@@ -56,9 +58,15 @@ impl StepStats {
 /// in-flight registry and the gathered buffers: a bucket one of them gathered is used, not
 /// gathered again, by the other, and freed only when both released it.
 ///
-/// The engine is taken to be **host-synchronous**: when it calls `release` or `grad_ready`,
-/// its use of the parameters or its gradient is complete (true of the local backend's host
-/// slices). See the module docs for the call order of a training step.
+/// **Engine events.** [`release`](Self::release) and [`grad_ready`](Self::grad_ready) are the
+/// host-synchronous forms: the engine's use of the parameters, or its gradient, is complete
+/// when it calls (true of host compute on the local backend). An engine that overlaps (a CUDA
+/// engine queues kernels and returns) uses [`release_after`](Self::release_after) and
+/// [`grad_ready_after`](Self::grad_ready_after) with an event it recorded after that work
+/// (e.g. `backend.record(Stream::Compute)`): buffers are freed, and reused by a later gather,
+/// only after it. Events given to one coordinator must complete in the order given (record
+/// them on one stream): a later one stands for the earlier ones. See the module docs for the
+/// call order of a training step.
 pub struct Coordinator<B: Backend> {
     state: ModelState<B>,
     sched: Scheduler,
@@ -68,6 +76,10 @@ pub struct Coordinator<B: Backend> {
     stats: StepStats,
     /// `update_shards_f32`'s widened gradient (grows once, reused).
     wide: Vec<f32>,
+    /// This coordinator's engine queue (for the scheduler's engine events) and the next
+    /// sequence number on it.
+    queue: u32,
+    next_seq: u64,
 }
 
 impl<B: Backend> std::fmt::Debug for Coordinator<B> {
@@ -80,18 +92,47 @@ impl<B: Backend> std::fmt::Debug for Coordinator<B> {
 }
 
 /// Gathered parameters, valid until the next call on the coordinator (the views borrow it and
-/// hold the rank's model-state lock).
+/// hold the rank's model-state lock, so no buffer they show can be freed or reused under
+/// them).
+///
+/// Each parameter's full value is one contiguous byte range of a backend buffer:
+/// - of the **gathered buffer itself** when the parameter is one contiguous run of it (Flat
+///   and Greedy layouts, single-owner buckets, any layout on a group of one): nothing is
+///   copied after the collective;
+/// - of an **unpacked buffer** otherwise (EvenSplit and Hybrid: every shard holds a chunk of
+///   every parameter, so the chunks of one parameter lie a shard apart, as in FSDP2, which
+///   copies out too). The driver unpacks such parameters once, straight from the gathered
+///   buffer (the kernels' `copy_out` on the backend: no host staging), into a buffer taken
+///   from the backend's pool with the gathered one and freed with it; the scheduler counts
+///   both in its budgets and in live and peak gathered bytes.
+///
+/// Both buffers exist only while the bucket is gathered (from its gather to the `Free` after
+/// its last release): nothing of the model's full size is kept across steps.
+///
+/// Host backends (the local one) read the bytes directly ([`Views::bytes`], [`Views::f32`]);
+/// device backends hand out the buffer and range ([`Views::buffer`]: a CUDA engine takes the
+/// device pointer of the buffer plus the range's start), or copy to the host
+/// ([`Views::copy_to_host`], [`Views::read_f32`]). Views are **read-only**: writing through
+/// a device pointer obtained from one is not allowed (other coordinators on the model see the
+/// same buffers, and the shards are the parameters' truth: update them with
+/// [`Coordinator::update_shards`]). No collective reads a buffer a view shows: the gathered
+/// buffer is the output of a completed collective, and the pool hands it to a new gather only
+/// after its `Free` and the events that free waits for.
 pub struct Views<'a, B: Backend> {
     st: MutexGuard<'a, RankState<B>>,
     state: &'a ModelState<B>,
 }
 
+/// Where a viewed parameter is: its finished gather, the buffer and the byte range.
+type Located<'v, B> = (&'v Gathered<B>, &'v <B as Backend>::Buffer, Range<usize>);
+
 impl<B: Backend> Views<'_, B> {
-    /// The full value of `param` (little-endian bytes of its dtype).
-    ///
-    /// # Errors
-    /// [`RuntimeError::Param`] if the parameter is unknown or not gathered (not fetched).
-    pub fn bytes(&self, param: ParamId) -> Result<&[u8], RuntimeError> {
+    fn name(&self, param: ParamId) -> Option<String> {
+        Some(self.state.plan().layout().params().name(param).to_string())
+    }
+
+    /// The finished gather holding `param`, the buffer its value is in and the byte range.
+    fn locate(&self, param: ParamId) -> Result<Located<'_, B>, RuntimeError> {
         let t = &self.state.shared.tables;
         let rank = t.rank;
         let slot = t.params.get(param.index()).copied().ok_or_else(|| RuntimeError::Param {
@@ -100,41 +141,124 @@ impl<B: Backend> Views<'_, B> {
             what: format!("not a parameter of this model ({} parameters)", t.params.len()),
         })?;
         let current = self.st.registry.gathered_by(param);
-        if current.is_none() || self.st.gather.unpacked_for(slot.gather) != current {
-            return Err(RuntimeError::Param {
-                rank,
-                param: Some(self.state.plan().layout().params().name(param).to_string()),
-                what: format!(
-                    "not gathered (gather bucket {}); fetch it before reading it",
-                    t.gather[slot.gather].id
-                ),
-            });
-        }
+        let not_gathered = || RuntimeError::Param {
+            rank,
+            param: self.name(param),
+            what: format!(
+                "not gathered (gather bucket {}); fetch it before reading it",
+                t.gather[slot.gather].id
+            ),
+        };
+        let held = self.st.gather.gathered(slot.gather, current).ok_or_else(not_gathered)?;
+        let buffer =
+            if slot.unpacked { held.unpacked.as_ref().ok_or_else(not_gathered)? } else { &held.buffer };
         let es = slot.elem_size;
-        Ok(&self.st.gather.unpacked[slot.gather].as_bytes()[slot.base * es..(slot.base + slot.numel) * es])
+        Ok((held, buffer, slot.base * es..(slot.base + slot.numel) * es))
     }
 
-    /// The full value of an `f32` parameter.
+    /// Where the full value of `param` is: a backend buffer and the byte range in it
+    /// (little-endian bytes of its dtype). The backend-generic form: a CUDA engine reads the
+    /// parameter at the buffer's device pointer plus `range.start` on its compute stream
+    /// (which already waits for any unpack). Read-only (see [`Views`]).
+    ///
+    /// # Errors
+    /// [`RuntimeError::Param`] if the parameter is unknown or not gathered (not fetched).
+    pub fn buffer(&self, param: ParamId) -> Result<(&B::Buffer, Range<usize>), RuntimeError> {
+        self.locate(param).map(|(_, b, r)| (b, r))
+    }
+
+    /// The full value of `param` (little-endian bytes of its dtype), for backends whose
+    /// buffers are host memory.
+    ///
+    /// # Errors
+    /// [`RuntimeError::Param`] if the parameter is unknown or not gathered (not fetched);
+    /// [`RuntimeError::Unsupported`] on a device backend (use [`Views::buffer`], or copy with
+    /// [`Views::copy_to_host`] / [`Views::read_f32`]).
+    pub fn bytes(&self, param: ParamId) -> Result<&[u8], RuntimeError> {
+        let (_, buffer, range) = self.locate(param)?;
+        let be = &*self.state.shared.backend;
+        be.host_bytes(buffer).and_then(|b| b.get(range)).ok_or_else(|| RuntimeError::Unsupported {
+            rank: be.rank(),
+            what: format!(
+                "parameter {}: the backend's buffers are device memory, not host bytes; use Views::buffer \
+                 (the buffer and byte range, for device code) or Views::copy_to_host / Views::read_f32",
+                self.name(param).unwrap_or_default()
+            ),
+        })
+    }
+
+    /// The full value of an `f32` parameter, for backends whose buffers are host memory.
     ///
     /// # Errors
     /// As [`Views::bytes`], and [`RuntimeError::Param`] if the parameter is not `f32`.
     pub fn f32(&self, param: ParamId) -> Result<&[f32], RuntimeError> {
-        let t = &self.state.shared.tables;
+        self.check_f32(param)?;
         let b = self.bytes(param)?;
-        let g = t.params[param.index()].gather;
-        if t.gather[g].elem != ElemType::F32 {
-            return Err(RuntimeError::Param {
-                rank: t.rank,
-                param: Some(self.state.plan().layout().params().name(param).to_string()),
-                what: format!("is {}, not f32; read it with Views::bytes", t.gather[g].elem.name()),
-            });
-        }
-        // The unpacked buffer is 8-byte aligned and f32 runs start at multiples of 4 bytes.
+        // Buffers are 64-byte (local) or 256-byte (CUDA) aligned and f32 runs start at
+        // multiples of 4 bytes.
         bytemuck::try_cast_slice(b).map_err(|e| RuntimeError::Param {
-            rank: t.rank,
+            rank: self.state.rank(),
             param: Some(format!("id {param}")),
             what: format!("cannot view as f32: {e}"),
         })
+    }
+
+    fn check_f32(&self, param: ParamId) -> Result<(), RuntimeError> {
+        let t = &self.state.shared.tables;
+        let Some(slot) = t.params.get(param.index()) else { return Ok(()) };
+        let elem = t.gather[slot.gather].elem;
+        if elem != ElemType::F32 {
+            return Err(RuntimeError::Param {
+                rank: t.rank,
+                param: self.name(param),
+                what: format!("is {}, not f32; read it with Views::bytes or Views::buffer", elem.name()),
+            });
+        }
+        Ok(())
+    }
+
+    /// Copies the full value of `param` into `dst` (any backend; on a device backend after
+    /// waiting for the unpack, at most the backend's timeout).
+    ///
+    /// # Errors
+    /// As [`Views::buffer`]; [`RuntimeError::Param`] if `dst` does not have the parameter's
+    /// size; [`RuntimeError::Backend`] if the copy failed.
+    pub fn copy_to_host(&self, param: ParamId, dst: &mut [u8]) -> Result<(), RuntimeError> {
+        let (held, buffer, range) = self.locate(param)?;
+        let be = &*self.state.shared.backend;
+        let rank = be.rank();
+        if dst.len() != range.len() {
+            return Err(RuntimeError::Param {
+                rank,
+                param: self.name(param),
+                what: format!(
+                    "copy_to_host: destination has {} bytes, the parameter {}",
+                    dst.len(),
+                    range.len()
+                ),
+            });
+        }
+        let err = |source| RuntimeError::Backend { rank, op: "view copy to host", bucket: None, source };
+        if let Some(e) = &held.ready {
+            e.wait(be.timeout()).map_err(err)?;
+        }
+        be.read_to_host(buffer, range.start, dst).map_err(err)
+    }
+
+    /// The full value of an `f32` parameter on the host: borrowed from the buffer on host
+    /// backends, a copy on device backends.
+    ///
+    /// # Errors
+    /// As [`Views::f32`] and [`Views::copy_to_host`].
+    pub fn read_f32(&self, param: ParamId) -> Result<Cow<'_, [f32]>, RuntimeError> {
+        self.check_f32(param)?;
+        let (_, buffer, range) = self.locate(param)?;
+        if self.state.shared.backend.host_bytes(buffer).is_some() {
+            return self.f32(param).map(Cow::Borrowed);
+        }
+        let mut v = vec![0f32; range.len() / 4];
+        self.copy_to_host(param, bytemuck::cast_slice_mut(&mut v))?;
+        Ok(Cow::Owned(v))
     }
 }
 
@@ -208,9 +332,10 @@ macro_rules! ctx {
 impl<B: Backend> Coordinator<B> {
     pub(crate) fn new(state: ModelState<B>, config: SchedulerConfig) -> Result<Coordinator<B>, RuntimeError> {
         let rank = state.rank();
-        let sched = {
+        let (sched, queue) = {
             let mut st = state.shared.lock();
-            Scheduler::from_plan(&state.shared.plan, rank as u32, config, &mut st.registry)?
+            let sched = Scheduler::from_plan(&state.shared.plan, rank as u32, config, &mut st.registry)?;
+            (sched, st.gather.new_queue())
         };
         let grad = Arc::new(GradTables::new(&state.shared.plan, &sched, rank)?);
         let driver = Driver::new(grad.grad.len());
@@ -222,6 +347,8 @@ impl<B: Backend> Coordinator<B> {
             parked: None,
             stats: StepStats::default(),
             wide: Vec::new(),
+            queue,
+            next_seq: 0,
         };
         c.exchange_fingerprints()?;
         Ok(c)
@@ -264,22 +391,52 @@ impl<B: Backend> Coordinator<B> {
             poll_gathers(&mut cx, &mut self.driver.counters)?;
             cx.sched.fetch(&mut cx.st.registry, params, &mut self.driver.actions)?;
             self.driver.run(&mut cx, None)?;
-            ensure_unpacked(&mut cx, params, &mut self.driver.counters)?;
+            ensure_gathered(&mut cx, params, &mut self.driver.counters)?;
         }
         Ok(Views { st, state: &self.state })
     }
 
-    /// The engine is done with `params`: buckets whose last user this was are freed.
+    /// The engine is done with `params`, now (host-synchronous): buckets whose last user this
+    /// was are freed.
     ///
     /// # Errors
     /// [`RuntimeError::Schedule`] with `NotFetched` for a parameter this coordinator did not
     /// fetch or already released (nothing changed); backend failures.
     pub fn release(&mut self, params: &[ParamId]) -> Result<(), RuntimeError> {
+        self.release_inner(params, None)
+    }
+
+    /// The engine's use of `params` ends at `event` (recorded by the engine after the work
+    /// that reads them, e.g. `backend.record(Stream::Compute)`): buckets whose last user this
+    /// was are freed once `event` (and every other user's event) completed, never before:
+    /// until then their buffers are neither reused by a later gather nor overwritten. Returns
+    /// at once.
+    ///
+    /// # Errors
+    /// As [`release`](Self::release).
+    pub fn release_after(&mut self, params: &[ParamId], event: &B::Event) -> Result<(), RuntimeError> {
+        self.release_inner(params, Some(event))
+    }
+
+    /// The next engine event name on this coordinator's queue.
+    fn engine_event(&mut self) -> EngineEvent {
+        let e = EngineEvent { queue: self.queue, seq: self.next_seq };
+        self.next_seq += 1;
+        e
+    }
+
+    fn release_inner(&mut self, params: &[ParamId], event: Option<&B::Event>) -> Result<(), RuntimeError> {
         self.take_parked()?;
+        let id = event.map(|_| self.engine_event());
         let shared = &self.state.shared;
         let mut st = shared.lock();
         let mut cx = ctx!(self, st);
-        cx.sched.release(&mut cx.st.registry, params, None, &mut self.driver.actions)?;
+        cx.sched.release(&mut cx.st.registry, params, id, &mut self.driver.actions)?;
+        if let (Some(id), Some(event)) = (id, event) {
+            for p in params {
+                cx.st.gather.add_consumer(cx.tables.params[p.index()].gather, id, event);
+            }
+        }
         self.driver.run(&mut cx, None)
     }
 
@@ -291,6 +448,37 @@ impl<B: Backend> Coordinator<B> {
     /// [`RuntimeError::Schedule`] for a frozen parameter or a second gradient in one step;
     /// backend failures.
     pub fn grad_ready(&mut self, param: ParamId, grad: &[u8]) -> Result<(), RuntimeError> {
+        self.grad_ready_inner(param, grad, None)
+    }
+
+    /// [`grad_ready`](Self::grad_ready) for a gradient that is complete only once `event`
+    /// completed (e.g. the engine queued the device-to-host copy of `grad` on its stream and
+    /// recorded `event` after it). The gradient is a host slice borrowed for this call only,
+    /// so the call waits for `event` on the host (at most the backend's timeout; counted as
+    /// waiting time) **before** anything changes, then proceeds as `grad_ready`: the copy into
+    /// the gradient bucket (or the no_sync accumulation) reads `grad` after `event`. The
+    /// scheduler gets the event too (its `CopyGradIn` / `AccumulateGrad` actions name it,
+    /// complete by then).
+    ///
+    /// # Errors
+    /// As [`grad_ready`](Self::grad_ready); [`RuntimeError::Backend`] if `event` failed or
+    /// did not complete within the timeout: then nothing was changed (the gradient was not
+    /// taken; call again once the event can complete).
+    pub fn grad_ready_after(
+        &mut self,
+        param: ParamId,
+        grad: &[u8],
+        event: &B::Event,
+    ) -> Result<(), RuntimeError> {
+        self.grad_ready_inner(param, grad, Some(event))
+    }
+
+    fn grad_ready_inner(
+        &mut self,
+        param: ParamId,
+        grad: &[u8],
+        event: Option<&B::Event>,
+    ) -> Result<(), RuntimeError> {
         self.take_parked()?;
         let t = &self.state.shared.tables;
         if let Some(slot) = t.params.get(param.index()) {
@@ -309,10 +497,25 @@ impl<B: Backend> Coordinator<B> {
                 });
             }
         }
+        if let Some(e) = event {
+            // The gradient is complete only after the engine's event: wait before anything
+            // changes, so a failure or timeout leaves the step as it was.
+            let be = &*self.state.shared.backend;
+            let start = Instant::now();
+            let r = e.wait(be.timeout());
+            self.driver.counters.wait_time += start.elapsed();
+            r.map_err(|source| RuntimeError::Backend {
+                rank: be.rank(),
+                op: "grad_ready_after (waiting for the engine's event; nothing was changed)",
+                bucket: self.sched.grad_bucket_of(param),
+                source,
+            })?;
+        }
+        let id = event.map(|_| self.engine_event());
         let shared = &self.state.shared;
         let mut st = shared.lock();
         let mut cx = ctx!(self, st);
-        cx.sched.grad_ready(&mut cx.st.registry, param, None, &mut self.driver.actions)?;
+        cx.sched.grad_ready(&mut cx.st.registry, param, id, &mut self.driver.actions)?;
         self.driver.run(&mut cx, Some(grad))
     }
 

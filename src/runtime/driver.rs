@@ -2,33 +2,43 @@
 //!
 //! | action | what the driver does |
 //! |---|---|
-//! | `Launch` (gather) | copy this rank's shard into a pool buffer (copy-in), allocate the gathered buffer, launch the bucket's all-gather (or broadcast) as one group on the all-gather stream after the fences |
+//! | `Launch` (gather) | copy this rank's shard into a pool buffer (copy-in), allocate the gathered buffer (and, for a bucket with parameters not contiguous in it, the unpacked buffer), launch the bucket's all-gather (or broadcast) as one group on the all-gather stream after the fences |
 //! | `Launch` (reduce) | copy the bucket's host gradient buffer (in the reduction dtype) into a pool buffer, launch the reduce-scatter (or all-reduce) on the reduce-scatter stream; for hybrid sharding the all-reduce across groups is chained right behind it on the same stream (`Backend::launch_then`, no host wait) |
 //! | `Wait` | host wait (with the backend's timeout) for the launch, then finish it |
-//! | `Free` | gather: drop the launch if still in flight (the backend frees its buffers when it completes) or give the gathered buffer back to the pool; gradient: nothing (the host buffer is reused) |
+//! | `Free` | gather: drop the launch if still in flight and unviewed (the backend frees its buffers when it completes), else give the gathered and unpacked buffers back to the pool after the fences: the engine events the consumers gave to `release_after` and the unpack's event (one pending event: `backend.free(buf, Some(&event))`; several: kept in a deferred list until all but one completed); gradient: nothing (the host buffer is reused) |
 //! | `AllocGrad` | zero the bucket's host gradient buffer (reused across steps) |
 //! | `CopyGradIn` | copy-in of the fresh gradient (cast from the parameters' dtype to the reduction dtype per run), the accumulator, or both added, into the gradient buffer |
 //! | `AccumulateGrad` | add into the parameter's full-size accumulator, in the reduction dtype (the kernels' `accumulate`; through f32 when the dtypes differ) |
 //!
-//! *Finishing* a gather reads the gathered buffer to the host and unpacks it with the kernels'
-//! `copy_out` into the bucket's unpacked buffer (parameters one after the other), which is what
-//! `fetch` hands out; the gathered buffer itself is kept until its `Free`. Finishing a
+//! Engine events (the scheduler's [`EngineEvent`]s) are named per coordinator (one engine
+//! queue each, increasing sequence numbers) and mapped back to the backend events the engine
+//! gave, per gather bucket (the latest per queue, as the scheduler keeps them). The fence of
+//! a `CopyGradIn` / `AccumulateGrad` is complete when the action runs: `grad_ready_after`
+//! waited for it before the scheduler saw the gradient.
+//!
+//! *Finishing* a gather keeps its gathered buffer until its `Free` (views of parameters that
+//! are one contiguous run of it point straight into it) and unpacks the other parameters once,
+//! with the backend's `unpack` (the kernels' `copy_out`, straight from the gathered buffer: on
+//! the calling thread for host memory, on the all-gather stream for a device, with the compute
+//! stream waiting for it), into the unpacked buffer allocated with the gathered one. Finishing a
 //! reduction reads the reduced shard into the model state's gradient shards. Each finish
 //! feeds `OpDone` to the scheduler. Launches are finished by explicit waits (`Wait` actions,
 //! a fetch that needs the data, `end_step`) or, without blocking, by
 //! [`Coordinator::poll`](super::Coordinator::poll).
 //!
 //! Steady-state steps allocate nothing here: host buffers grow once and are reused, backend
-//! buffers come from the backend's pool, and the `Vec`s of collectives handed to the backend
-//! come back with the completed launch and are reused.
+//! buffers come from the backend's pool, the per-bucket consumer lists and the deferred list
+//! keep their capacity, and the `Vec`s of collectives handed to the backend come back with the
+//! completed launch and are reused.
 
 use std::time::{Duration, Instant};
 
 use collsched_buckets::{BucketId, ParamId};
-use collsched_kernels::{accumulate, cast, copy_in, copy_out, CopySegment, ElemType, KernelError};
+use collsched_kernels::{accumulate, cast, copy_in, CopySegment, ElemType, KernelError};
 use collsched_schedule::{
-    Action, Fence, GradSource, Launch, LaunchId, Role, Scheduler, Stream as SchedStream,
+    Action, EngineEvent, Fence, GradSource, Launch, LaunchId, Role, Scheduler, Stream as SchedStream,
 };
+use smallvec::SmallVec;
 
 use super::state::{Bytes, RankState};
 use super::tables::{GatherTables, GradTables};
@@ -49,20 +59,43 @@ struct PendingGather<B: Backend> {
     id: LaunchId,
     g: usize,
     flight: InFlight<B>,
+    /// The unpacked buffer, allocated with the gathered one (buckets with parameters that are
+    /// not contiguous in the gathered buffer).
+    unpacked: Option<B::Buffer>,
+}
+
+/// A finished gather, kept until its `Free`: what `fetch` hands out views of.
+pub(crate) struct Gathered<B: Backend> {
+    /// The launch that gathered it.
+    pub(crate) id: LaunchId,
+    /// The gathered buffer (views of contiguous parameters point into it).
+    pub(crate) buffer: B::Buffer,
+    /// The unpacked copy of the other parameters, if the bucket has any.
+    pub(crate) unpacked: Option<B::Buffer>,
+    /// The unpack's event when it runs on a stream (device backends): the compute stream
+    /// already waits for it; host reads wait for it first. `None`: complete.
+    pub(crate) ready: Option<B::Event>,
+}
+
+/// Buffers whose free waits for more than one event (the backend's `free` takes one): kept
+/// here until all but one completed.
+struct Deferred<B: Backend> {
+    buffers: SmallVec<[B::Buffer; 2]>,
+    after: SmallVec<[B::Event; 2]>,
 }
 
 /// The gather side of the driver, shared by every coordinator of a rank on a model (it lives
 /// in the model state, because gathered buckets are shared through the registry).
 pub(crate) struct GatherSide<B: Backend> {
     pending: Vec<PendingGather<B>>,
-    /// Per gather bucket: the finished gathered buffer, kept until its `Free`.
-    held: Vec<Option<(LaunchId, B::Buffer)>>,
-    /// Per gather bucket: host copy of the gathered buffer (copy-out source).
-    staging: Vec<Bytes>,
-    /// Per gather bucket: the unpacked parameters (what `fetch` hands out).
-    pub(crate) unpacked: Vec<Bytes>,
-    /// Per gather bucket: the launch whose data `unpacked` holds.
-    unpacked_for: Vec<Option<LaunchId>>,
+    /// Per gather bucket: the finished gather, kept until its `Free`.
+    pub(crate) held: Vec<Option<Gathered<B>>>,
+    /// Per gather bucket: the engine's consumer events given since it was last freed (the
+    /// latest per engine queue), which its `Free` names.
+    consumers: Vec<Vec<(EngineEvent, B::Event)>>,
+    deferred: Vec<Deferred<B>>,
+    /// Engine queue id of the next coordinator (one queue per coordinator).
+    next_queue: u32,
     spare: Vec<Vec<Collective<B::Buffer>>>,
     events: Vec<B::Event>,
 }
@@ -73,9 +106,9 @@ impl<B: Backend> GatherSide<B> {
         GatherSide {
             pending: Vec::with_capacity(n),
             held: (0..n).map(|_| None).collect(),
-            staging: tables.gather.iter().map(|t| Bytes::zeroed(t.gathered_bytes)).collect(),
-            unpacked: tables.gather.iter().map(|t| Bytes::zeroed(t.unpacked_numel * t.elem.size())).collect(),
-            unpacked_for: vec![None; n],
+            consumers: (0..n).map(|_| Vec::with_capacity(2)).collect(),
+            deferred: Vec::with_capacity(n),
+            next_queue: 0,
             spare: Vec::with_capacity(n),
             events: Vec::with_capacity(8),
         }
@@ -85,8 +118,77 @@ impl<B: Backend> GatherSide<B> {
         self.pending.len()
     }
 
-    pub(crate) fn unpacked_for(&self, g: usize) -> Option<LaunchId> {
-        self.unpacked_for.get(g).copied().flatten()
+    /// The finished gather of bucket `g` if it is launch `id`'s.
+    pub(crate) fn gathered(&self, g: usize, id: Option<LaunchId>) -> Option<&Gathered<B>> {
+        self.held.get(g)?.as_ref().filter(|h| Some(h.id) == id)
+    }
+
+    /// A new engine queue id (one per coordinator).
+    pub(crate) fn new_queue(&mut self) -> u32 {
+        let q = self.next_queue;
+        self.next_queue += 1;
+        q
+    }
+
+    /// Records that the engine's use of bucket `g` ends at `event` (named `id` for the
+    /// scheduler), keeping the latest event per engine queue.
+    pub(crate) fn add_consumer(&mut self, g: usize, id: EngineEvent, event: &B::Event) {
+        let list = &mut self.consumers[g];
+        match list.iter_mut().find(|(e, _)| e.queue == id.queue) {
+            Some(slot) if slot.0.seq < id.seq => *slot = (id, event.clone()),
+            Some(_) => {}
+            None => list.push((id, event.clone())),
+        }
+    }
+
+    /// Frees buffers of deferred frees whose events (all but one) completed.
+    fn reap(&mut self, be: &B) {
+        let mut i = 0;
+        while i < self.deferred.len() {
+            let d = &mut self.deferred[i];
+            d.after.retain(|e| matches!(e.query(), Ok(false)));
+            if d.after.len() > 1 {
+                i += 1;
+                continue;
+            }
+            let d = self.deferred.swap_remove(i);
+            for b in d.buffers {
+                be.free(b, d.after.first());
+            }
+        }
+    }
+
+    /// At teardown (the rank's streams synchronized): every buffer back to the pool, waiting
+    /// (at most the backend's timeout) for deferred frees; a buffer whose events did not
+    /// complete is leaked rather than handed back under a reader.
+    pub(crate) fn shut_down(&mut self, be: &B) {
+        for d in self.deferred.drain(..) {
+            if d.after.iter().all(|e| e.wait(be.timeout()).is_ok()) {
+                d.buffers.into_iter().for_each(|b| be.free(b, None));
+            } else {
+                tracing::warn!(target: "collsched::alloc", rank = be.rank(),
+                    "leaking gathered buffers whose consumers' events did not complete at teardown");
+                std::mem::forget(d.buffers);
+            }
+        }
+    }
+}
+
+/// Frees `buffers` once every event of `after` completed (all at once when there is at most
+/// one pending event; else through the deferred list).
+fn retire<B: Backend>(
+    side: &mut GatherSide<B>,
+    be: &B,
+    buffers: SmallVec<[B::Buffer; 2]>,
+    mut after: SmallVec<[B::Event; 2]>,
+) {
+    after.retain(|e| matches!(e.query(), Ok(false)));
+    if after.len() <= 1 {
+        for b in buffers {
+            be.free(b, after.first());
+        }
+    } else {
+        side.deferred.push(Deferred { buffers, after });
     }
 }
 
@@ -184,28 +286,13 @@ impl<B: Backend> Driver<B> {
                 Role::Gather => finish_gather(cx, *id, true, &mut self.counters).map(|_| ()),
                 Role::Reduce => self.finish_reduce(cx, *id, true).map(|_| ()),
             },
-            // Engine events: this coordinator's engine is host-synchronous (its releases and
-            // gradients are complete when it calls), so there is nothing to wait for.
+            // The scheduler puts engine events on frees and gradient copies (handled there),
+            // never on waits.
             Action::Wait { fence: Fence::Engine(_), .. } => Ok(()),
-            Action::Free { buffer, .. } => {
-                if let Some(g) = cx.tables.position(buffer.bucket) {
-                    let side = &mut cx.st.gather;
-                    if let Some(k) = side.pending.iter().position(|p| p.id.serial == buffer.serial) {
-                        // Still in flight (an unused prefetch): dropping it defers its buffers
-                        // to the pool until the collective completed.
-                        let p = side.pending.swap_remove(k);
-                        drop(p.flight);
-                    } else if matches!(side.held[g], Some((id, _)) if id.serial == buffer.serial) {
-                        if let Some((_, buf)) = side.held[g].take() {
-                            cx.backend.free(buf, None);
-                        }
-                    }
-                    if matches!(side.unpacked_for[g], Some(id) if id.serial == buffer.serial) {
-                        side.unpacked_for[g] = None;
-                    }
-                }
-                Ok(())
-            }
+            Action::Free { buffer, after } => match cx.tables.position(buffer.bucket) {
+                Some(g) => free_gathered(cx, g, buffer.serial, after, &mut self.counters),
+                None => Ok(()),
+            },
             Action::AllocGrad { buffer, .. } => {
                 // The scheduler sizes the buffer in the bucket's dtype; it holds the reduction
                 // dtype.
@@ -624,14 +711,38 @@ fn launch_gather<B: Backend>(
     let t = &cx.tables.gather[g];
     let be = cx.backend;
     let err = |op| backend_err(rank, op, Some(t.id));
+    // Deferred frees that completed go back to the pool first, so that they can be reused.
+    cx.st.gather.reap(be);
     let input = if t.sends {
         let mut b = be.alloc(t.shard_bytes).map_err(err("all_gather"))?;
-        be.write_from_host(&mut b, 0, cx.st.shards[g].as_bytes()).map_err(err("all_gather copy-in"))?;
+        if let Err(e) = be.write_from_host(&mut b, 0, cx.st.shards[g].as_bytes()) {
+            be.free(b, None);
+            return Err(err("all_gather copy-in")(e));
+        }
         Some(b)
     } else {
         None
     };
-    let output = be.alloc(t.gathered_bytes).map_err(err("all_gather"))?;
+    // The gathered buffer and the unpacked one are taken together (the scheduler counts both).
+    let buffers = be.alloc(t.gathered_bytes).and_then(|out| match t.unpacked_bytes {
+        0 => Ok((out, None)),
+        n => match be.alloc(n) {
+            Ok(u) => Ok((out, Some(u))),
+            Err(e) => {
+                be.free(out, None);
+                Err(e)
+            }
+        },
+    });
+    let (output, unpacked) = match buffers {
+        Ok(b) => b,
+        Err(e) => {
+            if let Some(i) = input {
+                be.free(i, None);
+            }
+            return Err(err("all_gather")(e));
+        }
+    };
     let side = &mut cx.st.gather;
     let mut ops = side.spare.pop().unwrap_or_default();
     ops.push(Collective { desc: t.desc.clone(), input, output });
@@ -640,16 +751,25 @@ fn launch_gather<B: Backend>(
     fences(side, &[], &l.after, &mut events);
     let r = launch(be, stream_of(l.stream), &events, ops, rank, t.id, "all_gather");
     side.events = events;
-    let flight = r?;
+    let flight = match r {
+        Ok(f) => f,
+        Err(e) => {
+            if let Some(u) = unpacked {
+                be.free(u, None);
+            }
+            return Err(e);
+        }
+    };
     counters.collectives += 1;
     counters.bytes_moved += t.gathered_bytes as u64;
-    side.pending.push(PendingGather { id: l.id, g, flight });
+    side.pending.push(PendingGather { id: l.id, g, flight, unpacked });
     Ok(())
 }
 
-/// Finishes gather `id` (blocking, or only if complete): copy-out into the unpacked views,
-/// keep the gathered buffer until its `Free`, report `OpDone`. Returns whether it finished
-/// (or had already).
+/// Finishes gather `id` (blocking, or only if complete): unpacks the parameters that are not
+/// contiguous in the gathered buffer (straight from it, on the all-gather stream; the compute
+/// stream waits for it), keeps both buffers until the bucket's `Free`, reports `OpDone`.
+/// Returns whether it finished (or had already).
 pub(crate) fn finish_gather<B: Backend>(
     cx: &mut Ctx<'_, B>,
     id: LaunchId,
@@ -657,59 +777,149 @@ pub(crate) fn finish_gather<B: Backend>(
     counters: &mut DriverCounters,
 ) -> Result<bool, RuntimeError> {
     let rank = cx.tables.rank;
+    let be = cx.backend;
     let side = &mut cx.st.gather;
     let Some(k) = side.pending.iter().position(|p| p.id == id) else { return Ok(true) };
     let p = side.pending.swap_remove(k);
     let g = p.g;
     let t = &cx.tables.gather[g];
-    let mut ops = match wait_flight(p.flight, block, cx.backend, counters) {
+    let mut unpacked = p.unpacked;
+    let mut ops = match wait_flight(p.flight, block, be, counters) {
         Ok(ops) => ops,
         Err(Waited::Pending(flight)) => {
-            side.pending.push(PendingGather { id, g, flight });
+            side.pending.push(PendingGather { id, g, flight, unpacked });
             return Ok(false);
         }
         Err(Waited::Failed(source)) => {
-            return Err(RuntimeError::Backend { rank, op: "all_gather", bucket: Some(t.id), source })
+            if let Some(u) = unpacked {
+                be.free(u, None);
+            }
+            return Err(RuntimeError::Backend { rank, op: "all_gather", bucket: Some(t.id), source });
         }
     };
-    let mut result = Ok(());
+    let mut gathered = None;
     for c in ops.drain(..) {
         if let Some(i) = c.input {
-            cx.backend.free(i, None);
+            be.free(i, None);
         }
-        let staging = side.staging[g].as_bytes_mut();
-        result = cx
-            .backend
-            .read_to_host(&c.output, 0, staging)
-            .map_err(backend_err(rank, "all_gather copy-out", Some(t.id)))
-            .and_then(|()| {
-                copy_out(
-                    &mut [side.unpacked[g].as_bytes_mut()],
-                    side.staging[g].as_bytes(),
-                    &t.copy_out,
-                    t.elem.size(),
-                )
-                .map_err(|e| RuntimeError::Plan {
-                    rank,
-                    what: format!("all_gather(bucket {}) copy-out: {e}", t.id),
-                })
-            });
-        if let Some((_, old)) = side.held[g].replace((id, c.output)) {
-            cx.backend.free(old, None);
+        match gathered {
+            None => gathered = Some(c.output),
+            Some(_) => be.free(c.output, None),
         }
     }
     side.spare.push(ops);
-    result?;
-    side.unpacked_for[g] = Some(id);
+    let Some(buffer) = gathered else {
+        return Err(RuntimeError::Plan {
+            rank,
+            what: format!("all_gather(bucket {}) returned no buffer", t.id),
+        });
+    };
+    let unpack = |u: &mut B::Buffer| -> Result<Option<B::Event>, crate::backend::BackendError> {
+        let ready = be.unpack(Stream::AllGather, u, &buffer, &t.copy_out, t.elem.size())?;
+        if let Some(e) = &ready {
+            // The engine reads the views on the compute stream.
+            be.wait_event(Stream::Compute, e)?;
+        }
+        Ok(ready)
+    };
+    let ready = match unpacked.as_mut().map(unpack).transpose() {
+        Ok(r) => r.flatten(),
+        Err(source) => {
+            // Nobody saw these buffers yet; the fetch reports the failure.
+            be.free(buffer, None);
+            if let Some(u) = unpacked {
+                be.free(u, None);
+            }
+            return Err(RuntimeError::Backend { rank, op: "all_gather unpack", bucket: Some(t.id), source });
+        }
+    };
+    if let Some(old) = side.held[g].replace(Gathered { id, buffer, unpacked, ready }) {
+        // A gather of the bucket that was never freed (a driver bug): nothing views it.
+        let ready = old.ready.clone().into_iter().collect();
+        retire(side, be, old.buffers(), ready);
+    }
     cx.sched.op_done(&mut cx.st.registry, id)?;
     Ok(true)
 }
 
-/// Finishes every gather that already completed, without blocking.
+impl<B: Backend> Gathered<B> {
+    fn buffers(self) -> SmallVec<[B::Buffer; 2]> {
+        let mut v = SmallVec::new();
+        v.push(self.buffer);
+        v.extend(self.unpacked);
+        v
+    }
+}
+
+/// The scheduler's `Free` of gather bucket `g`'s launch `serial`: an unfinished gather (an
+/// unused prefetch) is dropped (the backend frees its buffers when it completes); a finished
+/// one's buffers go back to the pool after the consumers' engine events and the unpack.
+fn free_gathered<B: Backend>(
+    cx: &mut Ctx<'_, B>,
+    g: usize,
+    serial: u64,
+    after: &[Fence],
+    counters: &mut DriverCounters,
+) -> Result<(), RuntimeError> {
+    let be = cx.backend;
+    let engine = after.iter().any(|f| matches!(f, Fence::Engine(_)));
+    let side = &mut cx.st.gather;
+    if let Some(k) = side.pending.iter().position(|p| p.id.serial == serial) {
+        if !engine {
+            // Still in flight and never viewed: dropping it defers its buffers to the pool until
+            // the collective completed; the unpacked buffer was not touched yet.
+            let p = side.pending.swap_remove(k);
+            drop(p.flight);
+            if let Some(u) = p.unpacked {
+                be.free(u, None);
+            }
+            side.consumers[g].clear();
+            return Ok(());
+        }
+        // Consumers' events with a gather still in flight: finish it, then free as below.
+        let id = side.pending[k].id;
+        finish_gather(cx, id, true, counters)?;
+    }
+    let side = &mut cx.st.gather;
+    let Some(held) = side.held[g].take_if(|h| h.id.serial == serial) else {
+        side.consumers[g].clear();
+        return Ok(());
+    };
+    let mut events: SmallVec<[B::Event; 2]> = SmallVec::new();
+    let mut missing = None;
+    for f in after {
+        if let Fence::Engine(e) = f {
+            match side.consumers[g].iter().find(|(id, _)| id == e) {
+                Some((_, ev)) => events.push(ev.clone()),
+                None => missing = Some(*e),
+            }
+        }
+    }
+    side.consumers[g].clear();
+    events.extend(held.ready.clone());
+    if let Some(e) = missing {
+        // Not safe to hand back: drop the buffers (host memory goes away, nothing else reads it).
+        drop(held);
+        return Err(RuntimeError::Plan {
+            rank: cx.tables.rank,
+            what: format!(
+                "the scheduler frees gather bucket {} after engine event {e:?}, which no release_after \
+                 gave (a driver bug)",
+                cx.tables.gather[g].id
+            ),
+        });
+    }
+    retire(side, be, held.buffers(), events);
+    Ok(())
+}
+
+/// Finishes every gather that already completed, without blocking, and returns deferred
+/// frees that completed to the pool.
 pub(crate) fn poll_gathers<B: Backend>(
     cx: &mut Ctx<'_, B>,
     counters: &mut DriverCounters,
 ) -> Result<(), RuntimeError> {
+    cx.st.gather.reap(cx.backend);
     let mut i = 0;
     while i < cx.st.gather.pending.len() {
         let p = &cx.st.gather.pending[i];
@@ -724,9 +934,9 @@ pub(crate) fn poll_gathers<B: Backend>(
     Ok(())
 }
 
-/// Makes sure the unpacked views of `params` hold their current gathers' data (waiting for
-/// the gathers if needed).
-pub(crate) fn ensure_unpacked<B: Backend>(
+/// Makes sure the gathers holding `params` finished (waiting for them if needed), so that
+/// views of them can be handed out.
+pub(crate) fn ensure_gathered<B: Backend>(
     cx: &mut Ctx<'_, B>,
     params: &[ParamId],
     counters: &mut DriverCounters,
@@ -734,8 +944,8 @@ pub(crate) fn ensure_unpacked<B: Backend>(
     for &p in params {
         let g = cx.tables.params[p.index()].gather;
         let current = cx.st.registry.gathered_by(p);
-        if current.is_some() && cx.st.gather.unpacked_for[g] != current {
-            if let Some(id) = current {
+        if let Some(id) = current {
+            if cx.st.gather.gathered(g, current).is_none() {
                 finish_gather(cx, id, true, counters)?;
             }
         }

@@ -30,12 +30,25 @@
 //! ([`Backend::launch_then`](crate::backend::Backend::launch_then)): no host wait between the
 //! stages.
 //!
+//! # Views and engine events
+//! `fetch` returns [`Views`]: each parameter is a byte range of a backend buffer, either the
+//! gathered buffer itself (parameters that are one contiguous run of it: Flat, Greedy,
+//! single-owner buckets; zero copies after the collective) or an unpacked buffer (EvenSplit,
+//! Hybrid) filled once from the gathered buffer by the backend's `unpack`, taken from the pool
+//! with the gathered buffer, freed with it and counted with it by the scheduler. Host backends
+//! read them as slices (`bytes`, `f32`); device backends get the buffer and range (`buffer`)
+//! or a host copy (`copy_to_host`, `read_f32`).
+//!
+//! `release` / `grad_ready` are host-synchronous ("done now"). An engine that overlaps passes
+//! the event it recorded after its work: [`Coordinator::release_after`] (the buckets' buffers
+//! are freed, and reused, only after it) and [`Coordinator::grad_ready_after`] (waits for it
+//! on the host before taking the gradient).
+//!
 //! # Departures
-//! - The engine is host-synchronous: `release` and `grad_ready` mean "done now", so the
-//!   scheduler's engine events are never used and deferred frees happen at once.
-//! - `fetch` hands out host views: each gathered bucket is read back to the host and unpacked
-//!   (the kernels' `copy_out`) into a per-bucket buffer that is kept and reused; the gathered
-//!   backend buffer itself lives until the scheduler's `Free`.
+//! - A fetch waits on the host for its gathers (the scheduler's `Wait` on the compute stream
+//!   runs as a host wait), so views are complete when `fetch` returns; `grad_ready_after`
+//!   waits on the host too (the gradient is a host slice borrowed for the call). Releases
+//!   with events never block.
 //! - Gradient shards and no_sync accumulators live in the model state: one coordinator per
 //!   model should produce gradients at a time (the evaluation one only fetches).
 

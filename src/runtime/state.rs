@@ -51,8 +51,8 @@ pub(crate) struct RankState<B: Backend> {
     pub(crate) registry: InflightRegistry,
     /// This rank's shard of every gather bucket (the parameters the optimizer owns).
     pub(crate) shards: Vec<Bytes>,
-    /// Gathered buffers: launches in flight, gathered buffers held until their `Free`, the
-    /// unpacked per-parameter views.
+    /// Gathered buffers: launches in flight, gathered (and unpacked) buffers held until their
+    /// `Free`, consumer events, deferred frees.
     pub(crate) gather: GatherSide<B>,
     /// Reduced gradient shards of the last synchronized step, by gradient bucket of the plan
     /// they were reduced with (`grad_plan`).
@@ -86,6 +86,8 @@ impl<B: Backend> Drop for Shared<B> {
                     "model state dropped while collectives failed or were still running");
             }
         }
+        let backend = &*self.backend;
+        self.state.get_mut().unwrap_or_else(PoisonError::into_inner).gather.shut_down(backend);
     }
 }
 

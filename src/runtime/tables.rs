@@ -79,11 +79,12 @@ pub(crate) struct GatherTable {
     pub(crate) desc: CollDesc,
     /// Whether this rank gives an input (always, except a broadcast's non-roots).
     pub(crate) sends: bool,
-    /// Copy-out: gathered buffer -> the bucket's unpacked buffer (parameters one after the
-    /// other, in bucket order), in elements.
+    /// Copy-out: gathered buffer -> the bucket's unpacked buffer, in elements, for the
+    /// parameters that are not one contiguous run of the gathered buffer (one after the
+    /// other, in bucket order). Empty for Flat, Greedy and single-owner buckets.
     pub(crate) copy_out: Vec<CopySegment>,
-    /// Elements of the unpacked buffer.
-    pub(crate) unpacked_numel: usize,
+    /// Bytes of the unpacked buffer (0: every view points into the gathered buffer).
+    pub(crate) unpacked_bytes: usize,
 }
 
 /// Where a parameter lives on this rank.
@@ -91,8 +92,11 @@ pub(crate) struct GatherTable {
 pub(crate) struct ParamSlot {
     /// Gather bucket position.
     pub(crate) gather: usize,
-    /// First element in the bucket's unpacked buffer.
+    /// First element of the parameter's full value: in the bucket's unpacked buffer when
+    /// `unpacked`, else in the gathered buffer (the parameter is one contiguous run there).
     pub(crate) base: usize,
+    /// Whether the view is in the unpacked buffer (see `base`).
+    pub(crate) unpacked: bool,
     /// Elements.
     pub(crate) numel: usize,
     /// Element size in bytes.
@@ -126,7 +130,10 @@ impl GatherTables {
         let layout = plan.layout();
         let n = layout.params().len();
         let mut params =
-            vec![ParamSlot { gather: 0, base: 0, numel: 0, elem_size: 0, shard_runs: (0, 0) }; n];
+            vec![
+                ParamSlot { gather: 0, base: 0, unpacked: false, numel: 0, elem_size: 0, shard_runs: (0, 0) };
+                n
+            ];
         let mut shard_runs = Vec::new();
         let mut gather = Vec::with_capacity(layout.gather_buckets().len());
         let max_id = layout.buckets().iter().map(|b| b.id().index() + 1).max().unwrap_or(0);
@@ -152,7 +159,7 @@ impl GatherTables {
                 _ => (CollDesc::all_gather(group, elem, b.shard_numel()), true),
             };
             let mut base = 0usize;
-            for (&p, &numel) in b.params().iter().zip(b.param_numels()) {
+            for (i, (&p, &numel)) in b.params().iter().zip(b.param_numels()).enumerate() {
                 let lo = shard_runs.len() as u32;
                 for r in plan.runs(op_id, rank as u32, BufferRole::Shard).filter(|r| r.param == p) {
                     shard_runs.push(ShardRun {
@@ -162,12 +169,25 @@ impl GatherTables {
                     });
                 }
                 let hi = shard_runs.len() as u32;
-                params[p.index()] =
-                    ParamSlot { gather: g, base, numel, elem_size: b.dtype().size(), shard_runs: (lo, hi) };
-                base += numel;
+                let (at, unpacked) = match b.contiguous_offset(i) {
+                    Some(at) => (at, false),
+                    None => (base, true),
+                };
+                params[p.index()] = ParamSlot {
+                    gather: g,
+                    base: at,
+                    unpacked,
+                    numel,
+                    elem_size: b.dtype().size(),
+                    shard_runs: (lo, hi),
+                };
+                if unpacked {
+                    base += numel;
+                }
             }
             let copy_out = plan
                 .runs(op_id, rank as u32, BufferRole::Gathered)
+                .filter(|r| params[r.param.index()].unpacked)
                 .map(|r| CopySegment {
                     buffer: 0,
                     buffer_offset: params[r.param.index()].base + r.param_offset,
@@ -183,7 +203,7 @@ impl GatherTables {
                 desc: desc.with_tag(u64::from(b.id().0)),
                 sends,
                 copy_out,
-                unpacked_numel: base,
+                unpacked_bytes: base * b.dtype().size(),
             });
         }
         Ok(GatherTables { rank, gather, params, shard_runs, by_id })

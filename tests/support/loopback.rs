@@ -94,6 +94,9 @@ impl Backend for Loopback {
         dst.copy_from_slice(&buffer.0[offset..offset + dst.len()]);
         Ok(())
     }
+    fn host_bytes<'a>(&self, buffer: &'a Buf) -> Option<&'a [u8]> {
+        Some(&buffer.0)
+    }
     fn record(&self, _: Stream) -> Result<Done, BackendError> {
         Ok(Done)
     }

@@ -128,11 +128,13 @@ pub struct Launch {
     pub ops: Ops,
     /// The stream to run on.
     pub stream: Stream,
-    /// For [`Role::Gather`]: the gathered buffer, which the driver allocates now (`bytes`
-    /// long). For [`Role::Reduce`]: the full-size gradient buffer opened by
+    /// For [`Role::Gather`]: the gathered buffer, which the driver allocates now (with the
+    /// unpacked copy, `bytes` in all). For [`Role::Reduce`]: the full-size gradient buffer opened by
     /// [`Action::AllocGrad`], the input of the reduce-scatter.
     pub buffer: BufferId,
-    /// Bytes of `buffer`.
+    /// Bytes of `buffer`; for [`Role::Gather`] with the unpacked copy the driver allocates
+    /// beside it ([`BucketInput::memory_bytes`](super::BucketInput::memory_bytes): the memory
+    /// the launch takes, as the budgets count it).
     pub bytes: usize,
     /// Fences the stream waits for before the launch.
     pub after: Fences,

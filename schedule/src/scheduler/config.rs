@@ -62,7 +62,9 @@ pub struct SchedulerConfig {
     /// admitted only if the bytes ahead stay within `prefetch_bytes`. Hence: with two or more
     /// buckets ahead, their bytes are at most `prefetch_bytes`; with one, it may be larger.
     /// `max_inflight` and `max_live_bytes` bound every prefetch, the first included. 0 means
-    /// at most one bucket ahead. Default [`DEFAULT_PREFETCH_BYTES`] (256 MiB).
+    /// at most one bucket ahead. Bytes of a bucket are its
+    /// [`BucketInput::memory_bytes`](super::BucketInput::memory_bytes) (gathered buffer plus
+    /// unpacked copy). Default [`DEFAULT_PREFETCH_BYTES`] (256 MiB).
     pub prefetch_bytes: usize,
     /// `max_inflight`: at most this many gathers launched ahead and not yet fetched (this
     /// scheduler's). Default [`DEFAULT_MAX_INFLIGHT`] (16: one transformer block's buckets,
@@ -71,7 +73,10 @@ pub struct SchedulerConfig {
     /// `max_live_bytes`: bound on the gathered parameter memory of the registry (all
     /// schedulers sharing it). A prefetch never exceeds it; a fetch that would, first evicts
     /// this scheduler's unused prefetches (newest first) and then proceeds anyway (the engine
-    /// needs the parameters), counting an overrun. Default [`DEFAULT_MAX_LIVE_BYTES`] (4 GiB).
+    /// needs the parameters), counting an overrun. A gathered bucket counts its
+    /// [`BucketInput::memory_bytes`](super::BucketInput::memory_bytes): the gathered buffer
+    /// and the unpacked copy a driver keeps beside it. Default [`DEFAULT_MAX_LIVE_BYTES`]
+    /// (4 GiB).
     pub max_live_bytes: usize,
     /// `trace_rerecord_after`: with [`PolicyKind::TraceReplay`], record the trace again after
     /// this many consecutive steps with fetches the trace does not have ahead of its position

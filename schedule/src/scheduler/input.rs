@@ -23,6 +23,12 @@ pub struct BucketInput {
     pub gathered_bytes: usize,
     /// Bytes of one rank's shard (the per-rank payload).
     pub shard_bytes: usize,
+    /// Bytes a driver holds beside the gathered buffer while the bucket is gathered: the
+    /// unpacked copy of the parameters that are not one contiguous run of it
+    /// ([`Bucket::unpacked_numel`](crate::buckets::Bucket::unpacked_numel); EvenSplit and
+    /// Hybrid gather buckets). 0 for gradient buckets and for Flat, Greedy and single-owner
+    /// gather buckets, whose views point into the gathered buffer.
+    pub unpacked_bytes: usize,
     /// The plan ops that move it, run in order on one stream.
     pub ops: Ops,
     /// The kind of each op of `ops` (for per-kind counters).
@@ -47,6 +53,15 @@ impl PlanDigests {
         let buckets =
             plan.layout().buckets().iter().map(|b| plan.bucket_digest(b.id()).unwrap_or(0)).collect();
         PlanDigests { fingerprint: plan.fingerprint().0, buckets }
+    }
+}
+
+impl BucketInput {
+    /// Memory the bucket takes while gathered: the gathered buffer and the unpacked copy
+    /// (`gathered_bytes + unpacked_bytes`). What `max_live_bytes`, `prefetch_bytes`, live and
+    /// peak gathered bytes count.
+    pub fn memory_bytes(&self) -> usize {
+        self.gathered_bytes + self.unpacked_bytes
     }
 }
 
@@ -88,6 +103,10 @@ impl ScheduleInput {
             params: b.params().to_vec(),
             gathered_bytes: b.gathered_bytes(),
             shard_bytes: b.shard_bytes(),
+            unpacked_bytes: match b.kind() {
+                crate::buckets::BucketKind::Gather => b.unpacked_numel() * b.dtype().size(),
+                _ => 0,
+            },
             ops: plan.ops_of(b.id()).iter().copied().collect(),
             kinds: plan.ops_of(b.id()).iter().filter_map(|&o| plan.op(o).map(|op| op.kind())).collect(),
             partner: b.gather_bucket(),

@@ -107,7 +107,7 @@ impl InflightRegistry {
             slots: input
                 .gather
                 .iter()
-                .map(|b| Slot { id: b.id, bytes: b.gathered_bytes, gathered: None })
+                .map(|b| Slot { id: b.id, bytes: b.memory_bytes(), gathered: None })
                 .collect(),
             live_bytes: 0,
             peak_live_bytes: 0,
@@ -147,7 +147,8 @@ impl InflightRegistry {
         self.param_users.get(param.index()).copied().unwrap_or(0)
     }
 
-    /// Bytes of all gathered buffers not yet freed.
+    /// Bytes of all gathered buffers not yet freed, with their unpacked copies
+    /// ([`BucketInput::memory_bytes`](super::BucketInput::memory_bytes)).
     pub fn live_bytes(&self) -> usize {
         self.live_bytes
     }

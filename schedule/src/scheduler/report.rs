@@ -37,7 +37,8 @@ pub struct StepCounters {
     pub discarded_prefetches: u64,
     /// Fetches that had to exceed `max_live_bytes` because held buckets fill it.
     pub live_overruns: u64,
-    /// Highest gathered bytes of the registry during the step.
+    /// Highest gathered bytes of the registry during the step: gathered buffers and their
+    /// unpacked copies ([`BucketInput::memory_bytes`](super::BucketInput::memory_bytes)).
     pub peak_gathered_bytes: u64,
     /// Parameters of prefetched-but-unused buckets drained at the end of the step.
     pub drained_params: u64,

@@ -30,6 +30,13 @@ pub fn layered_with(layers: usize, world: u32, trainable: impl Fn(usize) -> bool
     )
 }
 
+/// Memory a gathered bucket takes as the scheduler counts it: the gathered buffer and the
+/// unpacked copy of the parameters that are not contiguous in it.
+pub fn memory_bytes(plan: &Plan, bucket: BucketId) -> usize {
+    let b = plan.layout().bucket(bucket).unwrap();
+    b.gathered_bytes() + b.unpacked_numel() * b.dtype().size()
+}
+
 /// The params of layer `i`.
 pub fn layer(i: usize) -> [ParamId; 2] {
     [ParamId(2 * i as u32), ParamId(2 * i as u32 + 1)]

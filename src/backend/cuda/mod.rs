@@ -825,6 +825,18 @@ impl Backend for CudaBackend {
             .map_err(|e| self.be(e))
     }
 
+    /// The copy-out kernel on `stream` ([`CudaBackend::copy_out`]); the event follows it.
+    fn unpack(
+        &self,
+        stream: Stream,
+        dst: &mut CudaBuffer,
+        packed: &CudaBuffer,
+        segments: &[CopySegment],
+        elem_size: usize,
+    ) -> Result<Option<CudaEvent>, BackendError> {
+        self.copy_out(stream, &[&*dst], packed, segments, elem_size).map(Some).map_err(|e| self.be(e))
+    }
+
     fn record(&self, stream: Stream) -> Result<CudaEvent, BackendError> {
         self.ready()?;
         self.stream(stream).record().map_err(|e| self.be(e))

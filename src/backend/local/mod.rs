@@ -424,6 +424,28 @@ impl Backend for LocalRank {
         Ok(())
     }
 
+    fn host_bytes<'a>(&self, buffer: &'a LocalBuffer) -> Option<&'a [u8]> {
+        Some(buffer.as_bytes())
+    }
+
+    /// Copies on the calling thread with the kernels' `copy_out` (both buffers are this
+    /// rank's host memory, owned by the caller: no stream thread touches them).
+    fn unpack(
+        &self,
+        _stream: Stream,
+        dst: &mut LocalBuffer,
+        packed: &LocalBuffer,
+        segments: &[collsched_kernels::CopySegment],
+        elem_size: usize,
+    ) -> Result<Option<LocalEvent>, BackendError> {
+        collsched_kernels::copy_out(&mut [dst.as_bytes_mut()], packed.as_bytes(), segments, elem_size)
+            .map_err(|e| BackendError::OutOfRange {
+                rank: self.rank,
+                what: format!("unpack: {e}; nothing was copied"),
+            })?;
+        Ok(None)
+    }
+
     fn record(&self, stream: Stream) -> Result<LocalEvent, BackendError> {
         self.pool.take_parked()?;
         let event = self.new_event();

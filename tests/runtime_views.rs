@@ -1,0 +1,381 @@
+//! Views of gathered parameters and engine events, on the local backend.
+//!
+//! - Views point into the gathered buffer where a parameter is one contiguous run of it, and
+//!   into one unpacked buffer otherwise; nothing stays allocated between steps.
+//! - A bucket released with an engine event that has not completed is neither reused nor
+//!   overwritten by later gathers until the event completes (the engine's "kernel" here is a
+//!   host closure queued on the rank's compute stream behind a gate, which reads the released
+//!   parameter only when the gate opens, as a CUDA kernel queued before the release would).
+//! - `grad_ready_after` waits for its event before it takes the gradient.
+
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::Duration;
+
+use collsched::backend::local::{LocalConfig, LocalRank, LocalWorld};
+use collsched::backend::{Backend, BackendBuffer, BackendEvent, Stream};
+use collsched::buckets::{DType, LayoutBuilder, ParamId, ParamSet, ParamSpec, Sharding};
+use collsched::runtime::{ModelState, RuntimeError};
+use collsched::schedule::{Plan, PolicyKind, SchedulerConfig};
+
+fn values(sizes: &[usize]) -> Vec<Vec<f32>> {
+    sizes.iter().enumerate().map(|(k, &n)| (0..n).map(|i| (k * 1000 + i) as f32 * 0.5).collect()).collect()
+}
+
+fn set_of(sizes: &[usize]) -> ParamSet {
+    ParamSet::new(
+        sizes.iter().enumerate().map(|(k, &n)| ParamSpec::new(format!("p{k}"), [n], DType::F32)).collect(),
+    )
+    .unwrap()
+}
+
+fn no_prefetch() -> SchedulerConfig {
+    SchedulerConfig { policy: PolicyKind::None, ..SchedulerConfig::default() }
+}
+
+#[test]
+fn views_point_into_the_gathered_buffer_or_one_unpacked_buffer() {
+    let sizes = [370usize, 50, 410, 70, 290, 30, 640, 90];
+    let set = set_of(&sizes);
+    let init = values(&sizes);
+    let world = 4;
+    for sharding in [Sharding::EvenSplit, Sharding::Flat, Sharding::Greedy, Sharding::Hybrid(2)] {
+        let plan = Plan::new(
+            LayoutBuilder::new(&set, sharding, world).bucket_bytes(2048).align(16).build().unwrap(),
+        );
+        let results = LocalWorld::new(world as usize)
+            .unwrap()
+            .run(|rank| -> Result<(), RuntimeError> {
+                let state = ModelState::from_f32(Arc::new(rank), &plan, &init)?;
+                let mut c = state.coordinator(no_prefetch())?;
+                let mut unpacked_seen = 0;
+                for b in plan.layout().gather_buckets() {
+                    let params = b.params();
+                    let v = c.fetch(params)?;
+                    let mut gathered_at = None;
+                    let mut unpacked_at = None;
+                    for (i, &p) in params.iter().enumerate() {
+                        assert_eq!(v.f32(p)?, &init[p.index()][..], "{sharding}: values of {p}");
+                        let (buf, range) = v.buffer(p)?;
+                        let base = state.backend().host_bytes(buf).unwrap().as_ptr() as usize;
+                        match b.contiguous_offset(i) {
+                            Some(at) => {
+                                // Straight into the gathered buffer, at the parameter's run.
+                                assert_eq!(range.start, at * 4, "{sharding}: {p}");
+                                assert_eq!(
+                                    *gathered_at.get_or_insert(base),
+                                    base,
+                                    "{sharding}: one gathered buffer"
+                                );
+                                assert_eq!(buf.len(), b.gathered_bytes());
+                            }
+                            None => {
+                                assert_eq!(
+                                    *unpacked_at.get_or_insert(base),
+                                    base,
+                                    "{sharding}: one unpacked buffer"
+                                );
+                                assert_eq!(buf.len(), b.unpacked_numel() * 4);
+                                unpacked_seen += 1;
+                            }
+                        }
+                    }
+                    drop(v);
+                    // Both buffers are counted while gathered...
+                    assert_eq!(state.live_bytes(), b.gathered_bytes() + b.unpacked_numel() * 4);
+                    c.release(params)?;
+                    // ...and gone when released.
+                    assert_eq!(state.live_bytes(), 0);
+                }
+                let stats = c.end_step()?;
+                let most = plan
+                    .layout()
+                    .gather_buckets()
+                    .iter()
+                    .map(|b| (b.gathered_bytes() + b.unpacked_numel() * 4) as u64)
+                    .max()
+                    .unwrap();
+                assert_eq!(stats.peak_gathered_bytes(), most, "{sharding}");
+                // Only EvenSplit and Hybrid split parameters over shards.
+                let splits = matches!(sharding, Sharding::EvenSplit | Sharding::Hybrid(_));
+                assert_eq!(unpacked_seen > 0, splits, "{sharding}");
+                Ok(())
+            })
+            .unwrap();
+        for r in results {
+            r.expect("rank thread").unwrap();
+        }
+    }
+}
+
+/// Queues a host closure on `stream` of `rank` that waits for the returned gate, then copies
+/// `len` bytes at `addr` and sends them; returns the gate, the receiver of the copy, and an
+/// event recorded after the closure.
+fn reader(
+    rank: &LocalRank,
+    stream: Stream,
+    addr: usize,
+    len: usize,
+) -> (mpsc::Sender<()>, mpsc::Receiver<Vec<u8>>, <LocalRank as Backend>::Event) {
+    let (gate, wait) = mpsc::channel::<()>();
+    let (send, got) = mpsc::channel::<Vec<u8>>();
+    rank.enqueue_host(stream, move || {
+        let _ = wait.recv();
+        // SAFETY: `addr..addr + len` is the parameter's range of a gathered buffer of this
+        // rank's pool. Pool memory is never returned to the system while the rank exists (a
+        // freed buffer goes to the pool's free list or its deferred list), so the bytes are
+        // allocated and initialized; the test checks that nothing overwrote them.
+        let bytes = unsafe { std::slice::from_raw_parts(addr as *const u8, len) }.to_vec();
+        let _ = send.send(bytes);
+        Ok(())
+    })
+    .unwrap();
+    let event = rank.record(stream).unwrap();
+    (gate, got, event)
+}
+
+/// Same-size buckets, one parameter each, one rank: a freed gathered buffer is the next
+/// gather's (exact size classes), so an early free would be overwritten at once.
+fn one_rank_model() -> (ParamSet, Plan, Vec<Vec<f32>>) {
+    let sizes = [64usize, 64, 64];
+    let set = set_of(&sizes);
+    let plan = Plan::new(LayoutBuilder::new(&set, Sharding::Flat, 1).bucket_bytes(256).build().unwrap());
+    (set, plan, values(&sizes))
+}
+
+fn addr_of(c: &mut collsched::Coordinator<LocalRank>, p: ParamId) -> (usize, usize, Vec<u8>) {
+    let v = c.fetch(&[p]).unwrap();
+    let b = v.bytes(p).unwrap();
+    (b.as_ptr() as usize, b.len(), b.to_vec())
+}
+
+#[test]
+fn a_buffer_released_after_a_pending_event_is_not_reused_before_it_completes() {
+    let (_, plan, init) = one_rank_model();
+    let (p0, p1, p2) = (ParamId(0), ParamId(1), ParamId(2));
+    let world = LocalWorld::new(1).unwrap();
+    let rank = world.rank(0).unwrap();
+    let state = ModelState::from_f32(Arc::new(rank), &plan, &init).unwrap();
+    let be = Arc::clone(state.backend());
+    let mut c = state.coordinator(no_prefetch()).unwrap();
+    // Warm the pool: steady state allocates nothing, so any fresh allocation below is a
+    // buffer that could not be reused.
+    for p in [p0, p1, p2] {
+        c.fetch(&[p]).unwrap();
+        c.release(&[p]).unwrap();
+    }
+    let (addr, len, want) = addr_of(&mut c, p0);
+    let (gate, got, event) = reader(&be, Stream::Compute, addr, len);
+    c.release_after(&[p0], &event).unwrap();
+    let before = be.fresh_allocations();
+    for _ in 0..3 {
+        for p in [p1, p2] {
+            let v = c.fetch(&[p]).unwrap();
+            let b = v.bytes(p).unwrap();
+            assert_ne!(
+                b.as_ptr() as usize,
+                addr,
+                "a later gather got the buffer released after a pending event"
+            );
+            drop(v);
+            c.release(&[p]).unwrap();
+        }
+    }
+    assert!(!event.query().unwrap(), "the engine's event completed early");
+    assert!(be.fresh_allocations() > before, "the later gathers must have needed a buffer of their own");
+    gate.send(()).unwrap();
+    assert_eq!(
+        got.recv().unwrap(),
+        want,
+        "the released parameter was overwritten before the event completed"
+    );
+    event.wait(Duration::from_secs(60)).unwrap();
+    // Once it completed, the buffer is reused: no fresh allocation any more.
+    let after = be.fresh_allocations();
+    for _ in 0..3 {
+        for p in [p0, p1, p2] {
+            c.fetch(&[p]).unwrap();
+            c.release(&[p]).unwrap();
+        }
+    }
+    c.end_step().unwrap();
+    assert_eq!(
+        be.fresh_allocations(),
+        after,
+        "plain releases and completed events give buffers back at once"
+    );
+}
+
+#[test]
+fn two_coordinators_release_after_their_own_events_and_the_buffer_waits_for_both() {
+    let (_, plan, init) = one_rank_model();
+    let (p0, p1, p2) = (ParamId(0), ParamId(1), ParamId(2));
+    let world = LocalWorld::new(1).unwrap();
+    let state = ModelState::from_f32(Arc::new(world.rank(0).unwrap()), &plan, &init).unwrap();
+    let be = Arc::clone(state.backend());
+    let mut train = state.coordinator(no_prefetch()).unwrap();
+    let mut eval = state.coordinator(no_prefetch()).unwrap();
+    let (addr, len, want) = addr_of(&mut train, p0);
+    eval.fetch(&[p0]).unwrap();
+    // Two engines, two queues: neither event implies the other.
+    let (gate1, got1, ev1) = reader(&be, Stream::Compute, addr, len);
+    let (gate2, got2, ev2) = reader(&be, Stream::ReduceScatter, addr, len);
+    train.release_after(&[p0], &ev1).unwrap();
+    eval.release_after(&[p0], &ev2).unwrap();
+    assert_eq!(state.live_bytes(), 0, "the scheduler freed the bucket (deferred)");
+    let churn = |c: &mut collsched::Coordinator<LocalRank>| {
+        for _ in 0..3 {
+            for p in [p1, p2] {
+                let v = c.fetch(&[p]).unwrap();
+                assert_ne!(
+                    v.bytes(p).unwrap().as_ptr() as usize,
+                    addr,
+                    "reused before both events completed"
+                );
+                drop(v);
+                c.release(&[p]).unwrap();
+            }
+        }
+    };
+    churn(&mut train);
+    gate1.send(()).unwrap();
+    assert_eq!(got1.recv().unwrap(), want);
+    ev1.wait(Duration::from_secs(60)).unwrap();
+    // One of the two completed: still not free.
+    churn(&mut train);
+    gate2.send(()).unwrap();
+    assert_eq!(got2.recv().unwrap(), want);
+    ev2.wait(Duration::from_secs(60)).unwrap();
+    train.end_step().unwrap();
+    eval.end_step().unwrap();
+}
+
+#[test]
+fn grad_ready_after_waits_for_its_event_and_changes_nothing_when_it_does_not_complete() {
+    let sizes = [24usize];
+    let set = set_of(&sizes);
+    let plan = Plan::new(LayoutBuilder::new(&set, Sharding::EvenSplit, 1).build().unwrap());
+    let init = values(&sizes);
+    let config = LocalConfig { timeout: Duration::from_millis(200), ..LocalConfig::default() };
+    let world = LocalWorld::with_config(1, config).unwrap();
+    let state = ModelState::from_f32(Arc::new(world.rank(0).unwrap()), &plan, &init).unwrap();
+    let be = Arc::clone(state.backend());
+    let mut c = state.coordinator(no_prefetch()).unwrap();
+    let p = ParamId(0);
+    let grad: Vec<f32> = (0..24).map(|i| i as f32 - 7.0).collect();
+    c.fetch(&[p]).unwrap();
+    c.release(&[p]).unwrap();
+    let (gate, wait) = mpsc::channel::<()>();
+    be.enqueue_host(Stream::Compute, move || {
+        let _ = wait.recv();
+        Ok(())
+    })
+    .unwrap();
+    let event = be.record(Stream::Compute).unwrap();
+    let err = c.grad_ready_after(p, bytemuck::cast_slice(&grad), &event).unwrap_err();
+    assert!(matches!(err, RuntimeError::Backend { .. }), "{err}");
+    assert!(err.to_string().contains("nothing was changed"), "{err}");
+    gate.send(()).unwrap();
+    // Nothing changed: the same gradient is taken now (not a "second gradient" error).
+    c.grad_ready_after(p, bytemuck::cast_slice(&grad), &event).unwrap();
+    c.end_step().unwrap();
+    let mut seen = Vec::new();
+    c.update_shards_f32(|_, _, _, g| seen.extend_from_slice(g)).unwrap();
+    assert_eq!(seen, grad);
+}
+
+#[path = "support/loopback.rs"]
+#[allow(dead_code)]
+mod loopback;
+
+/// The loopback backend with buffers that are not host memory to the runtime (like a
+/// device's): `host_bytes` is `None`, everything else delegates.
+struct DeviceLike(loopback::Loopback);
+
+impl Backend for DeviceLike {
+    type Buffer = loopback::Buf;
+    type Event = loopback::Done;
+    fn rank(&self) -> usize {
+        self.0.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.0.world_size()
+    }
+    fn timeout(&self) -> Duration {
+        self.0.timeout()
+    }
+    fn alloc(&self, bytes: usize) -> Result<loopback::Buf, collsched::backend::BackendError> {
+        self.0.alloc(bytes)
+    }
+    fn free(&self, buffer: loopback::Buf, after: Option<&loopback::Done>) {
+        self.0.free(buffer, after)
+    }
+    fn write_from_host(
+        &self,
+        buffer: &mut loopback::Buf,
+        offset: usize,
+        src: &[u8],
+    ) -> Result<(), collsched::backend::BackendError> {
+        self.0.write_from_host(buffer, offset, src)
+    }
+    fn read_to_host(
+        &self,
+        buffer: &loopback::Buf,
+        offset: usize,
+        dst: &mut [u8],
+    ) -> Result<(), collsched::backend::BackendError> {
+        self.0.read_to_host(buffer, offset, dst)
+    }
+    fn record(&self, stream: Stream) -> Result<loopback::Done, collsched::backend::BackendError> {
+        self.0.record(stream)
+    }
+    fn wait_event(
+        &self,
+        stream: Stream,
+        event: &loopback::Done,
+    ) -> Result<(), collsched::backend::BackendError> {
+        self.0.wait_event(stream, event)
+    }
+    fn launch_group(
+        &self,
+        stream: Stream,
+        after: &[loopback::Done],
+        ops: Vec<collsched::backend::Collective<loopback::Buf>>,
+    ) -> Result<collsched::backend::InFlight<Self>, collsched::backend::LaunchError<loopback::Buf>> {
+        // The loopback runs collectives at launch: hand the buffers back in a completed
+        // InFlight of this backend.
+        let flight = self.0.launch_group(stream, after, ops)?;
+        let ops = flight.try_finish().map_err(|_| unreachable_launch())?;
+        // Never dropped unfinished (it is complete): nothing to defer.
+        let on_drop: collsched::backend::OnDrop<DeviceLike> = Arc::new(|_, _| {});
+        Ok(collsched::backend::InFlight::new(ops, loopback::Done, on_drop))
+    }
+}
+
+fn unreachable_launch() -> collsched::backend::LaunchError<loopback::Buf> {
+    collsched::backend::LaunchError {
+        error: collsched::backend::BackendError::Unsupported {
+            what: "loopback launch did not complete".into(),
+        },
+        ops: Vec::new(),
+    }
+}
+
+#[test]
+fn on_a_device_backend_bytes_is_a_clear_error_and_buffer_and_host_copies_work() {
+    let (set, plan, init) = one_rank_model();
+    let state = ModelState::from_f32(Arc::new(DeviceLike(loopback::Loopback::new())), &plan, &init).unwrap();
+    let mut c = state.coordinator(no_prefetch()).unwrap();
+    let p = ParamId(1);
+    let v = c.fetch(&[p]).unwrap();
+    let err = v.bytes(p).unwrap_err();
+    assert!(matches!(err, RuntimeError::Unsupported { .. }), "{err}");
+    let msg = err.to_string();
+    assert!(msg.contains("Views::buffer") && msg.contains(set.name(p)), "{msg}");
+    let (buf, range) = v.buffer(p).unwrap();
+    assert_eq!(&buf.0[range], bytemuck::cast_slice::<f32, u8>(&init[1]));
+    assert_eq!(&*v.read_f32(p).unwrap(), &init[1][..]);
+    drop(v);
+    c.release(&[p]).unwrap();
+    c.end_step().unwrap();
+}
