@@ -16,8 +16,6 @@
 //! AVX2 enabled, chosen at run time.
 
 use crate::stream;
-#[cfg(doc)]
-use crate::stream::STREAM_MIN_BYTES;
 
 /// Elements per block of a reduction: small enough that the accumulator (4 KiB) and a block of
 /// each input stay in L1, large enough that the per-block overhead is noise.
@@ -236,7 +234,7 @@ fn reduce_block<C: Codec, P: Scale, Q: Scale>(
 /// `out = round((sum_k inputs[k] / p) / q)`; lengths already checked (all equal to `out.len()`,
 /// a whole number of elements) and `inputs` is not empty.
 ///
-/// With `stream` (callers set it from [`STREAM_MIN_BYTES`] of output on), each block is
+/// With `stream` (callers set it from `stream::STREAM_MIN_BYTES` of output on), each block is
 /// reduced into a buffer on the stack (in L1) and then written out with streaming stores: the
 /// output is not read from memory first (no read for ownership) and does not evict the inputs
 /// from the caches.
