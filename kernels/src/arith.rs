@@ -6,6 +6,7 @@ use crate::elem::{
     check_accumulate, check_cast, check_reduce, check_reduce_in_place, post_divisor, ElemType, KernelError,
     ReduceOp, Scaling,
 };
+use crate::stream::STREAM_MIN_BYTES;
 
 /// Reduces `inputs` element-wise into `out`, accumulating in `f32` in input order and rounding
 /// once to `ty`.
@@ -42,7 +43,8 @@ pub fn reduce(
     check_reduce(ty, out, inputs)?;
     let pre = Divisor::new(scaling.pre_divide);
     let post = Divisor::new(post_divisor(op, scaling, inputs.len()));
-    reduce_with(Isa::detect(), ty, pre, post, false, out, inputs);
+    let stream = out.len() >= STREAM_MIN_BYTES;
+    reduce_with(Isa::detect(), ty, pre, post, false, out, inputs, stream);
     Ok(())
 }
 
@@ -77,11 +79,13 @@ pub fn reduce_in_place(
     check_reduce_in_place(ty, inout, others)?;
     let pre = Divisor::new(scaling.pre_divide);
     let post = Divisor::new(post_divisor(op, scaling, 1 + others.len()));
-    reduce_with(Isa::detect(), ty, pre, post, true, inout, others);
+    reduce_with(Isa::detect(), ty, pre, post, true, inout, others, false);
     Ok(())
 }
 
-/// [`reduce`] (or, if `in_place`, [`reduce_in_place`]) after its checks, compiled for `isa`.
+/// [`reduce`] (or, if `in_place`, [`reduce_in_place`]) after its checks, compiled for `isa`;
+/// `stream` writes the output with streaming stores (out of place, and not on the F16C path).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn reduce_with(
     isa: Isa,
     ty: ElemType,
@@ -90,15 +94,16 @@ pub(crate) fn reduce_with(
     in_place: bool,
     out: &mut [u8],
     inputs: &[&[u8]],
+    stream: bool,
 ) {
     #[cfg(target_arch = "x86_64")]
     if ty == ElemType::F16 && isa == Isa::Avx2 {
         return crate::block::reduce_f16c(isa, pre, post, in_place, out, inputs);
     }
     match ty {
-        ElemType::F32 => reduce_blocks(isa, F32Codec, pre, post, in_place, out, inputs),
-        ElemType::F16 => reduce_blocks(isa, F16Codec, pre, post, in_place, out, inputs),
-        ElemType::BF16 => reduce_blocks(isa, Bf16Codec, pre, post, in_place, out, inputs),
+        ElemType::F32 => reduce_blocks(isa, F32Codec, pre, post, in_place, out, inputs, stream),
+        ElemType::F16 => reduce_blocks(isa, F16Codec, pre, post, in_place, out, inputs, stream),
+        ElemType::BF16 => reduce_blocks(isa, Bf16Codec, pre, post, in_place, out, inputs, stream),
     }
 }
 

@@ -15,6 +15,8 @@
 //! Each kernel is compiled twice (see [`Isa`]): for the baseline target and, on x86-64, with
 //! AVX2 enabled, chosen at run time.
 
+use crate::stream;
+
 /// Elements per block of a reduction: small enough that the accumulator (4 KiB) and a block of
 /// each input stay in L1, large enough that the per-block overhead is noise.
 pub(crate) const BLOCK: usize = 1024;
@@ -24,13 +26,31 @@ pub(crate) const GROUP: usize = 4;
 
 /// A little-endian element as bytes: `[u8; N]`.
 pub(crate) trait Raw: Copy {
+    /// The element whose bytes are all zero.
+    const ZERO: Self;
     /// Views bytes as elements (a trailing partial element, which callers rule out, is dropped).
     fn view(bytes: &[u8]) -> &[Self];
     /// Views bytes as elements, mutably.
     fn view_mut(bytes: &mut [u8]) -> &mut [Self];
+    /// Views elements as bytes.
+    fn bytes(elems: &[Self]) -> &[u8];
+    /// Views elements as bytes, mutably.
+    fn bytes_mut(elems: &mut [Self]) -> &mut [u8];
 }
 
 impl<const N: usize> Raw for [u8; N] {
+    const ZERO: Self = [0; N];
+
+    #[inline(always)]
+    fn bytes(elems: &[Self]) -> &[u8] {
+        elems.as_flattened()
+    }
+
+    #[inline(always)]
+    fn bytes_mut(elems: &mut [Self]) -> &mut [u8] {
+        elems.as_flattened_mut()
+    }
+
     #[inline(always)]
     fn view(bytes: &[u8]) -> &[Self] {
         bytes.as_chunks::<N>().0
@@ -189,29 +209,60 @@ fn last_pass<C: Codec, P: Scale, Q: Scale, const FIRST: bool>(
     }
 }
 
+/// All passes over one block of `out` (the elements `range` of every input).
+#[inline(always)]
+fn reduce_block<C: Codec, P: Scale, Q: Scale>(
+    ops: Ops<C, P, Q>,
+    inputs: &[&[u8]],
+    range: core::ops::Range<usize>,
+    acc: &mut [f32],
+    out: &mut [C::Raw],
+) {
+    let k = inputs.len();
+    if k <= GROUP {
+        return last_pass::<C, P, Q, true>(ops, inputs, 0, range, acc, out);
+    }
+    group_pass::<C, P, Q, GROUP, true, false>(ops, inputs, 0, range.clone(), acc, out);
+    let mut first = GROUP;
+    while k - first > GROUP {
+        group_pass::<C, P, Q, GROUP, false, false>(ops, inputs, first, range.clone(), acc, out);
+        first += GROUP;
+    }
+    last_pass::<C, P, Q, false>(ops, inputs, first, range, acc, out);
+}
+
 /// `out = round((sum_k inputs[k] / p) / q)`; lengths already checked (all equal to `out.len()`,
 /// a whole number of elements) and `inputs` is not empty.
+///
+/// With `stream` (callers set it from `stream::STREAM_MIN_BYTES` of output on), each block is
+/// reduced into a buffer on the stack (in L1) and then written out with streaming stores: the
+/// output is not read from memory first (no read for ownership) and does not evict the inputs
+/// from the caches.
 #[inline(always)]
-fn reduce_impl<C: Codec, P: Scale, Q: Scale>(c: C, p: P, q: Q, out: &mut [u8], inputs: &[&[u8]]) {
+fn reduce_impl<C: Codec, P: Scale, Q: Scale>(
+    c: C,
+    p: P,
+    q: Q,
+    out: &mut [u8],
+    inputs: &[&[u8]],
+    stream: bool,
+) {
     let out = C::Raw::view_mut(out);
     let mut acc = [0f32; BLOCK];
-    let k = inputs.len();
+    let mut staged = [C::Raw::ZERO; BLOCK];
     let ops = Ops { c, p, q };
     for (b, o) in out.chunks_mut(BLOCK).enumerate() {
         let range = b * BLOCK..b * BLOCK + o.len();
         let acc = &mut acc[..o.len()];
-        if k <= GROUP {
-            last_pass::<C, P, Q, true>(ops, inputs, 0, range, acc, o);
-            continue;
+        if stream {
+            let staged = &mut staged[..o.len()];
+            reduce_block(ops, inputs, range, acc, staged);
+            stream::copy(C::Raw::bytes_mut(o), C::Raw::bytes(staged), true);
+        } else {
+            reduce_block(ops, inputs, range, acc, o);
         }
-        group_pass::<C, P, Q, GROUP, true, false>(ops, inputs, 0, range.clone(), acc, o);
-        let mut first = GROUP;
-        while k - first > GROUP {
-            group_pass::<C, P, Q, GROUP, false, false>(ops, inputs, first, range.clone(), acc, o);
-            first += GROUP;
-        }
-        last_pass::<C, P, Q, false>(ops, inputs, first, range, acc, o);
     }
+    stream::fence(stream);
 }
 
 /// `out = round((out / p + sum_k others[k] / p) / q)`: [`reduce_impl`] with the old contents of
@@ -320,7 +371,7 @@ macro_rules! multiversion {
 
 multiversion! {
     /// [`reduce_impl`] compiled for `isa`.
-    fn reduce_scaled<C: Codec, P: Scale, Q: Scale>(c: C, p: P, q: Q, out: &mut [u8], inputs: &[&[u8]]) => reduce_impl
+    fn reduce_scaled<C: Codec, P: Scale, Q: Scale>(c: C, p: P, q: Q, out: &mut [u8], inputs: &[&[u8]], stream: bool) => reduce_impl
 }
 
 multiversion! {
@@ -330,7 +381,9 @@ multiversion! {
 
 /// `out = round((sum_k inputs[k] / pre) / post)` compiled for `isa`, where the inputs are the
 /// old contents of `out` followed by `others` if `in_place`, else `others`; lengths already
-/// checked.
+/// checked. `stream`: write the output with streaming stores (out of place only; see
+/// [`reduce_impl`]).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn reduce_blocks<C: Codec>(
     isa: Isa,
     c: C,
@@ -339,13 +392,15 @@ pub(crate) fn reduce_blocks<C: Codec>(
     in_place: bool,
     out: &mut [u8],
     others: &[&[u8]],
+    stream: bool,
 ) {
     use Divisor::{Div, Mul};
+    let s = stream;
     match (pre, post, in_place) {
-        (Mul(p), Mul(q), false) => reduce_scaled(isa, c, MulBy(p), MulBy(q), out, others),
-        (Mul(p), Div(q), false) => reduce_scaled(isa, c, MulBy(p), DivBy(q), out, others),
-        (Div(p), Mul(q), false) => reduce_scaled(isa, c, DivBy(p), MulBy(q), out, others),
-        (Div(p), Div(q), false) => reduce_scaled(isa, c, DivBy(p), DivBy(q), out, others),
+        (Mul(p), Mul(q), false) => reduce_scaled(isa, c, MulBy(p), MulBy(q), out, others, s),
+        (Mul(p), Div(q), false) => reduce_scaled(isa, c, MulBy(p), DivBy(q), out, others, s),
+        (Div(p), Mul(q), false) => reduce_scaled(isa, c, DivBy(p), MulBy(q), out, others, s),
+        (Div(p), Div(q), false) => reduce_scaled(isa, c, DivBy(p), DivBy(q), out, others, s),
         (Mul(p), Mul(q), true) => reduce_in_place_scaled(isa, c, MulBy(p), MulBy(q), out, others),
         (Mul(p), Div(q), true) => reduce_in_place_scaled(isa, c, MulBy(p), DivBy(q), out, others),
         (Div(p), Mul(q), true) => reduce_in_place_scaled(isa, c, DivBy(p), MulBy(q), out, others),

@@ -256,14 +256,18 @@ proptest! {
         crate::reduce(ty, op, scaling, &mut out[offsets[8]..], &inputs).unwrap();
         same(ty, &out[offsets[8]..], &want).map_err(TestCaseError::fail)?;
         for isa in Isa::available() {
-            let mut out = at_offset(&vec![0x5Au8; want.len()], offsets[8]);
             let (pre, post) = (Divisor::new(pre), Divisor::new(post_divisor(op, scaling, inputs.len())));
-            reduce_with(isa, ty, pre, post, false, &mut out[offsets[8]..], &inputs);
-            same(ty, &out[offsets[8]..], &want).map_err(|e| TestCaseError::fail(format!("{isa:?}: {e}")))?;
-            prop_assert!(out[..offsets[8]].iter().all(|&b| b == 0xA5), "wrote before the output");
+            // Normal and streaming stores.
+            for stream in [false, true] {
+                let mut out = at_offset(&vec![0x5Au8; want.len()], offsets[8]);
+                reduce_with(isa, ty, pre, post, false, &mut out[offsets[8]..], &inputs, stream);
+                same(ty, &out[offsets[8]..], &want)
+                    .map_err(|e| TestCaseError::fail(format!("{isa:?} stream {stream}: {e}")))?;
+                prop_assert!(out[..offsets[8]].iter().all(|&b| b == 0xA5), "wrote before the output");
+            }
             // In place: the first input's buffer becomes the output.
             let mut inout = stored[0].clone();
-            reduce_with(isa, ty, pre, post, true, &mut inout[offsets[0]..], &inputs[1..]);
+            reduce_with(isa, ty, pre, post, true, &mut inout[offsets[0]..], &inputs[1..], false);
             same(ty, &inout[offsets[0]..], &want)
                 .map_err(|e| TestCaseError::fail(format!("{isa:?} in place: {e}")))?;
         }

@@ -37,6 +37,43 @@ impl fmt::Debug for LocalEvent {
     }
 }
 
+/// Events a rank keeps for reuse, so that steady-state records and launches allocate nothing.
+///
+/// An event is reused once this pool holds its only reference (every clone handed out, to
+/// streams, waiters, `InFlight` values, was dropped): nobody can observe the reset.
+pub(super) struct EventPool {
+    events: Mutex<Vec<Arc<Inner>>>,
+    spin: Duration,
+}
+
+/// Events an [`EventPool`] keeps at most; beyond that (a caller holding on to many events),
+/// new events are allocated unpooled.
+pub(super) const EVENT_POOL_CAP: usize = 256;
+
+impl EventPool {
+    pub(super) fn new(spin: Duration) -> Self {
+        EventPool { events: Mutex::new(Vec::new()), spin }
+    }
+
+    /// A pending event: a reused one if some pooled event is no longer referenced elsewhere.
+    pub(super) fn get(&self) -> LocalEvent {
+        let mut events = self.events.lock().unwrap_or_else(PoisonError::into_inner);
+        for e in events.iter_mut() {
+            if let Some(inner) = Arc::get_mut(e) {
+                inner.state = AtomicU8::new(PENDING);
+                inner.error = OnceLock::new();
+                inner.lock = Mutex::new(0);
+                return LocalEvent(Arc::clone(e));
+            }
+        }
+        let e = LocalEvent::new(self.spin);
+        if events.len() < EVENT_POOL_CAP {
+            events.push(Arc::clone(&e.0));
+        }
+        e
+    }
+}
+
 impl LocalEvent {
     pub(super) fn new(spin: Duration) -> Self {
         LocalEvent(Arc::new(Inner {

@@ -37,15 +37,15 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use crossbeam::channel::Sender;
 use smallvec::SmallVec;
 
 pub use buffer::{LocalBuffer, BUFFER_ALIGN};
 pub use event::LocalEvent;
 
 use self::buffer::Pool;
+use self::event::EventPool;
 use self::rendezvous::{Channels, Departures, OpPost, Post, RawPtr};
-use self::stream::{HostFn, Work};
+use self::stream::{HostFn, Queue, Work};
 use crate::backend::{
     Backend, BackendBuffer, BackendError, CollKind, Collective, InFlight, LaunchError, OnDrop, OpId,
     RankGroup, Stream,
@@ -179,6 +179,7 @@ impl LocalWorld {
             shared: Arc::clone(&self.shared),
             streams: Default::default(),
             pool,
+            events: EventPool::new(self.shared.config.spin),
             on_drop,
         })
     }
@@ -222,8 +223,9 @@ impl LocalWorld {
 pub struct LocalRank {
     rank: usize,
     shared: Arc<Shared>,
-    streams: [OnceLock<Sender<Work>>; 3],
+    streams: [OnceLock<Arc<Queue>>; 3],
     pool: Arc<Pool>,
+    events: EventPool,
     on_drop: OnDrop<LocalRank>,
 }
 
@@ -239,17 +241,20 @@ impl Drop for LocalRank {
             self.shared.departures.set_panicked(self.rank);
         }
         for s in Stream::ALL {
-            if self.streams[s.index()].get().is_none() {
-                self.shared.departures.set_departed(self.rank, s);
-                self.shared.channels.poke(self.rank, s);
+            match self.streams[s.index()].get() {
+                // Each stream thread finishes its queue, then leaves.
+                Some(q) => q.close(),
+                None => {
+                    self.shared.departures.set_departed(self.rank, s);
+                    self.shared.channels.poke(self.rank, s);
+                }
             }
         }
-        // The senders drop next: each stream thread finishes its queue, then leaves.
     }
 }
 
 impl LocalRank {
-    fn queue(&self, stream: Stream) -> &Sender<Work> {
+    fn queue(&self, stream: Stream) -> &Queue {
         self.streams[stream.index()]
             .get_or_init(|| stream::spawn(self.rank, stream, Arc::clone(&self.shared)))
     }
@@ -262,7 +267,7 @@ impl LocalRank {
     }
 
     fn new_event(&self) -> LocalEvent {
-        LocalEvent::new(self.shared.config.spin)
+        self.events.get()
     }
 
     /// Runs `f` on `stream` in order with the stream's other work; the event completes with its
@@ -476,7 +481,7 @@ impl Backend for LocalRank {
         let work = Work::Coll {
             group,
             first: ops[0].desc.clone(),
-            post: Box::new(post),
+            post,
             after: after.iter().cloned().collect(),
             event: event.clone(),
         };

@@ -53,10 +53,14 @@ pub(super) struct OpPost {
     pub dst: RawPtr,
 }
 
-/// A member's post: its group launch.
-pub(super) type Post = SmallVec<[OpPost; 2]>;
+/// Collectives of a group launch held inline (no heap allocation) by a [`Post`].
+pub(super) const POST_INLINE: usize = 4;
 
-/// What a member brings to a slot.
+/// A member's post: its group launch (on the heap only beyond [`POST_INLINE`] collectives).
+pub(super) type Post = SmallVec<[OpPost; POST_INLINE]>;
+
+/// What a member brings to a slot (the post inline: boxing it would allocate per collective).
+#[allow(clippy::large_enum_variant)]
 pub(super) enum Arrival {
     /// Its collectives.
     Ops(Post),
@@ -73,7 +77,8 @@ enum Abort {
 
 enum Phase {
     Collecting,
-    Running(Arc<[Post]>),
+    /// Every member's post, in member order (shared by the members while they move data).
+    Running(Arc<Vec<Post>>),
     Aborted(Abort),
 }
 
@@ -91,6 +96,10 @@ struct Slot {
 #[derive(Default)]
 struct ChanState {
     slots: Vec<Slot>,
+    /// Retired slots' `posts` vectors and running posts lists, kept for reuse so that a
+    /// steady-state collective allocates nothing.
+    spare_posts: Vec<Vec<Option<Post>>>,
+    spare_running: Vec<Arc<Vec<Post>>>,
     /// The first aborted sequence number, its reason and the error its aborter reported.
     poisoned: Option<(u64, Abort, BackendError)>,
     /// Threads asleep on the condvar (no wake-up system call when there are none).
@@ -274,9 +283,12 @@ impl Channel {
         let idx = match st.slots.iter().position(|s| s.seq == seq) {
             Some(i) => i,
             None => {
+                let mut posts = st.spare_posts.pop().unwrap_or_default();
+                posts.clear();
+                posts.resize_with(n, || None);
                 st.slots.push(Slot {
                     seq,
-                    posts: (0..n).map(|_| None).collect(),
+                    posts,
                     first: None,
                     arrived: 0,
                     phase: Phase::Collecting,
@@ -321,10 +333,22 @@ impl Channel {
                     slot.posts[me] = Some(post);
                     slot.arrived += 1;
                     if slot.arrived == n && matches!(slot.phase, Phase::Collecting) {
-                        let posts: Vec<Post> =
-                            slot.posts.iter_mut().map(|p| p.take().unwrap_or_default()).collect();
-                        slot.phase = Phase::Running(posts.into());
+                        let mut running = st.spare_running.pop().unwrap_or_default();
+                        let slot = &mut st.slots[idx];
+                        match Arc::get_mut(&mut running) {
+                            Some(list) => {
+                                list.clear();
+                                list.extend(slot.posts.iter_mut().map(|p| p.take().unwrap_or_default()));
+                            }
+                            None => {
+                                running = Arc::new(
+                                    slot.posts.iter_mut().map(|p| p.take().unwrap_or_default()).collect(),
+                                )
+                            }
+                        }
+                        slot.phase = Phase::Running(running);
                     }
+                    let slot = &st.slots[idx];
                     if !matches!(slot.phase, Phase::Collecting) {
                         self.notify(&st);
                     }
@@ -389,6 +413,9 @@ impl Channel {
                 result = guarded(caller, op, || move_data_second(me, &posts));
             }
         }
+        // Our reference goes before we count ourselves done, so that the last member out holds
+        // the only one and can keep the list for reuse.
+        drop(posts);
 
         // 4. Depart.
         self.barrier(caller, seq, |s| &mut s.done);
@@ -422,7 +449,11 @@ impl Channel {
             slot.left += 1;
             let all = if ran { self.group.len() } else { slot.arrived };
             if slot.left >= all {
-                st.slots.swap_remove(i);
+                let slot = st.slots.swap_remove(i);
+                st.spare_posts.push(slot.posts);
+                if let Phase::Running(running) = slot.phase {
+                    st.spare_running.push(running);
+                }
             }
         }
     }

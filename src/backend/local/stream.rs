@@ -1,11 +1,12 @@
 //! Stream threads of the local backend: one thread per (rank, stream), running its work in
 //! order.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 
-use crossbeam::channel::{self, Receiver, Sender};
+use crossbeam::utils::Backoff;
 use smallvec::SmallVec;
 
 use super::event::LocalEvent;
@@ -16,13 +17,15 @@ use crate::backend::{BackendError, BackendEvent, CollDesc, OpId, RankGroup, Stre
 /// Host work enqueued on a stream.
 pub(super) type HostFn = Box<dyn FnOnce() -> Result<(), BackendError> + Send>;
 
-/// One item of a stream's queue.
+/// One item of a stream's queue. Collectives carry their post inline, not boxed, so that a
+/// launch allocates nothing (the queue keeps its capacity).
+#[allow(clippy::large_enum_variant)]
 pub(super) enum Work {
     /// A (group of) collective(s).
     Coll {
         group: RankGroup,
         first: CollDesc,
-        post: Box<Post>,
+        post: Post,
         after: SmallVec<[LocalEvent; 4]>,
         event: LocalEvent,
     },
@@ -34,20 +37,116 @@ pub(super) enum Work {
     Host { f: HostFn, event: LocalEvent },
 }
 
+/// The work queue of one stream thread: a deque that keeps its capacity, so that steady-state
+/// sends allocate nothing (a linked channel would allocate a block every few dozen items).
+pub(super) struct Queue {
+    state: Mutex<QueueState>,
+    cv: Condvar,
+    /// Items in the deque (read without the lock while the thread spins for work).
+    len: AtomicUsize,
+}
+
+#[derive(Default)]
+struct QueueState {
+    items: VecDeque<Work>,
+    /// No more items will come (the rank's handle was dropped).
+    closed: bool,
+    /// The thread is gone (it could not start, or it died): sends fail.
+    gone: bool,
+    /// The thread is asleep on `cv` (a send must wake it).
+    sleeping: bool,
+}
+
+impl Queue {
+    fn new() -> Self {
+        Queue { state: Mutex::default(), cv: Condvar::new(), len: AtomicUsize::new(0) }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, QueueState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Appends `work`; drops it and fails if the thread is gone.
+    pub(super) fn send(&self, work: Work) -> Result<(), QueueGone> {
+        let mut st = self.lock();
+        if st.gone {
+            return Err(QueueGone);
+        }
+        st.items.push_back(work);
+        self.len.store(st.items.len(), Ordering::Release);
+        if st.sleeping {
+            self.cv.notify_one();
+        }
+        Ok(())
+    }
+
+    /// No more items will come: the thread finishes the queue, then leaves.
+    pub(super) fn close(&self) {
+        let mut st = self.lock();
+        st.closed = true;
+        self.cv.notify_one();
+    }
+
+    fn set_gone(&self) {
+        let mut st = self.lock();
+        st.gone = true;
+        // Whatever was queued will never run; dropping it drops its events' clones (waiters
+        // time out, as they would on any stuck stream).
+        st.items.clear();
+        self.len.store(0, Ordering::Release);
+    }
+
+    /// The next item, or `None` once the queue is closed and empty. Spins briefly (as a
+    /// channel would) before sleeping, so that back-to-back small launches need no wake-up.
+    fn recv(&self) -> Option<Work> {
+        let backoff = Backoff::new();
+        while self.len.load(Ordering::Acquire) == 0 && !backoff.is_completed() {
+            backoff.snooze();
+        }
+        let mut st = self.lock();
+        loop {
+            if let Some(w) = st.items.pop_front() {
+                self.len.store(st.items.len(), Ordering::Release);
+                return Some(w);
+            }
+            if st.closed {
+                return None;
+            }
+            st.sleeping = true;
+            st = self.cv.wait(st).unwrap_or_else(PoisonError::into_inner);
+            st.sleeping = false;
+        }
+    }
+}
+
+/// The stream thread of a [`Queue`] is gone.
+#[derive(Debug)]
+pub(super) struct QueueGone;
+
+/// Marks the queue gone when the thread leaves, even by unwinding.
+struct GoneOnDrop(Arc<Queue>);
+
+impl Drop for GoneOnDrop {
+    fn drop(&mut self) {
+        self.0.set_gone();
+    }
+}
+
 /// Starts the thread of (`rank`, `stream`) and returns its queue. If the thread cannot be
-/// started, the queue is closed (launches then fail with `Shutdown`).
-pub(super) fn spawn(rank: usize, stream: Stream, shared: Arc<Shared>) -> Sender<Work> {
-    let (tx, rx) = channel::unbounded();
+/// started, the queue is gone at once (launches then fail with `Shutdown`).
+pub(super) fn spawn(rank: usize, stream: Stream, shared: Arc<Shared>) -> Arc<Queue> {
+    let queue = Arc::new(Queue::new());
+    let rx = Arc::clone(&queue);
     let name = format!("collsched-r{rank}-{stream}");
-    let started = std::thread::Builder::new()
-        .name(name)
-        .spawn(move || StreamThread { rank, stream, shared, poison: None, channels: HashMap::new() }.run(rx));
+    let started = std::thread::Builder::new().name(name).spawn(move || {
+        let _gone = GoneOnDrop(Arc::clone(&rx));
+        StreamThread { rank, stream, shared, poison: None, channels: HashMap::new() }.run(&rx)
+    });
     if let Err(e) = started {
         tracing::error!(target: "collsched::init", rank, %stream, error = %e, "cannot start stream thread");
-        let (dead_tx, _) = channel::unbounded();
-        return dead_tx;
+        queue.set_gone();
     }
-    tx
+    queue
 }
 
 struct StreamThread {
@@ -61,8 +160,8 @@ struct StreamThread {
 }
 
 impl StreamThread {
-    fn run(mut self, rx: Receiver<Work>) {
-        while let Ok(work) = rx.recv() {
+    fn run(mut self, rx: &Queue) {
+        while let Some(work) = rx.recv() {
             self.step(work);
         }
         // Every collective this (rank, stream) will ever post has been posted: tell waiters.
@@ -124,7 +223,7 @@ impl StreamThread {
                 let arrival = match self.poison.clone() {
                     Some(p) => Arrival::Failed(p),
                     None => match after.iter().try_for_each(|e| self.wait_for(e)) {
-                        Ok(()) => Arrival::Ops(*post),
+                        Ok(()) => Arrival::Ops(post),
                         Err(e) => Arrival::Failed(e),
                     },
                 };
