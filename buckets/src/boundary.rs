@@ -101,34 +101,40 @@ impl Boundary {
         if let Some(m) = &spec.module {
             return m;
         }
-        let path = spec.name.rfind('.').map_or("", |i| &spec.name[..i]);
-        // End (exclusive) of the components taken.
-        let mut end = None;
-        let mut start = 0;
-        for (n, comp) in path.split('.').enumerate() {
-            let comp_end = start + comp.len();
-            match key {
-                ModuleKey::Layer => {
-                    if !comp.is_empty() && comp.bytes().all(|b| b.is_ascii_digit()) {
-                        end = Some(comp_end);
-                        break;
+        let name = &spec.name;
+        // The module path: the name without its last component. Every cut below is at a '.'
+        // (ASCII), so each slice is on a character boundary. One byte scan, no allocation.
+        let path = name.as_bytes()[..name.rfind('.').unwrap_or(0)].as_ref();
+        let end = match key {
+            ModuleKey::Layer => {
+                // Through the first all-digit component, else the first component.
+                let mut first = None;
+                let mut start = 0;
+                loop {
+                    let end = path[start..].iter().position(|&b| b == b'.').map_or(path.len(), |i| start + i);
+                    let comp = &path[start..end];
+                    if !comp.is_empty() && comp.iter().all(u8::is_ascii_digit) {
+                        break end;
                     }
-                    if n == 0 {
-                        // Fallback: the first component.
-                        end.get_or_insert(comp_end);
+                    first.get_or_insert(end);
+                    if end == path.len() {
+                        break first.unwrap_or(end);
                     }
-                }
-                ModuleKey::Depth(d) => {
-                    if n as u64 + 1 >= u64::from(d) {
-                        end = Some(comp_end);
-                        break;
-                    }
-                    end = Some(comp_end);
+                    start = end + 1;
                 }
             }
-            start = comp_end + 1;
-        }
-        &path[..end.unwrap_or(0)]
+            ModuleKey::Depth(d) => {
+                // Up to the `d`-th dot of the path, or all of it.
+                let mut dots = 0u64;
+                path.iter()
+                    .position(|&b| {
+                        dots += u64::from(b == b'.');
+                        b == b'.' && dots >= u64::from(d.max(1))
+                    })
+                    .unwrap_or(path.len())
+            }
+        };
+        &name[..end]
     }
 }
 
