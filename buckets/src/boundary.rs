@@ -1,49 +1,4 @@
-//! Bucket boundaries: whether a bucket may hold parameters of two modules.
-//!
-//! Filling buckets by the byte cap alone (in parameter order) puts the tail of one layer and
-//! the head of the next into one bucket, so fetching a layer needs two collectives and the
-//! shared bucket is gathered once for each of the two layers. FSDP2 issues one all-gather
-//! group per `fully_shard` module and DeepSpeed one fetch per submodule; [`Boundary::Module`]
-//! gives the same shape here: a new bucket starts wherever the module changes.
-//!
-//! # What a module is
-//! A parameter's module is its explicit [`ParamSpec::module`] when given (the `"module"`
-//! field of the parameter file), else a key derived from its name by [`ModuleKey`]. Names are
-//! dotted paths as PyTorch's `named_parameters()` prints them: the last component is the
-//! parameter's own attribute (`weight`, `bias`), the components before it are the **module
-//! path** (`h.0.attn.qkv.weight` -> `h.0.attn.qkv`; a name without a dot has the empty path,
-//! the root module).
-//! - [`ModuleKey::Layer`] (text `module`): the module path through its first component made of
-//!   digits only (the layer index), else the first component of the path.
-//!   `h.0.attn.qkv.weight` -> `h.0`; `model.layers.12.mlp.up_proj.weight` -> `model.layers.12`;
-//!   `transformer.h.3.ln_1.bias` -> `transformer.h.3`; `model.embed_tokens.weight` -> `model`;
-//!   `lm_head.weight` -> `lm_head`; `w` -> `` (root). One module per transformer block,
-//!   which is how FSDP2 users wrap models.
-//! - [`ModuleKey::Depth`]`(d)` (text `module:D`): the first `d` components of the module path
-//!   (all of it when it is shorter). Depth 2 of `h.0.attn.qkv.weight` is `h.0`, depth 3 is
-//!   `h.0.attn`; depth 3 of `model.layers.12.mlp.up_proj.weight` is `model.layers.12`, depth 1
-//!   is `model`; depth 3 of `transformer.h.3.ln_1.bias` is `transformer.h.3`; depth 2 of
-//!   `lm_head.weight` is `lm_head`.
-//!
-//! # Rules
-//! Parameters are taken in bucketing order (the set's order or
-//! [`LayoutBuilder::order`](crate::LayoutBuilder::order)); the module **changes** between two
-//! consecutive parameters whose keys differ (a key that comes back later is a new run of that
-//! module: buckets follow the order, they never reach back).
-//! - Without packing, a module change closes every open bucket (one per dtype): a bucket never
-//!   holds parameters of two modules.
-//! - With packing (`+pack`), a module change keeps the open bucket of a dtype only if the new
-//!   module has parameters of that dtype and they all fit in it under the cap: consecutive
-//!   small modules (norms, biases, a tiny head) share a bucket, a bucket holds a run of
-//!   consecutive whole modules, and a module never straddles two buckets unless its bytes of
-//!   one dtype exceed the cap by themselves.
-//! - Inside a module the cap rules are unchanged: a module larger than the cap is split by the
-//!   cap, a parameter larger than the cap gets a bucket of its own, each dtype its own bucket.
-//! - Gradient buckets follow their gather buckets, as always.
-//!
-//! The cost is O(parameters) (one comparison of two keys per parameter; no allocation per
-//! parameter), and the result depends only on the names, modules, sizes and order, so every
-//! rank builds the same buckets.
+//! Bucket boundaries: whether a bucket may hold parameters of two modules (see [`Boundary`]).
 
 use std::fmt;
 use std::str::FromStr;
@@ -51,7 +6,7 @@ use std::str::FromStr;
 use crate::error::ParseBoundaryError;
 use crate::ParamSpec;
 
-/// How a module key is derived from a parameter's name (see the [module docs](self)).
+/// How a module key is derived from a parameter's name (see [`Boundary`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ModuleKey {
     /// The module path through its first all-digit component (the layer index), else its
@@ -64,6 +19,51 @@ pub enum ModuleKey {
 
 /// Where buckets may end (the [`LayoutBuilder::boundary`](crate::LayoutBuilder::boundary)
 /// knob; text form of `--bucket-by`): by size alone, or also at every module change.
+///
+/// Filling buckets by the byte cap alone (in parameter order) puts the tail of one layer and
+/// the head of the next into one bucket, so fetching a layer needs two collectives and the
+/// shared bucket is gathered once for each of the two layers. FSDP2 issues one all-gather
+/// group per `fully_shard` module and DeepSpeed one fetch per submodule; [`Boundary::Module`]
+/// gives the same shape here: a new bucket starts wherever the module changes.
+///
+/// # What a module is
+/// A parameter's module is its explicit [`ParamSpec::module`] when given (the `"module"`
+/// field of the parameter file), else a key derived from its name by [`ModuleKey`]. Names are
+/// dotted paths as PyTorch's `named_parameters()` prints them: the last component is the
+/// parameter's own attribute (`weight`, `bias`), the components before it are the **module
+/// path** (`h.0.attn.qkv.weight` -> `h.0.attn.qkv`; a name without a dot has the empty path,
+/// the root module).
+/// - [`ModuleKey::Layer`] (text `module`): the module path through its first component made of
+///   digits only (the layer index), else the first component of the path.
+///   `h.0.attn.qkv.weight` -> `h.0`; `model.layers.12.mlp.up_proj.weight` -> `model.layers.12`;
+///   `transformer.h.3.ln_1.bias` -> `transformer.h.3`; `model.embed_tokens.weight` -> `model`;
+///   `lm_head.weight` -> `lm_head`; `w` -> `` (root). One module per transformer block,
+///   which is how FSDP2 users wrap models.
+/// - [`ModuleKey::Depth`]`(d)` (text `module:D`): the first `d` components of the module path
+///   (all of it when it is shorter). Depth 2 of `h.0.attn.qkv.weight` is `h.0`, depth 3 is
+///   `h.0.attn`; depth 3 of `model.layers.12.mlp.up_proj.weight` is `model.layers.12`, depth 1
+///   is `model`; depth 3 of `transformer.h.3.ln_1.bias` is `transformer.h.3`; depth 2 of
+///   `lm_head.weight` is `lm_head`.
+///
+/// # Rules
+/// Parameters are taken in bucketing order (the set's order or
+/// [`LayoutBuilder::order`](crate::LayoutBuilder::order)); the module **changes** between two
+/// consecutive parameters whose keys differ (a key that comes back later is a new run of that
+/// module: buckets follow the order, they never reach back).
+/// - Without packing, a module change closes every open bucket (one per dtype): a bucket never
+///   holds parameters of two modules.
+/// - With packing (`+pack`), a module change keeps the open bucket of a dtype only if the new
+///   module has parameters of that dtype and they all fit in it under the cap: consecutive
+///   small modules (norms, biases, a tiny head) share a bucket, a bucket holds a run of
+///   consecutive whole modules, and a module never straddles two buckets unless its bytes of
+///   one dtype exceed the cap by themselves.
+/// - Inside a module the cap rules are unchanged: a module larger than the cap is split by the
+///   cap, a parameter larger than the cap gets a bucket of its own, each dtype its own bucket.
+/// - Gradient buckets follow their gather buckets, as always.
+///
+/// The cost is O(parameters) (one comparison of two keys per parameter; no allocation per
+/// parameter), and the result depends only on the names, modules, sizes and order, so every
+/// rank builds the same buckets.
 ///
 /// Text form: `size`, `module` (layer keys), `module:D` (depth `D`), each `module` form with an
 /// optional `+pack` (`module+pack`, `module:4+pack`).
@@ -82,7 +82,7 @@ pub enum Boundary {
     /// what every layout before this knob did).
     #[default]
     Size,
-    /// A new bucket starts where the module changes (see the [module docs](self)).
+    /// A new bucket starts where the module changes (see the rules above).
     Module {
         /// How a parameter's module is derived from its name when it names none itself.
         key: ModuleKey,
