@@ -1,14 +1,15 @@
 //! Building layouts and plans: a Llama-70B-shaped parameter list (80 layers, 723 tensors) and
 //! a 100,000-tensor list, at worlds 8, 64 and 1024, for each strategy.
 //!
-//! Run: `cargo bench --bench plan` (or `-- 100k/even` for one group). The cost should grow
+//! Run: `cargo bench --bench plan` (or `-- 100k/even` for one group; `-- 100k-modules` for
+//! the bucket-boundary variants). The cost should grow
 //! with the number of parameters, not with parameters x world: compare the world 8 and world
 //! 1024 columns of one list.
 
 use std::hint::black_box;
 use std::time::Duration;
 
-use collsched::buckets::{DType, LayoutBuilder, ParamSet, ParamSpec, Sharding};
+use collsched::buckets::{Boundary, DType, LayoutBuilder, ModuleKey, ParamSet, ParamSpec, Sharding};
 use collsched::schedule::Plan;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 
@@ -82,5 +83,38 @@ fn bench_lists(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, bench_lists);
+/// The 100,000-tensor list named like a model of 16-tensor blocks
+/// (`model.layers.{i / 16}.t{i}.weight`), at world 1024, bucketed by size and by module (with
+/// and without packing): the cost of deriving and comparing module keys.
+fn bench_boundaries(c: &mut Criterion) {
+    let base = many(100_000);
+    let specs = base
+        .specs()
+        .iter()
+        .enumerate()
+        .map(|(i, s)| ParamSpec { name: format!("model.layers.{}.t{i}.weight", i / 16), ..s.clone() })
+        .collect();
+    let set = ParamSet::new(specs).expect("valid");
+    let mut group = c.benchmark_group("100k-modules/even/1024");
+    group.sample_size(10).warm_up_time(Duration::from_millis(300)).measurement_time(Duration::from_secs(2));
+    for (name, boundary) in [
+        ("size", Boundary::Size),
+        ("module", Boundary::LAYER),
+        ("module+pack", Boundary::Module { key: ModuleKey::Layer, pack: true }),
+    ] {
+        group.bench_function(name, |b| {
+            b.iter(|| {
+                let layout = LayoutBuilder::new(&set, Sharding::EvenSplit, 1024)
+                    .bucket_bytes(64 << 20)
+                    .boundary(boundary)
+                    .build()
+                    .expect("valid");
+                black_box(Plan::new(layout))
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, bench_lists, bench_boundaries);
 criterion_main!(benches);

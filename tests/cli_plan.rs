@@ -276,3 +276,87 @@ fn bad_flags() {
     // small.json holds f64 and f32 parameters: 4 bytes is not a multiple of 8.
     rejects(&["--params", &s, "--world", "8", "--align", "4"], &["alignment 4", "f64", "head.scale"]);
 }
+
+#[test]
+fn bucket_by_module_splits_at_layers() {
+    // small.json at a 64 MiB cap: by size every parameter of a dtype shares one bucket; by
+    // module (`embed`, `h.0`, `head`) each dtype's bucket holds one module.
+    let s = small();
+    let by_size = json_of(&["--params", &s, "--world", "4"]);
+    assert!(by_size.get("bucket_by").is_none(), "size (the default) prints no bucket_by");
+    let explicit = json_of(&["--params", &s, "--world", "4", "--bucket-by", "size"]);
+    assert_eq!(by_size, explicit, "--bucket-by size is the default");
+    let by_module = json_of(&["--params", &s, "--world", "4", "--bucket-by", "module"]);
+    assert_eq!(by_module["bucket_by"], "module");
+    check_contract(&by_module, 4, 4, 256);
+    let modules = |v: &Value| -> Vec<Vec<String>> {
+        v["buckets"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|b| b["kind"] == "gather")
+            .map(|b| {
+                let mut m: Vec<String> = b["params"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|p| p.as_str().unwrap().split('.').take(2).collect::<Vec<_>>().join("."))
+                    .map(|m| if m.starts_with("h.") { m } else { m.split('.').next().unwrap().to_string() })
+                    .collect();
+                m.dedup();
+                m
+            })
+            .collect()
+    };
+    assert!(modules(&by_size).iter().any(|m| m.len() > 1), "by size some bucket spans modules");
+    assert!(modules(&by_module).iter().all(|m| m.len() == 1), "{:?}", modules(&by_module));
+    assert!(by_module["buckets"].as_array().unwrap().len() > by_size["buckets"].as_array().unwrap().len());
+    assert_ne!(by_module["fingerprint"], by_size["fingerprint"]);
+    // The same fingerprint as the library with the same knob.
+    let text = std::fs::read_to_string(data("small.json")).unwrap();
+    let set = collsched::buckets::ParamSet::from_json(&text).unwrap();
+    let layout = collsched::buckets::LayoutBuilder::new(&set, collsched::buckets::Sharding::EvenSplit, 4)
+        .boundary(collsched::buckets::Boundary::LAYER)
+        .build()
+        .unwrap();
+    assert_eq!(
+        by_module["fingerprint"],
+        collsched::schedule::Plan::new(layout).fingerprint().to_string().as_str()
+    );
+    // Depth and packing parse; the table names the boundary.
+    let packed = json_of(&["--params", &s, "--world", "4", "--bucket-by", "module:1+pack"]);
+    assert_eq!(packed["bucket_by"], "module:1+pack");
+    let out = plan(&["--params", &s, "--world", "4", "--bucket-by", "module:2"]);
+    assert!(String::from_utf8(out.stdout).unwrap().contains("bucket boundaries module:2"));
+    // A parameter file's "module" field regroups parameters.
+    let file = scratch(
+        "modules.json",
+        r#"{"params": [{"name": "a.w", "shape": [64], "dtype": "f32", "module": "m0"},
+                       {"name": "b.w", "shape": [64], "dtype": "f32", "module": "m0"},
+                       {"name": "c.w", "shape": [64], "dtype": "f32"}]}"#,
+    );
+    let v = json_of(&["--params", &file, "--world", "2", "--bucket-by", "module"]);
+    let sizes: Vec<usize> = v["buckets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|b| b["kind"] == "gather")
+        .map(|b| b["params"].as_array().unwrap().len())
+        .collect();
+    assert_eq!(sizes, [2, 1]);
+}
+
+#[test]
+fn bad_bucket_boundaries() {
+    let s = small();
+    for bad in ["modules", "module:0", "module:x", "size+pack"] {
+        let out = plan(&["--params", &s, "--world", "2", "--bucket-by", bad]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(bad) && !err.contains("panicked"), "{bad}: {err}");
+    }
+    let empty = scratch(
+        "empty-module.json",
+        r#"{"params": [{"name": "w", "shape": [4], "dtype": "f32", "module": ""}]}"#,
+    );
+    rejects(&["--params", &empty, "--world", "2"], &["`w`", "empty module"]);
+}

@@ -199,6 +199,46 @@ fn sweep_prints_the_grid() {
 }
 
 #[test]
+fn bucket_by_module_is_the_default_and_cuts_all_gathers() {
+    let dir = scratch("bucket-by");
+    let w = small_workload(&dir);
+    let json = ok_stdout(&[
+        "--workload",
+        &w,
+        "--world",
+        "4",
+        "--topo",
+        "dgx-h100",
+        "--bucket-mb",
+        "2",
+        "--sweep",
+        "bucket-by=size,module",
+        "--json",
+    ]);
+    let rows: Vec<serde_json::Value> = json.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(rows.len(), 2);
+    assert_eq!(
+        (rows[0]["bucket_by"].as_str(), rows[1]["bucket_by"].as_str()),
+        (Some("size"), Some("module"))
+    );
+    // No bucket is shared by two blocks: fewer all-gathers per step.
+    assert!(rows[1]["all_gathers"].as_u64() < rows[0]["all_gathers"].as_u64(), "{rows:?}");
+    let default =
+        ok_stdout(&["--workload", &w, "--world", "4", "--topo", "dgx-h100", "--bucket-mb", "2", "--json"]);
+    let default: serde_json::Value = serde_json::from_str(&default).unwrap();
+    assert_eq!(default["bucket_by"], "module");
+    assert_eq!(default["all_gathers"], rows[1]["all_gathers"]);
+    let table =
+        ok_stdout(&["--workload", &w, "--world", "4", "--topo", "dgx-h100", "--bucket-by", "module:2+pack"]);
+    assert!(table.contains("bucket by module:2+pack"), "{table}");
+    let bad = err_line(&["--workload", &w, "--world", "4", "--topo", "dgx-h100", "--bucket-by", "layers"]);
+    assert!(bad.contains("layers"), "{bad}");
+    let bad =
+        err_line(&["--workload", &w, "--world", "4", "--topo", "dgx-h100", "--sweep", "bucket-by=module:0"]);
+    assert!(bad.contains("module:0"), "{bad}");
+}
+
+#[test]
 fn bad_input_is_one_clear_error() {
     let dir = scratch("errors");
     let w = small_workload(&dir);

@@ -29,6 +29,24 @@ pub enum ParseShardingError {
     },
 }
 
+/// A `--bucket-by` value that is not `size`, `module`, `module:D` (each `module` form with an
+/// optional `+pack`).
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+pub enum ParseBoundaryError {
+    /// Not one of the known forms.
+    #[error("unknown bucket boundary `{given}` (expected size, module or module:DEPTH, a module form optionally with +pack, e.g. module:3+pack)")]
+    Unknown {
+        /// What was given.
+        given: String,
+    },
+    /// `module:D` with a `D` that is not a positive integer.
+    #[error("bad module depth in `{given}`: D in module:D must be a positive integer (e.g. module:2 keeps `h.0` of `h.0.attn.qkv.weight`)")]
+    BadDepth {
+        /// What was given.
+        given: String,
+    },
+}
+
 /// Why a parameter list was rejected by [`ParamSet::new`](crate::ParamSet::new).
 #[derive(Clone, Debug, PartialEq, Eq, Error)]
 pub enum ParamError {
@@ -40,6 +58,12 @@ pub enum ParamError {
     EmptyName {
         /// Position in the list.
         index: usize,
+    },
+    /// A parameter whose explicit module name is empty.
+    #[error("parameter `{name}` has an empty module name: leave `module` out (it is then derived from the name) or name the module, e.g. \"h.0\"")]
+    EmptyModule {
+        /// The parameter.
+        name: String,
     },
     /// Two parameters share a name.
     #[error("duplicate parameter name `{name}` (entries #{first} and #{second}): names must be unique")]
@@ -93,7 +117,7 @@ pub enum ParamError {
 #[derive(Clone, Debug, PartialEq, Eq, Error)]
 pub enum ParamFileError {
     /// Not valid JSON, or not the expected shape.
-    #[error("parameter file, line {line} column {column}: {message} (expected {{\"params\": [{{\"name\", \"shape\", \"dtype\", \"trainable\"}}, ...]}})")]
+    #[error("parameter file, line {line} column {column}: {message} (expected {{\"params\": [{{\"name\", \"shape\", \"dtype\", \"trainable\", \"module\"}}, ...]}})")]
     Json {
         /// 1-based line of the problem.
         line: usize,
@@ -138,6 +162,9 @@ pub enum LayoutError {
         /// The world size.
         world: u32,
     },
+    /// Module boundaries of depth 0 (every parameter would be in one module).
+    #[error("module depth 0 puts every parameter in one module: use a depth of at least 1 (module:2 keeps `h.0` of `h.0.attn.qkv.weight`), or bucket by size")]
+    ZeroModuleDepth,
     /// A bucket cap of zero bytes.
     #[error("bucket size is 0 bytes: give a positive bucket size (e.g. --bucket-mb 64)")]
     ZeroBucketBytes,

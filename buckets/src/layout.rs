@@ -15,7 +15,7 @@ use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
 use crate::error::LayoutError;
-use crate::{DType, ParamId, ParamSet, Sharding};
+use crate::{Boundary, DType, ModuleKey, ParamId, ParamSet, Sharding};
 
 /// Default cap on a bucket's parameter bytes: 64 MiB.
 pub const DEFAULT_BUCKET_BYTES: usize = 64 << 20;
@@ -517,6 +517,7 @@ pub struct LayoutBuilder {
     world: u32,
     bucket_bytes: usize,
     align: usize,
+    boundary: Boundary,
     order: Option<Vec<ParamId>>,
 }
 
@@ -530,8 +531,43 @@ impl LayoutBuilder {
             world,
             bucket_bytes: DEFAULT_BUCKET_BYTES,
             align: DEFAULT_ALIGN,
+            boundary: Boundary::Size,
             order: None,
         }
+    }
+
+    /// Where buckets may end (default [`Boundary::Size`]: by the cap alone, across modules).
+    /// [`Boundary::Module`] starts a new bucket wherever the module changes, so a bucket never
+    /// holds parameters of two modules (unless it packs small whole modules); see
+    /// [`Boundary`] for how modules are found and the exact rules. The plan fingerprint
+    /// covers this knob.
+    ///
+    /// # Examples
+    /// ```
+    /// use collsched_buckets::{Boundary, DType, LayoutBuilder, ParamSet, ParamSpec, Sharding};
+    /// let set = ParamSet::new(vec![
+    ///     ParamSpec::new("h.0.attn.weight", [256], DType::F32),
+    ///     ParamSpec::new("h.0.mlp.weight", [256], DType::F32),
+    ///     ParamSpec::new("h.1.attn.weight", [256], DType::F32),
+    ///     ParamSpec::new("h.1.mlp.weight", [256], DType::F32),
+    /// ])?;
+    /// // A 3 KiB cap puts three parameters in the first bucket: h.1 is split over two buckets.
+    /// let by_size = LayoutBuilder::new(&set, Sharding::EvenSplit, 2).bucket_bytes(3 << 10).build()?;
+    /// assert_eq!(by_size.gather_buckets().len(), 2);
+    /// assert_eq!(by_size.gather_buckets()[0].params().len(), 3);
+    /// // One bucket per layer.
+    /// let by_layer = LayoutBuilder::new(&set, Sharding::EvenSplit, 2)
+    ///     .bucket_bytes(3 << 10)
+    ///     .boundary(Boundary::LAYER)
+    ///     .build()?;
+    /// let sizes: Vec<usize> = by_layer.gather_buckets().iter().map(|b| b.params().len()).collect();
+    /// assert_eq!(sizes, [2, 2]);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    #[must_use]
+    pub fn boundary(mut self, boundary: Boundary) -> Self {
+        self.boundary = boundary;
+        self
     }
 
     /// Cap on the parameter bytes of a bucket (default 64 MiB). Padding comes on top; a
@@ -562,8 +598,9 @@ impl LayoutBuilder {
     ///
     /// # Errors
     /// [`LayoutError`]: world 0, a hybrid group that is 0 or does not divide the world, a zero
-    /// bucket cap, an alignment that is not a power of two or not a multiple of a parameter's
-    /// dtype size (naming the parameter), a bad execution order, sizes that overflow.
+    /// bucket cap, a module depth of 0, an alignment that is not a power of two or not a
+    /// multiple of a parameter's dtype size (naming the parameter), a bad execution order,
+    /// sizes that overflow.
     pub fn build(self) -> Result<Layout, LayoutError> {
         let world = self.world;
         if world == 0 {
@@ -579,6 +616,9 @@ impl LayoutBuilder {
         };
         if self.bucket_bytes == 0 {
             return Err(LayoutError::ZeroBucketBytes);
+        }
+        if let Boundary::Module { key: ModuleKey::Depth(0), .. } = self.boundary {
+            return Err(LayoutError::ZeroModuleDepth);
         }
         if !self.align.is_power_of_two() {
             return Err(LayoutError::AlignNotPowerOfTwo { align: self.align });
@@ -602,13 +642,16 @@ impl LayoutBuilder {
         let order = self.resolve_order()?;
 
         // Group into buckets: one open bucket per dtype, closed when the next parameter would
-        // push it over the cap. Buckets are numbered by their first parameter's position.
+        // push it over the cap, and (with module boundaries) where the module changes.
+        // Buckets are numbered by their first parameter's position.
         let numels = self.params.numels();
         let mut groups: Vec<(DType, Vec<ParamId>)> = Vec::new();
-        let mut open: [Option<(usize, usize)>; DType::ALL.len()] = [None; DType::ALL.len()];
+        let mut open: OpenBuckets = [None; DType::ALL.len()];
+        let mut modules = Modules::new(&self.params, &order, self.boundary);
         for &p in &order {
             let dtype = specs[p.index()].dtype;
             let bytes = numels[p.index()] * dtype.size();
+            modules.advance(&specs[p.index()], &mut open, self.bucket_bytes);
             let slot = &mut open[dtype_slot(dtype)];
             match slot {
                 Some((g, used)) if used.saturating_add(bytes) <= self.bucket_bytes => {
@@ -646,6 +689,7 @@ impl LayoutBuilder {
             world,
             align: self.align,
             bucket_bytes: self.bucket_bytes,
+            boundary: self.boundary,
             n_gather,
             buckets,
             grad_for: Vec::new(),
@@ -678,6 +722,73 @@ impl LayoutBuilder {
         }
         order.extend(self.params.ids().filter(|p| at[p.index()].is_none()));
         Ok(order)
+    }
+}
+
+/// Open buckets per dtype, as the grouping loop keeps them: `(group index, bytes used)`.
+type OpenBuckets = [Option<(usize, usize)>; DType::ALL.len()];
+
+/// The module-boundary state of the grouping loop: closes open buckets where the module
+/// changes (see [`Boundary`]). Keys are slices of the specs (no allocation per parameter);
+/// with packing, a first pass sums each module run's bytes per dtype.
+struct Modules<'a> {
+    key: Option<ModuleKey>,
+    pack: bool,
+    prev: Option<&'a str>,
+    /// With packing: bytes per dtype of each module run, in order.
+    runs: Vec<[usize; DType::ALL.len()]>,
+    run: usize,
+}
+
+impl<'a> Modules<'a> {
+    fn new(params: &'a ParamSet, order: &[ParamId], boundary: Boundary) -> Self {
+        let (key, pack) = match boundary {
+            Boundary::Size => (None, false),
+            Boundary::Module { key, pack } => (Some(key), pack),
+        };
+        let mut runs = Vec::new();
+        if let (Some(key), true) = (key, pack) {
+            let (specs, numels) = (params.specs(), params.numels());
+            let mut prev = None;
+            for &p in order {
+                let spec = &specs[p.index()];
+                let m = Boundary::module_of(spec, key);
+                if prev != Some(m) {
+                    runs.push([0usize; DType::ALL.len()]);
+                    prev = Some(m);
+                }
+                if let Some(run) = runs.last_mut() {
+                    let d = &mut run[dtype_slot(spec.dtype)];
+                    *d = d.saturating_add(numels[p.index()] * spec.dtype.size());
+                }
+            }
+        }
+        Modules { key, pack, prev: None, runs, run: 0 }
+    }
+
+    /// Called before `spec` is placed: if its module differs from the previous parameter's,
+    /// closes every open bucket (without packing), or each open bucket that the new module
+    /// has no parameters for or cannot fit into under `cap` (with packing).
+    fn advance(&mut self, spec: &'a crate::ParamSpec, open: &mut OpenBuckets, cap: usize) {
+        let Some(key) = self.key else { return };
+        let m = Boundary::module_of(spec, key);
+        match self.prev {
+            Some(prev) if prev != m => {
+                self.run += 1;
+                match self.runs.get(self.run).filter(|_| self.pack) {
+                    Some(next) => {
+                        for (slot, &need) in open.iter_mut().zip(next) {
+                            if slot.is_some_and(|(_, used)| need == 0 || used.saturating_add(need) > cap) {
+                                *slot = None;
+                            }
+                        }
+                    }
+                    None => *open = [None; DType::ALL.len()],
+                }
+            }
+            _ => {}
+        }
+        self.prev = Some(m);
     }
 }
 
@@ -1036,6 +1147,7 @@ pub struct Layout {
     world: u32,
     align: usize,
     bucket_bytes: usize,
+    boundary: Boundary,
     n_gather: usize,
     buckets: Vec<Bucket>,
     /// Per gather bucket, its gradient bucket.
@@ -1075,6 +1187,11 @@ impl Layout {
     /// The cap on a bucket's parameter bytes.
     pub fn bucket_bytes(&self) -> usize {
         self.bucket_bytes
+    }
+
+    /// Where buckets may end (see [`LayoutBuilder::boundary`]).
+    pub fn boundary(&self) -> Boundary {
+        self.boundary
     }
 
     /// All buckets, by id: gather buckets, then gradient buckets.
@@ -1198,7 +1315,8 @@ impl Layout {
     /// trainability; every bucket with its shard map, which determines its segments) to
     /// `sink`. Two layouts encode equally exactly when all of that is equal; the knobs that
     /// only shaped it (alignment, bucket cap, parameter shapes of equal element count) are
-    /// not encoded, since they change nothing that moves.
+    /// not encoded, since they change nothing that moves. The bucket-boundary knob is encoded
+    /// apart, by [`encode_boundary`](Self::encode_boundary).
     pub fn encode_canonical(&self, sink: &mut dyn CanonicalSink) {
         sink.word(u64::from(self.world));
         sink.word(self.sharding.code());
@@ -1212,6 +1330,23 @@ impl Layout {
         sink.word(self.buckets.len() as u64);
         for b in &self.buckets {
             b.encode_canonical(sink);
+        }
+    }
+
+    /// Feeds the bucket-boundary knob ([`boundary`](Self::boundary)) to `sink`: nothing for
+    /// [`Boundary::Size`], so layouts bucketed by size encode exactly as before the knob
+    /// existed; for module boundaries the string `bucket-by`, the key (`1` = layer, `2 | d <<
+    /// 8` = depth `d`) and the packing flag. The plan fingerprint appends it after its ops
+    /// (where the encoding is self-delimited, so the trailer is unambiguous), so ranks built
+    /// with different boundary settings disagree even when their buckets happen to be equal.
+    pub fn encode_boundary(&self, sink: &mut dyn CanonicalSink) {
+        if let Boundary::Module { key, pack } = self.boundary {
+            sink.bytes(b"bucket-by");
+            sink.word(match key {
+                ModuleKey::Layer => 1,
+                ModuleKey::Depth(d) => 2 | (u64::from(d) << 8),
+            });
+            sink.word(u64::from(pack));
         }
     }
 

@@ -27,17 +27,43 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+mod boundary;
 mod dtype;
 mod error;
 mod layout;
 mod param;
 mod sharding;
 
+pub use boundary::{Boundary, ModuleKey};
 pub use dtype::DType;
-pub use error::{LayoutError, ParamError, ParamFileError, ParseDTypeError, ParseShardingError};
+pub use error::{
+    LayoutError, ParamError, ParamFileError, ParseBoundaryError, ParseDTypeError, ParseShardingError,
+};
 pub use layout::{
     Bucket, BucketId, BucketKind, CanonicalSink, GatheredSegment, GatheredSegments, Layout, LayoutBuilder,
     LayoutDiff, Placement, Segment, Segments, DEFAULT_ALIGN, DEFAULT_BUCKET_BYTES,
 };
 pub use param::{ParamId, ParamSet, ParamSpec};
 pub use sharding::Sharding;
+
+/// The entry point of the `parse_params` fuzz target (`fuzz/`): parses `text` with
+/// [`ParamSet::from_json`] and, when it is a valid set, buckets it by module (layer keys, and
+/// depth 2 with packing) on one rank, which derives the module key of every name. Returns the
+/// number of gather buckets of both layouts.
+///
+/// # Errors
+/// What [`ParamSet::from_json`] returns for bad input, or a [`LayoutError`] (e.g. an alignment
+/// that is not a multiple of a dtype's size cannot happen here; sizes that overflow can).
+#[doc(hidden)]
+pub fn fuzz_parse_params(text: &str) -> Result<usize, Box<dyn std::error::Error>> {
+    let set = ParamSet::from_json(text)?;
+    let mut buckets = 0;
+    for boundary in [Boundary::LAYER, Boundary::Module { key: ModuleKey::Depth(2), pack: true }] {
+        let layout = LayoutBuilder::new(&set, Sharding::EvenSplit, 1)
+            .bucket_bytes(1 << 20)
+            .boundary(boundary)
+            .build()?;
+        buckets += layout.gather_buckets().len();
+    }
+    Ok(buckets)
+}

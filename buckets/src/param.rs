@@ -37,6 +37,11 @@ pub struct ParamSpec {
     pub dtype: DType,
     /// `requires_grad`: frozen parameters (`false`) take no part in gradient buckets.
     pub trainable: bool,
+    /// The module the parameter belongs to, when the engine names it (e.g. the path of the
+    /// `fully_shard`-wrapped block, `model.layers.12`). `None` (the default): derived from the
+    /// name when the layout asks for module boundaries (see
+    /// [`Boundary`](crate::Boundary)). Only bucket boundaries depend on it.
+    pub module: Option<String>,
 }
 
 impl ParamSpec {
@@ -50,13 +55,27 @@ impl ParamSpec {
     /// assert!(p.trainable);
     /// ```
     pub fn new(name: impl Into<String>, shape: impl Into<Vec<usize>>, dtype: DType) -> Self {
-        ParamSpec { name: name.into(), shape: shape.into(), dtype, trainable: true }
+        ParamSpec { name: name.into(), shape: shape.into(), dtype, trainable: true, module: None }
     }
 
     /// The same parameter with `trainable` set.
     #[must_use]
     pub fn trainable(mut self, trainable: bool) -> Self {
         self.trainable = trainable;
+        self
+    }
+
+    /// The same parameter in an explicitly named module (see [`module`](Self::module)).
+    ///
+    /// # Examples
+    /// ```
+    /// use collsched_buckets::{DType, ParamSpec};
+    /// let p = ParamSpec::new("shared.w", [8], DType::F32).module("model.layers.3");
+    /// assert_eq!(p.module.as_deref(), Some("model.layers.3"));
+    /// ```
+    #[must_use]
+    pub fn module(mut self, module: impl Into<String>) -> Self {
+        self.module = Some(module.into());
         self
     }
 
@@ -94,8 +113,8 @@ impl ParamSet {
     /// Validates a parameter list.
     ///
     /// # Errors
-    /// [`ParamError`] naming the parameter: empty list, empty or duplicate name, a zero
-    /// dimension, a size that overflows, more than `u32::MAX` parameters.
+    /// [`ParamError`] naming the parameter: empty list, empty or duplicate name, an empty
+    /// module name, a zero dimension, a size that overflows, more than `u32::MAX` parameters.
     ///
     /// # Examples
     /// ```
@@ -116,6 +135,9 @@ impl ParamSet {
         for (i, s) in specs.iter().enumerate() {
             if s.name.is_empty() {
                 return Err(ParamError::EmptyName { index: i });
+            }
+            if s.module.as_deref() == Some("") {
+                return Err(ParamError::EmptyModule { name: s.name.clone() });
             }
             if let Some(dim) = s.shape.iter().position(|&d| d == 0) {
                 return Err(ParamError::ZeroDim { name: s.name.clone(), shape: s.shape.clone(), dim });
@@ -145,9 +167,11 @@ impl ParamSet {
     }
 
     /// Parses and validates a parameter file:
-    /// `{"params": [{"name": "w", "shape": [3072, 1024], "dtype": "bf16", "trainable": true}, ...]}`.
-    /// `trainable` defaults to `true`; unknown keys are errors (a misspelt `trainable` must
-    /// not silently default).
+    /// `{"params": [{"name": "w", "shape": [3072, 1024], "dtype": "bf16", "trainable": true,
+    /// "module": "h.0"}, ...]}`. `trainable` defaults to `true`; `module` is optional (see
+    /// [`ParamSpec::module`]; without it a module is derived from the name when the layout
+    /// asks for module boundaries); unknown keys are errors (a misspelt `trainable` must not
+    /// silently default).
     ///
     /// # Errors
     /// [`ParamFileError::Json`] with line and column for malformed JSON or a wrong shape,
@@ -176,6 +200,8 @@ impl ParamSet {
             dtype: String,
             #[serde(default = "yes")]
             trainable: bool,
+            #[serde(default)]
+            module: Option<String>,
         }
         fn yes() -> bool {
             true
@@ -192,7 +218,13 @@ impl ParamSet {
                 Ok(d) => d,
                 Err(_) => return Err(ParamFileError::UnknownDType { name: e.name, index, dtype: e.dtype }),
             };
-            specs.push(ParamSpec { name: e.name, shape: e.shape, dtype, trainable: e.trainable });
+            specs.push(ParamSpec {
+                name: e.name,
+                shape: e.shape,
+                dtype,
+                trainable: e.trainable,
+                module: e.module,
+            });
         }
         Ok(ParamSet::new(specs)?)
     }

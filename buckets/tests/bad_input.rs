@@ -246,3 +246,25 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn parameter_files_carry_optional_modules() {
+    let text = r#"{"params": [
+        {"name": "h.0.w", "shape": [4], "dtype": "f32", "module": "block.0"},
+        {"name": "h.0.b", "shape": [4], "dtype": "f32"}
+    ]}"#;
+    let set = ParamSet::from_json(text).unwrap();
+    assert_eq!(set.specs()[0].module.as_deref(), Some("block.0"));
+    assert_eq!(set.specs()[1].module, None);
+    // Module keys differ (`block.0` against `h.0`): two buckets by module, one when packed.
+    assert_eq!(collsched_buckets::fuzz_parse_params(text).unwrap(), 2 + 1);
+    // An empty module is an error naming the parameter; a non-string one is a JSON error.
+    let empty = r#"{"params": [{"name": "w", "shape": [4], "dtype": "f32", "module": ""}]}"#;
+    let err = ParamSet::from_json(empty).unwrap_err().to_string();
+    assert!(err.contains("`w`") && err.contains("empty module"), "{err}");
+    let number = r#"{"params": [{"name": "w", "shape": [4], "dtype": "f32", "module": 3}]}"#;
+    assert!(matches!(ParamSet::from_json(number), Err(ParamFileError::Json { .. })));
+    // A misspelt key is still refused.
+    let typo = r#"{"params": [{"name": "w", "shape": [4], "dtype": "f32", "modul": "x"}]}"#;
+    assert!(ParamSet::from_json(typo).unwrap_err().to_string().contains("modul"));
+}

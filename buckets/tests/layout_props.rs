@@ -1,5 +1,6 @@
 //! Property tests of layouts: random parameter lists (1 to 2,000 parameters, 1 to 2^28
-//! elements, mixed dtypes, random frozen masks), worlds 1 to 128, every strategy.
+//! elements, mixed dtypes, random frozen masks, runs of modules), worlds 1 to 128, every
+//! strategy, every bucket boundary.
 //!
 //! Nothing is materialized: ownership is checked on the segment intervals, so a case with
 //! 2^28-element parameters costs no more than one with 4-element ones.
@@ -7,7 +8,8 @@
 use std::collections::HashMap;
 
 use collsched_buckets::{
-    Bucket, BucketKind, DType, Layout, LayoutBuilder, ParamId, ParamSet, ParamSpec, Segment, Sharding,
+    Boundary, Bucket, BucketKind, DType, Layout, LayoutBuilder, ModuleKey, ParamId, ParamSet, ParamSpec,
+    Segment, Sharding,
 };
 use proptest::prelude::*;
 
@@ -18,17 +20,71 @@ fn params(max: usize) -> impl Strategy<Value = Vec<(usize, DType, bool)>> {
     prop::collection::vec((numel, dtype, any::<bool>()), 1..=max)
 }
 
-fn set_of(ps: &[(usize, DType, bool)]) -> ParamSet {
-    let specs = ps
-        .iter()
-        .enumerate()
-        .map(|(i, &(n, d, t))| {
-            // Vary the rank of shapes; the element count is what matters.
-            let shape = if i % 3 == 0 { vec![1, n] } else { vec![n] };
-            ParamSpec::new(format!("p{i}"), shape, d).trainable(t)
-        })
-        .collect();
+/// Parameter `i` of module `m` is named `l.{m}.p{i}.w`; every fifth one also names its module
+/// explicitly (`x{m}`), which wins over the name.
+fn set_of(c: &Case) -> ParamSet {
+    let specs =
+        c.ps.iter()
+            .enumerate()
+            .map(|(i, &(n, d, t))| {
+                // Vary the rank of shapes; the element count is what matters.
+                let shape = if i % 3 == 0 { vec![1, n] } else { vec![n] };
+                let m = c.modules[i];
+                let spec = ParamSpec::new(format!("l.{m}.p{i}.w"), shape, d).trainable(t);
+                if i % 5 == 4 {
+                    spec.module(format!("x{m}"))
+                } else {
+                    spec
+                }
+            })
+            .collect();
     ParamSet::new(specs).expect("generated parameters are valid")
+}
+
+/// The module of a parameter under `boundary`, written independently of the library: the
+/// explicit module, else the name split at dots without its last part, cut as the key says.
+fn module_of(set: &ParamSet, p: ParamId, boundary: Boundary) -> Option<String> {
+    let Boundary::Module { key, .. } = boundary else { return None };
+    let spec = set.get(p).unwrap();
+    if let Some(m) = &spec.module {
+        return Some(m.clone());
+    }
+    let mut parts: Vec<&str> = spec.name.split('.').collect();
+    parts.pop();
+    let keep = match key {
+        ModuleKey::Layer => parts
+            .iter()
+            .position(|c| !c.is_empty() && c.chars().all(|x| x.is_ascii_digit()))
+            .map_or(1, |i| i + 1),
+        ModuleKey::Depth(d) => d as usize,
+    };
+    parts.truncate(keep);
+    Some(parts.join("."))
+}
+
+/// Per position of the bucketing order: the index of its module run (consecutive parameters
+/// with the same module), or all 0 when bucketing by size.
+fn runs_of(set: &ParamSet, order: &[ParamId], boundary: Boundary) -> Vec<usize> {
+    let mut runs = Vec::with_capacity(order.len());
+    let mut prev: Option<String> = None;
+    let mut run = 0;
+    for (i, &p) in order.iter().enumerate() {
+        let m = module_of(set, p, boundary);
+        if i > 0 && m != prev {
+            run += 1;
+        }
+        runs.push(run);
+        prev = m;
+    }
+    runs
+}
+
+fn boundary() -> impl Strategy<Value = Boundary> {
+    let key = prop_oneof![Just(ModuleKey::Layer), (1u32..=4).prop_map(ModuleKey::Depth)];
+    prop_oneof![
+        Just(Boundary::Size),
+        (key, any::<bool>()).prop_map(|(key, pack)| Boundary::Module { key, pack })
+    ]
 }
 
 fn sharding(world: u32) -> impl Strategy<Value = Sharding> {
@@ -44,36 +100,48 @@ fn sharding(world: u32) -> impl Strategy<Value = Sharding> {
 #[derive(Clone, Debug)]
 struct Case {
     ps: Vec<(usize, DType, bool)>,
+    /// Module index of each parameter (non-decreasing: runs of modules).
+    modules: Vec<u32>,
     world: u32,
     sharding: Sharding,
     align: usize,
     bucket_bytes: usize,
+    boundary: Boundary,
 }
 
 fn case(max_params: usize) -> impl Strategy<Value = Case> {
-    (params(max_params), 1u32..=128)
-        .prop_flat_map(|(ps, world)| {
+    (params(max_params), 1u32..=128, any::<u64>())
+        .prop_flat_map(|(ps, world, seed)| {
             (
                 Just(ps),
                 Just(world),
                 sharding(world),
                 prop::sample::select(vec![8usize, 16, 64, 256, 4096]),
                 (10u32..=32).prop_map(|e| 1usize << e),
+                boundary(),
+                Just(seed),
             )
         })
-        .prop_map(|(ps, world, sharding, align, bucket_bytes)| Case {
-            ps,
-            world,
-            sharding,
-            align,
-            bucket_bytes,
+        .prop_map(|(ps, world, sharding, align, bucket_bytes, boundary, seed)| {
+            // A new module starts before about one parameter in four (from the seed's bits).
+            let mut m = 0;
+            let modules = (0..ps.len())
+                .map(|i| {
+                    if i > 0 && (seed.rotate_left(i as u32 * 2) & 3) == 0 {
+                        m += 1;
+                    }
+                    m
+                })
+                .collect();
+            Case { ps, modules, world, sharding, align, bucket_bytes, boundary }
         })
 }
 
 fn build(c: &Case) -> Layout {
-    LayoutBuilder::new(&set_of(&c.ps), c.sharding, c.world)
+    LayoutBuilder::new(&set_of(c), c.sharding, c.world)
         .align(c.align)
         .bucket_bytes(c.bucket_bytes)
+        .boundary(c.boundary)
         .build()
         .expect("valid inputs build")
 }
@@ -182,6 +250,60 @@ fn check_bucket(layout: &Layout, b: &Bucket) -> Result<(), TestCaseError> {
     Ok(())
 }
 
+/// Module boundaries, for a layout bucketed in `order`: without packing every bucket holds
+/// one module run; with packing a run of consecutive whole modules; either way a module whose
+/// bytes of a dtype fit under the cap sit in one bucket of that dtype.
+fn check_modules(c: &Case, layout: &Layout, order: &[ParamId]) -> Result<(), TestCaseError> {
+    prop_assert_eq!(layout.boundary(), c.boundary);
+    let set = layout.params();
+    let runs = runs_of(set, order, c.boundary);
+    let mut run_of = vec![0; set.len()];
+    for (&p, &r) in order.iter().zip(&runs) {
+        run_of[p.index()] = r;
+    }
+    // Per (run, dtype): its bytes and the gather buckets holding it.
+    let mut per: HashMap<(usize, DType), (usize, Vec<u32>)> = HashMap::new();
+    for b in layout.gather_buckets() {
+        let rs: Vec<usize> = b.params().iter().map(|p| run_of[p.index()]).collect();
+        let pack = matches!(c.boundary, Boundary::Module { pack: true, .. });
+        if !pack {
+            prop_assert!(rs.iter().all(|&r| r == rs[0]), "bucket {} mixes module runs {:?}", b.id(), rs);
+        } else {
+            // Consecutive runs, each with parameters of this dtype (a run without any closes
+            // the bucket).
+            prop_assert!(
+                rs.windows(2).all(|w| w[1] == w[0] || w[1] == w[0] + 1),
+                "bucket {} skips a module: {:?}",
+                b.id(),
+                rs
+            );
+        }
+        for (&p, &r) in b.params().iter().zip(&rs) {
+            let e = per.entry((r, b.dtype())).or_default();
+            e.0 += set.numel(p) * b.dtype().size();
+            if e.1.last() != Some(&b.id().0) {
+                e.1.push(b.id().0);
+            }
+        }
+    }
+    if c.boundary != Boundary::Size {
+        for ((r, d), (bytes, buckets)) in &per {
+            if *bytes <= c.bucket_bytes {
+                prop_assert_eq!(
+                    buckets.len(),
+                    1,
+                    "module run {} ({} B of {}) split over buckets {:?}",
+                    r,
+                    bytes,
+                    d,
+                    buckets
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
 fn check_layout(c: &Case, layout: &Layout) -> Result<(), TestCaseError> {
     let set = layout.params();
     for b in layout.buckets() {
@@ -230,6 +352,7 @@ proptest! {
     fn layouts_own_every_element_once(c in case(2000)) {
         let layout = build(&c);
         check_layout(&c, &layout)?;
+        check_modules(&c, &layout, &layout.params().ids().collect::<Vec<_>>())?;
         // Deterministic.
         prop_assert_eq!(&build(&c), &layout);
     }
@@ -261,7 +384,7 @@ proptest! {
 
     #[test]
     fn execution_order_groups_in_that_order(c in case(200), seed in any::<u64>()) {
-        let set = set_of(&c.ps);
+        let set = set_of(&c);
         // A permutation of a prefix: listed parameters first, the rest after.
         let mut order: Vec<ParamId> = set.ids().collect();
         let mut x = seed | 1;
@@ -272,11 +395,12 @@ proptest! {
         let listed = order.len() / 2 + 1;
         order.truncate(listed);
         let layout = LayoutBuilder::new(&set, c.sharding, c.world)
-            .align(c.align).bucket_bytes(c.bucket_bytes).order(order.clone()).build().unwrap();
+            .align(c.align).bucket_bytes(c.bucket_bytes).boundary(c.boundary).order(order.clone()).build().unwrap();
         check_layout(&c, &layout)?;
         // Within a bucket parameters follow the order; buckets are numbered by first use.
         let mut full = order.clone();
         full.extend(set.ids().filter(|p| !order.contains(p)));
+        check_modules(&c, &layout, &full)?;
         let pos: HashMap<ParamId, usize> = full.iter().enumerate().map(|(i, &p)| (p, i)).collect();
         let mut last_first = None;
         for b in layout.gather_buckets() {
@@ -286,6 +410,111 @@ proptest! {
             last_first = Some(ps[0]);
         }
     }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(32))]
+
+    /// Module boundaries with a single module (names without a dot: the root module) give
+    /// exactly the layout bucketed by size; and packing never makes more buckets than not
+    /// packing.
+    #[test]
+    fn one_module_is_bucketing_by_size(c in case(300)) {
+        let specs = c.ps.iter().enumerate().map(|(i, &(n, d, t))| ParamSpec::new(format!("p{i}"), [n], d).trainable(t)).collect();
+        let set = ParamSet::new(specs).unwrap();
+        let with = |b: Boundary| LayoutBuilder::new(&set, c.sharding, c.world).align(c.align).bucket_bytes(c.bucket_bytes).boundary(b).build().unwrap();
+        let by_size = with(Boundary::Size);
+        for key in [ModuleKey::Layer, ModuleKey::Depth(1), ModuleKey::Depth(3)] {
+            for pack in [false, true] {
+                let by_module = with(Boundary::Module { key, pack });
+                prop_assert_eq!(by_module.buckets(), by_size.buckets());
+            }
+        }
+        let full = build(&c);
+        if let Boundary::Module { key, pack: false } = c.boundary {
+            let packed = LayoutBuilder::new(&set_of(&c), c.sharding, c.world).align(c.align).bucket_bytes(c.bucket_bytes).boundary(Boundary::Module { key, pack: true }).build().unwrap();
+            prop_assert!(packed.gather_buckets().len() <= full.gather_buckets().len());
+        }
+    }
+}
+
+#[test]
+fn module_boundaries_split_at_layers() {
+    // Two blocks of an HF-style model and a head; 4-byte elements, a 10 KiB cap.
+    let mut specs = vec![ParamSpec::new("model.embed_tokens.weight", [512], DType::F32)];
+    for l in 0..2 {
+        for (n, numel) in
+            [("input_layernorm.weight", 16), ("self_attn.q_proj.weight", 1024), ("mlp.up_proj.weight", 1024)]
+        {
+            specs.push(ParamSpec::new(format!("model.layers.{l}.{n}"), [numel], DType::F32));
+        }
+    }
+    specs.push(ParamSpec::new("model.norm.weight", [16], DType::F32));
+    specs.push(ParamSpec::new("lm_head.weight", [512], DType::F32));
+    let set = ParamSet::new(specs).unwrap();
+    let names = |l: &Layout| -> Vec<Vec<String>> {
+        l.gather_buckets()
+            .iter()
+            .map(|b| b.params().iter().map(|&p| set.name(p).to_string()).collect())
+            .collect()
+    };
+    let build = |b: Boundary| {
+        LayoutBuilder::new(&set, Sharding::EvenSplit, 4).bucket_bytes(10 << 10).boundary(b).build().unwrap()
+    };
+    // By size: the first bucket takes the embedding and most of layer 0, and so on.
+    assert_eq!(build(Boundary::Size).gather_buckets().len(), 3);
+    // By layer: embedding | layer 0 | layer 1 | final norm | head.
+    let by_layer = names(&build(Boundary::LAYER));
+    assert_eq!(by_layer.len(), 5, "{by_layer:?}");
+    assert_eq!(by_layer[1].len(), 3);
+    assert!(by_layer[1].iter().all(|n| n.starts_with("model.layers.0.")));
+    assert_eq!(by_layer[3], ["model.norm.weight"]);
+    // Packed: the final norm (64 B) joins layer 1's bucket (8.06 KiB), the head (2 KiB) no
+    // longer fits there; the embedding and layer 0 do not fit together (2 + 8.06 > 10 KiB).
+    let packed = names(&build(Boundary::Module { key: ModuleKey::Layer, pack: true }));
+    assert_eq!(packed.len(), 4, "{packed:?}");
+    assert_eq!(packed[2].last().unwrap(), "model.norm.weight");
+    assert_eq!(packed[3], ["lm_head.weight"]);
+    // Depth 1 (`model` / `lm_head`): the decoder's consecutive parameters are one module,
+    // split by the cap only; the head is apart.
+    let depth1 = names(&build(Boundary::Module { key: ModuleKey::Depth(1), pack: false }));
+    assert_eq!(depth1.last().unwrap(), &["lm_head.weight"]);
+    // A module larger than the cap is split by the cap: 4 KiB + 4 KiB + 64 B at a 6 KiB cap.
+    let small_cap = LayoutBuilder::new(&set, Sharding::EvenSplit, 4)
+        .bucket_bytes(6 << 10)
+        .boundary(Boundary::LAYER)
+        .build()
+        .unwrap();
+    let layer0: Vec<usize> = small_cap
+        .gather_buckets()
+        .iter()
+        .filter(|b| set.name(b.params()[0]).starts_with("model.layers.0."))
+        .map(|b| b.params().len())
+        .collect();
+    assert_eq!(layer0, [2, 1]);
+    // Depth 0 is refused.
+    let err = LayoutBuilder::new(&set, Sharding::EvenSplit, 4)
+        .boundary(Boundary::Module { key: ModuleKey::Depth(0), pack: false })
+        .build()
+        .unwrap_err();
+    assert!(err.to_string().contains("module depth 0"), "{err}");
+}
+
+#[test]
+fn explicit_modules_override_names() {
+    // Names say one module; the explicit field says two (e.g. a shared weight that a
+    // different block uses).
+    let set = ParamSet::new(vec![
+        ParamSpec::new("h.0.a", [64], DType::F32),
+        ParamSpec::new("h.0.b", [64], DType::F32).module("h.1"),
+        ParamSpec::new("h.0.c", [64], DType::F32).module("h.1"),
+    ])
+    .unwrap();
+    let l = LayoutBuilder::new(&set, Sharding::Flat, 2).boundary(Boundary::LAYER).build().unwrap();
+    let sizes: Vec<usize> = l.gather_buckets().iter().map(|b| b.params().len()).collect();
+    assert_eq!(sizes, [1, 2]);
+    // By size they share one bucket.
+    assert_eq!(LayoutBuilder::new(&set, Sharding::Flat, 2).build().unwrap().gather_buckets().len(), 1);
 }
 
 #[test]

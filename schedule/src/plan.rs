@@ -17,8 +17,8 @@
 use std::sync::Arc;
 
 use collsched_buckets::{
-    BucketId, BucketKind, Layout, LayoutBuilder, LayoutDiff, LayoutError, ParamFileError, ParamId, ParamSet,
-    Sharding,
+    Boundary, BucketId, BucketKind, Layout, LayoutBuilder, LayoutDiff, LayoutError, ModuleKey,
+    ParamFileError, ParamId, ParamSet, Sharding,
 };
 
 use crate::fingerprint::{PlanFingerprint, StableHasher};
@@ -341,6 +341,9 @@ impl Plan {
         for op in &ops {
             op.encode(&mut h);
         }
+        // The knob trails the self-delimited encoding above (nothing for size bucketing, so
+        // those fingerprints are unchanged).
+        layout.encode_boundary(&mut h);
         let fingerprint = PlanFingerprint(h.finish());
         Plan { layout, ops, ids, first, fingerprint }
     }
@@ -470,8 +473,9 @@ pub enum PlanInputError {
 }
 
 /// Builds the plan of a parameter file's text (see
-/// [`ParamSet::from_json`]) with the knobs of `collsched plan`: what the CLI runs, and the
-/// entry point of the plan fuzz target.
+/// [`ParamSet::from_json`]) with the knobs of `collsched plan` (`--strategy`, `--world`,
+/// `--bucket-mb`, `--align`, `--bucket-by`): what the CLI runs, and the entry point of the plan
+/// fuzz target.
 ///
 /// # Errors
 /// [`PlanInputError`]: the file's error (with line and column, or naming the parameter) or
@@ -479,12 +483,12 @@ pub enum PlanInputError {
 ///
 /// # Examples
 /// ```
-/// use collsched_buckets::Sharding;
+/// use collsched_buckets::{Boundary, Sharding};
 /// use collsched_schedule::plan_from_json;
 /// let text = r#"{"params": [{"name": "w", "shape": [64, 64], "dtype": "bf16"}]}"#;
-/// let plan = plan_from_json(text, Sharding::EvenSplit, 8, 64 << 20, 256).unwrap();
+/// let plan = plan_from_json(text, Sharding::EvenSplit, 8, 64 << 20, 256, Boundary::Size).unwrap();
 /// assert_eq!(plan.ops().len(), 2); // all_gather + reduce_scatter
-/// assert!(plan_from_json(text, Sharding::Hybrid(3), 8, 64 << 20, 256).is_err());
+/// assert!(plan_from_json(text, Sharding::Hybrid(3), 8, 64 << 20, 256, Boundary::Size).is_err());
 /// ```
 pub fn plan_from_json(
     text: &str,
@@ -492,16 +496,23 @@ pub fn plan_from_json(
     world: u32,
     bucket_bytes: usize,
     align: usize,
+    boundary: Boundary,
 ) -> Result<Plan, PlanInputError> {
     let set = ParamSet::from_json(text)?;
-    let layout = LayoutBuilder::new(&set, sharding, world).bucket_bytes(bucket_bytes).align(align).build()?;
+    let layout = LayoutBuilder::new(&set, sharding, world)
+        .bucket_bytes(bucket_bytes)
+        .align(align)
+        .boundary(boundary)
+        .build()?;
     Ok(Plan::new(layout))
 }
 
 /// The entry point of the `build_plan` fuzz target (`fuzz/`): maps raw knob bytes onto a
-/// strategy (`strategy & 3`: even, flat, greedy, hybrid with group `strategy >> 2`), builds
-/// the plan of `text` with [`plan_from_json`], then walks every copy list of the first and
-/// the last rank. Returns the number of runs walked.
+/// strategy (`strategy & 3`: even, flat, greedy, hybrid with group `strategy >> 2`) and a
+/// bucket boundary (`boundary & 3`: 0 and 3 size, 1 module with layer keys, 2 module of depth
+/// `boundary >> 3` (0 included, an error); bit 2 packs), builds the plan of `text` with
+/// [`plan_from_json`], then walks every copy list of the first and the last rank. Returns the
+/// number of runs walked.
 ///
 /// # Errors
 /// What [`plan_from_json`] returns for bad input.
@@ -512,11 +523,25 @@ pub fn fuzz_build_plan(
     world: u8,
     bucket_bytes: u32,
     align: u16,
+    boundary: u8,
 ) -> Result<usize, PlanInputError> {
     let group = u32::from(strategy >> 2);
     let sharding = [Sharding::EvenSplit, Sharding::Flat, Sharding::Greedy, Sharding::Hybrid(group)]
         [usize::from(strategy & 3)];
-    let plan = plan_from_json(text, sharding, u32::from(world), bucket_bytes as usize, usize::from(align))?;
+    let pack = boundary & 4 != 0;
+    let boundary = match boundary & 3 {
+        1 => Boundary::Module { key: ModuleKey::Layer, pack },
+        2 => Boundary::Module { key: ModuleKey::Depth(u32::from(boundary >> 3)), pack },
+        _ => Boundary::Size,
+    };
+    let plan = plan_from_json(
+        text,
+        sharding,
+        u32::from(world),
+        bucket_bytes as usize,
+        usize::from(align),
+        boundary,
+    )?;
     let mut runs = 0;
     for op in plan.ops() {
         for rank in [0, plan.layout().world() - 1] {

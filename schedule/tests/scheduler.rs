@@ -779,6 +779,29 @@ fn plan_agreement_names_the_first_differing_bucket() {
 }
 
 #[test]
+fn plan_agreement_catches_a_different_bucket_boundary_knob() {
+    use collsched_schedule::buckets::{Boundary, LayoutBuilder};
+    // A peer built its layout with module boundaries: here every layer is already its own
+    // bucket, so the buckets agree, but the settings do not.
+    let a = layered(4, 4);
+    let b = Plan::new(
+        LayoutBuilder::new(a.layout().params(), a.layout().sharding(), 4)
+            .bucket_bytes(a.layout().bucket_bytes())
+            .align(a.layout().align())
+            .boundary(Boundary::LAYER)
+            .build()
+            .unwrap(),
+    );
+    assert_eq!(a.layout().buckets(), b.layout().buckets());
+    let mut reg = registry(&a);
+    let s = Scheduler::from_plan(&a, 0, no_prefetch(), &mut reg).unwrap();
+    let peer = collsched_schedule::PlanDigests::of_plan(&b);
+    let err = s.check_peers([(3, &peer)]).unwrap_err();
+    assert!(matches!(err, ScheduleError::PlanMismatch { peer: 3, bucket: None, .. }), "{err}");
+    assert!(err.to_string().contains("bucket boundaries"), "{err}");
+}
+
+#[test]
 fn steady_state_steps_reuse_the_action_buffer() {
     let mut r = rig(5, SchedulerConfig::default());
     for _ in 0..2 {

@@ -8,7 +8,7 @@ use std::process::ExitCode;
 
 use serde::ser::{Serialize, SerializeMap, Serializer};
 
-use collsched_buckets::{Bucket, Layout, Sharding};
+use collsched_buckets::{Boundary, Bucket, Layout, Sharding};
 use collsched_schedule::{plan_from_json, Op, OpKind, Plan, PlanInputError};
 
 use super::CliError;
@@ -16,7 +16,8 @@ use super::CliError;
 /// Flags of `collsched plan`.
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// Parameter file: `{"params": [{"name", "shape", "dtype", "trainable"}, ...]}`.
+    /// Parameter file: `{"params": [{"name", "shape", "dtype", "trainable", "module"}, ...]}`
+    /// (`trainable` and `module` optional).
     #[arg(long, value_name = "FILE.json")]
     pub params: PathBuf,
     /// Number of ranks.
@@ -32,6 +33,13 @@ pub struct Args {
     /// every dtype's size).
     #[arg(long, default_value_t = collsched_buckets::DEFAULT_ALIGN, value_name = "BYTES")]
     pub align: usize,
+    /// Where buckets end: size (by the cap alone, across modules), module (also at every
+    /// change of layer: `h.0` of `h.0.attn.qkv.weight`, `model.layers.12` of
+    /// `model.layers.12.mlp.up_proj.weight`), module:D (also where the first D components of
+    /// the module path change); a parameter's "module" field wins over its name; +pack lets
+    /// small consecutive whole modules share a bucket.
+    #[arg(long, default_value = "size", value_name = "size|module[:D][+pack]")]
+    pub bucket_by: Boundary,
     /// Print the plan as one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -63,9 +71,11 @@ pub fn build(args: &Args) -> Result<Plan, CliError> {
     let file = args.params.display();
     let text = std::fs::read_to_string(&args.params).map_err(|e| format!("cannot read {file}: {e}"))?;
     let bucket_bytes = bucket_bytes(args.bucket_mb)?;
-    plan_from_json(&text, args.strategy, args.world, bucket_bytes, args.align).map_err(|e| match e {
-        PlanInputError::Params(e) => format!("{file}: {e}").into(),
-        PlanInputError::Layout(e) => e.into(),
+    plan_from_json(&text, args.strategy, args.world, bucket_bytes, args.align, args.bucket_by).map_err(|e| {
+        match e {
+            PlanInputError::Params(e) => format!("{file}: {e}").into(),
+            PlanInputError::Layout(e) => e.into(),
+        }
     })
 }
 
@@ -98,9 +108,13 @@ impl Serialize for PlanJson<'_> {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         let plan = self.0;
         let l = plan.layout();
-        let mut m = s.serialize_map(Some(6))?;
+        let mut m = s.serialize_map(None)?;
         m.serialize_entry("world", &l.world())?;
         m.serialize_entry("strategy", &l.sharding().to_string())?;
+        // Only when not the default, so the output of `--bucket-by size` is unchanged.
+        if l.boundary() != Boundary::Size {
+            m.serialize_entry("bucket_by", &l.boundary().to_string())?;
+        }
         m.serialize_entry("fingerprint", &plan.fingerprint().to_string())?;
         m.serialize_entry(
             "params",
@@ -216,7 +230,7 @@ pub fn write_table(out: &mut impl Write, plan: &Plan) -> io::Result<()> {
     let trainable = set.specs().iter().filter(|s| s.trainable).count();
     writeln!(
         out,
-        "plan: {} params ({} trainable, {}), world {}, strategy {}, align {} B, bucket cap {}",
+        "plan: {} params ({} trainable, {}), world {}, strategy {}, align {} B, bucket cap {}{}",
         set.len(),
         trainable,
         human_bytes(param_bytes),
@@ -224,6 +238,10 @@ pub fn write_table(out: &mut impl Write, plan: &Plan) -> io::Result<()> {
         l.sharding(),
         l.align(),
         human_bytes(l.bucket_bytes()),
+        match l.boundary() {
+            Boundary::Size => String::new(),
+            b => format!(", bucket boundaries {b}"),
+        },
     )?;
     writeln!(out, "fingerprint {}", plan.fingerprint())?;
     writeln!(

@@ -7,9 +7,12 @@ use std::io::{self, BufWriter, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use crate::sim::engine::{peak_tflops, simulate, Lane, Policy, SimConfig, SimReport, DEFAULT_STEPS};
+use crate::sim::engine::{
+    peak_tflops, simulate, Lane, Policy, SimConfig, SimReport, DEFAULT_SIM_BOUNDARY, DEFAULT_STEPS,
+};
 use crate::sim::timeline::{write_chrome_trace, write_svg};
 use crate::sim::workload::Workload;
+use collsched_buckets::Boundary;
 use collsched_schedule::scheduler::{DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_LIVE_BYTES, DEFAULT_PREFETCH_BYTES};
 use collsched_topo::Topology;
 
@@ -37,6 +40,12 @@ pub struct Args {
     /// Bucket cap in MiB (ignored by naive).
     #[arg(long, default_value_t = 64.0, value_name = "X")]
     pub bucket_mb: f64,
+    /// Where buckets end (ignored by naive): size (by the cap alone, across layers), module
+    /// (also at every layer: `block.3` of `block.3.attn.qkv.weight`), module:D (also where the
+    /// first D components of the module path change), each module form with an optional +pack
+    /// (small consecutive whole modules share a bucket). See `collsched plan --help`.
+    #[arg(long, default_value_t = DEFAULT_SIM_BOUNDARY, value_name = "size|module[:D][+pack]")]
+    pub bucket_by: Boundary,
     /// Prefetch budget in MiB (gathered bytes launched ahead of their fetch).
     #[arg(long, default_value_t = (DEFAULT_PREFETCH_BYTES >> 20) as f64, value_name = "Y")]
     pub prefetch_mb: f64,
@@ -77,7 +86,8 @@ pub struct Args {
     #[arg(long)]
     pub json: bool,
     /// Run a grid: KEY=V1,V2,.. (may repeat). Keys: policy, world, topo, workload, bucket-mb,
-    /// prefetch-mb, max-inflight, max-live-mb, steps, tflops, host-overhead-us, jitter, seed.
+    /// bucket-by, prefetch-mb, max-inflight, max-live-mb, steps, tflops, host-overhead-us,
+    /// jitter, seed.
     #[arg(long, value_name = "KEY=V1,V2,..")]
     pub sweep: Vec<String>,
 }
@@ -146,6 +156,7 @@ fn run_one(args: &Args, timeline: bool) -> Result<(SimReport, Topology, SimConfi
     };
     cfg.policy = policy;
     cfg.bucket_bytes = mib("bucket-mb", args.bucket_mb)?;
+    cfg.boundary = args.bucket_by;
     cfg.prefetch_bytes = mib("prefetch-mb", args.prefetch_mb)?;
     cfg.max_inflight = args.max_inflight;
     cfg.max_live_bytes = mib("max-live-mb", args.max_live_mb)?;
@@ -167,9 +178,10 @@ fn write_summary(out: &mut impl Write, r: &SimReport, topo: &Topology, cfg: &Sim
     )?;
     writeln!(
         out,
-        "  layout: {} gather buckets, {} gradient buckets; compute at {:.1} TFLOPS per rank{}",
+        "  layout: {} gather buckets, {} gradient buckets (bucket by {}); compute at {:.1} TFLOPS per rank{}",
         r.gather_buckets,
         r.grad_buckets,
+        r.boundary,
         cfg.tflops,
         peak_tflops(topo)
             .map_or(String::new(), |p| format!(" ({:.0}% of {p:.0} peak)", cfg.tflops / p * 100.0))
@@ -221,12 +233,13 @@ fn write_summary(out: &mut impl Write, r: &SimReport, topo: &Topology, cfg: &Sim
     )
 }
 
-const SWEEP_KEYS: [&str; 13] = [
+const SWEEP_KEYS: [&str; 14] = [
     "policy",
     "world",
     "topo",
     "workload",
     "bucket-mb",
+    "bucket-by",
     "prefetch-mb",
     "max-inflight",
     "max-live-mb",
@@ -253,6 +266,9 @@ fn apply(args: &mut Args, key: &str, v: &str) -> Result<(), CliError> {
         "topo" => args.topo = v.to_owned(),
         "workload" => args.workload = v.to_owned(),
         "bucket-mb" => args.bucket_mb = num(v)?,
+        "bucket-by" => {
+            args.bucket_by = v.parse().map_err(|e| format!("--sweep {key}={v}: {e}"))?;
+        }
         "prefetch-mb" => args.prefetch_mb = num(v)?,
         "max-inflight" => args.max_inflight = int(v)? as usize,
         "max-live-mb" => args.max_live_mb = num(v)?,

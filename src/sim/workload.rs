@@ -98,6 +98,10 @@ pub struct ParamRecord {
     pub dtype: String,
     /// Whether it receives gradients.
     pub trainable: bool,
+    /// The module it belongs to, when the trace names one (the parameter file's optional
+    /// `"module"`); else module boundaries derive it from the name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub module: Option<String>,
 }
 
 impl ParamRecord {
@@ -313,6 +317,7 @@ impl TransformerConfig {
                 shape,
                 dtype: self.dtype.clone(),
                 trainable: true,
+                module: None,
             });
             name
         };

@@ -3,6 +3,14 @@
 use std::collections::HashMap;
 
 use collsched_buckets::{BucketKind, DType, LayoutBuilder, ParamSet, ParamSpec, Sharding};
+
+const BOUNDARIES: [Boundary; 5] = [
+    Boundary::Size,
+    Boundary::LAYER,
+    Boundary::Module { key: ModuleKey::Layer, pack: true },
+    Boundary::Module { key: ModuleKey::Depth(1), pack: false },
+    Boundary::Module { key: ModuleKey::Depth(3), pack: true },
+];
 use proptest::prelude::*;
 
 use super::*;
@@ -14,6 +22,7 @@ struct Case {
     sharding: Sharding,
     align: usize,
     bucket_bytes: usize,
+    boundary: Boundary,
 }
 
 fn case(max_params: usize, max_world: u32) -> impl Strategy<Value = Case> {
@@ -28,14 +37,27 @@ fn case(max_params: usize, max_world: u32) -> impl Strategy<Value = Case> {
                 Just(Sharding::Greedy),
                 prop::sample::select(divisors).prop_map(Sharding::Hybrid),
             ];
-            (Just(ps), Just(world), sharding, prop::sample::select(vec![8usize, 64, 256]), 8u32..=22)
+            (
+                Just(ps),
+                Just(world),
+                sharding,
+                prop::sample::select(vec![8usize, 64, 256]),
+                8u32..=22,
+                prop::sample::select(BOUNDARIES.to_vec()),
+            )
         })
-        .prop_map(|(ps, world, sharding, align, cap)| Case {
-            ps: ps.into_iter().enumerate().map(|(i, (n, d, t))| (format!("p{i}"), vec![n], d, t)).collect(),
+        .prop_map(|(ps, world, sharding, align, cap, boundary)| Case {
+            // Modules of three parameters (`l.{i / 3}` at layer keys).
+            ps: ps
+                .into_iter()
+                .enumerate()
+                .map(|(i, (n, d, t))| (format!("l.{}.p{i}.w", i / 3), vec![n], d, t))
+                .collect(),
             world,
             sharding,
             align,
             bucket_bytes: 1 << cap,
+            boundary,
         })
 }
 
@@ -46,6 +68,7 @@ fn plan_of(c: &Case) -> Plan {
     let layout = LayoutBuilder::new(&set, c.sharding, c.world)
         .align(c.align)
         .bucket_bytes(c.bucket_bytes)
+        .boundary(c.boundary)
         .build()
         .unwrap();
     Plan::new(layout)
@@ -53,6 +76,7 @@ fn plan_of(c: &Case) -> Plan {
 
 type Observable = (
     u32,
+    String,
     String,
     Vec<(String, usize, DType, bool)>,
     Vec<(BucketKind, DType, Vec<ParamId>, usize, Vec<Vec<(ParamId, usize, usize, usize)>>)>,
@@ -85,7 +109,7 @@ fn observable(plan: &Plan) -> Observable {
             ops.push((op.kind(), op.bucket(), op.groups().ranks(g).collect(), op.bytes_per_rank()));
         }
     }
-    (l.world(), l.sharding().to_string(), params, buckets, ops)
+    (l.world(), l.sharding().to_string(), l.boundary().to_string(), params, buckets, ops)
 }
 
 /// A second case derived from `c`: possibly equal, possibly differing in one input.
@@ -106,6 +130,7 @@ fn perturbed(c: &Case, what: u8, pick: usize, value: usize) -> Case {
             let n: usize = d.ps[i].1.iter().product();
             d.ps[i].1 = vec![1, n];
         }
+        9 => d.boundary = BOUNDARIES[value % BOUNDARIES.len()],
         _ => {
             d.sharding =
                 [Sharding::EvenSplit, Sharding::Flat, Sharding::Greedy, Sharding::Hybrid(1)][value % 4]
@@ -220,7 +245,7 @@ proptest! {
     #[test]
     fn fingerprint_changes_exactly_when_the_plan_does(
         c in case(40, 16),
-        what in 0u8..10,
+        what in 0u8..11,
         pick in any::<usize>(),
         value in any::<usize>(),
     ) {
@@ -251,6 +276,27 @@ proptest! {
         }
         let changed = mask.iter().zip(&c.ps).any(|(&m, p)| m != p.3);
         prop_assert_eq!(changed, plan.fingerprint() != next.fingerprint());
+    }
+}
+
+#[test]
+fn fingerprint_covers_the_boundary_knob() {
+    // One module (no dots): module boundaries give the same buckets, but another fingerprint,
+    // with equal per-bucket digests (so a mismatch names no bucket: the settings differ).
+    let set =
+        ParamSet::new(vec![ParamSpec::new("a", [64], DType::F32), ParamSpec::new("b", [64], DType::F32)])
+            .unwrap();
+    let plan = |b: Boundary| {
+        Plan::new(LayoutBuilder::new(&set, Sharding::EvenSplit, 2).boundary(b).build().unwrap())
+    };
+    let fingerprints: Vec<PlanFingerprint> = BOUNDARIES.iter().map(|&b| plan(b).fingerprint()).collect();
+    for (i, f) in fingerprints.iter().enumerate() {
+        assert!(!fingerprints[..i].contains(f), "boundary {} repeats a fingerprint", BOUNDARIES[i]);
+    }
+    let (size, layer) = (plan(Boundary::Size), plan(Boundary::LAYER));
+    assert_eq!(size.layout().buckets(), layer.layout().buckets());
+    for b in size.layout().buckets() {
+        assert_eq!(size.bucket_digest(b.id()), layer.bucket_digest(b.id()));
     }
 }
 
@@ -394,16 +440,22 @@ proptest! {
 
 #[test]
 fn fuzz_entry_maps_knob_bytes() {
-    let text = r#"{"params": [{"name": "w", "shape": [100], "dtype": "f32"}]}"#;
+    let text = r#"{"params": [{"name": "h.0.w", "shape": [100], "dtype": "f32"},
+        {"name": "h.1.w", "shape": [100], "dtype": "f32", "module": "h.1"}]}"#;
     // even over 4 ranks: two ops, each with shard and gathered runs on ranks 0 and 3.
-    let runs = super::fuzz_build_plan(text, 0, 4, 1 << 20, 256).unwrap();
+    let runs = super::fuzz_build_plan(text, 0, 4, 1 << 20, 256, 0).unwrap();
     assert!(runs > 0);
     // hybrid:0 and hybrid:3 over 4 ranks are layout errors, world 0 too.
-    assert!(matches!(super::fuzz_build_plan(text, 3, 4, 1 << 20, 256), Err(PlanInputError::Layout(_))));
+    assert!(matches!(super::fuzz_build_plan(text, 3, 4, 1 << 20, 256, 0), Err(PlanInputError::Layout(_))));
     assert!(matches!(
-        super::fuzz_build_plan(text, 3 | (3 << 2), 4, 1 << 20, 256),
+        super::fuzz_build_plan(text, 3 | (3 << 2), 4, 1 << 20, 256, 0),
         Err(PlanInputError::Layout(_))
     ));
-    assert!(matches!(super::fuzz_build_plan(text, 0, 0, 1 << 20, 256), Err(PlanInputError::Layout(_))));
-    assert!(matches!(super::fuzz_build_plan("{", 0, 4, 1 << 20, 256), Err(PlanInputError::Params(_))));
+    assert!(matches!(super::fuzz_build_plan(text, 0, 0, 1 << 20, 256, 0), Err(PlanInputError::Layout(_))));
+    assert!(matches!(super::fuzz_build_plan("{", 0, 4, 1 << 20, 256, 0), Err(PlanInputError::Params(_))));
+    // Module boundaries: layer keys, depth 2, packing; depth 0 is a layout error.
+    for b in [1, 2 | (2 << 3), 1 | 4, 2 | 4 | (1 << 3)] {
+        assert_eq!(super::fuzz_build_plan(text, 0, 4, 1 << 20, 256, b).unwrap(), runs, "boundary byte {b}");
+    }
+    assert!(matches!(super::fuzz_build_plan(text, 0, 4, 1 << 20, 256, 2), Err(PlanInputError::Layout(_))));
 }

@@ -5,9 +5,20 @@ use crate::buckets::{BucketId, DType};
 use super::error::ScheduleError;
 use super::input::ScheduleInput;
 
-/// Default of [`SchedulerConfig::prefetch_bytes`]: 256 MiB launched ahead (beyond the first
-/// bucket ahead, which is admitted whatever its size).
-pub const DEFAULT_PREFETCH_BYTES: usize = 256 << 20;
+/// Default of [`SchedulerConfig::prefetch_bytes`]: 2 GiB launched ahead (beyond the first
+/// bucket ahead, which is admitted whatever its size), half of [`DEFAULT_MAX_LIVE_BYTES`]:
+/// room for one transformer block in use and the next one ahead, the memory FSDP2's
+/// one-module-ahead prefetch takes.
+///
+/// Measured in the simulator (64 ranks of dgx-h100, trace replay, 64 MiB buckets at layer
+/// boundaries, ARCHITECTURE.md "The simulator"): with 256 MiB (the earlier default) the large
+/// presets kept most of their all-gathers exposed, because a block of 7-9 buckets of 100-470
+/// MB each got only one bucket ahead (`llama-70b` 800 ms, `roberta-50b` 682 ms, `roberta-10b`
+/// 121 ms exposed per step); 1 GiB still left 475 / 440 ms; 2 GiB hides nearly all of it
+/// (16 / 19 / 8 ms) with a peak of at most 3.5 GiB gathered, and more changes nothing. Small
+/// models never reach the budget, so it changes nothing for them; `max_live_bytes` stays the
+/// memory limit.
+pub const DEFAULT_PREFETCH_BYTES: usize = 2 << 30;
 /// Default of [`SchedulerConfig::max_inflight`]: 16 launched-but-unconsumed gathers.
 ///
 /// A transformer block is about 8 gather buckets in the simulator's workloads; 16 lets a whole block's buckets be launched ahead of its
@@ -64,7 +75,7 @@ pub struct SchedulerConfig {
     /// `max_inflight` and `max_live_bytes` bound every prefetch, the first included. 0 means
     /// at most one bucket ahead. Bytes of a bucket are its
     /// [`BucketInput::memory_bytes`](super::BucketInput::memory_bytes) (gathered buffer plus
-    /// unpacked copy). Default [`DEFAULT_PREFETCH_BYTES`] (256 MiB).
+    /// unpacked copy). Default [`DEFAULT_PREFETCH_BYTES`] (2 GiB).
     pub prefetch_bytes: usize,
     /// `max_inflight`: at most this many gathers launched ahead and not yet fetched (this
     /// scheduler's). Default [`DEFAULT_MAX_INFLIGHT`] (16: one transformer block's buckets,

@@ -154,7 +154,7 @@ pub enum ScheduleError {
         what: String,
     },
     /// Ranks disagree on the plan.
-    #[error("plan agreement: rank {rank} has fingerprint {mine:016x}, rank {peer} has {theirs:016x}; first differing bucket: {}; build both plans from the same parameters, strategy, world and bucket size", match bucket { Some(b) => format!("{b}"), None => "none (the parameter list or settings differ)".to_string() })]
+    #[error("plan agreement: rank {rank} has fingerprint {mine:016x}, rank {peer} has {theirs:016x}; first differing bucket: {}; build both plans from the same parameters, strategy, world, bucket size and bucket boundaries", match bucket { Some(b) => format!("{b}"), None => "none (the parameter list or settings differ)".to_string() })]
     PlanMismatch {
         /// This rank.
         rank: u32,
