@@ -301,11 +301,19 @@ impl Bucket {
     /// # Examples
     /// ```
     /// use collsched_buckets::{DType, LayoutBuilder, ParamSet, ParamSpec, Sharding};
-    /// let set = ParamSet::new(vec![ParamSpec::new("w", [10], DType::F32)]).unwrap();
+    /// // Two parameters of 1,000 elements over 4 ranks: EvenSplit gives every shard a chunk
+    /// // of each, so `w`'s chunks are a shard apart; Flat keeps the concatenation in order.
+    /// let set = ParamSet::new(vec![
+    ///     ParamSpec::new("w", [1000], DType::F32),
+    ///     ParamSpec::new("b", [1000], DType::F32),
+    /// ])
+    /// .unwrap();
     /// let even = LayoutBuilder::new(&set, Sharding::EvenSplit, 4).build().unwrap();
     /// assert_eq!(even.gather_buckets()[0].contiguous_offset(0), None);
     /// let flat = LayoutBuilder::new(&set, Sharding::Flat, 4).build().unwrap();
     /// assert_eq!(flat.gather_buckets()[0].contiguous_offset(0), Some(0));
+    /// // `b` starts at the next multiple of DEFAULT_ALIGN (256 bytes: 64 f32 elements).
+    /// assert_eq!(flat.gather_buckets()[0].contiguous_offset(1), Some(1024));
     /// ```
     pub fn contiguous_offset(&self, index: usize) -> Option<usize> {
         let numel = *self.numels.get(index)?;
