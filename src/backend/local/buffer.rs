@@ -156,7 +156,8 @@ impl Drop for Pool {
 
 impl Pool {
     pub(super) fn new(rank: usize, timeout: Duration) -> Self {
-        Pool { rank, timeout, inner: Mutex::default(), parked: Mutex::new(None) }
+        let inner = PoolInner { pending: Vec::with_capacity(super::PREFILL), ..PoolInner::default() };
+        Pool { rank, timeout, inner: Mutex::new(inner), parked: Mutex::new(None) }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, PoolInner> {

@@ -52,7 +52,9 @@ pub(super) const EVENT_POOL_CAP: usize = 256;
 
 impl EventPool {
     pub(super) fn new(spin: Duration) -> Self {
-        EventPool { events: Mutex::new(Vec::new()), spin }
+        let mut events = Vec::with_capacity(EVENT_POOL_CAP);
+        events.extend((0..super::PREFILL).map(|_| LocalEvent::new(spin).0));
+        EventPool { events: Mutex::new(events), spin }
     }
 
     /// A pending event: a reused one if some pooled event is no longer referenced elsewhere.

@@ -53,6 +53,11 @@ use crate::backend::{
 
 /// Default of [`LocalConfig::timeout`]: 300 s.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// Entries each per-rank and per-channel reuse pool (events, stream work queues, deferred
+/// frees, rendezvous slots) holds from the start, so that a rank running a few collectives
+/// further ahead than it did during warm-up (a loaded machine) still allocates nothing.
+const PREFILL: usize = 32;
 /// Default of [`LocalConfig::spin`]: 50 µs.
 pub const DEFAULT_SPIN: Duration = Duration::from_micros(50);
 

@@ -163,7 +163,14 @@ pub(super) struct Caller<'a> {
 
 impl Channel {
     pub(super) fn new(group: RankGroup, stream: Stream) -> Self {
-        Channel { group, stream, state: Mutex::default(), cv: Condvar::new(), epoch: AtomicU64::new(0) }
+        let n = group.len();
+        let state = ChanState {
+            slots: Vec::with_capacity(super::PREFILL),
+            spare_posts: (0..super::PREFILL).map(|_| Vec::with_capacity(n)).collect(),
+            spare_running: (0..super::PREFILL).map(|_| Arc::new(Vec::with_capacity(n))).collect(),
+            ..ChanState::default()
+        };
+        Channel { group, stream, state: Mutex::new(state), cv: Condvar::new(), epoch: AtomicU64::new(0) }
     }
 
     pub(super) fn stream(&self) -> Stream {

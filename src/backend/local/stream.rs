@@ -59,7 +59,8 @@ struct QueueState {
 
 impl Queue {
     fn new() -> Self {
-        Queue { state: Mutex::default(), cv: Condvar::new(), len: AtomicUsize::new(0) }
+        let state = QueueState { items: VecDeque::with_capacity(super::PREFILL), ..QueueState::default() };
+        Queue { state: Mutex::new(state), cv: Condvar::new(), len: AtomicUsize::new(0) }
     }
 
     fn lock(&self) -> MutexGuard<'_, QueueState> {
