@@ -7,8 +7,6 @@
 //! fills the event and work pools, the queues and the rendezvous slots) and closes after every
 //! rank waited for its last collective; barriers separate it from the test's own setup.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Barrier;
 use std::time::Duration;
 
@@ -16,35 +14,11 @@ use collsched::backend::local::{LocalConfig, LocalRank, LocalWorld};
 use collsched::backend::{Backend, CollDesc, Collective, RankGroup, Stream};
 use collsched::kernels::ElemType;
 
-struct Counting;
-
-static ALLOCS: AtomicU64 = AtomicU64::new(0);
-static MEASURING: AtomicBool = AtomicBool::new(false);
-
-// SAFETY: forwards to the system allocator unchanged; only counts calls.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        if MEASURING.load(Ordering::Relaxed) {
-            ALLOCS.fetch_add(1, Ordering::Relaxed);
-        }
-        // SAFETY: same contract as ours.
-        unsafe { System.alloc(layout) }
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: same contract as ours.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        if MEASURING.load(Ordering::Relaxed) {
-            ALLOCS.fetch_add(1, Ordering::Relaxed);
-        }
-        // SAFETY: same contract as ours.
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
+#[path = "support/counting.rs"]
+mod counting;
 
 #[global_allocator]
-static GLOBAL: Counting = Counting;
+static GLOBAL: counting::Counting = counting::Counting;
 
 const WAIT: Duration = Duration::from_secs(30);
 /// Elements per shard (odd, so that all-reduce chunks differ in size).
@@ -106,7 +80,7 @@ fn run_rank(rank: LocalRank, n: usize, window: &Barrier) -> (u64, Vec<f32>) {
     }
     window.wait();
     if rank.rank() == 0 {
-        MEASURING.store(true, Ordering::SeqCst);
+        counting::count_all(true);
     }
     window.wait();
     for _ in 0..STEPS {
@@ -114,7 +88,7 @@ fn run_rank(rank: LocalRank, n: usize, window: &Barrier) -> (u64, Vec<f32>) {
     }
     window.wait();
     if rank.rank() == 0 {
-        MEASURING.store(false, Ordering::SeqCst);
+        counting::count_all(false);
     }
     window.wait();
     let fresh = rank.fresh_allocations();
@@ -130,9 +104,9 @@ fn steady_state_launches_records_and_waits_allocate_nothing() {
         let world = LocalWorld::with_config(n, LocalConfig { timeout: WAIT, ..LocalConfig::default() })
             .expect("world");
         let window = Barrier::new(n);
-        ALLOCS.store(0, Ordering::SeqCst);
+        counting::reset();
         let results = world.run(|rank| run_rank(rank, n, &window)).expect("run");
-        let allocs = ALLOCS.load(Ordering::SeqCst);
+        let allocs = counting::allocs();
         // Sum over ranks of (rank + 1), computed the plain way.
         let want: f32 = (1..=n).map(|r| r as f32).sum();
         for (r, res) in results.into_iter().enumerate() {

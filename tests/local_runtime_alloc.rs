@@ -6,57 +6,18 @@
 //! during one steady-state step after warm-up steps; the stream threads are covered by
 //! `local_alloc.rs`.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::cell::Cell;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use collsched::backend::local::{LocalConfig, LocalWorld};
 use collsched::buckets::{DType, LayoutBuilder, ParamId, ParamSet, ParamSpec, Sharding};
 use collsched::runtime::ModelState;
 use collsched::schedule::{Plan, PolicyKind, SchedulerConfig};
 
-struct Counting;
-
-static ALLOCS: AtomicU64 = AtomicU64::new(0);
-static FIRST: Mutex<Option<String>> = Mutex::new(None);
-thread_local! {
-    static COUNTING: Cell<bool> = const { Cell::new(false) };
-}
-
-fn note() {
-    if COUNTING.with(Cell::get) {
-        ALLOCS.fetch_add(1, Ordering::Relaxed);
-        COUNTING.with(|c| c.set(false));
-        if let Ok(mut f) = FIRST.try_lock() {
-            if f.is_none() {
-                *f = Some(std::backtrace::Backtrace::force_capture().to_string());
-            }
-        }
-        COUNTING.with(|c| c.set(true));
-    }
-}
-
-// SAFETY: forwards to the system allocator unchanged; only counts calls.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        note();
-        // SAFETY: same contract as ours.
-        unsafe { System.alloc(layout) }
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: same contract as ours.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        note();
-        // SAFETY: same contract as ours.
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
+#[path = "support/counting.rs"]
+mod counting;
 
 #[global_allocator]
-static GLOBAL: Counting = Counting;
+static GLOBAL: counting::Counting = counting::Counting;
 
 #[test]
 fn a_steady_state_step_on_the_local_backend_allocates_nothing() {
@@ -97,15 +58,15 @@ fn a_steady_state_step_on_the_local_backend_allocates_nothing() {
             for _ in 0..5 {
                 step(&mut c);
             }
-            let before = ALLOCS.load(Ordering::SeqCst);
-            COUNTING.with(|x| x.set(true));
+            let before = counting::allocs();
+            counting::count_this_thread(true);
             let stats = step(&mut c);
-            COUNTING.with(|x| x.set(false));
+            counting::count_this_thread(false);
             assert!(stats.collectives() > 0);
-            ALLOCS.load(Ordering::SeqCst) - before
+            counting::allocs() - before
         })
         .unwrap();
     let total: u64 = results.into_iter().map(|r| r.unwrap()).sum();
-    let first = FIRST.lock().unwrap().clone().unwrap_or_default();
+    let first = counting::first_backtrace().unwrap_or_default();
     assert_eq!(total, 0, "a steady-state step made {total} heap allocations; the first at:\n{first}");
 }

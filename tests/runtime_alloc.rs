@@ -6,46 +6,17 @@
 //! coordinator and the scheduler. (The same step on the local backend is checked by
 //! `local_runtime_alloc.rs`.)
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::cell::Cell;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use collsched::buckets::{DType, LayoutBuilder, ParamId, ParamSet, ParamSpec, Sharding};
 use collsched::runtime::ModelState;
 use collsched::schedule::{GradReduce, Plan, PolicyKind, SchedulerConfig};
 
-struct Counting;
-
-static ALLOCS: AtomicU64 = AtomicU64::new(0);
-thread_local! {
-    static COUNTING: Cell<bool> = const { Cell::new(false) };
-}
-
-// SAFETY: forwards to the system allocator unchanged; only counts calls.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        if COUNTING.with(Cell::get) {
-            ALLOCS.fetch_add(1, Ordering::Relaxed);
-        }
-        // SAFETY: same contract as ours.
-        unsafe { System.alloc(layout) }
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: same contract as ours.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        if COUNTING.with(Cell::get) {
-            ALLOCS.fetch_add(1, Ordering::Relaxed);
-        }
-        // SAFETY: same contract as ours.
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
+#[path = "support/counting.rs"]
+mod counting;
 
 #[global_allocator]
-static GLOBAL: Counting = Counting;
+static GLOBAL: counting::Counting = counting::Counting;
 
 #[path = "support/loopback.rs"]
 mod loopback;
@@ -114,11 +85,11 @@ fn a_steady_state_step_allocates_nothing() {
         for _ in 0..3 {
             step(&mut c);
         }
-        ALLOCS.store(0, Ordering::SeqCst);
-        COUNTING.with(|x| x.set(true));
+        counting::reset();
+        counting::count_this_thread(true);
         let stats = step(&mut c);
-        COUNTING.with(|x| x.set(false));
-        let n = ALLOCS.load(Ordering::SeqCst);
+        counting::count_this_thread(false);
+        let n = counting::allocs();
         assert!(
             stats.schedule.prefetch_hits > 0,
             "{sharding}, {reduce:?}: the measured step had no prefetch hits: {stats:?}"
