@@ -429,13 +429,18 @@ unsafe impl Send for KernelModule {}
 // SAFETY: as above; launches only read the handles.
 unsafe impl Sync for KernelModule {}
 
-/// `launch!(self, "name", function, grid, stream, [a, b, ..])`: copies each argument into a
-/// local and launches `function` with pointers to them, in order (the kernel's signature).
+/// `launch!(self, "name", function, (items, per_block), stream, [a, b, ..])`: nothing for zero
+/// items; else copies each argument into a local and launches `function` on
+/// `grid_for(items, per_block)` blocks with pointers to them, in order (the kernel's signature).
 macro_rules! launch {
-    ($self:ident, $name:literal, $f:expr, $grid:expr, $stream:expr, [$($arg:ident),+]) => {{
+    ($self:ident, $name:literal, $f:expr, ($items:expr, $per_block:expr), $stream:expr, [$($arg:ident),+]) => {{
+        let items: u64 = $items;
+        if items == 0 {
+            return Ok(());
+        }
         $(let mut $arg = $arg;)+
         let mut params = [$((&raw mut $arg).cast::<c_void>()),+];
-        $self.launch($name, $f, $grid, $stream, &mut params)
+        $self.launch($name, $f, grid_for(items, $per_block), $stream, &mut params)
     }};
 }
 
@@ -556,17 +561,7 @@ impl KernelModule {
         count: u32,
         packed: u64,
     ) -> Result<(), DriverCallError> {
-        if count == 0 {
-            return Ok(());
-        }
-        launch!(
-            self,
-            "collsched_copy_in",
-            self.copy_in,
-            grid_for(count as u64, 1),
-            stream,
-            [table, count, packed]
-        )
+        launch!(self, "collsched_copy_in", self.copy_in, (count as u64, 1), stream, [table, count, packed])
     }
 
     /// Copy-out: the reverse of [`KernelModule::copy_in`].
@@ -583,17 +578,7 @@ impl KernelModule {
         count: u32,
         packed: u64,
     ) -> Result<(), DriverCallError> {
-        if count == 0 {
-            return Ok(());
-        }
-        launch!(
-            self,
-            "collsched_copy_out",
-            self.copy_out,
-            grid_for(count as u64, 1),
-            stream,
-            [table, count, packed]
-        )
+        launch!(self, "collsched_copy_out", self.copy_out, (count as u64, 1), stream, [table, count, packed])
     }
 
     /// Reduce: `out[i] = (sum_k inputs[k][i] / pre_divide) / post` over `n` elements of `ty`,
@@ -619,14 +604,11 @@ impl KernelModule {
         pre_divide: f32,
         post: f32,
     ) -> Result<(), DriverCallError> {
-        if n == 0 {
-            return Ok(());
-        }
         launch!(
             self,
             "collsched_reduce",
             self.reduce[type_index(ty)],
-            grid_for(n, BLOCK_THREADS as u64),
+            (n, BLOCK_THREADS as u64),
             stream,
             [out, inputs, count, n, pre_divide, post]
         )
@@ -648,14 +630,11 @@ impl KernelModule {
         src: u64,
         n: u64,
     ) -> Result<(), DriverCallError> {
-        if n == 0 {
-            return Ok(());
-        }
         launch!(
             self,
             "collsched_accumulate",
             self.accumulate[type_index(ty)],
-            grid_for(n, BLOCK_THREADS as u64),
+            (n, BLOCK_THREADS as u64),
             stream,
             [acc, src, n]
         )
@@ -677,14 +656,11 @@ impl KernelModule {
         n: u64,
         divisor: f32,
     ) -> Result<(), DriverCallError> {
-        if n == 0 {
-            return Ok(());
-        }
         launch!(
             self,
             "collsched_divide",
             self.divide[type_index(ty)],
-            grid_for(n, BLOCK_THREADS as u64),
+            (n, BLOCK_THREADS as u64),
             stream,
             [data, n, divisor]
         )
@@ -707,14 +683,11 @@ impl KernelModule {
         dst: u64,
         n: u64,
     ) -> Result<(), DriverCallError> {
-        if n == 0 {
-            return Ok(());
-        }
         launch!(
             self,
             "collsched_cast",
             self.cast[type_index(from)][type_index(to)],
-            grid_for(n, BLOCK_THREADS as u64),
+            (n, BLOCK_THREADS as u64),
             stream,
             [src, dst, n]
         )
