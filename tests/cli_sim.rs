@@ -16,6 +16,13 @@ fn ok_stdout(args: &[&str]) -> String {
     String::from_utf8(out.stdout).unwrap()
 }
 
+/// `collsched sim --workload W --world 4 --topo dgx-h100 EXTRA..`, which must succeed.
+fn on_4_dgx(workload: &str, extra: &[&str]) -> String {
+    let mut args = vec!["--workload", workload, "--world", "4", "--topo", "dgx-h100"];
+    args.extend_from_slice(extra);
+    ok_stdout(&args)
+}
+
 fn err_line(args: &[&str]) -> String {
     let out = run(args);
     assert!(!out.status.success(), "{args:?} should fail");
@@ -165,33 +172,12 @@ fn trace_out_is_chrome_json_with_one_pid_per_rank() {
 fn sweep_prints_the_grid() {
     let dir = scratch("sweep");
     let w = small_workload(&dir);
-    let text = ok_stdout(&[
-        "--workload",
-        &w,
-        "--world",
-        "4",
-        "--topo",
-        "dgx-h100",
-        "--sweep",
-        "policy=coalesced,trace,explicit",
-        "--sweep",
-        "world=2,8",
-    ]);
+    let text = on_4_dgx(&w, &["--sweep", "policy=coalesced,trace,explicit", "--sweep", "world=2,8"]);
     let lines: Vec<&str> = text.lines().collect();
     assert_eq!(lines.len(), 1 + 3 * 2, "{text}");
     assert!(lines[0].contains("policy") && lines[0].contains("world") && lines[0].contains("step_ms"));
     assert!(lines[1].contains("coalesced") && lines[6].contains("explicit"));
-    let json = ok_stdout(&[
-        "--workload",
-        &w,
-        "--world",
-        "4",
-        "--topo",
-        "dgx-h100",
-        "--sweep",
-        "bucket-mb=0.1,1",
-        "--json",
-    ]);
+    let json = on_4_dgx(&w, &["--sweep", "bucket-mb=0.1,1", "--json"]);
     let rows: Vec<serde_json::Value> = json.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     assert_eq!(rows.len(), 2);
     assert!(rows[0]["gather_buckets"].as_u64() > rows[1]["gather_buckets"].as_u64());
@@ -202,19 +188,7 @@ fn sweep_prints_the_grid() {
 fn bucket_by_module_is_the_default_and_cuts_all_gathers() {
     let dir = scratch("bucket-by");
     let w = small_workload(&dir);
-    let json = ok_stdout(&[
-        "--workload",
-        &w,
-        "--world",
-        "4",
-        "--topo",
-        "dgx-h100",
-        "--bucket-mb",
-        "2",
-        "--sweep",
-        "bucket-by=size,module",
-        "--json",
-    ]);
+    let json = on_4_dgx(&w, &["--bucket-mb", "2", "--sweep", "bucket-by=size,module", "--json"]);
     let rows: Vec<serde_json::Value> = json.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     assert_eq!(rows.len(), 2);
     assert_eq!(
@@ -223,13 +197,11 @@ fn bucket_by_module_is_the_default_and_cuts_all_gathers() {
     );
     // No bucket is shared by two blocks: fewer all-gathers per step.
     assert!(rows[1]["all_gathers"].as_u64() < rows[0]["all_gathers"].as_u64(), "{rows:?}");
-    let default =
-        ok_stdout(&["--workload", &w, "--world", "4", "--topo", "dgx-h100", "--bucket-mb", "2", "--json"]);
+    let default = on_4_dgx(&w, &["--bucket-mb", "2", "--json"]);
     let default: serde_json::Value = serde_json::from_str(&default).unwrap();
     assert_eq!(default["bucket_by"], "module");
     assert_eq!(default["all_gathers"], rows[1]["all_gathers"]);
-    let table =
-        ok_stdout(&["--workload", &w, "--world", "4", "--topo", "dgx-h100", "--bucket-by", "module:2+pack"]);
+    let table = on_4_dgx(&w, &["--bucket-by", "module:2+pack"]);
     assert!(table.contains("bucket by module:2+pack"), "{table}");
     let bad = err_line(&["--workload", &w, "--world", "4", "--topo", "dgx-h100", "--bucket-by", "layers"]);
     assert!(bad.contains("layers"), "{bad}");
