@@ -4,33 +4,14 @@
 //! coordinator. Bit-identical for even/flat/greedy; hybrid within a small tolerance (its
 //! two-stage reduction sums in another order).
 
-use std::time::Duration;
-
 use collsched::buckets::Sharding;
 use collsched::demo::model::Mlp;
-use collsched::demo::{max_differences, reference_run, sharded_run, DemoConfig, ShardedOptions};
+use collsched::demo::{max_differences, reference_run, sharded_run, DemoConfig};
 use collsched::schedule::PolicyKind;
 
-/// A small model (fast in debug builds) with odd widths, 3 steps of 2 micro-batches, layer 1
-/// frozen in step 1 only, an evaluation after steps 1 and 3.
-fn small(world: usize) -> DemoConfig {
-    DemoConfig {
-        model: Mlp { dims: vec![7, 13, 9, 5] },
-        world,
-        steps: 3,
-        micro_batches: 2,
-        batch: 3,
-        lr: 0.1,
-        seed: 11 + world as u64,
-        freeze: Some((1, 1, 2)),
-        eval_every: 2,
-    }
-}
-
-fn opts(sharding: Sharding, policy: PolicyKind) -> ShardedOptions {
-    // 128-byte buckets: every parameter in a bucket of its own or two per bucket.
-    ShardedOptions { sharding, policy, bucket_bytes: 128, timeout: Duration::from_secs(60) }
-}
+#[path = "support/demo.rs"]
+mod demo;
+use demo::{opts, small};
 
 #[test]
 fn even_flat_greedy_are_bit_identical_on_1_to_8_ranks() {

@@ -19,13 +19,10 @@
 //! sums the same way (observed differences are around 1e-7).
 #![cfg(feature = "cuda")]
 
-use std::time::Duration;
-
 use collsched::backend::cuda::device_count;
 use collsched::buckets::Sharding;
-use collsched::demo::model::Mlp;
 use collsched::demo::sharded::sharded_run_cuda;
-use collsched::demo::{max_differences, reference_run, DemoConfig, DemoError, ShardedOptions};
+use collsched::demo::{max_differences, reference_run, DemoError};
 use collsched::schedule::PolicyKind;
 use collsched_kernels::cuda::loader;
 
@@ -44,26 +41,9 @@ fn gpus(test: &str) -> Option<usize> {
     gpu::gpus(test, MAX_GPUS)
 }
 
-/// The small model of `tests/demo_parity.rs`: odd widths, 3 steps of 2 micro-batches, layer
-/// 1 frozen in step 1 only, an evaluation after steps 1 and 3.
-fn small(world: usize) -> DemoConfig {
-    DemoConfig {
-        model: Mlp { dims: vec![7, 13, 9, 5] },
-        world,
-        steps: 3,
-        micro_batches: 2,
-        batch: 3,
-        lr: 0.1,
-        seed: 11 + world as u64,
-        freeze: Some((1, 1, 2)),
-        eval_every: 2,
-    }
-}
-
-fn opts(sharding: Sharding, policy: PolicyKind) -> ShardedOptions {
-    // 128-byte buckets: every parameter in a bucket of its own or two per bucket.
-    ShardedOptions { sharding, policy, bucket_bytes: 128, timeout: Duration::from_secs(60) }
-}
+#[path = "support/demo.rs"]
+mod demo;
+use demo::{opts, small};
 
 #[test]
 fn even_flat_greedy_match_the_reference_on_1_to_n_gpus() {
