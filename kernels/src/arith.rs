@@ -40,10 +40,32 @@ pub fn reduce(
     out: &mut [u8],
     inputs: &[&[u8]],
 ) -> Result<(), KernelError> {
+    reduce_piece(ty, op, scaling, out, inputs, out.len())
+}
+
+/// One piece of a larger reduction: [`reduce`] on `out` and the same elements of every input,
+/// with the choice of stores made for `whole_bytes`, the size of the whole output.
+///
+/// From 8 MiB of output on, [`reduce`] writes with streaming stores, which bypass the caches
+/// (an output that large would not stay in them anyway, and reading it in first would cost a
+/// third more memory traffic). A caller that splits one large reduction into pieces, to share
+/// it between threads, passes the whole output's size so that every piece keeps that choice.
+/// The results are the same bits either way.
+///
+/// # Errors
+/// As [`reduce`].
+pub fn reduce_piece(
+    ty: ElemType,
+    op: ReduceOp,
+    scaling: Scaling,
+    out: &mut [u8],
+    inputs: &[&[u8]],
+    whole_bytes: usize,
+) -> Result<(), KernelError> {
     check_reduce(ty, out, inputs)?;
     let pre = Divisor::new(scaling.pre_divide);
     let post = Divisor::new(post_divisor(op, scaling, inputs.len()));
-    let stream = out.len() >= STREAM_MIN_BYTES;
+    let stream = whole_bytes.max(out.len()) >= STREAM_MIN_BYTES;
     reduce_with(Isa::detect(), ty, pre, post, false, out, inputs, stream);
     Ok(())
 }
@@ -99,6 +121,10 @@ pub(crate) fn reduce_with(
     #[cfg(target_arch = "x86_64")]
     if ty == ElemType::F16 && isa == Isa::Avx2 {
         return crate::block::reduce_f16c(isa, pre, post, in_place, out, inputs);
+    }
+    #[cfg(target_arch = "x86_64")]
+    if ty == ElemType::F32 && isa == Isa::Avx2 && stream && !in_place && out.as_ptr().align_offset(4) == 0 {
+        return crate::nt::reduce(isa, pre, post, out, inputs);
     }
     match ty {
         ElemType::F32 => reduce_blocks(isa, F32Codec, pre, post, in_place, out, inputs, stream),

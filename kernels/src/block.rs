@@ -108,8 +108,13 @@ impl Divisor {
 
 /// A [`Divisor`] case as a type, so that loops are compiled per case.
 pub(crate) trait Scale: Copy {
+    /// Whether [`Scale::apply`] multiplies by [`Scale::factor`] (else it divides by it).
+    const MULTIPLY: bool;
     /// `x / d`.
     fn apply(self, x: f32) -> f32;
+    /// The operand of [`Scale::apply`]: `1/d` if [`Scale::MULTIPLY`], else `d` (the explicitly
+    /// vectorized kernels apply it to whole vectors).
+    fn factor(self) -> f32;
 }
 
 /// Division by a power of two, as multiplication by its exact reciprocal.
@@ -117,9 +122,16 @@ pub(crate) trait Scale: Copy {
 pub(crate) struct MulBy(pub(crate) f32);
 
 impl Scale for MulBy {
+    const MULTIPLY: bool = true;
+
     #[inline(always)]
     fn apply(self, x: f32) -> f32 {
         x * self.0
+    }
+
+    #[inline(always)]
+    fn factor(self) -> f32 {
+        self.0
     }
 }
 
@@ -128,9 +140,16 @@ impl Scale for MulBy {
 pub(crate) struct DivBy(pub(crate) f32);
 
 impl Scale for DivBy {
+    const MULTIPLY: bool = false;
+
     #[inline(always)]
     fn apply(self, x: f32) -> f32 {
         x / self.0
+    }
+
+    #[inline(always)]
+    fn factor(self) -> f32 {
+        self.0
     }
 }
 
@@ -171,15 +190,22 @@ fn pass<C: Codec, P: Scale, Q: Scale, const G: usize, const FIRST: bool, const L
 
 /// The element codec and the two divisors of a reduction.
 #[derive(Clone, Copy, Debug)]
-struct Ops<C, P, Q> {
-    c: C,
-    p: P,
-    q: Q,
+pub(crate) struct Ops<C, P, Q> {
+    pub(crate) c: C,
+    pub(crate) p: P,
+    pub(crate) q: Q,
 }
 
 /// A pass over `G` of the `inputs`, starting at input `first` (the block is `range`).
 #[inline(always)]
-fn group_pass<C: Codec, P: Scale, Q: Scale, const G: usize, const FIRST: bool, const LAST: bool>(
+pub(crate) fn group_pass<
+    C: Codec,
+    P: Scale,
+    Q: Scale,
+    const G: usize,
+    const FIRST: bool,
+    const LAST: bool,
+>(
     ops: Ops<C, P, Q>,
     inputs: &[&[u8]],
     first: usize,
@@ -211,7 +237,7 @@ fn last_pass<C: Codec, P: Scale, Q: Scale, const FIRST: bool>(
 
 /// All passes over one block of `out` (the elements `range` of every input).
 #[inline(always)]
-fn reduce_block<C: Codec, P: Scale, Q: Scale>(
+pub(crate) fn reduce_block<C: Codec, P: Scale, Q: Scale>(
     ops: Ops<C, P, Q>,
     inputs: &[&[u8]],
     range: core::ops::Range<usize>,

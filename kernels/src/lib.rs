@@ -44,12 +44,14 @@ pub mod cuda;
 mod elem;
 #[cfg(target_arch = "x86_64")]
 mod f16c;
+#[cfg(target_arch = "x86_64")]
+mod nt;
 #[doc(hidden)]
 pub mod reference;
 mod stream;
 #[cfg(test)]
 mod tests;
 
-pub use arith::{accumulate, cast, reduce, reduce_in_place};
+pub use arith::{accumulate, cast, reduce, reduce_in_place, reduce_piece};
 pub use copy::{copy_in, copy_out};
 pub use elem::{CopySegment, ElemType, KernelError, ReduceOp, Scaling};

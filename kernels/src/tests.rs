@@ -243,7 +243,8 @@ proptest! {
         avg in any::<bool>(),
         pre in any_divisor(),
         post_divide in any_divisor(),
-        offsets in prop::collection::vec(0usize..4, 9),
+        offsets in prop::collection::vec(0usize..36, 9),
+        cut in any::<prop::sample::Index>(),
     ) {
         let op = if avg { ReduceOp::Avg } else { ReduceOp::Sum };
         let scaling = Scaling { pre_divide: pre, post_divide };
@@ -255,6 +256,14 @@ proptest! {
         let mut out = at_offset(&vec![0x5Au8; want.len()], offsets[8]);
         crate::reduce(ty, op, scaling, &mut out[offsets[8]..], &inputs).unwrap();
         same(ty, &out[offsets[8]..], &want).map_err(TestCaseError::fail)?;
+        // In two pieces of a (pretend) large output, so with streaming stores.
+        let mut out = at_offset(&vec![0x5Au8; want.len()], offsets[8]);
+        let at = cut.index(want.len() / ty.size() + 1) * ty.size();
+        let (lo, hi) = out[offsets[8]..].split_at_mut(at);
+        let (ins_lo, ins_hi): (Vec<&[u8]>, Vec<&[u8]>) = inputs.iter().map(|i| i.split_at(at)).unzip();
+        crate::reduce_piece(ty, op, scaling, lo, &ins_lo, 1 << 30).unwrap();
+        crate::reduce_piece(ty, op, scaling, hi, &ins_hi, 1 << 30).unwrap();
+        same(ty, &out[offsets[8]..], &want).map_err(|e| TestCaseError::fail(format!("in pieces split at byte {at}: {e}")))?;
         for isa in Isa::available() {
             let (pre, post) = (Divisor::new(pre), Divisor::new(post_divisor(op, scaling, inputs.len())));
             // Normal and streaming stores.
