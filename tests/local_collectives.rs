@@ -183,7 +183,12 @@ fn exercise(rank: LocalRank) -> Result<Vec<String>, BackendError> {
 }
 
 fn check_world(n: usize) {
-    let config = LocalConfig { timeout: Duration::from_secs(60), ..LocalConfig::default() };
+    check_world_with(n, LocalConfig::default().piece_bytes);
+}
+
+/// [`check_world`] with reductions shared in pieces of `piece_bytes`.
+fn check_world_with(n: usize, piece_bytes: usize) {
+    let config = LocalConfig { timeout: Duration::from_secs(60), piece_bytes, ..LocalConfig::default() };
     let world = LocalWorld::with_config(n, config).expect("world");
     for (r, outcome) in world.run(exercise).expect("ranks").into_iter().enumerate() {
         let wrong =
@@ -207,6 +212,16 @@ fn every_collective_13_ranks() {
 #[test]
 fn every_collective_64_ranks() {
     check_world(64);
+}
+
+/// Reductions cut into many pieces (a few elements each, not a whole number of f16 elements for
+/// 6 bytes), which the members' threads share: every piece lands where it belongs.
+#[test]
+fn reductions_shared_in_small_pieces() {
+    for n in [2, 3, 5] {
+        check_world_with(n, 6);
+    }
+    check_world_with(13, 100);
 }
 
 /// Several collectives of different sizes and types as one group, and a subgroup of the world

@@ -454,6 +454,19 @@ pub enum BackendError {
         /// The first failure.
         cause: Box<BackendError>,
     },
+    /// Another member failed while writing part of this rank's output (the local backend
+    /// shares a reduction's work between the members' threads), so that output is incomplete.
+    #[error("rank {rank}: {op}: rank {peer} failed while computing part of this rank's output, which is incomplete: {cause}")]
+    PeerKernel {
+        /// The rank reporting.
+        rank: usize,
+        /// The collective.
+        op: Box<OpId>,
+        /// The member that failed.
+        peer: usize,
+        /// Its error.
+        cause: Box<BackendError>,
+    },
     /// A kernel (reduction, copy) refused its arguments.
     #[error("rank {rank}: {op}: {source}")]
     Kernel {

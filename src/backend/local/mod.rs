@@ -24,8 +24,16 @@
 //! [`BackendError::Mismatch`], and nothing is executed.
 //!
 //! # Knobs
-//! [`LocalConfig`]: `timeout` (default [`DEFAULT_TIMEOUT`], 300 s) and `spin` (default
-//! [`DEFAULT_SPIN`], 50 µs).
+//! [`LocalConfig`]: `timeout` (default [`DEFAULT_TIMEOUT`], 300 s), `spin` (default
+//! [`DEFAULT_SPIN`], 50 µs) and `piece_bytes` (default [`DEFAULT_PIECE_BYTES`], 1 MiB).
+//!
+//! # Shared reductions
+//! A reduce-scatter's (or all-reduce's) reduction into one member's output is not that member's
+//! job alone: it is cut into pieces of `piece_bytes` of output, and every member's stream thread,
+//! once done with its own pieces, takes the pieces nobody has taken yet. The slowest member no
+//! longer sets the pace (on two cores under load, one rank's thread is often descheduled for a
+//! while), and nothing changes when the members keep pace. If a member fails (its kernel panics)
+//! the others whose output it was writing get [`BackendError::PeerKernel`].
 
 mod buffer;
 mod event;
@@ -60,6 +68,8 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 const PREFILL: usize = 32;
 /// Default of [`LocalConfig::spin`]: 50 µs.
 pub const DEFAULT_SPIN: Duration = Duration::from_micros(50);
+/// Default of [`LocalConfig::piece_bytes`]: 1 MiB.
+pub const DEFAULT_PIECE_BYTES: usize = 1 << 20;
 
 /// Knobs of a [`LocalWorld`].
 #[derive(Clone, Debug, PartialEq)]
@@ -71,11 +81,16 @@ pub struct LocalConfig {
     /// machine has cores (otherwise it sleeps at once). Spinning buys small messages their few
     /// microseconds. Default [`DEFAULT_SPIN`] (50 µs).
     pub spin: Duration,
+    /// Output bytes of one piece of a shared reduction (module docs, "Shared reductions"):
+    /// large enough that handing out a piece (one atomic addition) costs nothing next to
+    /// reducing it, small enough that the members finish within one piece's time of each other.
+    /// Default [`DEFAULT_PIECE_BYTES`] (1 MiB); 0 counts as one element.
+    pub piece_bytes: usize,
 }
 
 impl Default for LocalConfig {
     fn default() -> Self {
-        LocalConfig { timeout: DEFAULT_TIMEOUT, spin: DEFAULT_SPIN }
+        LocalConfig { timeout: DEFAULT_TIMEOUT, spin: DEFAULT_SPIN, piece_bytes: DEFAULT_PIECE_BYTES }
     }
 }
 

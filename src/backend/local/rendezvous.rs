@@ -22,11 +22,11 @@
 
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use collsched_kernels::reduce;
+use collsched_kernels::reduce_piece;
 use smallvec::SmallVec;
 
 use super::LocalConfig;
@@ -77,9 +77,33 @@ enum Abort {
 
 enum Phase {
     Collecting,
-    /// Every member's post, in member order (shared by the members while they move data).
-    Running(Arc<Vec<Post>>),
+    /// Every member's post and the shared work counters (shared while the members move data).
+    Running(Arc<Running>),
     Aborted(Abort),
+}
+
+/// What the members of a running collective share while they move data.
+#[derive(Default)]
+struct Running {
+    /// Every member's post, in member order.
+    posts: Vec<Post>,
+    /// Per member: the next piece of the reductions into its output that nobody took yet (see
+    /// [`reduce_shared`]).
+    next: Vec<AtomicUsize>,
+}
+
+impl Running {
+    fn with_capacity(n: usize) -> Self {
+        Running { posts: Vec::with_capacity(n), next: Vec::with_capacity(n) }
+    }
+
+    /// Refills from a slot's posts (allocation-free once the vectors have grown to the group).
+    fn fill(&mut self, posts: &mut [Option<Post>]) {
+        self.posts.clear();
+        self.posts.extend(posts.iter_mut().map(|p| p.take().unwrap_or_default()));
+        self.next.clear();
+        self.next.resize_with(posts.len(), AtomicUsize::default);
+    }
 }
 
 struct Slot {
@@ -91,6 +115,9 @@ struct Slot {
     mid: usize,
     done: usize,
     left: usize,
+    /// The first member that failed while moving data, and its error: with reductions shared
+    /// between the members, its failure may have left another member's output incomplete.
+    failed: Option<(usize, BackendError)>,
 }
 
 #[derive(Default)]
@@ -99,7 +126,7 @@ struct ChanState {
     /// Retired slots' `posts` vectors and running posts lists, kept for reuse so that a
     /// steady-state collective allocates nothing.
     spare_posts: Vec<Vec<Option<Post>>>,
-    spare_running: Vec<Arc<Vec<Post>>>,
+    spare_running: Vec<Arc<Running>>,
     /// The first aborted sequence number, its reason and the error its aborter reported.
     poisoned: Option<(u64, Abort, BackendError)>,
     /// Threads asleep on the condvar (no wake-up system call when there are none).
@@ -167,7 +194,7 @@ impl Channel {
         let state = ChanState {
             slots: Vec::with_capacity(super::PREFILL),
             spare_posts: (0..super::PREFILL).map(|_| Vec::with_capacity(n)).collect(),
-            spare_running: (0..super::PREFILL).map(|_| Arc::new(Vec::with_capacity(n))).collect(),
+            spare_running: (0..super::PREFILL).map(|_| Arc::new(Running::with_capacity(n))).collect(),
             ..ChanState::default()
         };
         Channel { group, stream, state: Mutex::new(state), cv: Condvar::new(), epoch: AtomicU64::new(0) }
@@ -302,6 +329,7 @@ impl Channel {
                     mid: 0,
                     done: 0,
                     left: 0,
+                    failed: None,
                 });
                 st.slots.len() - 1
             }
@@ -343,14 +371,11 @@ impl Channel {
                         let mut running = st.spare_running.pop().unwrap_or_default();
                         let slot = &mut st.slots[idx];
                         match Arc::get_mut(&mut running) {
-                            Some(list) => {
-                                list.clear();
-                                list.extend(slot.posts.iter_mut().map(|p| p.take().unwrap_or_default()));
-                            }
+                            Some(r) => r.fill(&mut slot.posts),
                             None => {
-                                running = Arc::new(
-                                    slot.posts.iter_mut().map(|p| p.take().unwrap_or_default()).collect(),
-                                )
+                                let mut r = Running::with_capacity(n);
+                                r.fill(&mut slot.posts);
+                                running = Arc::new(r);
                             }
                         }
                         slot.phase = Phase::Running(running);
@@ -393,8 +418,8 @@ impl Channel {
                 (0..n).filter(|&q| slot.posts[q].is_none()).map(|q| self.group.ranks()[q]).collect();
             slot.phase = Phase::Aborted(Abort::Timeout { missing });
         }
-        let posts = match &slot.phase {
-            Phase::Running(posts) => posts.clone(),
+        let running = match &slot.phase {
+            Phase::Running(running) => running.clone(),
             Phase::Aborted(abort) => {
                 let abort = abort.clone();
                 let err = self.abort_error(caller, op, &abort, start.elapsed());
@@ -412,31 +437,57 @@ impl Channel {
         drop(st);
 
         // 3. Move data.
+        let posts = &running.posts;
         let needs_mid = posts[me].iter().any(|o| o.desc.kind == CollKind::AllReduce);
-        let mut result = guarded(caller, op, || move_data_first(me, &posts, caller.rank, op));
+        let mut result = guarded(caller, op, || {
+            move_data_first(me, posts)?;
+            reduce_shared(me, &running, caller, op)
+        });
         if needs_mid {
-            self.barrier(caller, seq, |s| &mut s.mid);
+            self.barrier(caller, seq, |s| &mut s.mid, &result);
             if result.is_ok() {
-                result = guarded(caller, op, || move_data_second(me, &posts));
+                result = guarded(caller, op, || move_data_second(me, posts));
             }
         }
         // Our reference goes before we count ourselves done, so that the last member out holds
-        // the only one and can keep the list for reuse.
-        drop(posts);
+        // the only one and can keep it for reuse.
+        drop(running);
 
         // 4. Depart.
-        self.barrier(caller, seq, |s| &mut s.done);
+        self.barrier(caller, seq, |s| &mut s.done, &result);
         let mut st = self.lock();
+        if result.is_ok() {
+            // A peer's failure may have left part of our output unwritten.
+            if let Some((peer, cause)) = st.slots.iter().find(|s| s.seq == seq).and_then(|s| s.failed.clone())
+            {
+                result = Err(BackendError::PeerKernel {
+                    rank: caller.rank,
+                    op: Box::new(op.clone()),
+                    peer,
+                    cause: Box::new(cause),
+                });
+            }
+        }
         self.retire(&mut st, seq, true);
         drop(st);
         result
     }
 
     /// Counts this member into a barrier of slot `seq` and waits for all members.
-    fn barrier(&self, caller: &Caller<'_>, seq: u64, counter: impl Fn(&mut Slot) -> &mut usize) {
+    /// `result` is this member's outcome so far: a failure is recorded for the others.
+    fn barrier(
+        &self,
+        caller: &Caller<'_>,
+        seq: u64,
+        counter: impl Fn(&mut Slot) -> &mut usize,
+        result: &Result<(), BackendError>,
+    ) {
         let n = self.group.len();
         let mut st = self.lock();
         if let Some(slot) = st.slots.iter_mut().find(|s| s.seq == seq) {
+            if let (Err(e), None) = (result, &slot.failed) {
+                slot.failed = Some((caller.rank, e.clone()));
+            }
             let c = counter(slot);
             *c += 1;
             if *c == n {
@@ -511,10 +562,9 @@ fn shard_src(o: &OpPost, offset: usize) -> *const u8 {
     }
 }
 
-/// First half of every collective: all-gather, reduce-scatter, broadcast entirely, all-reduce's
-/// reduction of this member's chunk.
-fn move_data_first(me: usize, posts: &[Post], rank: usize, op: &OpId) -> Result<(), BackendError> {
-    let n = posts.len();
+/// First half of the copies: all-gather and broadcast entirely (the reductions are in
+/// [`reduce_shared`]).
+fn move_data_first(me: usize, posts: &[Post]) -> Result<(), BackendError> {
     for (i, mine) in posts[me].iter().enumerate() {
         let d = &mine.desc;
         let es = d.elem.size();
@@ -534,35 +584,8 @@ fn move_data_first(me: usize, posts: &[Post], rank: usize, op: &OpId) -> Result<
                     unsafe { std::ptr::copy_nonoverlapping(src, mine.dst.0.add(q * bytes), bytes) };
                 }
             }
-            CollKind::ReduceScatter => {
-                let bytes = d.count * es;
-                // SAFETY: every member's input holds `n * bytes` bytes (checked at launch, posts
-                // matched); chunk `me` of each is only read during the collective. Our output holds
-                // `bytes` and is written by us alone; it is a different allocation from every input.
-                let inputs: SmallVec<[&[u8]; 16]> = posts
-                    .iter()
-                    .map(|p| unsafe { std::slice::from_raw_parts(p[i].src.0.add(me * bytes), bytes) })
-                    .collect();
-                // SAFETY: see above.
-                let out = unsafe { std::slice::from_raw_parts_mut(mine.dst.0, bytes) };
-                reduce(d.elem, d.op, d.scaling, out, &inputs)
-                    .map_err(|source| kernel_error(rank, op, source))?;
-            }
-            CollKind::AllReduce => {
-                let (lo, hi) = chunk(d.count, n, me);
-                let (off, bytes) = (lo * es, (hi - lo) * es);
-                // SAFETY: every input holds `count` elements (launch check, posts matched) and is
-                // only read; our output's chunk `me` is written only by us in this half, read by
-                // peers only after the middle barrier.
-                let inputs: SmallVec<[&[u8]; 16]> = posts
-                    .iter()
-                    .map(|p| unsafe { std::slice::from_raw_parts(p[i].src.0.add(off), bytes) })
-                    .collect();
-                // SAFETY: see above.
-                let out = unsafe { std::slice::from_raw_parts_mut(mine.dst.0.add(off), bytes) };
-                reduce(d.elem, d.op, d.scaling, out, &inputs)
-                    .map_err(|source| kernel_error(rank, op, source))?;
-            }
+            // Shared between the members: `reduce_shared`.
+            CollKind::ReduceScatter | CollKind::AllReduce => {}
             CollKind::Broadcast { root } => {
                 let bytes = d.count * es;
                 let Some(rp) = d.group.position(root) else { continue };
@@ -579,6 +602,93 @@ fn move_data_first(me: usize, posts: &[Post], rank: usize, op: &OpId) -> Result<
                     unsafe { std::ptr::copy_nonoverlapping(src, mine.dst.0, bytes) };
                 }
             }
+        }
+    }
+    Ok(())
+}
+
+/// One piece of a reduction: elements `len` of collective `i`, from element `input` of every
+/// member's input to element `output` of the owner's output.
+struct Piece {
+    i: usize,
+    input: usize,
+    output: usize,
+    len: usize,
+    /// Bytes of the owner's whole part of the reduction (the kernels choose streaming stores
+    /// from it).
+    whole: usize,
+}
+
+impl Piece {
+    /// Piece `u` of member `q`'s part of the reductions in `post` (its post), in collective
+    /// order, with pieces of `piece_bytes` of output, or `None` past the last one.
+    fn find(post: &Post, n: usize, q: usize, piece_bytes: usize, mut u: usize) -> Option<Piece> {
+        for (i, o) in post.iter().enumerate() {
+            let d = &o.desc;
+            // Member q's part: (first input element, first output element, elements).
+            let (input, output, len) = match d.kind {
+                CollKind::ReduceScatter => (q * d.count, 0, d.count),
+                CollKind::AllReduce => {
+                    let (lo, hi) = chunk(d.count, n, q);
+                    (lo, lo, hi - lo)
+                }
+                CollKind::AllGather | CollKind::Broadcast { .. } => continue,
+            };
+            let per = (piece_bytes / d.elem.size()).max(1);
+            let pieces = len.div_ceil(per);
+            if u < pieces {
+                let at = u * per;
+                let len_here = per.min(len - at);
+                return Some(Piece {
+                    i,
+                    input: input + at,
+                    output: output + at,
+                    len: len_here,
+                    whole: len * d.elem.size(),
+                });
+            }
+            u -= pieces;
+        }
+        None
+    }
+}
+
+/// The reductions of a collective (reduce-scatter, and all-reduce's first half), shared between
+/// the members' stream threads.
+///
+/// Member q's part of each reduction (its reduce-scatter output, or chunk q of the all-reduce) is
+/// cut into pieces of `piece_bytes` ([`LocalConfig::piece_bytes`]) of output, handed out by q's counter; whoever takes a piece
+/// reads that range of every member's input and writes it into q's output. Each member takes
+/// its own pieces first, then helps the others in ring order: when the members run at the same
+/// speed nobody helps, and when one is slower (descheduled, or on a busier core) the others
+/// finish its pieces instead of waiting for it at the departure barrier. Every piece is written
+/// by exactly one thread, and nobody reads a reduced output before the barrier that follows.
+fn reduce_shared(me: usize, running: &Running, caller: &Caller<'_>, op: &OpId) -> Result<(), BackendError> {
+    let posts = &running.posts;
+    let n = posts.len();
+    for k in 0..n {
+        let q = (me + k) % n;
+        loop {
+            let u = running.next[q].fetch_add(1, Ordering::Relaxed);
+            let Some(p) = Piece::find(&posts[q], n, q, caller.config.piece_bytes, u) else { break };
+            let d = &posts[q][p.i].desc;
+            let es = d.elem.size();
+            let bytes = p.len * es;
+            // SAFETY: every member's input holds the collective's whole input (checked at launch;
+            // the posts matched, so all have the same count and type) and the piece lies within
+            // member q's part of it; inputs are only read during the collective.
+            let inputs: SmallVec<[&[u8]; 16]> = posts
+                .iter()
+                .map(|post| unsafe { std::slice::from_raw_parts(post[p.i].src.0.add(p.input * es), bytes) })
+                .collect();
+            // SAFETY: member q's output holds its part (launch check); this piece of it is written
+            // by this thread alone (we took it from q's counter, which hands each piece out once)
+            // and read by nobody before the next barrier. Outputs are different allocations from
+            // every input. The buffers stay alive until every member departed (step 4).
+            let out =
+                unsafe { std::slice::from_raw_parts_mut(posts[q][p.i].dst.0.add(p.output * es), bytes) };
+            reduce_piece(d.elem, d.op, d.scaling, out, &inputs, p.whole)
+                .map_err(|source| kernel_error(caller.rank, op, source))?;
         }
     }
     Ok(())
