@@ -123,8 +123,8 @@ pub(crate) fn reduce_with(
         return crate::block::reduce_f16c(isa, pre, post, in_place, out, inputs);
     }
     #[cfg(target_arch = "x86_64")]
-    if ty == ElemType::F32 && isa == Isa::Avx2 && stream && !in_place && out.as_ptr().align_offset(4) == 0 {
-        return crate::nt::reduce(isa, pre, post, out, inputs);
+    if isa == Isa::Avx2 && stream && !in_place && crate::nt::takes(ty, out) {
+        return crate::nt::reduce(isa, ty, pre, post, out, inputs);
     }
     match ty {
         ElemType::F32 => reduce_blocks(isa, F32Codec, pre, post, in_place, out, inputs, stream),
