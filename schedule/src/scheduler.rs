@@ -181,6 +181,13 @@ impl Tables {
         self.grad = input.grad.clone();
     }
 
+    /// Bytes of gradient bucket `j`'s full-size buffer in its reduction dtype (the driver casts
+    /// gradients to it at copy-in: a bf16 bucket reduced in f32 takes twice its gathered bytes).
+    fn grad_bytes(&self, j: usize) -> usize {
+        let b = &self.grad[j];
+        b.gathered_bytes / b.dtype.size() * self.grad_reduce[j].dtype.size()
+    }
+
     fn gather_index(&self, b: BucketId) -> Option<usize> {
         match self.bucket_index.get(b.index()) {
             Some(&g) if g != NONE => Some(g as usize),
@@ -1114,7 +1121,7 @@ impl Core {
             return b;
         }
         let b = BufferId { bucket: self.t.grad[j].id, serial: reg.next_serial() };
-        out.push(Action::AllocGrad { buffer: b, bytes: self.t.grad[j].gathered_bytes });
+        out.push(Action::AllocGrad { buffer: b, bytes: self.t.grad_bytes(j) });
         self.grad_buffer[j] = Some(b);
         b
     }
@@ -1122,6 +1129,7 @@ impl Core {
     fn launch_reduce(&mut self, reg: &mut InflightRegistry, j: usize, out: &mut Vec<Action>) {
         let buffer = self.open_grad(reg, j, out);
         self.grad_buffer[j] = None;
+        let bytes = self.t.grad_bytes(j);
         let b = &self.t.grad[j];
         let id = LaunchId { serial: reg.next_serial(), bucket: b.id, role: Role::Reduce };
         out.push(Action::Launch(Launch {
@@ -1129,7 +1137,7 @@ impl Core {
             ops: b.ops.clone(),
             stream: Stream::ReduceScatter,
             buffer,
-            bytes: b.gathered_bytes,
+            bytes,
             after: Fences::new(),
             prefetch: false,
             reduce: Some(self.t.grad_reduce[j]),
@@ -1145,6 +1153,6 @@ impl Core {
         for &k in &b.kinds {
             self.counters.ops_by_kind[report::kind_slot(k)] += 1;
         }
-        self.counters.reduced_bytes += b.gathered_bytes as u64;
+        self.counters.reduced_bytes += bytes as u64;
     }
 }

@@ -673,7 +673,19 @@ fn reduce_dtype_and_divide_factors_are_per_bucket() {
     for p in layer(1) {
         r.grad(p);
     }
-    assert_eq!(launches(&r.out)[0].reduce, Some(spec1));
+    let launch = &launches(&r.out)[0];
+    assert_eq!(launch.reduce, Some(spec1));
+    // The full-size gradient buffer is in the reduction dtype: f32 parameters reduced in f64
+    // take twice the gathered bytes, in the AllocGrad, the launch and the counters alike.
+    let gathered = r.s.grad_buckets()[1].gathered_bytes;
+    let alloc: Vec<usize> = r
+        .out
+        .iter()
+        .filter_map(|a| if let Action::AllocGrad { bytes, .. } = a { Some(*bytes) } else { None })
+        .collect();
+    assert_eq!(alloc, [2 * gathered]);
+    assert_eq!(launch.bytes, 2 * gathered);
+    assert_eq!(r.s.counters().reduced_bytes, 2 * gathered as u64);
 }
 
 #[test]

@@ -180,7 +180,8 @@ pub enum Action {
     AllocGrad {
         /// The buffer.
         buffer: BufferId,
-        /// Its bytes (the gradient bucket's gathered size).
+        /// Its bytes: the gradient bucket's elements in its reduction dtype
+        /// ([`ReduceSpec::dtype`]), into which gradients are cast as they are copied in.
         bytes: usize,
     },
     /// Copy a parameter's gradient into its place in a gradient buffer, on the reduce-scatter

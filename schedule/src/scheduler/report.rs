@@ -18,7 +18,7 @@ pub struct StepCounters {
     pub ops_by_kind: [u64; 4],
     /// Bytes of gathered buffers produced by all-gathers.
     pub gathered_bytes: u64,
-    /// Bytes of full-size gradient buffers reduced.
+    /// Bytes of full-size gradient buffers reduced, in their reduction dtype.
     pub reduced_bytes: u64,
     /// Gathers launched ahead by the prefetch policy.
     pub prefetch_launches: u64,
