@@ -33,7 +33,8 @@
 //! once done with its own pieces, takes the pieces nobody has taken yet. The slowest member no
 //! longer sets the pace (on two cores under load, one rank's thread is often descheduled for a
 //! while), and nothing changes when the members keep pace. If a member fails (its kernel panics)
-//! the others whose output it was writing get [`BackendError::PeerKernel`].
+//! it may have left any member's output incomplete, so every other member of that collective
+//! gets [`BackendError::PeerKernel`] naming it.
 
 mod buffer;
 mod event;
