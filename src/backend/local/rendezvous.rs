@@ -672,6 +672,10 @@ fn reduce_shared(me: usize, running: &Running, caller: &Caller<'_>, op: &OpId) -
             let u = running.next[q].fetch_add(1, Ordering::Relaxed);
             let Some(p) = Piece::find(&posts[q], n, q, caller.config.piece_bytes, u) else { break };
             let d = &posts[q][p.i].desc;
+            #[cfg(test)]
+            if d.tag == tests::FAIL_TAG && q == 0 && u == 0 {
+                panic!("injected failure in piece 0 of member 0");
+            }
             let es = d.elem.size();
             let bytes = p.len * es;
             // SAFETY: every member's input holds the collective's whole input (checked at launch;
@@ -750,6 +754,63 @@ impl Channels {
         };
         for c in chans {
             c.poke();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use crate::backend::local::{LocalConfig, LocalWorld};
+    use crate::backend::{Backend, BackendError, CollDesc, Collective, RankGroup, Stream, WaitError};
+    use collsched_kernels::ElemType;
+
+    /// A reduce-scatter with this tag panics in whichever thread takes piece 0 of member 0.
+    pub(super) const FAIL_TAG: u64 = 0xFA11_0000_0000_FA11;
+
+    /// A member whose piece of a shared reduction fails (a kernel panic, caught) fails, and so
+    /// does every other member, naming it: any output may lack that piece.
+    #[test]
+    fn a_failed_piece_fails_every_member() {
+        let wait = Duration::from_secs(20);
+        let config = LocalConfig { timeout: wait, piece_bytes: 64, ..LocalConfig::default() };
+        let world = LocalWorld::with_config(3, config).expect("world");
+        let out = world
+            .run(|rank| {
+                let (n, count) = (rank.world_size(), 1000);
+                let input = rank.alloc(n * count * 4).expect("alloc");
+                let output = rank.alloc(count * 4).expect("alloc");
+                let desc =
+                    CollDesc::reduce_scatter(RankGroup::world(n), ElemType::F32, count).with_tag(FAIL_TAG);
+                let f = rank
+                    .launch(Stream::ReduceScatter, &[], Collective { desc, input: Some(input), output })
+                    .map_err(|e| e.error)
+                    .expect("launch");
+                match f.wait(wait) {
+                    Err(WaitError::Failed { error, .. }) => error,
+                    Ok(_) => panic!("rank {}: the collective succeeded", rank.rank()),
+                    Err(e) => panic!("rank {}: {e}", rank.rank()),
+                }
+            })
+            .expect("ranks");
+        let errors: Vec<BackendError> = out.into_iter().map(|r| r.expect("no rank panicked")).collect();
+        let failed: Vec<usize> = (0..3)
+            .filter(|&r| {
+                !matches!(errors[r], BackendError::PeerKernel { .. })
+                    && errors[r].to_string().contains("injected failure")
+            })
+            .collect();
+        assert_eq!(failed.len(), 1, "exactly one thread took the failing piece: {errors:#?}");
+        let culprit = failed[0];
+        for (r, e) in errors.iter().enumerate().filter(|&(r, _)| r != culprit) {
+            match e {
+                BackendError::PeerKernel { rank, peer, cause, .. } => {
+                    assert_eq!((*rank, *peer), (r, culprit));
+                    assert!(cause.to_string().contains("injected failure"), "{cause}");
+                }
+                other => panic!("rank {r}: expected PeerKernel, got {other}"),
+            }
         }
     }
 }
