@@ -831,6 +831,8 @@ impl Simulation {
             };
             let make = |order: &[u32]| {
                 let mut e = Explicit::default();
+                // A tied embedding's bucket ends two layers of each pass.
+                e.once_per_step(true);
                 for w in order.windows(2) {
                     if let Some(&last) = layer_buckets(w[0]).last() {
                         e.after(last, &layer_buckets(w[1]));

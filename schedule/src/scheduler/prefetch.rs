@@ -226,6 +226,10 @@ pub struct Explicit {
     rules: Vec<SmallVec<[BucketId; 4]>>,
     current: Option<BucketId>,
     next: usize,
+    /// See [`Explicit::once_per_step`].
+    once: bool,
+    /// With `once`: the buckets whose rule fired this step (by bucket index).
+    fired: Vec<bool>,
 }
 
 impl Explicit {
@@ -243,6 +247,34 @@ impl Explicit {
     pub fn rule(&self, bucket: BucketId) -> &[BucketId] {
         self.rules.get(bucket.index()).map_or(&[], |r| r.as_slice())
     }
+
+    /// With `once`, a bucket's rule fires at its first fetch of a step only; later fetches of
+    /// the same bucket in that step propose nothing. Rules keyed by buckets need it when a
+    /// bucket is fetched by two modules of one pass: a tied embedding whose bucket ends both
+    /// `embed` and `head` would otherwise fire "after `embed`, prefetch block 0" again at
+    /// `head`. Default `false` (every fetch fires its rule).
+    ///
+    /// # Examples
+    /// ```
+    /// use collsched_schedule::buckets::BucketId;
+    /// use collsched_schedule::{Explicit, Offer, PrefetchPolicy};
+    /// let mut e = Explicit::default();
+    /// e.after(BucketId(0), &[BucketId(1)]).once_per_step(true);
+    /// let mut proposed = Vec::new();
+    /// for _ in 0..2 {
+    ///     e.observe_fetch(BucketId(0));
+    ///     e.candidates(&mut |b| { proposed.push(b); Offer::Launched });
+    /// }
+    /// assert_eq!(proposed, [BucketId(1)]); // the second fetch proposed nothing
+    /// e.end_step();
+    /// e.observe_fetch(BucketId(0));
+    /// e.candidates(&mut |b| { proposed.push(b); Offer::Launched });
+    /// assert_eq!(proposed, [BucketId(1), BucketId(1)]); // a new step fires it again
+    /// ```
+    pub fn once_per_step(&mut self, once: bool) -> &mut Self {
+        self.once = once;
+        self
+    }
 }
 
 impl PrefetchPolicy for Explicit {
@@ -253,6 +285,18 @@ impl PrefetchPolicy for Explicit {
     fn observe_fetch(&mut self, bucket: BucketId) {
         self.current = Some(bucket);
         self.next = 0;
+        if self.once {
+            let i = bucket.index();
+            if self.fired.get(i).copied().unwrap_or(false) {
+                // Fired earlier this step: this fetch proposes nothing.
+                self.current = None;
+            } else if self.rules.get(i).is_some_and(|r| !r.is_empty()) {
+                if self.fired.len() <= i {
+                    self.fired.resize(self.rules.len().max(i + 1), false);
+                }
+                self.fired[i] = true;
+            }
+        }
     }
 
     fn candidates(&mut self, offer: &mut dyn FnMut(BucketId) -> Offer) {
@@ -269,5 +313,6 @@ impl PrefetchPolicy for Explicit {
     fn end_step(&mut self) {
         self.current = None;
         self.next = 0;
+        self.fired.fill(false);
     }
 }
