@@ -53,5 +53,5 @@ mod stream;
 mod tests;
 
 pub use arith::{accumulate, cast, reduce, reduce_in_place, reduce_piece};
-pub use copy::{copy_in, copy_out};
+pub use copy::{copy_in, copy_out, copy_piece, MEMCPY_PIECE_BYTES};
 pub use elem::{CopySegment, ElemType, KernelError, ReduceOp, Scaling};

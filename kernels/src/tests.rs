@@ -487,16 +487,23 @@ fn reduce_in_place_rejects_mismatched_inputs() {
 #[test]
 fn streaming_copy_copies_every_length_and_alignment() {
     let src: Vec<u8> = (0..1200u32).map(|i| (i * 37 % 256) as u8).collect();
-    for len in [0usize, 1, 15, 16, 17, 255, 256, 257, 300, 511, 512, 1000] {
-        for dst_off in 0..17 {
+    for (isa, len) in Isa::available().into_iter().flat_map(|isa| {
+        [0usize, 1, 15, 16, 17, 255, 256, 257, 300, 511, 512, 1000, 1100].map(move |len| (isa, len))
+    }) {
+        for dst_off in 0..33 {
             for src_off in [0usize, 1, 3] {
                 let mut dst = vec![0xEEu8; len + 40];
-                crate::stream::copy(&mut dst[dst_off..dst_off + len], &src[src_off..src_off + len], true);
+                crate::stream::copy_with(
+                    isa,
+                    &mut dst[dst_off..dst_off + len],
+                    &src[src_off..src_off + len],
+                    true,
+                );
                 crate::stream::fence(true);
                 assert_eq!(
                     &dst[dst_off..dst_off + len],
                     &src[src_off..src_off + len],
-                    "len {len} at {dst_off}"
+                    "{isa:?} len {len} at {dst_off}"
                 );
                 assert!(dst[..dst_off].iter().chain(&dst[dst_off + len..]).all(|&b| b == 0xEE));
             }
@@ -526,4 +533,22 @@ proptest! {
         }
         prop_assert_eq!(got_out, want_out);
     }
+}
+
+#[test]
+fn copy_piece_copies_with_either_store_and_refuses_other_lengths() {
+    let src: Vec<u8> = (0..5000u32).map(|i| (i * 13 % 251) as u8).collect();
+    for whole in [0usize, 64 << 20] {
+        for off in [0usize, 1, 7, 32] {
+            let mut dst = vec![0u8; 5100];
+            crate::copy_piece(&mut dst[off..off + 5000], &src, whole).unwrap();
+            assert_eq!(&dst[off..off + 5000], &src[..], "whole {whole}, offset {off}");
+            assert!(dst[..off].iter().chain(&dst[off + 5000..]).all(|&b| b == 0));
+        }
+    }
+    let err = crate::copy_piece(&mut [0u8; 3], &[0u8; 4], 0).unwrap_err();
+    assert!(
+        matches!(&err, KernelError::BadLength { kernel: "copy_piece", what } if what.contains("3 bytes and the source 4")),
+        "{err}"
+    );
 }
