@@ -36,66 +36,67 @@ pub(crate) fn copy_with(isa: Isa, dst: &mut [u8], src: &[u8], stream: bool) {
     dst.copy_from_slice(src);
 }
 
+/// Copies the bytes of `dst` before its first `align`-byte boundary and after its last whole
+/// `align`-byte block with ordinary stores (`src` as long as `dst`), and returns the aligned
+/// middle left for the streaming loop: a range of whole `align`-byte blocks, `dst` aligned at
+/// its start.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn copy_unaligned_ends(dst: &mut [u8], src: &[u8], align: usize) -> core::ops::Range<usize> {
+    let n = dst.len();
+    let head = dst.as_ptr().align_offset(align).min(n);
+    let end = head + (n - head) / align * align;
+    dst[..head].copy_from_slice(&src[..head]);
+    dst[end..].copy_from_slice(&src[end..n]);
+    head..end
+}
+
 /// The SSE2 streaming copy: 16 bytes at a time on the 16-byte-aligned middle of `dst`.
 #[cfg(target_arch = "x86_64")]
 fn copy_sse2(dst: &mut [u8], src: &[u8]) {
     use core::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
-    let n = dst.len();
-    let src = &src[..n];
-    let head = dst.as_ptr().align_offset(16).min(n);
-    let body = (n - head) / 16 * 16;
-    dst[..head].copy_from_slice(&src[..head]);
-    let mut i = head;
-    while i < head + body {
-        // SAFETY: `i + 16 <= head + body <= n`, so both 16-byte ranges are in bounds;
-        // `dst + i` is 16-byte aligned (`head` aligns it and `i - head` is a multiple of
-        // 16), as `_mm_stream_si128` requires; `loadu` needs no alignment. SSE2 is part
-        // of the x86-64 baseline.
-        unsafe {
-            let v = _mm_loadu_si128(src.as_ptr().add(i).cast::<__m128i>());
-            _mm_stream_si128(dst.as_mut_ptr().add(i).cast::<__m128i>(), v);
-        }
-        i += 16;
+    let mid = copy_unaligned_ends(dst, src, 16);
+    let (s, d) = (src.as_ptr(), dst.as_mut_ptr());
+    for i in mid.step_by(16) {
+        // SAFETY: `mid` is whole 16-byte blocks within `dst.len()` (and `src` is as long), so
+        // both 16-byte ranges at `i` are in bounds; `d + i` is 16-byte aligned (`mid` starts
+        // aligned), as `_mm_stream_si128` requires; `loadu` needs no alignment. SSE2 is part of
+        // the x86-64 baseline.
+        unsafe { _mm_stream_si128(d.add(i).cast::<__m128i>(), _mm_loadu_si128(s.add(i).cast::<__m128i>())) }
     }
-    dst[i..].copy_from_slice(&src[i..]);
 }
 
 /// The AVX2 streaming copy: 32 bytes at a time on the 32-byte-aligned middle of `dst`, four
 /// per round (two cache lines). Measured against the SSE2 one on 32 MiB pieces (below glibc's
-/// own streaming threshold): 6.7-7.2 GB/s against 5.6-5.9 per thread.
+/// own streaming threshold): 6.5-7.7 GB/s against 5.6-6.2 per thread.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 fn copy_avx2(dst: &mut [u8], src: &[u8]) {
     use core::arch::x86_64::{__m256i, _mm256_loadu_si256, _mm256_stream_si256};
-    let n = dst.len();
-    let src = &src[..n];
-    let head = dst.as_ptr().align_offset(32).min(n);
-    let body = (n - head) / 32 * 32;
-    dst[..head].copy_from_slice(&src[..head]);
-    let s = src.as_ptr();
-    let d = dst.as_mut_ptr();
-    // One 32-byte load and streaming store at byte `i` (`i + 32 <= head + body`).
+    let mid = copy_unaligned_ends(dst, src, 32);
+    let (s, d) = (src.as_ptr(), dst.as_mut_ptr());
+    // One 32-byte load and streaming store at byte `i` (`i + 32 <= mid.end`).
     let one = |i: usize| {
-        // SAFETY: `i + 32 <= head + body <= n`, so both 32-byte ranges are in bounds; `d + i`
-        // is 32-byte aligned (`head` aligns it and `i - head` is a multiple of 32), as
-        // `_mm256_stream_si256` requires; `loadu` needs no alignment; AVX2 is enabled here.
+        // SAFETY: `mid` is whole 32-byte blocks within `dst.len()` (and `src` is as long) and
+        // `i` starts one of them, so both 32-byte ranges are in bounds; `d + i` is 32-byte
+        // aligned (`mid` starts aligned), as `_mm256_stream_si256` requires; `loadu` needs no
+        // alignment; AVX2 is enabled here.
         unsafe {
             _mm256_stream_si256(d.add(i).cast::<__m256i>(), _mm256_loadu_si256(s.add(i).cast::<__m256i>()))
         }
     };
-    let mut i = head;
-    while i + 128 <= head + body {
+    let mut i = mid.start;
+    while i + 128 <= mid.end {
         one(i);
         one(i + 32);
         one(i + 64);
         one(i + 96);
         i += 128;
     }
-    while i < head + body {
+    while i < mid.end {
         one(i);
         i += 32;
     }
-    dst[i..].copy_from_slice(&src[i..]);
 }
 
 /// Orders earlier streaming stores before every later store (x86-64 `sfence`), so that the
