@@ -30,6 +30,11 @@ use crate::kernels::ElemType;
 /// The second reference line (concurrent memcpy) is printed from this largest size up.
 pub const CONCURRENT_MIN_BYTES: usize = 16 << 20;
 
+/// The memory-bound line is printed from this largest size up (256 MiB): the copies it is
+/// computed from must not fit in the last-level cache (105 MiB on the machine these numbers
+/// come from), or it is a cache bound that no collective of that size reaches.
+pub const BOUND_MIN_BYTES: usize = 256 << 20;
+
 /// Iterations kept in flight by each rank (each needs its own set of buffers).
 pub const PIPELINE: usize = 2;
 
@@ -214,6 +219,27 @@ impl BenchPlan {
         }
     }
 
+    /// The busbw (bytes/s) the memory system allows this op at its rank count, given `copy`, the
+    /// bytes per second that copying threads move in all when every core copies at once (with
+    /// streaming stores: 2 bytes of traffic per byte copied); `None` for one rank. It assumes
+    /// every byte is moved once with streaming stores, as the local backend does for big
+    /// buffers: for S bytes, an all-gather moves 2(n-1)S in all, a reduce-scatter (n+1)S (every
+    /// input read once, every output written once), an all-reduce (3n-1)S (its reduce-scatter,
+    /// then an all-gather of the n chunks).
+    pub fn memory_bound_busbw(&self, copy: f64) -> Option<f64> {
+        if self.ranks < 2 {
+            return None;
+        }
+        let n = self.ranks as f64;
+        let traffic_per_byte = match self.op {
+            BenchOp::AllGather => 2.0 * (n - 1.0),
+            BenchOp::ReduceScatter => n + 1.0,
+            BenchOp::AllReduce => 3.0 * n - 1.0,
+        };
+        // algbw = S / t with t = traffic / (2 copy).
+        Some(2.0 * copy / traffic_per_byte * self.bus_factor())
+    }
+
     /// Elements per tensor (shard per rank for all-gather / reduce-scatter) at `size` bytes.
     fn count_per_tensor(&self, size: usize) -> usize {
         let per = size / self.elem.size() / self.coalesce;
@@ -349,8 +375,8 @@ fn run_local(plan: &BenchPlan) -> Result<ExitCode, CliError> {
     let memcpy = memcpy_bandwidth(largest);
     let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
     let threads = plan.ranks.min(cores);
-    let concurrent =
-        (threads > 1).then(|| (threads, memcpy_concurrent_bandwidth(largest / plan.ranks, threads)));
+    let concurrent = (threads > 1 && largest >= CONCURRENT_MIN_BYTES)
+        .then(|| (threads, memcpy_concurrent_bandwidth(largest, threads)));
     let mut printer = Printer::new(plan, "local", memcpy);
     printer.concurrent = concurrent;
     printer.header();
@@ -403,7 +429,9 @@ pub fn memcpy_bandwidth(bytes: usize) -> f64 {
 
 /// Aggregate bandwidth (bytes copied per second, all threads together) of `threads` threads each
 /// copying `bytes` at the same time, best of a few runs: how much more than one thread the
-/// machine's memory gives to several cores, printed beside the single-thread reference.
+/// machine's memory gives to several cores, printed beside the single-thread reference. The
+/// copies stream from 8 MiB on (`kernels::copy_piece`, as the local collectives copy), so the
+/// traffic is 2 bytes per byte copied whatever `memcpy` would choose for that size.
 pub fn memcpy_concurrent_bandwidth(bytes: usize, threads: usize) -> f64 {
     let bytes = bytes.max(4096);
     let threads = threads.max(1);
@@ -418,7 +446,9 @@ pub fn memcpy_concurrent_bandwidth(bytes: usize, threads: usize) -> f64 {
                 let barrier = &barrier;
                 s.spawn(move || {
                     barrier.wait();
-                    dst.copy_from_slice(std::hint::black_box(src));
+                    let (n, src) = (dst.len(), std::hint::black_box(&src[..]));
+                    // Equal lengths: cannot fail.
+                    let _ = crate::kernels::copy_piece(dst, src, n);
                 });
             }
             barrier.wait();
@@ -483,7 +513,7 @@ impl Printer {
         );
         if let Some((threads, bw)) = self.concurrent {
             println!(
-                "# memcpy, {threads} threads at once ({} bytes each): {:.2} GB/s in all",
+                "# copy, {threads} threads at once ({} bytes each, streaming stores): {:.2} GB/s in all",
                 largest,
                 bw / 1e9
             );
@@ -557,6 +587,17 @@ impl Printer {
                 st.last_busbw,
                 100.0 * st.last_busbw * 1e9 / self.memcpy
             );
+        }
+        let largest = self.plan.sizes.last().copied().unwrap_or(0);
+        if let (Some((threads, copy)), true) = (self.concurrent, st.rows > 0 && largest >= BOUND_MIN_BYTES) {
+            if let Some(bound) = self.plan.memory_bound_busbw(copy) {
+                println!(
+                    "# memory bound at the largest size: {:.2} GB/s busbw, {:.0}% of it reached (each byte \
+                     moved once with streaming stores, at the {threads}-thread copy bandwidth above)",
+                    bound / 1e9,
+                    100.0 * st.last_busbw * 1e9 / bound
+                );
+            }
         }
         if st.wrong > 0 {
             ExitCode::FAILURE
@@ -812,6 +853,48 @@ mod tests {
             assert!(e.contains("rank 2 panicked"), "{e}");
         });
         assert!(c.exchange(1, RankRow::default()).is_err());
+    }
+
+    /// The bound against byte counts tallied here, rank by rank, from what each collective reads
+    /// and writes (every byte once, streaming stores: traffic = reads + writes).
+    #[test]
+    fn memory_bound_counts_every_rank_reading_and_writing_once() {
+        let copy = 12e9;
+        for n in 1..=9usize {
+            let s = 1e9; // bytes of the whole buffer
+            let shard = s / n as f64;
+            for op in [BenchOp::AllGather, BenchOp::ReduceScatter, BenchOp::AllReduce] {
+                let plan = BenchPlan {
+                    op,
+                    ranks: n,
+                    elem: ElemType::F32,
+                    sizes: vec![1 << 30],
+                    iters: 1,
+                    warmup: 0,
+                    check: false,
+                    coalesce: 1,
+                };
+                // Per rank: (bytes read, bytes written).
+                let per_rank = match op {
+                    // In place: the n-1 peer shards, read from the peers, written into ours.
+                    BenchOp::AllGather => ((n - 1) as f64 * shard, (n - 1) as f64 * shard),
+                    // Our chunk of every rank's input, then our shard of output.
+                    BenchOp::ReduceScatter => (n as f64 * shard, shard),
+                    // Reduce-scatter of chunks, then copy the n-1 other chunks.
+                    BenchOp::AllReduce => {
+                        (n as f64 * shard + (n - 1) as f64 * shard, shard + (n - 1) as f64 * shard)
+                    }
+                };
+                let traffic = n as f64 * (per_rank.0 + per_rank.1);
+                // The copy bandwidth moves 2 x copy bytes of traffic per second.
+                let t = traffic / (2.0 * copy);
+                let want = s / t * plan.bus_factor();
+                match plan.memory_bound_busbw(copy) {
+                    None => assert_eq!(n, 1),
+                    Some(got) => assert!((got - want).abs() <= 1e-9 * want, "{op:?} n={n}: {got} vs {want}"),
+                }
+            }
+        }
     }
 
     #[test]
