@@ -684,6 +684,9 @@ impl Piece {
 fn reduce_shared(me: usize, running: &Running, caller: &Caller<'_>, op: &OpId) -> Result<(), BackendError> {
     let posts = &running.posts;
     let n = posts.len();
+    // Every piece's input slices, refilled per piece (on the heap beyond 16 ranks: once per
+    // call, not per piece).
+    let mut inputs: SmallVec<[&[u8]; 16]> = SmallVec::new();
     for k in 0..n {
         let q = (me + k) % n;
         loop {
@@ -696,13 +699,13 @@ fn reduce_shared(me: usize, running: &Running, caller: &Caller<'_>, op: &OpId) -
             }
             let es = d.elem.size();
             let bytes = p.len * es;
-            // SAFETY: every member's input holds the collective's whole input (checked at launch;
-            // the posts matched, so all have the same count and type) and the piece lies within
-            // member q's part of it; inputs are only read during the collective.
-            let inputs: SmallVec<[&[u8]; 16]> = posts
-                .iter()
-                .map(|post| unsafe { std::slice::from_raw_parts(post[p.i].src.0.add(p.input * es), bytes) })
-                .collect();
+            inputs.clear();
+            inputs.extend(posts.iter().map(|post| {
+                // SAFETY: every member's input holds the collective's whole input (checked at
+                // launch; the posts matched, so all have the same count and type) and the piece
+                // lies within member q's part of it; inputs are only read during the collective.
+                unsafe { std::slice::from_raw_parts(post[p.i].src.0.add(p.input * es), bytes) }
+            }));
             // SAFETY: member q's output holds its part (launch check); this piece of it is written
             // by this thread alone (we took it from q's counter, which hands each piece out once)
             // and read by nobody before the next barrier. Outputs are different allocations from
