@@ -106,6 +106,33 @@ impl Divisor {
     }
 }
 
+/// Evaluates `$body` with `$p` and `$q` bound to the two divisors as [`Scale`] types ([`MulBy`]
+/// or [`DivBy`]): one match arm per pair of cases, so the body is compiled for each.
+macro_rules! with_scales {
+    ($pre:expr, $post:expr, |$p:ident, $q:ident| $body:expr) => {{
+        use $crate::block::{DivBy, Divisor, MulBy};
+        match ($pre, $post) {
+            (Divisor::Mul(a), Divisor::Mul(b)) => {
+                let ($p, $q) = (MulBy(a), MulBy(b));
+                $body
+            }
+            (Divisor::Mul(a), Divisor::Div(b)) => {
+                let ($p, $q) = (MulBy(a), DivBy(b));
+                $body
+            }
+            (Divisor::Div(a), Divisor::Mul(b)) => {
+                let ($p, $q) = (DivBy(a), MulBy(b));
+                $body
+            }
+            (Divisor::Div(a), Divisor::Div(b)) => {
+                let ($p, $q) = (DivBy(a), DivBy(b));
+                $body
+            }
+        }
+    }};
+}
+pub(crate) use with_scales;
+
 /// A [`Divisor`] case as a type, so that loops are compiled per case.
 pub(crate) trait Scale: Copy {
     /// Whether [`Scale::apply`] multiplies by [`Scale::factor`] (else it divides by it).
@@ -420,18 +447,11 @@ pub(crate) fn reduce_blocks<C: Codec>(
     others: &[&[u8]],
     stream: bool,
 ) {
-    use Divisor::{Div, Mul};
-    let s = stream;
-    match (pre, post, in_place) {
-        (Mul(p), Mul(q), false) => reduce_scaled(isa, c, MulBy(p), MulBy(q), out, others, s),
-        (Mul(p), Div(q), false) => reduce_scaled(isa, c, MulBy(p), DivBy(q), out, others, s),
-        (Div(p), Mul(q), false) => reduce_scaled(isa, c, DivBy(p), MulBy(q), out, others, s),
-        (Div(p), Div(q), false) => reduce_scaled(isa, c, DivBy(p), DivBy(q), out, others, s),
-        (Mul(p), Mul(q), true) => reduce_in_place_scaled(isa, c, MulBy(p), MulBy(q), out, others),
-        (Mul(p), Div(q), true) => reduce_in_place_scaled(isa, c, MulBy(p), DivBy(q), out, others),
-        (Div(p), Mul(q), true) => reduce_in_place_scaled(isa, c, DivBy(p), MulBy(q), out, others),
-        (Div(p), Div(q), true) => reduce_in_place_scaled(isa, c, DivBy(p), DivBy(q), out, others),
-    }
+    with_scales!(pre, post, |p, q| if in_place {
+        reduce_in_place_scaled(isa, c, p, q, out, others)
+    } else {
+        reduce_scaled(isa, c, p, q, out, others, stream)
+    })
 }
 
 /// [`reduce_blocks`] for `f16` with F16C; lengths already checked.
@@ -445,17 +465,9 @@ pub(crate) fn reduce_f16c(
     inputs: &[&[u8]],
 ) {
     use crate::f16c::reduce;
-    use Divisor::{Div, Mul};
     assert!(isa == Isa::Avx2, "reduce_f16c needs Isa::Avx2");
     // SAFETY: `Isa::Avx2` exists only when the CPU has AVX2 and F16C (the `Isa` invariant).
-    unsafe {
-        match (pre, post) {
-            (Mul(p), Mul(q)) => reduce(MulBy(p), MulBy(q), in_place, out, inputs),
-            (Mul(p), Div(q)) => reduce(MulBy(p), DivBy(q), in_place, out, inputs),
-            (Div(p), Mul(q)) => reduce(DivBy(p), MulBy(q), in_place, out, inputs),
-            (Div(p), Div(q)) => reduce(DivBy(p), DivBy(q), in_place, out, inputs),
-        }
-    }
+    unsafe { with_scales!(pre, post, |p, q| reduce(p, q, in_place, out, inputs)) }
 }
 
 multiversion! {

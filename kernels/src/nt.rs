@@ -23,7 +23,7 @@ use core::arch::x86_64::{
 };
 use core::ops::Range;
 
-use crate::block::{self, Codec, DivBy, Divisor, Isa, MulBy, Ops, Raw, Scale, BLOCK, GROUP};
+use crate::block::{self, with_scales, Codec, Divisor, Isa, Ops, Raw, Scale, BLOCK, GROUP};
 use crate::convert::{Bf16Codec, F32Codec};
 
 /// Sixteen elements of a type as two vectors of `f32` lanes: widened, rounded back, and the
@@ -174,17 +174,9 @@ pub(crate) fn reduce(
 
 /// [`reduce`] for codec `c`, with the divisors' cases as types.
 fn with_scales<L: Lanes>(c: L, pre: Divisor, post: Divisor, out: &mut [u8], inputs: &[&[u8]]) {
-    use Divisor::{Div, Mul};
     // SAFETY: only called from `reduce`, which checked for `Isa::Avx2`, which exists only when
     // the CPU has AVX2 (the `Isa` invariant).
-    unsafe {
-        match (pre, post) {
-            (Mul(p), Mul(q)) => reduce_avx2(Ops { c, p: MulBy(p), q: MulBy(q) }, out, inputs),
-            (Mul(p), Div(q)) => reduce_avx2(Ops { c, p: MulBy(p), q: DivBy(q) }, out, inputs),
-            (Div(p), Mul(q)) => reduce_avx2(Ops { c, p: DivBy(p), q: MulBy(q) }, out, inputs),
-            (Div(p), Div(q)) => reduce_avx2(Ops { c, p: DivBy(p), q: DivBy(q) }, out, inputs),
-        }
-    }
+    unsafe { with_scales!(pre, post, |p, q| reduce_avx2(Ops { c, p, q }, out, inputs)) }
 }
 
 /// [`reduce`] with the element type and the divisors' cases as types.
