@@ -13,6 +13,7 @@ pub use collsched_schedule as schedule;
 pub use collsched_topo as topo;
 
 pub mod backend;
+pub mod bench;
 pub mod cli;
 pub mod demo;
 pub mod runtime;

@@ -70,9 +70,10 @@ fn cuda_bench_without_a_driver_is_a_clear_error() {
         "4K",
         "-f",
         "2",
+        "--backend",
+        "cuda",
     ])
     .expect("flags");
-    let plan = collsched::cli::bench::BenchPlan::new(&cli.args).expect("plan");
-    let e = collsched::backend::cuda::bench::run(&plan).unwrap_err();
+    let e = collsched::cli::bench::run(cli.args).unwrap_err();
     assert!(e.to_string().starts_with("no CUDA driver found"), "{e}");
 }

@@ -44,6 +44,7 @@ pub mod cuda;
 mod elem;
 #[cfg(target_arch = "x86_64")]
 mod f16c;
+mod mixed;
 #[cfg(target_arch = "x86_64")]
 mod nt;
 #[doc(hidden)]
@@ -55,3 +56,4 @@ mod tests;
 pub use arith::{accumulate, cast, reduce, reduce_in_place, reduce_piece};
 pub use copy::{copy_in, copy_out, copy_piece, MEMCPY_PIECE_BYTES};
 pub use elem::{CopySegment, ElemType, KernelError, ReduceOp, Scaling};
+pub use mixed::{accumulate_cast, cast_or_copy, copy_in_cast};

@@ -79,49 +79,7 @@ use collsched_kernels::{CopySegment, ElemType, KernelError, ReduceOp, Scaling};
 pub mod cuda;
 pub mod local;
 
-/// A named, in-order execution queue of one rank.
-///
-/// Each rank has (at least) one stream per kind; work on one stream runs in launch order, work
-/// on different streams may overlap unless ordered by events.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-#[non_exhaustive]
-pub enum Stream {
-    /// The stream parameter all-gathers run on.
-    AllGather,
-    /// The stream gradient reduce-scatters (and all-reduces) run on.
-    ReduceScatter,
-    /// The compute / copy stream (copy-in, copy-out, the engine's own work).
-    Compute,
-}
-
-impl Stream {
-    /// Every stream, in index order.
-    pub const ALL: [Stream; 3] = [Stream::AllGather, Stream::ReduceScatter, Stream::Compute];
-
-    /// A dense index (`0..Stream::ALL.len()`), for per-stream tables.
-    pub const fn index(self) -> usize {
-        match self {
-            Stream::AllGather => 0,
-            Stream::ReduceScatter => 1,
-            Stream::Compute => 2,
-        }
-    }
-
-    /// Lower-case name (`all_gather`, `reduce_scatter`, `compute`).
-    pub const fn name(self) -> &'static str {
-        match self {
-            Stream::AllGather => "all_gather",
-            Stream::ReduceScatter => "reduce_scatter",
-            Stream::Compute => "compute",
-        }
-    }
-}
-
-impl fmt::Display for Stream {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
+pub use collsched_schedule::Stream;
 
 /// Which collective.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -1,20 +1,22 @@
 //! [`Coordinator`]: the engine-facing API (DESIGN's `fetch` / `release` / `grad_ready` /
 //! `no_sync` / `end_step`), one per engine per rank per model.
 
-use std::borrow::Cow;
-use std::ops::{Deref, DerefMut, Range};
-use std::sync::{Arc, MutexGuard};
+use std::ops::{Deref, DerefMut};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use collsched_buckets::{BucketId, ParamId};
+use collsched_buckets::ParamId;
 use collsched_kernels::ElemType;
-use collsched_schedule::{EngineEvent, PlanDigests, Scheduler, SchedulerConfig, StepCounters, StepReport};
+use collsched_schedule::{EngineEvent, Scheduler, SchedulerConfig, StepCounters, StepReport};
 
-use super::driver::{ensure_gathered, poll_gathers, Ctx, Driver, DriverCounters, Gathered};
-use super::state::{ModelState, RankState};
+use super::agreement::exchange_fingerprints;
+use super::driver::{Ctx, Driver};
+use super::flight::DriverCounters;
+use super::state::{ModelState, ShardUpdate};
 use super::tables::GradTables;
+use super::views::Views;
 use super::RuntimeError;
-use crate::backend::{Backend, BackendEvent, CollDesc, Collective, RankGroup, Stream};
+use crate::backend::{Backend, BackendEvent};
 
 /// What one step did: the scheduler's counters and the driver's.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -91,202 +93,6 @@ impl<B: Backend> std::fmt::Debug for Coordinator<B> {
     }
 }
 
-/// Gathered parameters, valid until the next call on the coordinator (the views borrow it and
-/// hold the rank's model-state lock, so no buffer they show can be freed or reused under
-/// them).
-///
-/// Each parameter's full value is one contiguous byte range of a backend buffer:
-/// - of the **gathered buffer itself** when the parameter is one contiguous run of it (Flat
-///   and Greedy layouts, single-owner buckets, any layout on a group of one): nothing is
-///   copied after the collective;
-/// - of an **unpacked buffer** otherwise (EvenSplit and Hybrid: every shard holds a chunk of
-///   every parameter, so the chunks of one parameter lie a shard apart, as in FSDP2, which
-///   copies out too). The driver unpacks such parameters once, straight from the gathered
-///   buffer (the kernels' `copy_out` on the backend: no host staging), into a buffer taken
-///   from the backend's pool with the gathered one and freed with it; the scheduler counts
-///   both in its budgets and in live and peak gathered bytes.
-///
-/// Both buffers exist only while the bucket is gathered (from its gather to the `Free` after
-/// its last release): nothing of the model's full size is kept across steps.
-///
-/// Host backends (the local one) read the bytes directly ([`Views::bytes`], [`Views::f32`]);
-/// device backends hand out the buffer and range ([`Views::buffer`]: a CUDA engine takes the
-/// device pointer of the buffer plus the range's start), or copy to the host
-/// ([`Views::copy_to_host`], [`Views::read_f32`]). Views are **read-only**: writing through
-/// a device pointer obtained from one is not allowed (other coordinators on the model see the
-/// same buffers, and the shards are the parameters' truth: update them with
-/// [`Coordinator::update_shards`]). No collective reads a buffer a view shows: the gathered
-/// buffer is the output of a completed collective, and the pool hands it to a new gather only
-/// after its `Free` and the events that free waits for.
-pub struct Views<'a, B: Backend> {
-    st: MutexGuard<'a, RankState<B>>,
-    state: &'a ModelState<B>,
-}
-
-/// Where a viewed parameter is: its finished gather, the buffer and the byte range.
-type Located<'v, B> = (&'v Gathered<B>, &'v <B as Backend>::Buffer, Range<usize>);
-
-impl<B: Backend> Views<'_, B> {
-    fn name(&self, param: ParamId) -> Option<String> {
-        Some(self.state.plan().layout().params().name(param).to_string())
-    }
-
-    /// The finished gather holding `param`, the buffer its value is in and the byte range.
-    fn locate(&self, param: ParamId) -> Result<Located<'_, B>, RuntimeError> {
-        let t = &self.state.shared.tables;
-        let rank = t.rank;
-        let slot = t.params.get(param.index()).copied().ok_or_else(|| RuntimeError::Param {
-            rank,
-            param: Some(format!("id {param}")),
-            what: format!("not a parameter of this model ({} parameters)", t.params.len()),
-        })?;
-        let current = self.st.registry.gathered_by(param);
-        let not_gathered = || RuntimeError::Param {
-            rank,
-            param: self.name(param),
-            what: format!(
-                "not gathered (gather bucket {}); fetch it before reading it",
-                t.gather[slot.gather].id
-            ),
-        };
-        let held = self.st.gather.gathered(slot.gather, current).ok_or_else(not_gathered)?;
-        let buffer =
-            if slot.unpacked { held.unpacked.as_ref().ok_or_else(not_gathered)? } else { &held.buffer };
-        let es = slot.elem_size;
-        Ok((held, buffer, slot.base * es..(slot.base + slot.numel) * es))
-    }
-
-    /// Where the full value of `param` is: a backend buffer and the byte range in it
-    /// (little-endian bytes of its dtype). The backend-generic form: a CUDA engine reads the
-    /// parameter at the buffer's device pointer plus `range.start` on its compute stream
-    /// (which already waits for any unpack). Read-only (see [`Views`]).
-    ///
-    /// # Errors
-    /// [`RuntimeError::Param`] if the parameter is unknown or not gathered (not fetched).
-    pub fn buffer(&self, param: ParamId) -> Result<(&B::Buffer, Range<usize>), RuntimeError> {
-        self.locate(param).map(|(_, b, r)| (b, r))
-    }
-
-    /// The full value of `param` (little-endian bytes of its dtype), for backends whose
-    /// buffers are host memory.
-    ///
-    /// # Errors
-    /// [`RuntimeError::Param`] if the parameter is unknown or not gathered (not fetched);
-    /// [`RuntimeError::Unsupported`] on a device backend (use [`Views::buffer`], or copy with
-    /// [`Views::copy_to_host`] / [`Views::read_f32`]).
-    pub fn bytes(&self, param: ParamId) -> Result<&[u8], RuntimeError> {
-        let (_, buffer, range) = self.locate(param)?;
-        let be = &*self.state.shared.backend;
-        be.host_bytes(buffer).and_then(|b| b.get(range)).ok_or_else(|| RuntimeError::Unsupported {
-            rank: be.rank(),
-            what: format!(
-                "parameter {}: the backend's buffers are device memory, not host bytes; use Views::buffer \
-                 (the buffer and byte range, for device code) or Views::copy_to_host / Views::read_f32",
-                self.name(param).unwrap_or_default()
-            ),
-        })
-    }
-
-    /// The full value of an `f32` parameter, for backends whose buffers are host memory.
-    ///
-    /// # Errors
-    /// As [`Views::bytes`], and [`RuntimeError::Param`] if the parameter is not `f32`.
-    pub fn f32(&self, param: ParamId) -> Result<&[f32], RuntimeError> {
-        self.check_f32(param)?;
-        let b = self.bytes(param)?;
-        // Buffers are 64-byte (local) or 256-byte (CUDA) aligned and f32 runs start at
-        // multiples of 4 bytes.
-        bytemuck::try_cast_slice(b).map_err(|e| RuntimeError::Param {
-            rank: self.state.rank(),
-            param: Some(format!("id {param}")),
-            what: format!("cannot view as f32: {e}"),
-        })
-    }
-
-    fn check_f32(&self, param: ParamId) -> Result<(), RuntimeError> {
-        let t = &self.state.shared.tables;
-        let Some(slot) = t.params.get(param.index()) else { return Ok(()) };
-        let elem = t.gather[slot.gather].elem;
-        if elem != ElemType::F32 {
-            return Err(RuntimeError::Param {
-                rank: t.rank,
-                param: self.name(param),
-                what: format!("is {}, not f32; read it with Views::bytes or Views::buffer", elem.name()),
-            });
-        }
-        Ok(())
-    }
-
-    /// Copies the full value of `param` into `dst` (any backend; on a device backend after
-    /// waiting for the unpack, at most the backend's timeout).
-    ///
-    /// # Errors
-    /// As [`Views::buffer`]; [`RuntimeError::Param`] if `dst` does not have the parameter's
-    /// size; [`RuntimeError::Backend`] if the copy failed.
-    pub fn copy_to_host(&self, param: ParamId, dst: &mut [u8]) -> Result<(), RuntimeError> {
-        let (held, buffer, range) = self.locate(param)?;
-        let be = &*self.state.shared.backend;
-        let rank = be.rank();
-        if dst.len() != range.len() {
-            return Err(RuntimeError::Param {
-                rank,
-                param: self.name(param),
-                what: format!(
-                    "copy_to_host: destination has {} bytes, the parameter {}",
-                    dst.len(),
-                    range.len()
-                ),
-            });
-        }
-        let err = |source| RuntimeError::Backend { rank, op: "view copy to host", bucket: None, source };
-        if let Some(e) = &held.ready {
-            e.wait(be.timeout()).map_err(err)?;
-        }
-        be.read_to_host(buffer, range.start, dst).map_err(err)
-    }
-
-    /// The full value of an `f32` parameter on the host: borrowed from the buffer on host
-    /// backends, a copy on device backends.
-    ///
-    /// # Errors
-    /// As [`Views::f32`] and [`Views::copy_to_host`].
-    pub fn read_f32(&self, param: ParamId) -> Result<Cow<'_, [f32]>, RuntimeError> {
-        self.check_f32(param)?;
-        let (_, buffer, range) = self.locate(param)?;
-        if self.state.shared.backend.host_bytes(buffer).is_some() {
-            return self.f32(param).map(Cow::Borrowed);
-        }
-        let mut v = vec![0f32; range.len() / 4];
-        self.copy_to_host(param, bytemuck::cast_slice_mut(&mut v))?;
-        Ok(Cow::Owned(v))
-    }
-}
-
-/// One trainable parameter's shard, handed to the optimizer hook
-/// ([`Coordinator::update_shards`]).
-///
-/// The gradient comes **in the reduction dtype** (`GradReduce::dtype`, by default the
-/// parameter's): the reduced shard exactly as the collective left it, never rounded again.
-/// With bf16 parameters reduced in f32 the optimizer gets the f32 gradient (as FSDP2 does when
-/// the sharded gradient's dtype is set to the reduction's, avoiding a lossy round trip), and
-/// with f32 parameters reduced in bf16 it gets the bf16 gradient (widening it to f32 is
-/// exact; [`Coordinator::update_shards_f32`] does that).
-#[derive(Debug)]
-pub struct ShardUpdate<'a> {
-    /// The parameter.
-    pub param: ParamId,
-    /// First element of the parameter (flattened) this run covers.
-    pub param_offset: usize,
-    /// This rank's elements of the parameter (little-endian bytes of `elem`), to update.
-    pub values: &'a mut [u8],
-    /// The reduced gradient of exactly those elements (little-endian bytes of `grad_elem`).
-    pub grad: &'a [u8],
-    /// Element type of `values` (the parameter's dtype).
-    pub elem: ElemType,
-    /// Element type of `grad` (the reduction dtype).
-    pub grad_elem: ElemType,
-}
-
 /// The no_sync guard ([`Coordinator::no_sync`]): gradients accumulate locally until it is
 /// dropped. Derefs to the coordinator.
 pub struct NoSync<'a, B: Backend> {
@@ -317,6 +123,19 @@ impl<B: Backend> Drop for NoSync<'_, B> {
     }
 }
 
+impl<B: Backend> ModelState<B> {
+    /// A new coordinator (engine) on this model, sharing its registry. Every rank must create
+    /// its coordinators in the same order: creation exchanges the plan fingerprint with the
+    /// peers (a collective on the compute stream).
+    ///
+    /// # Errors
+    /// [`RuntimeError::Schedule`] (e.g. `PlanMismatch` naming the first differing bucket when
+    /// ranks built different plans), [`RuntimeError::Backend`] if the exchange failed.
+    pub fn coordinator(&self, config: SchedulerConfig) -> Result<Coordinator<B>, RuntimeError> {
+        Coordinator::new(self.clone(), config)
+    }
+}
+
 macro_rules! ctx {
     ($self:ident, $st:ident) => {
         Ctx {
@@ -334,11 +153,11 @@ impl<B: Backend> Coordinator<B> {
         let rank = state.rank();
         let (sched, queue) = {
             let mut st = state.shared.lock();
-            let sched = Scheduler::from_plan(&state.shared.plan, rank as u32, config, &mut st.registry)?;
-            (sched, st.gather.new_queue())
+            let sched = Scheduler::from_plan(&state.shared.plan, rank as u32, config, st.registry_mut())?;
+            (sched, st.new_queue())
         };
         let grad = Arc::new(GradTables::new(&state.shared.plan, &sched, rank)?);
-        let driver = Driver::new(grad.grad.len());
+        let driver = Driver::new(rank, grad.grad.len());
         let mut c = Coordinator {
             state,
             sched,
@@ -350,7 +169,7 @@ impl<B: Backend> Coordinator<B> {
             queue,
             next_seq: 0,
         };
-        c.exchange_fingerprints()?;
+        exchange_fingerprints(&*c.state.shared.backend, &mut c.sched)?;
         Ok(c)
     }
 
@@ -388,12 +207,12 @@ impl<B: Backend> Coordinator<B> {
         let mut st = shared.lock();
         {
             let mut cx = ctx!(self, st);
-            poll_gathers(&mut cx, &mut self.driver.counters)?;
-            cx.sched.fetch(&mut cx.st.registry, params, &mut self.driver.actions)?;
+            cx.st.poll_gathers(cx.backend, cx.tables, cx.sched, &mut self.driver.counters)?;
+            cx.sched.fetch(cx.st.registry_mut(), params, &mut self.driver.actions)?;
             self.driver.run(&mut cx, None)?;
-            ensure_gathered(&mut cx, params, &mut self.driver.counters)?;
+            cx.st.ensure_gathered(cx.backend, cx.tables, cx.sched, params, &mut self.driver.counters)?;
         }
-        Ok(Views { st, state: &self.state })
+        Ok(Views::new(st, &self.state))
     }
 
     /// The engine is done with `params`, now (host-synchronous): buckets whose last user this
@@ -431,10 +250,10 @@ impl<B: Backend> Coordinator<B> {
         let shared = &self.state.shared;
         let mut st = shared.lock();
         let mut cx = ctx!(self, st);
-        cx.sched.release(&mut cx.st.registry, params, id, &mut self.driver.actions)?;
+        cx.sched.release(cx.st.registry_mut(), params, id, &mut self.driver.actions)?;
         if let (Some(id), Some(event)) = (id, event) {
             for p in params {
-                cx.st.gather.add_consumer(cx.tables.params[p.index()].gather, id, event);
+                cx.st.add_consumer(cx.tables.params[p.index()].gather, id, event);
             }
         }
         self.driver.run(&mut cx, None)
@@ -515,7 +334,7 @@ impl<B: Backend> Coordinator<B> {
         let shared = &self.state.shared;
         let mut st = shared.lock();
         let mut cx = ctx!(self, st);
-        cx.sched.grad_ready(&mut cx.st.registry, param, id, &mut self.driver.actions)?;
+        cx.sched.grad_ready(cx.st.registry_mut(), param, id, &mut self.driver.actions)?;
         self.driver.run(&mut cx, Some(grad))
     }
 
@@ -555,11 +374,11 @@ impl<B: Backend> Coordinator<B> {
         let mut st = shared.lock();
         let r = {
             let mut cx = ctx!(self, st);
-            let r = cx.sched.end_step(&mut cx.st.registry, &mut self.driver.actions);
+            let r = cx.sched.end_step(cx.st.registry_mut(), &mut self.driver.actions);
             // The actions are pushed even when the refresh at the end failed: run them.
             self.driver.run(&mut cx, None)?;
             self.driver.drain_reduces(&mut cx)?;
-            poll_gathers(&mut cx, &mut self.driver.counters)?;
+            cx.st.poll_gathers(cx.backend, cx.tables, cx.sched, &mut self.driver.counters)?;
             r
         };
         drop(st);
@@ -571,7 +390,7 @@ impl<B: Backend> Coordinator<B> {
         };
         if self.sched.fingerprint() != before {
             self.rebuild_grad_tables()?;
-            self.exchange_fingerprints()?;
+            exchange_fingerprints(&*self.state.shared.backend, &mut self.sched)?;
         }
         r?;
         Ok(self.stats.clone())
@@ -614,7 +433,7 @@ impl<B: Backend> Coordinator<B> {
         let changed = self.sched.refresh_trainable(mask)?;
         if changed {
             self.rebuild_grad_tables()?;
-            self.exchange_fingerprints()?;
+            exchange_fingerprints(&*self.state.shared.backend, &mut self.sched)?;
         }
         Ok(changed)
     }
@@ -642,13 +461,13 @@ impl<B: Backend> Coordinator<B> {
         let shared = &self.state.shared;
         let mut st = shared.lock();
         let mut cx = ctx!(self, st);
-        poll_gathers(&mut cx, &mut self.driver.counters)?;
+        cx.st.poll_gathers(cx.backend, cx.tables, cx.sched, &mut self.driver.counters)?;
         self.driver.poll_reduces(&mut cx)
     }
 
     /// Reductions of this coordinator still in flight.
     pub fn reductions_in_flight(&self) -> usize {
-        self.driver.reduces_in_flight()
+        self.driver.reduce.in_flight()
     }
 
     /// The driver's counters of the step in progress (collectives issued so far, bytes, host
@@ -675,60 +494,7 @@ impl<B: Backend> Coordinator<B> {
     {
         self.take_parked()?;
         let shared = &self.state.shared;
-        let t = &shared.tables;
-        let rank = t.rank;
-        let mut guard = shared.lock();
-        let st = &mut *guard;
-        if let Some((bucket, _, users)) = st.registry.gathered().next() {
-            return Err(RuntimeError::Plan {
-                rank,
-                what: format!(
-                    "update_shards: gather bucket {bucket} is still gathered ({users} users); release every \
-                     parameter and end the step before updating the shards"
-                ),
-            });
-        }
-        let Some(grad) = st.grad_tables.clone() else { return Ok(0) };
-        let mut visited = 0;
-        for (i, slot) in grad.params.iter().enumerate() {
-            let j = slot.bucket as usize;
-            if slot.bucket == u32::MAX || !st.grad_valid.get(j).copied().unwrap_or(false) {
-                continue;
-            }
-            let p = ParamId(i as u32);
-            let pslot = t.params[i];
-            let g = pslot.gather;
-            let es = pslot.elem_size;
-            let elem = t.gather[g].elem;
-            let grad_elem = grad.grad[j].elem;
-            let gs = grad_elem.size();
-            let (glo, ghi) = slot.shard_runs;
-            let gruns = &grad.shard_runs[glo as usize..ghi as usize];
-            let pruns = t.runs_of(p);
-            if gruns.len() != pruns.len() {
-                return Err(mismatch(rank, p, t.gather[g].id, grad.grad[j].id));
-            }
-            for (pr, gr) in pruns.iter().zip(gruns) {
-                if pr.param_offset != gr.param_offset || pr.numel != gr.numel {
-                    return Err(mismatch(rank, p, t.gather[g].id, grad.grad[j].id));
-                }
-                let values =
-                    &mut st.shards[g].as_bytes_mut()[pr.shard_offset * es..(pr.shard_offset + pr.numel) * es];
-                let gbytes =
-                    &st.grad_shards[j].as_bytes()[gr.shard_offset * gs..(gr.shard_offset + gr.numel) * gs];
-                f(ShardUpdate {
-                    param: p,
-                    param_offset: pr.param_offset,
-                    values,
-                    grad: gbytes,
-                    elem,
-                    grad_elem,
-                });
-                visited += 1;
-            }
-        }
-        st.grad_valid.iter_mut().for_each(|v| *v = false);
-        Ok(visited)
+        shared.lock().update_shards(&shared.tables, &mut f)
     }
 
     /// [`update_shards`](Self::update_shards) for `f32` parameters: `f(param, param_offset,
@@ -778,78 +544,4 @@ impl<B: Backend> Coordinator<B> {
             None => Ok(n),
         }
     }
-
-    /// Exchanges this plan's digests with every rank (an all-gather on the compute stream)
-    /// and checks them: a mismatch names the first differing bucket.
-    fn exchange_fingerprints(&mut self) -> Result<(), RuntimeError> {
-        let be = &*self.state.shared.backend;
-        let n = be.world_size();
-        if n == 1 {
-            return Ok(());
-        }
-        let rank = be.rank();
-        let mine = self.sched.digests().clone();
-        let header = [mine.fingerprint, mine.buckets.len() as u64];
-        let all = all_gather_words(be, &header)?;
-        let fps: Vec<u64> = all.chunks(2).map(|c| c[0]).collect();
-        if fps.iter().all(|&f| f == mine.fingerprint) {
-            return Ok(());
-        }
-        let longest = all.chunks(2).map(|c| c[1] as usize).max().unwrap_or(0);
-        let mut words = mine.buckets.clone();
-        words.resize(longest, 0);
-        let digests = all_gather_words(be, &words)?;
-        let peers: Vec<(u32, PlanDigests)> = (0..n)
-            .filter(|&r| r != rank)
-            .map(|r| {
-                let len = (all[2 * r + 1] as usize).min(longest);
-                let buckets = digests[r * longest..r * longest + len].to_vec();
-                (r as u32, PlanDigests { fingerprint: fps[r], buckets })
-            })
-            .collect();
-        Ok(self.sched.check_peers(peers.iter().map(|(r, d)| (*r, d)))?)
-    }
-}
-
-fn mismatch(rank: usize, p: ParamId, gather: BucketId, grad: BucketId) -> RuntimeError {
-    RuntimeError::Plan {
-        rank,
-        what: format!(
-            "parameter id {p}: its shard runs in gather bucket {gather} and gradient bucket {grad} differ; the \
-             layout must give a gradient element to the rank owning the parameter element"
-        ),
-    }
-}
-
-/// All-gathers `words` (the same count on every rank) over the world on the compute stream.
-fn all_gather_words<B: Backend>(be: &B, words: &[u64]) -> Result<Vec<u64>, RuntimeError> {
-    let rank = be.rank();
-    let n = be.world_size();
-    let err = |source| RuntimeError::Backend { rank, op: "plan fingerprint exchange", bucket: None, source };
-    let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
-    // Words travel as pairs of f32 bit patterns: an all-gather copies them untouched.
-    let desc = CollDesc::all_gather(RankGroup::world(n), ElemType::F32, 2 * words.len()).with_tag(0xF1_4E6E);
-    let mut input = be.alloc(bytes.len().max(1)).map_err(err)?;
-    be.write_from_host(&mut input, 0, &bytes).map_err(err)?;
-    let output = be.alloc((bytes.len() * n).max(1)).map_err(err)?;
-    if words.is_empty() {
-        be.free(input, None);
-        be.free(output, None);
-        return Ok(Vec::new());
-    }
-    let flight = be
-        .launch(Stream::Compute, &[], Collective { desc, input: Some(input), output })
-        .map_err(|e| err(e.error))?;
-    let _ = flight.event().query();
-    let mut done = flight.wait(be.timeout()).map_err(|e| err(e.into_error()))?;
-    let mut host = vec![0u8; bytes.len() * n];
-    let r = be.read_to_host(&done[0].output, 0, &mut host);
-    for c in done.drain(..) {
-        if let Some(i) = c.input {
-            be.free(i, None);
-        }
-        be.free(c.output, None);
-    }
-    r.map_err(err)?;
-    Ok(host.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().unwrap_or([0; 8]))).collect())
 }

@@ -52,14 +52,21 @@
 //! - Gradient shards and no_sync accumulators live in the model state: one coordinator per
 //!   model should produce gradients at a time (the evaluation one only fetches).
 
+mod agreement;
+mod bytes;
 mod coordinator;
 mod driver;
+mod flight;
+mod gather;
+mod reduce;
 mod state;
 mod tables;
+mod views;
 
-pub use coordinator::{Coordinator, NoSync, ShardUpdate, StepStats, Views};
-pub use driver::DriverCounters;
-pub use state::ModelState;
+pub use coordinator::{Coordinator, NoSync, StepStats};
+pub use flight::DriverCounters;
+pub use state::{ModelState, ShardUpdate};
+pub use views::Views;
 
 use collsched_buckets::{BucketId, DType};
 use collsched_schedule::ScheduleError;
@@ -126,6 +133,15 @@ pub enum RuntimeError {
         /// The reduction dtype asked for.
         reduce: DType,
         /// Why, and what to do.
+        what: String,
+    },
+    /// A broken invariant of the runtime itself (a bug in collsched, not in the caller's
+    /// input): report it with the message.
+    #[error("rank {rank}: internal error (a bug in collsched; please report it): {what}")]
+    Internal {
+        /// The rank.
+        rank: usize,
+        /// The invariant that broke.
         what: String,
     },
     /// Something this driver does not support yet.

@@ -1,69 +1,252 @@
 //! [`ModelState`]: one rank's share of one model (its shards, gradient shards, no_sync
-//! accumulators, in-flight registry and gathered buffers), shared by every [`Coordinator`] of
-//! that rank on that model.
+//! accumulators, in-flight registry and gathered buffers), shared by every
+//! [`Coordinator`](super::Coordinator) of that rank on that model.
 
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use collsched_buckets::ParamId;
-use collsched_kernels::copy_in;
-use collsched_schedule::{InflightRegistry, Plan, ScheduleInput, SchedulerConfig};
+use collsched_buckets::{BucketId, ParamId};
+use collsched_kernels::{copy_in, ElemType};
+use collsched_schedule::{
+    EngineEvent, Fence, InflightRegistry, Launch, LaunchId, Plan, ScheduleInput, Scheduler,
+};
 
-use super::coordinator::Coordinator;
-use super::driver::GatherSide;
+use super::bytes::Bytes;
+use super::flight::DriverCounters;
+use super::gather::{Finish, GatherSide};
+use super::reduce::GradStore;
 use super::tables::GatherTables;
 use super::RuntimeError;
 use crate::backend::{Backend, Stream};
 
-/// A byte buffer aligned to 8 bytes (so it can be viewed as `f32`, `f16` or `bf16`), grown
-/// but never shrunk, so reuse allocates nothing.
-#[derive(Clone, Debug, Default)]
-pub(crate) struct Bytes {
-    words: Vec<u64>,
-    len: usize,
-}
-
-impl Bytes {
-    pub(crate) fn zeroed(len: usize) -> Bytes {
-        Bytes { words: vec![0; len.div_ceil(8)], len }
-    }
-
-    /// Sets the length to `len` bytes, all zero (allocates only when growing).
-    pub(crate) fn reset_zeroed(&mut self, len: usize) {
-        let words = len.div_ceil(8);
-        self.words.clear();
-        self.words.resize(words, 0);
-        self.len = len;
-    }
-
-    pub(crate) fn as_bytes(&self) -> &[u8] {
-        &bytemuck::cast_slice(&self.words)[..self.len]
-    }
-
-    pub(crate) fn as_bytes_mut(&mut self) -> &mut [u8] {
-        let len = self.len;
-        &mut bytemuck::cast_slice_mut(&mut self.words)[..len]
-    }
-}
-
-/// What the coordinators of one rank on one model share, behind one lock.
+/// What the coordinators of one rank on one model share, behind one lock: the in-flight
+/// registry, this rank's shards, the gather side and the gradient store. The driver works on
+/// it through the operations below, which keep the registry and the buffers in step.
 pub(crate) struct RankState<B: Backend> {
     /// The in-flight registry: one per rank per model.
-    pub(crate) registry: InflightRegistry,
+    registry: InflightRegistry,
     /// This rank's shard of every gather bucket (the parameters the optimizer owns).
-    pub(crate) shards: Vec<Bytes>,
+    shards: Vec<Bytes>,
     /// Gathered buffers: launches in flight, gathered (and unpacked) buffers held until their
     /// `Free`, consumer events, deferred frees.
-    pub(crate) gather: GatherSide<B>,
-    /// Reduced gradient shards of the last synchronized step, by gradient bucket of the plan
-    /// they were reduced with (`grad_plan`).
-    pub(crate) grad_shards: Vec<Bytes>,
-    /// Whether `grad_shards[j]` holds the gradient of the last synchronized step.
-    pub(crate) grad_valid: Vec<bool>,
-    /// The gradient tables (plan) `grad_shards` belong to.
-    pub(crate) grad_tables: Option<Arc<super::tables::GradTables>>,
-    /// no_sync accumulators (full size), by parameter; `accumulated[p]` tells whether live.
-    pub(crate) accumulators: Vec<Bytes>,
-    pub(crate) accumulated: Vec<bool>,
+    gather: GatherSide<B>,
+    /// Reduced gradient shards and no_sync accumulators.
+    grads: GradStore,
+}
+
+/// `OpDone` of a finished launch, for the scheduler.
+fn op_done<'a>(
+    sched: &'a mut Scheduler,
+    registry: &'a mut InflightRegistry,
+) -> impl FnMut(LaunchId) -> Result<(), RuntimeError> + 'a {
+    move |id| Ok(sched.op_done(registry, id)?)
+}
+
+impl<B: Backend> RankState<B> {
+    /// The in-flight registry.
+    pub(crate) fn registry(&self) -> &InflightRegistry {
+        &self.registry
+    }
+
+    /// The in-flight registry, for a scheduler call.
+    pub(crate) fn registry_mut(&mut self) -> &mut InflightRegistry {
+        &mut self.registry
+    }
+
+    /// The gather side (launches in flight, gathered buffers).
+    pub(crate) fn gather(&self) -> &GatherSide<B> {
+        &self.gather
+    }
+
+    /// The gradient store.
+    pub(crate) fn grads_mut(&mut self) -> &mut GradStore {
+        &mut self.grads
+    }
+
+    /// A new engine queue id (one per coordinator).
+    pub(crate) fn new_queue(&mut self) -> u32 {
+        self.gather.new_queue()
+    }
+
+    /// Records that the engine's use of gather bucket `g` ends at `event`.
+    pub(crate) fn add_consumer(&mut self, g: usize, id: EngineEvent, event: &B::Event) {
+        self.gather.add_consumer(g, id, event);
+    }
+
+    /// Launches gather `l` of bucket `g` from this rank's shard.
+    pub(crate) fn launch_gather(
+        &mut self,
+        be: &B,
+        tables: &GatherTables,
+        g: usize,
+        l: &Launch,
+        counters: &mut DriverCounters,
+    ) -> Result<(), RuntimeError> {
+        self.gather.launch(be, g, &tables.gather[g], self.shards[g].as_bytes(), l, counters)
+    }
+
+    /// Finishes gather `id` (blocking, or only if complete) and reports it to the scheduler.
+    pub(crate) fn finish_gather(
+        &mut self,
+        be: &B,
+        tables: &GatherTables,
+        sched: &mut Scheduler,
+        id: LaunchId,
+        block: bool,
+        counters: &mut DriverCounters,
+    ) -> Result<Finish, RuntimeError> {
+        self.gather.finish(be, tables, id, block, counters, &mut op_done(sched, &mut self.registry))
+    }
+
+    /// The scheduler's `Free` of gather bucket `g`'s launch `serial`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn free_gathered(
+        &mut self,
+        be: &B,
+        tables: &GatherTables,
+        sched: &mut Scheduler,
+        g: usize,
+        serial: u64,
+        after: &[Fence],
+        counters: &mut DriverCounters,
+    ) -> Result<(), RuntimeError> {
+        self.gather.free(be, tables, g, serial, after, counters, &mut op_done(sched, &mut self.registry))
+    }
+
+    /// Finishes every gather that already completed, without blocking.
+    pub(crate) fn poll_gathers(
+        &mut self,
+        be: &B,
+        tables: &GatherTables,
+        sched: &mut Scheduler,
+        counters: &mut DriverCounters,
+    ) -> Result<(), RuntimeError> {
+        self.gather.poll(be, tables, counters, &mut op_done(sched, &mut self.registry))
+    }
+
+    /// Makes sure the gathers holding `params` finished (waiting for them if needed), so that
+    /// views of them can be handed out.
+    pub(crate) fn ensure_gathered(
+        &mut self,
+        be: &B,
+        tables: &GatherTables,
+        sched: &mut Scheduler,
+        params: &[ParamId],
+        counters: &mut DriverCounters,
+    ) -> Result<(), RuntimeError> {
+        for &p in params {
+            let g = tables.params[p.index()].gather;
+            let current = self.registry.gathered_by(p);
+            if let Some(id) = current {
+                if self.gather.gathered(g, current).is_none() {
+                    self.finish_gather(be, tables, sched, id, true, counters)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The reduce side's view of this state: the gradient store and the scheduler's `OpDone`.
+    pub(crate) fn for_reduce<'a>(
+        &'a mut self,
+        sched: &'a mut Scheduler,
+    ) -> (&'a mut GradStore, impl FnMut(LaunchId) -> Result<(), RuntimeError> + 'a) {
+        (&mut self.grads, op_done(sched, &mut self.registry))
+    }
+
+    /// The optimizer hook's walk (see [`Coordinator::update_shards`](super::Coordinator::update_shards)): `f` on every run of
+    /// every trainable parameter with a reduced gradient; the gradients are consumed.
+    pub(crate) fn update_shards(
+        &mut self,
+        t: &GatherTables,
+        f: &mut dyn FnMut(ShardUpdate<'_>),
+    ) -> Result<usize, RuntimeError> {
+        let rank = t.rank;
+        if let Some((bucket, _, users)) = self.registry.gathered().next() {
+            return Err(RuntimeError::Plan {
+                rank,
+                what: format!(
+                    "update_shards: gather bucket {bucket} is still gathered ({users} users); release every \
+                     parameter and end the step before updating the shards"
+                ),
+            });
+        }
+        let Some(grad) = self.grads.tables().cloned() else { return Ok(0) };
+        let mut visited = 0;
+        for (i, slot) in grad.params.iter().enumerate() {
+            let j = slot.bucket as usize;
+            if slot.bucket == u32::MAX {
+                continue;
+            }
+            let Some(gshard) = self.grads.shard(j) else { continue };
+            let p = ParamId(i as u32);
+            let pslot = t.params[i];
+            let g = pslot.gather;
+            let es = pslot.elem_size;
+            let elem = t.gather[g].elem;
+            let grad_elem = grad.grad[j].elem;
+            let gs = grad_elem.size();
+            let (glo, ghi) = slot.shard_runs;
+            let gruns = &grad.shard_runs[glo as usize..ghi as usize];
+            let pruns = t.runs_of(p);
+            if gruns.len() != pruns.len() {
+                return Err(mismatch(rank, p, t.gather[g].id, grad.grad[j].id));
+            }
+            for (pr, gr) in pruns.iter().zip(gruns) {
+                if pr.param_offset != gr.param_offset || pr.numel != gr.numel {
+                    return Err(mismatch(rank, p, t.gather[g].id, grad.grad[j].id));
+                }
+                let values = &mut self.shards[g].as_bytes_mut()
+                    [pr.shard_offset * es..(pr.shard_offset + pr.numel) * es];
+                let gbytes = &gshard[gr.shard_offset * gs..(gr.shard_offset + gr.numel) * gs];
+                f(ShardUpdate {
+                    param: p,
+                    param_offset: pr.param_offset,
+                    values,
+                    grad: gbytes,
+                    elem,
+                    grad_elem,
+                });
+                visited += 1;
+            }
+        }
+        self.grads.consume();
+        Ok(visited)
+    }
+}
+
+fn mismatch(rank: usize, p: ParamId, gather: BucketId, grad: BucketId) -> RuntimeError {
+    RuntimeError::Plan {
+        rank,
+        what: format!(
+            "parameter id {p}: its shard runs in gather bucket {gather} and gradient bucket {grad} differ; the \
+             layout must give a gradient element to the rank owning the parameter element"
+        ),
+    }
+}
+
+/// One trainable parameter's shard, handed to the optimizer hook
+/// ([`Coordinator::update_shards`](super::Coordinator::update_shards)).
+///
+/// The gradient comes **in the reduction dtype** (`GradReduce::dtype`, by default the
+/// parameter's): the reduced shard exactly as the collective left it, never rounded again.
+/// With bf16 parameters reduced in f32 the optimizer gets the f32 gradient (as FSDP2 does when
+/// the sharded gradient's dtype is set to the reduction's, avoiding a lossy round trip), and
+/// with f32 parameters reduced in bf16 it gets the bf16 gradient (widening it to f32 is
+/// exact; [`Coordinator::update_shards_f32`](super::Coordinator::update_shards_f32) does that).
+#[derive(Debug)]
+pub struct ShardUpdate<'a> {
+    /// The parameter.
+    pub param: ParamId,
+    /// First element of the parameter (flattened) this run covers.
+    pub param_offset: usize,
+    /// This rank's elements of the parameter (little-endian bytes of `elem`), to update.
+    pub values: &'a mut [u8],
+    /// The reduced gradient of exactly those elements (little-endian bytes of `grad_elem`).
+    pub grad: &'a [u8],
+    /// Element type of `values` (the parameter's dtype).
+    pub elem: ElemType,
+    /// Element type of `grad` (the reduction dtype).
+    pub grad_elem: ElemType,
 }
 
 pub(crate) struct Shared<B: Backend> {
@@ -101,7 +284,7 @@ impl<B: Backend> Shared<B> {
 /// optimizer owns), its reduced gradient shards, its no_sync accumulators and its
 /// [`InflightRegistry`], behind one lock. Cheap to clone (a shared handle).
 ///
-/// Every [`Coordinator`] made from it (a training and an evaluation one, say) shares all of
+/// Every [`Coordinator`](super::Coordinator) made from it (a training and an evaluation one, say) shares all of
 /// that, so they neither gather a bucket twice nor free one under each other (DESIGN: "the
 /// registry belongs to the parameter set").
 ///
@@ -228,16 +411,7 @@ impl<B: Backend> ModelState<B> {
         let registry = InflightRegistry::new(&ScheduleInput::from_plan(plan));
         let gather = GatherSide::new(&tables);
         let n = set.len();
-        let state = RankState {
-            registry,
-            shards,
-            gather,
-            grad_shards: Vec::new(),
-            grad_valid: Vec::new(),
-            grad_tables: None,
-            accumulators: vec![Bytes::default(); n],
-            accumulated: vec![false; n],
-        };
+        let state = RankState { registry, shards, gather, grads: GradStore::new(n) };
         Ok(ModelState {
             shared: Arc::new(Shared { backend, plan: plan.clone(), tables, state: Mutex::new(state) }),
         })
@@ -250,17 +424,6 @@ impl<B: Backend> ModelState<B> {
     pub fn from_f32(backend: Arc<B>, plan: &Plan, full: &[Vec<f32>]) -> Result<ModelState<B>, RuntimeError> {
         let bufs: Vec<&[u8]> = full.iter().map(|v| bytemuck::cast_slice(v)).collect();
         Self::new(backend, plan, &bufs)
-    }
-
-    /// A new coordinator (engine) on this model, sharing its registry. Every rank must create
-    /// its coordinators in the same order: creation exchanges the plan fingerprint with the
-    /// peers (a collective on the compute stream).
-    ///
-    /// # Errors
-    /// [`RuntimeError::Schedule`] (e.g. `PlanMismatch` naming the first differing bucket when
-    /// ranks built different plans), [`RuntimeError::Backend`] if the exchange failed.
-    pub fn coordinator(&self, config: SchedulerConfig) -> Result<Coordinator<B>, RuntimeError> {
-        Coordinator::new(self.clone(), config)
     }
 
     /// This rank.
@@ -280,16 +443,16 @@ impl<B: Backend> ModelState<B> {
 
     /// Gathered bytes currently live on this rank (all coordinators), from the registry.
     pub fn live_bytes(&self) -> usize {
-        self.shared.lock().registry.live_bytes()
+        self.shared.lock().registry().live_bytes()
     }
 
     /// The state of a parameter in the shared registry.
     pub fn param_state(&self, param: ParamId) -> collsched_schedule::ParamState {
-        self.shared.lock().registry.param_state(param)
+        self.shared.lock().registry().param_state(param)
     }
 
     /// Launches of gathers not yet finished by the driver (in flight on the backend).
     pub fn gathers_in_flight(&self) -> usize {
-        self.shared.lock().gather.in_flight()
+        self.shared.lock().gather().in_flight()
     }
 }

@@ -72,15 +72,48 @@ pub enum Fence {
 /// A short list of fences (inline up to 4: no heap allocation in the common case).
 pub type Fences = SmallVec<[Fence; 4]>;
 
-/// The queues the driver runs actions on.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+/// A named, in-order execution queue of one rank: the scheduler's actions name one, and the
+/// backends run collectives on them (`collsched::backend` re-exports this type).
+///
+/// Work on one stream runs in launch order; work on different streams may overlap unless
+/// ordered by events.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Stream {
     /// The dedicated all-gather stream (copy-in, all-gather, copy-out run in order on it).
     AllGather,
     /// The dedicated reduce-scatter stream (gradient copy-in and reduce-scatter run in order).
     ReduceScatter,
-    /// The engine's compute stream.
+    /// The engine's compute stream (copy-in, copy-out, the engine's own work).
     Compute,
+}
+
+impl Stream {
+    /// Every stream, in index order.
+    pub const ALL: [Stream; 3] = [Stream::AllGather, Stream::ReduceScatter, Stream::Compute];
+
+    /// A dense index (`0..Stream::ALL.len()`), for per-stream tables.
+    pub const fn index(self) -> usize {
+        match self {
+            Stream::AllGather => 0,
+            Stream::ReduceScatter => 1,
+            Stream::Compute => 2,
+        }
+    }
+
+    /// Lower-case name (`all_gather`, `reduce_scatter`, `compute`).
+    pub const fn name(self) -> &'static str {
+        match self {
+            Stream::AllGather => "all_gather",
+            Stream::ReduceScatter => "reduce_scatter",
+            Stream::Compute => "compute",
+        }
+    }
+}
+
+impl std::fmt::Display for Stream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
 }
 
 /// Who waits in [`Action::Wait`].

@@ -65,7 +65,6 @@
 //! | `COLLSCHED_CUDA_TIMEOUT_SECS` | 300 | [`Backend::timeout`] of a CUDA backend built from the environment |
 //! | see [`collsched_kernels::cuda::loader`], [`rendezvous`] | | where the libraries are, the rendezvous |
 
-pub mod bench;
 pub mod device;
 pub mod error;
 pub mod nccl;

@@ -1,0 +1,206 @@
+//! The table in nccl-tests columns and its reference lines (single-thread and concurrent copy
+//! bandwidth, the memory bound), measured in the same run.
+
+use std::process::ExitCode;
+use std::sync::{Mutex, PoisonError};
+use std::time::Instant;
+
+use super::{BenchOp, BenchPlan, RankRow, BOUND_MIN_BYTES, PIPELINE};
+use crate::kernels::ElemType;
+
+/// Single-thread `memcpy` bandwidth (bytes copied per second) at `bytes`, best of a few runs.
+pub fn memcpy_bandwidth(bytes: usize) -> f64 {
+    let bytes = bytes.max(4096);
+    let src = vec![1u8; bytes];
+    let mut dst = vec![0u8; bytes];
+    dst.copy_from_slice(&src); // touch every page first
+    let runs = if bytes >= 64 << 20 { 5 } else { 20 };
+    let mut best = f64::INFINITY;
+    for _ in 0..runs {
+        let t = Instant::now();
+        dst.copy_from_slice(std::hint::black_box(&src));
+        std::hint::black_box(&mut dst);
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    bytes as f64 / best
+}
+
+/// Aggregate bandwidth (bytes copied per second, all threads together) of `threads` threads each
+/// copying `bytes` at the same time, best of a few runs: how much more than one thread the
+/// machine's memory gives to several cores, printed beside the single-thread reference. The
+/// copies stream from 8 MiB on (`kernels::copy_piece`, as the local collectives copy), so the
+/// traffic is 2 bytes per byte copied whatever `memcpy` would choose for that size.
+pub fn memcpy_concurrent_bandwidth(bytes: usize, threads: usize) -> f64 {
+    let bytes = bytes.max(4096);
+    let threads = threads.max(1);
+    let mut bufs: Vec<(Vec<u8>, Vec<u8>)> =
+        (0..threads).map(|_| (vec![1u8; bytes], vec![0u8; bytes])).collect();
+    let runs = if bytes >= 64 << 20 { 5 } else { 20 };
+    let mut best = f64::INFINITY;
+    for _ in 0..runs {
+        let barrier = std::sync::Barrier::new(threads + 1);
+        let t = std::thread::scope(|s| {
+            for (src, dst) in bufs.iter_mut() {
+                let barrier = &barrier;
+                s.spawn(move || {
+                    barrier.wait();
+                    let (n, src) = (dst.len(), std::hint::black_box(&src[..]));
+                    // Equal lengths: cannot fail.
+                    let _ = crate::kernels::copy_piece(dst, src, n);
+                });
+            }
+            barrier.wait();
+            Instant::now()
+        });
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    (bytes * threads) as f64 / best
+}
+
+/// Prints the table (rank 0's thread prints each row once every rank handed it in).
+pub struct Printer {
+    plan: BenchPlan,
+    backend: &'static str,
+    memcpy: f64,
+    /// Optional second reference: (threads, aggregate bytes/s of that many concurrent copies).
+    pub concurrent: Option<(usize, f64)>,
+    state: Mutex<PrinterState>,
+}
+
+#[derive(Default)]
+struct PrinterState {
+    wrong: u64,
+    busbw_sum: f64,
+    rows: usize,
+    last_busbw: f64,
+}
+
+fn type_name(e: ElemType) -> &'static str {
+    e.name()
+}
+
+impl Printer {
+    /// A printer for `plan`, with the memcpy reference (bytes/s).
+    pub fn new(plan: &BenchPlan, backend: &'static str, memcpy: f64) -> Self {
+        Printer { plan: plan.clone(), backend, memcpy, concurrent: None, state: Mutex::default() }
+    }
+
+    /// The lines before the table.
+    pub fn header(&self) {
+        let p = &self.plan;
+        let op = match p.op {
+            BenchOp::AllGather => "all_gather (in place)",
+            BenchOp::ReduceScatter => "reduce_scatter (sum, out of place)",
+            BenchOp::AllReduce => "all_reduce (sum, out of place)",
+        };
+        println!(
+            "# collsched bench: {op}, {} ranks ({} backend), {}, {} iterations after {} warm-up, {} in flight{}",
+            p.ranks,
+            self.backend,
+            p.elem.name(),
+            p.iters,
+            p.warmup,
+            PIPELINE,
+            if p.check { ", checked" } else { "" }
+        );
+        let largest = p.sizes.last().copied().unwrap_or(0).max(4096);
+        println!(
+            "# memcpy reference: single-thread copy of {} bytes: {:.2} GB/s",
+            largest,
+            self.memcpy / 1e9
+        );
+        if let Some((threads, bw)) = self.concurrent {
+            println!(
+                "# copy, {threads} threads at once ({} bytes each, streaming stores): {:.2} GB/s in all",
+                largest,
+                bw / 1e9
+            );
+        }
+        if p.coalesce > 1 {
+            println!(
+                "# coalesce: each size is {} tensors; time/algbw/busbw for one grouped launch, sep_* for {} separate launches",
+                p.coalesce, p.coalesce
+            );
+        }
+        let mut h1 = format!(
+            "#{:>11} {:>12} {:>6} {:>6} {:>5} {:>10} {:>8} {:>8} {:>7}",
+            "size", "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong"
+        );
+        let mut h2 = format!(
+            "#{:>11} {:>12} {:>6} {:>6} {:>5} {:>10} {:>8} {:>8} {:>7}",
+            "(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", ""
+        );
+        if p.coalesce > 1 {
+            h1 += &format!(" {:>10} {:>9} {:>9}", "sep_time", "sep_algbw", "sep_busbw");
+            h2 += &format!(" {:>10} {:>9} {:>9}", "(us)", "(GB/s)", "(GB/s)");
+        }
+        println!("{h1}");
+        println!("{h2}");
+    }
+
+    /// Prints the row of `size` from every rank's measurement.
+    pub fn row(&self, size: usize, rows: &[RankRow]) {
+        let p = &self.plan;
+        let t = rows.iter().map(|r| r.grouped).fold(0.0, f64::max);
+        let algbw = size as f64 / t / 1e9;
+        let busbw = algbw * p.bus_factor();
+        let wrong: u64 = rows.iter().map(|r| r.wrong).sum();
+        let redop = if p.op == BenchOp::AllGather { "none" } else { "sum" };
+        let wrong_s = if p.check { wrong.to_string() } else { "N/A".into() };
+        let mut line = format!(
+            "{:>12} {:>12} {:>6} {:>6} {:>5} {:>10.2} {:>8.2} {:>8.2} {:>7}",
+            size,
+            size / p.elem.size(),
+            type_name(p.elem),
+            redop,
+            -1,
+            t * 1e6,
+            algbw,
+            busbw,
+            wrong_s
+        );
+        if p.coalesce > 1 {
+            let ts = rows.iter().filter_map(|r| r.separate).fold(0.0, f64::max);
+            let a = size as f64 / ts / 1e9;
+            line += &format!(" {:>10.2} {:>9.2} {:>9.2}", ts * 1e6, a, a * p.bus_factor());
+        }
+        println!("{line}");
+        let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        st.wrong += wrong;
+        st.busbw_sum += busbw;
+        st.rows += 1;
+        st.last_busbw = busbw;
+    }
+
+    /// The lines after the table; the exit code (failure if anything was wrong).
+    pub fn footer(&self) -> ExitCode {
+        let st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        if self.plan.check {
+            println!("# out of bounds values : {} {}", st.wrong, if st.wrong == 0 { "OK" } else { "FAILED" });
+        }
+        if st.rows > 0 {
+            println!("# avg bus bandwidth    : {:.3} GB/s", st.busbw_sum / st.rows as f64);
+            println!(
+                "# busbw at the largest size: {:.2} GB/s = {:.0}% of the memcpy reference",
+                st.last_busbw,
+                100.0 * st.last_busbw * 1e9 / self.memcpy
+            );
+        }
+        let largest = self.plan.sizes.last().copied().unwrap_or(0);
+        if let (Some((threads, copy)), true) = (self.concurrent, st.rows > 0 && largest >= BOUND_MIN_BYTES) {
+            if let Some(bound) = self.plan.memory_bound_busbw(copy) {
+                println!(
+                    "# memory bound at the largest size: {:.2} GB/s busbw, {:.0}% of it reached (each byte \
+                     moved once with streaming stores, at the {threads}-thread copy bandwidth above)",
+                    bound / 1e9,
+                    100.0 * st.last_busbw * 1e9 / bound
+                );
+            }
+        }
+        if st.wrong > 0 {
+            ExitCode::FAILURE
+        } else {
+            ExitCode::SUCCESS
+        }
+    }
+}

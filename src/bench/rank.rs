@@ -1,0 +1,258 @@
+//! One rank's side of the bench: its buffers, timed iterations, and the check of the results.
+
+use std::time::{Duration, Instant};
+
+use half::{bf16, f16};
+
+use super::{BenchOp, BenchPlan, BreakOnPanic, Collector, Printer, RankRow, PIPELINE};
+use crate::backend::{Backend, BackendError, CollDesc, Collective, InFlight, RankGroup, Stream};
+use crate::kernels::ElemType;
+
+/// A rank-dependent value, exact in every element type (a multiple of 1/8 below 32).
+fn value(rank: usize, i: usize) -> f32 {
+    let h = (rank.wrapping_mul(2_654_435_761) ^ i.wrapping_mul(40_503)) % 511;
+    (h as f32 - 255.0) / 8.0
+}
+
+fn encode_into(ty: ElemType, out: &mut Vec<u8>, v: impl Iterator<Item = f32>) {
+    out.clear();
+    for x in v {
+        match ty {
+            ElemType::F32 => out.extend_from_slice(&x.to_le_bytes()),
+            ElemType::F16 => out.extend_from_slice(&f16::from_f32(x).to_le_bytes()),
+            ElemType::BF16 => out.extend_from_slice(&bf16::from_f32(x).to_le_bytes()),
+        }
+    }
+}
+
+fn decode(ty: ElemType, b: &[u8]) -> impl Iterator<Item = f32> + '_ {
+    b.chunks_exact(ty.size()).map(move |c| match ty {
+        ElemType::F32 => f32::from_le_bytes([c[0], c[1], c[2], c[3]]),
+        ElemType::F16 => f16::from_le_bytes([c[0], c[1]]).to_f32(),
+        ElemType::BF16 => bf16::from_le_bytes([c[0], c[1]]).to_f32(),
+    })
+}
+
+fn round(ty: ElemType, x: f32) -> f32 {
+    match ty {
+        ElemType::F32 => x,
+        ElemType::F16 => f16::from_f32(x).to_f32(),
+        ElemType::BF16 => bf16::from_f32(x).to_f32(),
+    }
+}
+
+type Ops<B> = Vec<Collective<<B as Backend>::Buffer>>;
+
+/// One rank's buffers and descriptions for one size: `coalesce` collectives.
+fn make_ops<B: Backend>(
+    b: &B,
+    plan: &BenchPlan,
+    size: usize,
+    tensor_base: usize,
+) -> Result<Ops<B>, BackendError> {
+    let n = plan.ranks;
+    let me = b.rank();
+    let ty = plan.elem;
+    let es = ty.size();
+    let count = plan.count_per_tensor(size);
+    let group = RankGroup::world(n);
+    let mut host = Vec::new();
+    let mut ops = Vec::with_capacity(plan.coalesce);
+    for t in 0..plan.coalesce {
+        let tag = (tensor_base + t) as u64;
+        // Element indices are global over the coalesced tensors so every tensor differs.
+        let base = t * count;
+        let c = match plan.op {
+            BenchOp::AllGather => {
+                let mut output = b.alloc(n * count * es)?;
+                encode_into(ty, &mut host, (0..count).map(|i| value(me, base + i)));
+                b.write_from_host(&mut output, me * count * es, &host)?;
+                Collective {
+                    desc: CollDesc::all_gather(group.clone(), ty, count).with_tag(tag),
+                    input: None,
+                    output,
+                }
+            }
+            BenchOp::ReduceScatter => {
+                let mut input = b.alloc(n * count * es)?;
+                encode_into(ty, &mut host, (0..n * count).map(|i| value(me, n * base + i)));
+                b.write_from_host(&mut input, 0, &host)?;
+                let output = b.alloc(count * es)?;
+                let desc = CollDesc::reduce_scatter(group.clone(), ty, count).with_tag(tag);
+                Collective { desc, input: Some(input), output }
+            }
+            BenchOp::AllReduce => {
+                let mut input = b.alloc(count * es)?;
+                encode_into(ty, &mut host, (0..count).map(|i| value(me, base + i)));
+                b.write_from_host(&mut input, 0, &host)?;
+                let output = b.alloc(count * es)?;
+                Collective {
+                    desc: CollDesc::all_reduce(group.clone(), ty, count).with_tag(tag),
+                    input: Some(input),
+                    output,
+                }
+            }
+        };
+        ops.push(c);
+    }
+    Ok(ops)
+}
+
+/// Counts wrong output elements of `ops` against the reference.
+fn count_wrong<B: Backend>(b: &B, plan: &BenchPlan, ops: &Ops<B>) -> Result<u64, BackendError> {
+    let n = plan.ranks;
+    let me = b.rank();
+    let ty = plan.elem;
+    let mut wrong = 0u64;
+    // Sum in f32 in rank order, rounded once: the reduction contract of `kernels::reduce`.
+    let sum = |xs: &mut dyn Iterator<Item = f32>| round(ty, xs.fold(0.0f32, |acc, x| acc + x));
+    for (t, c) in ops.iter().enumerate() {
+        let count = c.desc.count;
+        let base = t * count;
+        let mut host = vec![0u8; c.desc.output_count() * ty.size()];
+        b.read_to_host(&c.output, 0, &mut host)?;
+        let got = decode(ty, &host);
+        match plan.op {
+            BenchOp::AllGather => {
+                for (k, g) in got.enumerate() {
+                    let (r, i) = (k / count.max(1), k % count.max(1));
+                    wrong += u64::from(g.to_bits() != round(ty, value(r, base + i)).to_bits());
+                }
+            }
+            BenchOp::ReduceScatter => {
+                for (i, g) in got.enumerate() {
+                    let want = sum(&mut (0..n).map(|r| value(r, n * base + me * count + i)));
+                    wrong += u64::from(g.to_bits() != want.to_bits());
+                }
+            }
+            BenchOp::AllReduce => {
+                for (i, g) in got.enumerate() {
+                    let want = sum(&mut (0..n).map(|r| value(r, base + i)));
+                    wrong += u64::from(g.to_bits() != want.to_bits());
+                }
+            }
+        }
+    }
+    Ok(wrong)
+}
+
+/// Launches one iteration: one group of every op, or one launch per op.
+fn launch<B: Backend>(
+    b: &B,
+    stream: Stream,
+    ops: Ops<B>,
+    grouped: bool,
+) -> Result<Vec<InFlight<B>>, BackendError> {
+    if grouped {
+        return Ok(vec![b.launch_group(stream, &[], ops).map_err(|e| e.error)?]);
+    }
+    ops.into_iter().map(|op| b.launch(stream, &[], op).map_err(|e| e.error)).collect()
+}
+
+fn finish<B: Backend>(flights: Vec<InFlight<B>>, timeout: Duration) -> Result<Ops<B>, BackendError> {
+    let mut ops = Vec::new();
+    for f in flights {
+        ops.extend(f.wait(timeout).map_err(|e| e.into_error())?);
+    }
+    Ok(ops)
+}
+
+/// Runs `warmup + iters` iterations with [`PIPELINE`] in flight; returns seconds per timed
+/// iteration and the buffers of the last iteration.
+fn time_iterations<B: Backend>(
+    b: &B,
+    plan: &BenchPlan,
+    sets: &mut [Option<Ops<B>>],
+    grouped: bool,
+    collector: &Collector,
+) -> Result<f64, BackendError> {
+    let stream = match plan.op {
+        BenchOp::AllGather => Stream::AllGather,
+        _ => Stream::ReduceScatter,
+    };
+    let timeout = b.timeout();
+    let depth = sets.len();
+    let mut flights: Vec<Option<Vec<InFlight<B>>>> = (0..depth).map(|_| None).collect();
+    let mut run = |count: usize, flights: &mut Vec<Option<Vec<InFlight<B>>>>| -> Result<(), BackendError> {
+        for i in 0..count {
+            let k = i % depth;
+            if let Some(f) = flights[k].take() {
+                sets[k] = Some(finish(f, timeout)?);
+            }
+            let ops = sets[k].take().unwrap_or_default();
+            flights[k] = Some(launch(b, stream, ops, grouped)?);
+        }
+        for k in 0..depth {
+            if let Some(f) = flights[k].take() {
+                sets[k] = Some(finish(f, timeout)?);
+            }
+        }
+        Ok(())
+    };
+    run(plan.warmup, &mut flights)?;
+    collector.exchange(b.rank(), RankRow::default()).map_err(|what| BackendError::Unsupported { what })?;
+    let start = Instant::now();
+    run(plan.iters, &mut flights)?;
+    Ok(start.elapsed().as_secs_f64() / plan.iters as f64)
+}
+
+/// A rank's whole bench as a world runs it on each rank: [`bench_rank`], printing on rank 0
+/// through `printer`; a failure or a panic breaks `collector`, so no other rank waits for this
+/// one.
+///
+/// # Errors
+/// This rank's failure, or another rank's.
+pub fn run_rank<B: Backend>(
+    b: &B,
+    plan: &BenchPlan,
+    collector: &Collector,
+    printer: &Printer,
+) -> Result<(), String> {
+    let r = b.rank();
+    let _guard = BreakOnPanic { collector, rank: r };
+    let result = bench_rank(b, plan, collector, &|i, rows: &[RankRow]| printer.row(plan.sizes[i], rows));
+    if let Err(e) = &result {
+        collector.break_with(format!("rank {r}: {e}"));
+    }
+    result
+}
+
+/// One rank's whole bench: every size of `plan`, handing rows to `collector`; `print` is called
+/// on rank 0 with every rank's row of size `i`.
+///
+/// # Errors
+/// A backend failure, or another rank's (through the collector).
+pub fn bench_rank<B: Backend>(
+    b: &B,
+    plan: &BenchPlan,
+    collector: &Collector,
+    print: &(dyn Fn(usize, &[RankRow]) + Sync),
+) -> Result<(), String> {
+    let me = b.rank();
+    let fail = |e: BackendError| e.to_string();
+    for (i, &size) in plan.sizes.iter().enumerate() {
+        let mut sets: Vec<Option<Ops<B>>> = Vec::with_capacity(PIPELINE);
+        for k in 0..PIPELINE {
+            sets.push(Some(make_ops(b, plan, size, k * plan.coalesce).map_err(fail)?));
+        }
+        let grouped = time_iterations(b, plan, &mut sets, true, collector).map_err(fail)?;
+        let separate = if plan.coalesce > 1 {
+            Some(time_iterations(b, plan, &mut sets, false, collector).map_err(fail)?)
+        } else {
+            None
+        };
+        let mut wrong = 0;
+        if plan.check {
+            for ops in sets.iter().flatten() {
+                wrong += count_wrong(b, plan, ops).map_err(fail)?;
+            }
+        }
+        // Buffers of this size are dropped (not pooled): the next size needs other ones.
+        drop(sets);
+        let rows = collector.exchange(me, RankRow { grouped, separate, wrong })?;
+        if me == 0 {
+            print(i, &rows);
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,350 @@
+//! The reduce side of the driver: gradient buffers, no_sync accumulators, reductions in
+//! flight, reduced gradient shards.
+//!
+//! Two owners: [`GradStore`] lives in the model state (the reduced shards the optimizer reads
+//! and the no_sync accumulators, shared by the coordinators of a rank on a model); each
+//! coordinator's driver has a [`ReduceSide`] (its gradient buffers and its reductions in
+//! flight). A bucket of dtype P reduced in R takes the engine's gradient (P) cast into its
+//! gradient buffer (R) at copy-in; accumulators hold R; the collectives run in R.
+
+use std::sync::Arc;
+
+use collsched_buckets::ParamId;
+use collsched_kernels::{accumulate_cast, cast_or_copy, copy_in_cast, ElemType, KernelError};
+use collsched_schedule::{GradSource, Launch, LaunchId};
+
+use super::bytes::Bytes;
+use super::flight::{backend_err, free_ops, launch, wait_flight, DriverCounters, Waited};
+use super::gather::Done;
+use super::tables::GradTables;
+use super::RuntimeError;
+use crate::backend::{Backend, BackendEvent, ChainError, Chained, Collective, InFlight};
+
+/// Reduced gradient shards of the last synchronized step and the no_sync accumulators, of one
+/// rank on one model. Gradient buckets are indexed by their position `j` in the tables of the
+/// plan they were reduced with.
+#[derive(Default)]
+pub(crate) struct GradStore {
+    /// Reduced gradient shards, by gradient bucket of `tables`.
+    shards: Vec<Bytes>,
+    /// Whether `shards[j]` holds the gradient of the last synchronized step.
+    valid: Vec<bool>,
+    /// The gradient tables (plan) `shards` belong to.
+    tables: Option<Arc<GradTables>>,
+    /// no_sync accumulators (full size, in the reduction dtype), by parameter.
+    accumulators: Vec<Bytes>,
+    /// Whether `accumulators[p]` is live.
+    accumulated: Vec<bool>,
+}
+
+impl GradStore {
+    pub(crate) fn new(params: usize) -> Self {
+        GradStore {
+            accumulators: vec![Bytes::default(); params],
+            accumulated: vec![false; params],
+            ..GradStore::default()
+        }
+    }
+
+    /// The tables of the last synchronized step's gradients, if any step reduced.
+    pub(crate) fn tables(&self) -> Option<&Arc<GradTables>> {
+        self.tables.as_ref()
+    }
+
+    /// The reduced shard of gradient bucket `j`, if it holds the last synchronized step's.
+    pub(crate) fn shard(&self, j: usize) -> Option<&[u8]> {
+        self.valid.get(j).copied().unwrap_or(false).then(|| self.shards[j].as_bytes())
+    }
+
+    /// Marks every reduced shard consumed (the optimizer used them).
+    pub(crate) fn consume(&mut self) {
+        self.valid.iter_mut().for_each(|v| *v = false);
+    }
+
+    /// The shard buffer of bucket `j` of `tables` to receive a reduction (zeroed, sized),
+    /// switching to `tables` first if the plan changed.
+    fn receive(&mut self, tables: &Arc<GradTables>, j: usize) -> &mut [u8] {
+        if !self.tables.as_ref().is_some_and(|g| Arc::ptr_eq(g, tables)) {
+            self.tables = Some(Arc::clone(tables));
+            self.valid.clear();
+        }
+        let n = tables.grad.len();
+        if self.shards.len() < n {
+            self.shards.resize_with(n, Bytes::default);
+        }
+        self.valid.resize(n, false);
+        self.shards[j].reset_zeroed(tables.grad[j].shard_bytes);
+        self.shards[j].as_bytes_mut()
+    }
+}
+
+/// A reduction in flight.
+struct PendingReduce<B: Backend> {
+    id: LaunchId,
+    /// Position of the gradient bucket in the tables.
+    j: usize,
+    /// Hybrid sharding: the event of the in-group reduce-scatter, which `flight` (the
+    /// cross-group all-reduce chained behind it) follows; tells which stage failed.
+    first: Option<B::Event>,
+    flight: InFlight<B>,
+}
+
+/// One coordinator's gradient buffers (full size, in the reduction dtype) and reductions in
+/// flight.
+pub(crate) struct ReduceSide<B: Backend> {
+    rank: usize,
+    pending: Vec<PendingReduce<B>>,
+    /// Per gradient bucket: the full-size gradient buffer, in the reduction dtype.
+    staging: Vec<Bytes>,
+    spare: Vec<Vec<Collective<B::Buffer>>>,
+}
+
+fn kernel_err(rank: usize, param: ParamId, kernel: &str, e: KernelError) -> RuntimeError {
+    RuntimeError::Param { rank, param: Some(format!("id {param}")), what: format!("{kernel}: {e}") }
+}
+
+fn no_fresh(rank: usize, param: ParamId) -> RuntimeError {
+    RuntimeError::Internal {
+        rank,
+        what: format!("parameter id {param}: the scheduler asked for a fresh gradient outside grad_ready"),
+    }
+}
+
+impl<B: Backend> ReduceSide<B> {
+    pub(crate) fn new(rank: usize, n_grad: usize) -> Self {
+        ReduceSide {
+            rank,
+            pending: Vec::with_capacity(n_grad.max(4)),
+            staging: Vec::new(),
+            spare: Vec::with_capacity(n_grad.max(4)),
+        }
+    }
+
+    /// Reductions in flight.
+    pub(crate) fn in_flight(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// The event of launch `id` if it is in flight here (a fence for a later launch).
+    pub(crate) fn pending_event(&self, id: LaunchId) -> Option<&B::Event> {
+        self.pending.iter().find(|p| p.id == id).map(|p| p.flight.event())
+    }
+
+    /// `AllocGrad`: zeroes bucket `j`'s gradient buffer (reused across steps). The scheduler
+    /// sizes it in the bucket's dtype; it holds the reduction dtype.
+    pub(crate) fn alloc_grad(&mut self, tables: &GradTables, j: usize) {
+        if self.staging.len() < tables.grad.len() {
+            self.staging.resize_with(tables.grad.len(), Bytes::default);
+        }
+        self.staging[j].reset_zeroed(tables.grad[j].gathered_bytes);
+    }
+
+    /// `CopyGradIn`: the fresh gradient (cast from the parameters' dtype to the reduction
+    /// dtype per run), the accumulator, or both added, into bucket `j`'s gradient buffer.
+    pub(crate) fn copy_grad_in(
+        &mut self,
+        tables: &GradTables,
+        store: &mut GradStore,
+        j: usize,
+        param: ParamId,
+        source: GradSource,
+        fresh: Option<&[u8]>,
+    ) -> Result<(), RuntimeError> {
+        let rank = self.rank;
+        let (lo, hi) = tables.params[param.index()].copy_in;
+        let segs = &tables.copy_in[lo as usize..hi as usize];
+        let t = &tables.grad[j];
+        let p = param.index();
+        // The fresh gradient is in the parameter's dtype, the accumulator in the reduction
+        // dtype; both land in the gradient buffer in the reduction dtype.
+        let (src, src_elem): (&[u8], ElemType) = match source {
+            GradSource::Fresh => (fresh.ok_or_else(|| no_fresh(rank, param))?, t.param_elem),
+            GradSource::FreshPlusAccumulated => {
+                let f = fresh.ok_or_else(|| no_fresh(rank, param))?;
+                accumulate_cast(t.elem, store.accumulators[p].as_bytes_mut(), t.param_elem, f)
+                    .map_err(|e| kernel_err(rank, param, "accumulate", e))?;
+                store.accumulated[p] = false;
+                (store.accumulators[p].as_bytes(), t.elem)
+            }
+            GradSource::Accumulated => {
+                store.accumulated[p] = false;
+                (store.accumulators[p].as_bytes(), t.elem)
+            }
+        };
+        copy_in_cast(self.staging[j].as_bytes_mut(), t.elem, src, src_elem, segs)
+            .map_err(|e| kernel_err(rank, param, "copy_in", e))
+    }
+
+    /// `AccumulateGrad`: adds the fresh gradient into the parameter's full-size accumulator, in
+    /// the reduction dtype.
+    pub(crate) fn accumulate_grad(
+        &self,
+        tables: &GradTables,
+        store: &mut GradStore,
+        param: ParamId,
+        fresh: Option<&[u8]>,
+    ) -> Result<(), RuntimeError> {
+        let rank = self.rank;
+        let f = fresh.ok_or_else(|| no_fresh(rank, param))?;
+        let p = param.index();
+        let j = tables.params[p].bucket as usize;
+        let t = tables.grad.get(j).ok_or_else(|| RuntimeError::Internal {
+            rank,
+            what: format!("parameter id {param} has no gradient bucket in the driver's tables"),
+        })?;
+        let acc = &mut store.accumulators[p];
+        if store.accumulated[p] {
+            accumulate_cast(t.elem, acc.as_bytes_mut(), t.param_elem, f)
+                .map_err(|e| kernel_err(rank, param, "accumulate", e))
+        } else {
+            // First micro-batch: the accumulator is the gradient itself in the reduction dtype
+            // (bit for bit `acc = grad` when the dtypes agree).
+            let numel = f.len() / t.param_elem.size();
+            acc.reset_zeroed(numel * t.elem.size());
+            cast_or_copy(t.param_elem, f, t.elem, acc.as_bytes_mut())
+                .map_err(|e| kernel_err(rank, param, "cast", e))?;
+            store.accumulated[p] = true;
+            Ok(())
+        }
+    }
+
+    /// Launches bucket `j`'s reduction `l` on the reduce-scatter stream after `fences`: the
+    /// gradient buffer into a pool buffer, the reduce-scatter (or all-reduce); for hybrid
+    /// sharding the cross-group all-reduce is chained behind it in stream order (no host
+    /// wait), its input the reduce-scatter's output.
+    pub(crate) fn launch(
+        &mut self,
+        be: &B,
+        tables: &GradTables,
+        j: usize,
+        l: &Launch,
+        fences: &[B::Event],
+        counters: &mut DriverCounters,
+    ) -> Result<(), RuntimeError> {
+        let rank = be.rank();
+        let t = &tables.grad[j];
+        let err = |op| backend_err(rank, op, Some(t.id));
+        let first_op = t.stages[0].kind.name();
+        let mut input = be.alloc(t.gathered_bytes).map_err(err(first_op))?;
+        let staged = self.staging.get(j).map_or(&[][..], Bytes::as_bytes);
+        be.write_from_host(&mut input, 0, staged).map_err(err("reduce_scatter copy-in"))?;
+        let output = be.alloc(t.shard_bytes).map_err(err(first_op))?;
+        let mut ops = self.spare.pop().unwrap_or_default();
+        ops.push(Collective { desc: t.stages[0].clone(), input: Some(input), output });
+        let mut flight = launch(be, l.stream, fences, ops, t.id, first_op)?;
+        counters.collectives += 1;
+        counters.bytes_moved += t.gathered_bytes as u64;
+        let mut first = None;
+        for desc in &t.stages[1..] {
+            let op = desc.kind.name();
+            let output = be.alloc(t.shard_bytes).map_err(err(op))?;
+            let event = flight.event().clone();
+            // Same stream, right behind the previous stage: the stream's order is the fence.
+            flight =
+                match be.launch_then(flight, l.stream, [Chained { desc: desc.clone(), input_of: 0, output }])
+                {
+                    Ok(f) => f,
+                    Err(refused) => {
+                        let ChainError { error, first, outputs } = *refused;
+                        drop(first); // its buffers go back to the pool once it completed
+                        for b in outputs {
+                            be.free(b, None);
+                        }
+                        return Err(RuntimeError::Backend { rank, op, bucket: Some(t.id), source: error });
+                    }
+                };
+            first.get_or_insert(event);
+            counters.collectives += 1;
+            counters.bytes_moved += t.shard_bytes as u64;
+        }
+        self.pending.push(PendingReduce { id: l.id, j, first, flight });
+        Ok(())
+    }
+
+    /// Finishes reduction `id` (blocking, or only if complete): the reduced shard into
+    /// `store`, then `done`. Returns whether it finished (or had already).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn finish(
+        &mut self,
+        be: &B,
+        tables: &Arc<GradTables>,
+        store: &mut GradStore,
+        id: LaunchId,
+        block: bool,
+        counters: &mut DriverCounters,
+        done: Done<'_>,
+    ) -> Result<bool, RuntimeError> {
+        let rank = be.rank();
+        let Some(k) = self.pending.iter().position(|p| p.id == id) else { return Ok(true) };
+        let p = self.pending.swap_remove(k);
+        let t = &tables.grad[p.j];
+        let mut ops = match wait_flight(p.flight, block, be, counters) {
+            Ok(ops) => ops,
+            Err(Waited::Pending(flight)) => {
+                self.pending.push(PendingReduce { flight, ..p });
+                let last = self.pending.len() - 1;
+                self.pending.swap(k, last);
+                return Ok(false);
+            }
+            Err(Waited::Failed(source)) => {
+                // Name the stage that failed: a chained all-reduce fails with its
+                // reduce-scatter, whose own event then carries the first failure (or is still
+                // pending when the wait timed out).
+                let (op, source) = match p.first.as_ref().map(BackendEvent::query) {
+                    Some(Err(first)) => (t.stages[0].kind.name(), first),
+                    Some(Ok(false)) => (t.stages[0].kind.name(), source),
+                    _ => (t.stages.last().map_or("reduce_scatter", |d| d.kind.name()), source),
+                };
+                return Err(RuntimeError::Backend { rank, op, bucket: Some(t.id), source });
+            }
+        };
+        let Some(c) = ops.pop() else { return Ok(true) };
+        free_ops(be, ops.drain(..));
+        self.spare.push(ops);
+        if let Some(input) = c.input {
+            be.free(input, None);
+        }
+        let r = be.read_to_host(&c.output, 0, store.receive(tables, p.j));
+        be.free(c.output, None);
+        r.map_err(backend_err(rank, "reduce_scatter copy-out", Some(t.id)))?;
+        store.valid[p.j] = true;
+        done(id)?;
+        Ok(true)
+    }
+
+    /// Finishes every reduction that already completed, without blocking.
+    pub(crate) fn poll(
+        &mut self,
+        be: &B,
+        tables: &Arc<GradTables>,
+        store: &mut GradStore,
+        counters: &mut DriverCounters,
+        done: Done<'_>,
+    ) -> Result<(), RuntimeError> {
+        let mut i = 0;
+        while i < self.pending.len() {
+            let id = self.pending[i].id;
+            if self.finish(be, tables, store, id, false, counters, &mut *done)? {
+                continue;
+            }
+            i += 1;
+        }
+        Ok(())
+    }
+
+    /// Waits for every reduction in flight.
+    pub(crate) fn drain(
+        &mut self,
+        be: &B,
+        tables: &Arc<GradTables>,
+        store: &mut GradStore,
+        counters: &mut DriverCounters,
+        done: Done<'_>,
+    ) -> Result<(), RuntimeError> {
+        while let Some(p) = self.pending.first() {
+            let id = p.id;
+            self.finish(be, tables, store, id, true, counters, &mut *done)?;
+        }
+        Ok(())
+    }
+}
