@@ -1,6 +1,7 @@
 //! Reductions, accumulation and casts: argument checks, then the blocked kernels.
 
-use crate::block::{accumulate_blocks, cast_blocks, reduce_blocks, Codec, Divisor, Isa};
+use crate::block::{accumulate_blocks, cast_blocks, reduce_blocks};
+use crate::codec::{Codec, Divisor, Isa};
 use crate::convert::{Bf16Codec, F16Codec, F32Codec};
 use crate::elem::{
     check_accumulate, check_cast, check_reduce, check_reduce_in_place, post_divisor, ElemType, KernelError,

@@ -7,7 +7,7 @@
 //! integer and float operations with selects instead of branches, so that a loop over a block
 //! of them vectorizes.
 
-use crate::block::Codec;
+use crate::codec::Codec;
 
 /// `2^-24`, the value of the lowest mantissa bit of an `f16` subnormal.
 const F16_SUBNORMAL_STEP: f32 = f32::from_bits((127 - 24) << 23);

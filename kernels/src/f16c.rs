@@ -5,14 +5,14 @@
 //! elements; with F16C the `f16` kernels run as fast as the `bf16` ones. Blocks are widened into
 //! an `f32` array on the stack, combined there in input order, and narrowed back; results are
 //! the same bits as the reference's (`half` itself uses these instructions when it can). Every
-//! function here requires AVX2 and F16C: callers check [`crate::block::Isa::Avx2`].
+//! function here requires AVX2 and F16C: callers check [`crate::codec::Isa::Avx2`].
 
 use core::arch::x86_64::{
     __m128i, _mm256_cvtph_ps, _mm256_cvtps_ph, _mm256_loadu_ps, _mm256_storeu_ps, _mm_loadu_si128,
     _mm_storeu_si128, _MM_FROUND_TO_NEAREST_INT,
 };
 
-use crate::block::{Codec, Raw, Scale, BLOCK};
+use crate::codec::{Codec, Raw, Scale, BLOCK};
 use crate::convert::{f16_bits_to_f32, f32_to_f16_bits};
 
 /// Widens `dst.len()` `f16` elements from the bytes `src` (exactly twice as long, any

@@ -37,6 +37,7 @@
 
 mod arith;
 mod block;
+mod codec;
 mod convert;
 mod copy;
 #[cfg(feature = "cuda")]

@@ -23,7 +23,8 @@ use core::arch::x86_64::{
 };
 use core::ops::Range;
 
-use crate::block::{self, with_scales, Codec, Divisor, Isa, Ops, Raw, Scale, BLOCK, GROUP};
+use crate::block::{self, Ops};
+use crate::codec::{with_scales, Codec, Divisor, Isa, Raw, Scale, BLOCK, GROUP};
 use crate::convert::{Bf16Codec, F32Codec};
 
 /// Sixteen elements of a type as two vectors of `f32` lanes: widened, rounded back, and the

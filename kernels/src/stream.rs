@@ -6,7 +6,7 @@
 //! same above a size threshold; the batched segment copies decide once per call, from the
 //! total size, because their segments are individually small.
 
-use crate::block::Isa;
+use crate::codec::Isa;
 
 /// Total bytes of a copy-in / copy-out at and above which segments are copied with streaming
 /// stores: well above what the L2 of one core holds, so the destination would not be reused

@@ -4,7 +4,7 @@ use half::{bf16, f16};
 use proptest::prelude::*;
 
 use crate::arith::{accumulate_with, cast_with, reduce_with};
-use crate::block::{Divisor, Isa, BLOCK};
+use crate::codec::{Divisor, Isa, BLOCK};
 use crate::convert::{bf16_bits_to_f32, f16_bits_to_f32, f32_to_bf16_bits, f32_to_f16_bits};
 use crate::elem::post_divisor;
 use crate::{copy_in, copy_out, reference, CopySegment, ElemType, KernelError, ReduceOp, Scaling};

@@ -4,6 +4,7 @@ use collsched_kernels::cuda::{CudaKernelError, DriverCallError, LoadError};
 use collsched_kernels::KernelError;
 
 use super::nccl::NcclError;
+use super::park::Parked;
 use super::rendezvous::BootstrapError;
 
 /// Why the CUDA backend failed. Every variant says what was being done.
@@ -54,13 +55,8 @@ pub enum CudaError {
         what: String,
     },
     /// Errors that happened in `Drop`s since the last call, reported now.
-    #[error("{count} CUDA error(s) while releasing resources; first: {first}")]
-    Parked {
-        /// How many.
-        count: usize,
-        /// The first one.
-        first: Box<CudaError>,
-    },
+    #[error(transparent)]
+    Parked(#[from] Parked),
 }
 
 impl CudaError {

@@ -345,7 +345,7 @@ impl CudaBackend {
     }
 
     fn ready(&self) -> Result<(), BackendError> {
-        self.park.check().map_err(|e| self.be(e))?;
+        self.park.check().map_err(|e| self.be(e.into()))?;
         self.device.bind().map_err(|e| self.be(e))
     }
 

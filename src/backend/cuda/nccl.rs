@@ -691,7 +691,7 @@ impl Drop for Communicator {
             )
         });
         if let Err(e) = r {
-            self.park.park(e.into());
+            self.park.park(e);
         }
     }
 }
@@ -740,7 +740,7 @@ impl Drop for Group {
     fn drop(&mut self) {
         if self.open {
             if let Err(e) = end_group() {
-                self.park.park(e.into());
+                self.park.park(e);
             }
         }
     }
