@@ -8,8 +8,8 @@
 use std::hint::black_box;
 use std::time::Duration;
 
-use collsched::sim::engine::{simulate, Policy, SimConfig};
 use collsched::sim::workload::TransformerConfig;
+use collsched::sim::{simulate, Policy, SimConfig};
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 
 fn bench(c: &mut Criterion) {

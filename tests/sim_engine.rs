@@ -3,8 +3,8 @@
 //! collective counts that match the plan.
 
 use collsched::buckets::{Boundary, DType, LayoutBuilder, ParamSet, ParamSpec, Sharding};
-use collsched::sim::engine::{simulate, Policy, SimConfig, SimReport};
 use collsched::sim::workload::{Architecture, Layer, ParamRecord, TransformerConfig, Workload};
+use collsched::sim::{simulate, Policy, SimConfig, SimReport};
 use collsched::topo::{preset, CostModel, Link, LinkClass};
 
 /// A small transformer of the given architecture.
@@ -146,9 +146,7 @@ fn deterministic_for_a_seed_with_jitter() {
     let busy: Vec<u64> = tl
         .compute
         .iter()
-        .map(|s| {
-            s.iter().filter(|s| s.kind != collsched::sim::engine::SpanKind::Wait).map(|s| s.dur_ns).sum()
-        })
+        .map(|s| s.iter().filter(|s| s.kind != collsched::sim::SpanKind::Wait).map(|s| s.dur_ns).sum())
         .collect();
     assert!(busy.windows(2).all(|p| p[0] == p[1]));
 }
@@ -290,7 +288,7 @@ fn peak_memory_holds_the_largest_layer_and_naive_pays_host_time() {
     let naive = run(&w, &nc);
     let launches = naive.reported()[0].all_gathers + naive.reported()[0].reduce_scatters;
     let host = nc.host_overhead();
-    assert_eq!(host, collsched::sim::engine::NAIVE_HOST_OVERHEAD_S);
+    assert_eq!(host, collsched::sim::config::NAIVE_HOST_OVERHEAD_S);
     assert!(
         (naive.host_ms() - launches as f64 * host * 1e3).abs() < 1e-6,
         "{} vs {launches}",
@@ -339,7 +337,7 @@ fn the_timeline_adds_up_to_the_summary() {
     c.steps = 2;
     let r = run(&w, &c);
     let tl = r.timeline.as_ref().unwrap();
-    use collsched::sim::engine::SpanKind;
+    use collsched::sim::SpanKind;
     for (s, stats) in r.steps.iter().enumerate() {
         let mean = |kinds: &[SpanKind]| {
             let total: u64 = tl

@@ -7,11 +7,10 @@ use std::io::{self, BufWriter, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use crate::sim::engine::{
-    peak_tflops, simulate, Lane, Policy, SimConfig, SimReport, DEFAULT_SIM_BOUNDARY, DEFAULT_STEPS,
-};
+use crate::sim::config::{DEFAULT_SIM_BOUNDARY, DEFAULT_STEPS};
 use crate::sim::timeline::{write_chrome_trace, write_svg};
 use crate::sim::workload::Workload;
+use crate::sim::{peak_tflops, simulate, Lane, Policy, SimConfig, SimReport};
 use collsched_buckets::Boundary;
 use collsched_schedule::scheduler::{DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_LIVE_BYTES, DEFAULT_PREFETCH_BYTES};
 use collsched_topo::Topology;

@@ -3,11 +3,19 @@
 //! [`CostModel`](crate::topo::CostModel).
 //!
 //! - [`workload`]: what a training step computes and fetches (transformer presets, JSON traces);
-//! - [`engine`]: the simulated backend and its action executor ([`engine::simulate`]);
-//! - [`timeline`]: Chrome trace JSON and SVG pictures of a run.
+//! - [`config`]: the knobs ([`SimConfig`], [`Policy`]) and errors;
+//! - `program`: a workload compiled into a plan, the engine calls of a step and their prices;
+//! - [`engine`]: the event loop that runs every rank's scheduler ([`simulate`]);
+//! - [`report`]: what a run reports ([`SimReport`], per-step [`SimStepStats`], timelines);
+//! - [`timeline`]: Chrome trace JSON and SVG pictures of a report.
 
+pub mod config;
 pub mod engine;
+mod program;
+pub mod report;
 pub mod timeline;
 pub mod workload;
 
-pub use engine::{simulate, Policy, SimConfig, SimError, SimReport, Simulation};
+pub use config::{peak_tflops, Policy, SimConfig, SimError};
+pub use engine::{simulate, Simulation};
+pub use report::{Lane, SimReport, SimStepStats, Span, SpanKind, Timeline};

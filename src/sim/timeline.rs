@@ -10,7 +10,7 @@
 
 use std::io::{self, Write};
 
-use super::engine::{Lane, SimReport, Span, SpanKind};
+use super::report::{Lane, SimReport, Span, SpanKind};
 
 fn label(report: &SimReport, span: &Span) -> String {
     let tl = report.timeline.as_ref();

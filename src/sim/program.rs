@@ -1,0 +1,246 @@
+//! The simulator's program: a workload compiled into a plan, the engine calls of one step and
+//! their compute times, and the prices of the plan's collectives.
+
+use collsched_buckets::{Boundary, BucketId, DType, LayoutBuilder, ParamId, ParamSet, ParamSpec, Sharding};
+use collsched_schedule::{Explicit, OpKind, Plan, ScheduleInput};
+use collsched_topo::{CollectiveKind, CostModel, GroupShape};
+
+use super::config::{Policy, SimConfig, SimError};
+use super::report::SpanKind;
+use super::workload::Workload;
+
+/// One call of the engine program.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Call {
+    Phase { backward: bool },
+    Fetch(u32),
+    Compute(u32, SpanKind),
+    Release(u32),
+    Grad(ParamId),
+    EndStep,
+}
+
+/// What every rank runs: the plan, the engine program of one step with its compute times, the
+/// explicit prefetch rules, the collectives' prices and the run's settings.
+pub(crate) struct Program {
+    pub(crate) plan: Plan,
+    pub(crate) layer_params: Vec<Vec<ParamId>>,
+    pub(crate) program: Vec<Call>,
+    /// Per program position: compute ns before jitter.
+    pub(crate) compute_ns: Vec<f64>,
+    /// Explicit rules for forward and backward.
+    pub(crate) rules: Option<[Explicit; 2]>,
+    /// Launch duration cache by bucket id (u64::MAX: not priced yet).
+    pub(crate) price: Vec<u64>,
+    pub(crate) cost: CostModel,
+    pub(crate) host_ns: u64,
+    pub(crate) rpn: u32,
+    pub(crate) world: u32,
+    pub(crate) jitter: f64,
+    pub(crate) seed: u64,
+    pub(crate) steps: u32,
+    pub(crate) timeline: bool,
+}
+
+impl Program {
+    /// Compiles `workload` under `config`: its parameters into a layout and plan (bucketed in
+    /// forward execution order), the program of one step and its compute durations, and the
+    /// explicit prefetch rules of [`Policy::Explicit`]. Returns the scheduler input too.
+    pub(crate) fn compile(
+        workload: &Workload,
+        config: &SimConfig,
+    ) -> Result<(Program, ScheduleInput), SimError> {
+        config.validate()?;
+        let params_err = |message: String| SimError::Params { workload: workload.name.clone(), message };
+        let mut specs = Vec::with_capacity(workload.params.len());
+        for p in &workload.params {
+            let dtype: DType =
+                p.dtype.parse().map_err(|e| params_err(format!("parameter `{}`: {e}", p.name)))?;
+            let shape: Vec<usize> = p.shape.iter().map(|&d| d as usize).collect();
+            let spec = ParamSpec::new(p.name.clone(), shape, dtype).trainable(p.trainable);
+            specs.push(match &p.module {
+                Some(m) => spec.module(m.clone()),
+                None => spec,
+            });
+        }
+        let set = ParamSet::new(specs).map_err(|e| params_err(e.to_string()))?;
+        let id = |name: &str| set.id(name).ok_or_else(|| params_err(format!("unknown parameter `{name}`")));
+        let mut layer_params = Vec::with_capacity(workload.layers.len());
+        for l in &workload.layers {
+            let mut ids: Vec<ParamId> = Vec::with_capacity(l.params.len());
+            for n in &l.params {
+                let p = id(n)?;
+                if !ids.contains(&p) {
+                    ids.push(p);
+                }
+            }
+            layer_params.push(ids);
+        }
+        let layer_index =
+            |name: &String| workload.layers.iter().position(|l| &l.name == name).unwrap_or(0) as u32;
+        let fwd: Vec<u32> = workload.forward_order.iter().map(layer_index).collect();
+        let bwd: Vec<u32> = workload.backward_order.iter().map(layer_index).collect();
+        // Bucket in forward execution order.
+        let mut order = Vec::with_capacity(set.len());
+        let mut seen = vec![false; set.len()];
+        for &l in &fwd {
+            for &p in &layer_params[l as usize] {
+                if !std::mem::replace(&mut seen[p.index()], true) {
+                    order.push(p);
+                }
+            }
+        }
+        let (bucket_bytes, boundary) = match config.policy {
+            Policy::Naive => (1, Boundary::Size),
+            _ => (config.bucket_bytes, config.boundary),
+        };
+        let layout = LayoutBuilder::new(&set, Sharding::EvenSplit, config.world)
+            .bucket_bytes(bucket_bytes)
+            .boundary(boundary)
+            .order(order)
+            .build()?;
+        let plan = Plan::new(layout);
+
+        // The program of one step and its compute durations.
+        let ns_per_flop = 1e9 / (config.tflops * 1e12);
+        let mut program = Vec::new();
+        let mut compute_ns = Vec::new();
+        let mut push = |c: Call, ns: f64| {
+            program.push(c);
+            compute_ns.push(ns);
+        };
+        // Gradients are ready after the last layer (in backward order) that uses the parameter.
+        let mut last_use = vec![u32::MAX; set.len()];
+        for (k, &l) in bwd.iter().enumerate() {
+            for &p in &layer_params[l as usize] {
+                last_use[p.index()] = k as u32;
+            }
+        }
+        push(Call::Phase { backward: false }, 0.0);
+        for &l in &fwd {
+            let layer = &workload.layers[l as usize];
+            push(Call::Fetch(l), 0.0);
+            push(Call::Compute(l, SpanKind::Forward), layer.forward_flops * ns_per_flop);
+            push(Call::Release(l), 0.0);
+        }
+        push(Call::Phase { backward: true }, 0.0);
+        for (k, &l) in bwd.iter().enumerate() {
+            let layer = &workload.layers[l as usize];
+            push(Call::Fetch(l), 0.0);
+            if layer.recompute_flops > 0.0 {
+                push(Call::Compute(l, SpanKind::Recompute), layer.recompute_flops * ns_per_flop);
+            }
+            push(Call::Compute(l, SpanKind::Backward), layer.backward_flops * ns_per_flop);
+            for &p in &layer_params[l as usize] {
+                if last_use[p.index()] == k as u32 && set.is_trainable(p) {
+                    push(Call::Grad(p), 0.0);
+                }
+            }
+            push(Call::Release(l), 0.0);
+        }
+        push(Call::EndStep, 0.0);
+
+        let input = ScheduleInput::from_plan(&plan);
+        let rules = (config.policy == Policy::Explicit).then(|| {
+            let bucket_of = |p: ParamId| input.gather[gather_pos(&input, p)].id;
+            let layer_buckets = |l: u32| {
+                let mut v: Vec<BucketId> = Vec::new();
+                for &p in &layer_params[l as usize] {
+                    let b = bucket_of(p);
+                    if !v.contains(&b) {
+                        v.push(b);
+                    }
+                }
+                v
+            };
+            let make = |order: &[u32]| {
+                let mut e = Explicit::default();
+                // A tied embedding's bucket ends two layers of each pass.
+                e.once_per_step(true);
+                for w in order.windows(2) {
+                    if let Some(&last) = layer_buckets(w[0]).last() {
+                        e.after(last, &layer_buckets(w[1]));
+                    }
+                }
+                e
+            };
+            [make(&fwd), make(&bwd)]
+        });
+        let n_buckets = plan.layout().buckets().len();
+        let program = Program {
+            plan,
+            layer_params,
+            program,
+            compute_ns,
+            rules,
+            price: vec![u64::MAX; n_buckets],
+            cost: config.cost,
+            host_ns: (config.host_overhead() * 1e9).round() as u64,
+            rpn: config.ranks_per_node.max(1),
+            world: config.world,
+            jitter: config.jitter,
+            seed: config.seed,
+            steps: config.steps,
+            timeline: config.timeline,
+        };
+        Ok((program, input))
+    }
+}
+
+fn gather_pos(input: &ScheduleInput, p: ParamId) -> usize {
+    input.gather.iter().position(|b| b.params.contains(&p)).unwrap_or(0)
+}
+
+fn mix(mut x: u64) -> u64 {
+    // splitmix64's finaliser.
+    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
+}
+pub(crate) fn jitter_factor(sh: &Program, rank: u32, step: u32, pc: usize) -> f64 {
+    if sh.jitter == 0.0 {
+        return 1.0;
+    }
+    let h = mix(mix(mix(mix(sh.seed) ^ u64::from(rank)) ^ u64::from(step)) ^ pc as u64);
+    let u = (h >> 11) as f64 / (1u64 << 53) as f64;
+    1.0 + sh.jitter * u
+}
+
+/// Nanoseconds of one launch of `bucket` running plan `ops`, cached per bucket.
+pub(crate) fn price(sh: &mut Program, bucket: BucketId, ops: &[collsched_schedule::OpId]) -> u64 {
+    if let Some(&p) = sh.price.get(bucket.index()) {
+        if p != u64::MAX {
+            return p;
+        }
+    }
+    let mut calls: Vec<(CollectiveKind, u64, GroupShape)> = Vec::with_capacity(ops.len());
+    for &o in ops {
+        let Some(op) = sh.plan.op(o) else { continue };
+        let g = op.groups();
+        let n = g.group_size();
+        if n <= 1 {
+            continue;
+        }
+        let mut nodes: Vec<u32> = g.ranks_of(0).map(|r| r / sh.rpn).collect();
+        nodes.dedup();
+        let per = op.bytes_per_rank() as u64;
+        let (kind, bytes) = match op.kind() {
+            OpKind::AllGather => (CollectiveKind::AllGather, per * u64::from(n)),
+            OpKind::ReduceScatter => (CollectiveKind::ReduceScatter, per * u64::from(n)),
+            OpKind::AllReduce => (CollectiveKind::AllReduce, per),
+            OpKind::Broadcast => (CollectiveKind::Broadcast, per),
+        };
+        calls.push((kind, bytes, GroupShape { ranks: n as usize, nodes: nodes.len().max(1) }));
+    }
+    let secs = match calls.len() {
+        0 => 0.0,
+        1 => sh.cost.time(calls[0].0, calls[0].1, calls[0].2),
+        _ => sh.cost.group_call_time(&calls),
+    };
+    let ns = (secs * 1e9).round().max(0.0) as u64;
+    if let Some(p) = sh.price.get_mut(bucket.index()) {
+        *p = ns;
+    }
+    ns
+}
