@@ -10,7 +10,7 @@ use collsched_kernels::ElemType;
 use collsched_schedule::{EngineEvent, Scheduler, SchedulerConfig, StepCounters, StepReport};
 
 use super::agreement::exchange_fingerprints;
-use super::driver::{Ctx, Driver};
+use super::driver::{Driver, RankParts};
 use super::flight::DriverCounters;
 use super::state::{ModelState, ShardUpdate};
 use super::tables::GradTables;
@@ -138,7 +138,7 @@ impl<B: Backend> ModelState<B> {
 
 macro_rules! ctx {
     ($self:ident, $st:ident) => {
-        Ctx {
+        RankParts {
             backend: &*$self.state.shared.backend,
             tables: &$self.state.shared.tables,
             grad: &$self.grad,

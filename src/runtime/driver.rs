@@ -59,7 +59,7 @@ pub(crate) struct Driver<B: Backend> {
 }
 
 /// Everything a run of actions needs, borrowed for the call.
-pub(crate) struct Ctx<'a, B: Backend> {
+pub(crate) struct RankParts<'a, B: Backend> {
     pub(crate) backend: &'a B,
     pub(crate) tables: &'a GatherTables,
     pub(crate) grad: &'a Arc<GradTables>,
@@ -79,7 +79,11 @@ impl<B: Backend> Driver<B> {
 
     /// Runs `self.actions` in order (and clears them). `fresh` is the gradient handed to the
     /// `grad_ready` call that produced them.
-    pub(crate) fn run(&mut self, cx: &mut Ctx<'_, B>, fresh: Option<&[u8]>) -> Result<(), RuntimeError> {
+    pub(crate) fn run(
+        &mut self,
+        cx: &mut RankParts<'_, B>,
+        fresh: Option<&[u8]>,
+    ) -> Result<(), RuntimeError> {
         let actions = std::mem::take(&mut self.actions);
         let mut result = Ok(());
         for a in &actions {
@@ -96,7 +100,12 @@ impl<B: Backend> Driver<B> {
         result
     }
 
-    fn run_one(&mut self, cx: &mut Ctx<'_, B>, a: &Action, fresh: Option<&[u8]>) -> Result<(), RuntimeError> {
+    fn run_one(
+        &mut self,
+        cx: &mut RankParts<'_, B>,
+        a: &Action,
+        fresh: Option<&[u8]>,
+    ) -> Result<(), RuntimeError> {
         let rank = cx.tables.rank;
         let be = cx.backend;
         let counters = &mut self.counters;
@@ -154,19 +163,19 @@ impl<B: Backend> Driver<B> {
     }
 
     /// Finishes every reduction that already completed, without blocking.
-    pub(crate) fn poll_reduces(&mut self, cx: &mut Ctx<'_, B>) -> Result<(), RuntimeError> {
+    pub(crate) fn poll_reduces(&mut self, cx: &mut RankParts<'_, B>) -> Result<(), RuntimeError> {
         let (store, mut done) = cx.st.for_reduce(cx.sched);
         self.reduce.poll(cx.backend, cx.grad, store, &mut self.counters, &mut done)
     }
 
     /// Waits for every reduction in flight.
-    pub(crate) fn drain_reduces(&mut self, cx: &mut Ctx<'_, B>) -> Result<(), RuntimeError> {
+    pub(crate) fn drain_reduces(&mut self, cx: &mut RankParts<'_, B>) -> Result<(), RuntimeError> {
         let (store, mut done) = cx.st.for_reduce(cx.sched);
         self.reduce.drain(cx.backend, cx.grad, store, &mut self.counters, &mut done)
     }
 }
 
-fn grad_position<B: Backend>(cx: &Ctx<'_, B>, bucket: BucketId) -> Result<usize, RuntimeError> {
+fn grad_position<B: Backend>(cx: &RankParts<'_, B>, bucket: BucketId) -> Result<usize, RuntimeError> {
     cx.grad.position(bucket).ok_or_else(|| RuntimeError::Internal {
         rank: cx.tables.rank,
         what: format!("gradient bucket {bucket} of an action is not in the driver's tables"),

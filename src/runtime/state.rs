@@ -249,14 +249,14 @@ pub struct ShardUpdate<'a> {
     pub grad_elem: ElemType,
 }
 
-pub(crate) struct Shared<B: Backend> {
+pub(crate) struct ModelInner<B: Backend> {
     pub(crate) backend: Arc<B>,
     pub(crate) plan: Plan,
     pub(crate) tables: GatherTables,
     pub(crate) state: Mutex<RankState<B>>,
 }
 
-impl<B: Backend> Drop for Shared<B> {
+impl<B: Backend> Drop for ModelInner<B> {
     /// Waits (at most the backend's timeout per stream) until this rank's streams finished
     /// their work: collectives still in flight (drained prefetches, whose buffers the backend
     /// frees once they complete) read and write memory of this rank's pool, which must not go
@@ -274,7 +274,7 @@ impl<B: Backend> Drop for Shared<B> {
     }
 }
 
-impl<B: Backend> Shared<B> {
+impl<B: Backend> ModelInner<B> {
     pub(crate) fn lock(&self) -> MutexGuard<'_, RankState<B>> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -315,7 +315,7 @@ impl<B: Backend> Shared<B> {
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 pub struct ModelState<B: Backend> {
-    pub(crate) shared: Arc<Shared<B>>,
+    pub(crate) shared: Arc<ModelInner<B>>,
 }
 
 impl<B: Backend> Clone for ModelState<B> {
@@ -413,7 +413,7 @@ impl<B: Backend> ModelState<B> {
         let n = set.len();
         let state = RankState { registry, shards, gather, grads: GradStore::new(n) };
         Ok(ModelState {
-            shared: Arc::new(Shared { backend, plan: plan.clone(), tables, state: Mutex::new(state) }),
+            shared: Arc::new(ModelInner { backend, plan: plan.clone(), tables, state: Mutex::new(state) }),
         })
     }
 

@@ -97,7 +97,7 @@ struct Acc {
     end: u64,
 }
 
-struct RankState {
+struct SimRank {
     sched: Scheduler,
     reg: InflightRegistry,
     acts: Vec<Action>,
@@ -130,7 +130,7 @@ enum Flow {
 /// A simulation of one workload on one configuration.
 pub struct Simulation {
     shared: Program,
-    ranks: Vec<RankState>,
+    ranks: Vec<SimRank>,
     colls: Colls,
     config: SimConfig,
     workload: String,
@@ -189,7 +189,7 @@ impl Simulation {
             let mut reg = InflightRegistry::new(&input);
             let sched = Scheduler::new(&input, r, sched_config.clone(), &mut reg)
                 .map_err(|source| SimError::Schedule { rank: r, step: 0, source })?;
-            ranks.push(RankState {
+            ranks.push(SimRank {
                 sched,
                 reg,
                 acts: Vec::with_capacity(256),
@@ -346,12 +346,12 @@ impl Simulation {
     }
 }
 
-fn sched_err(st: &RankState) -> impl Fn(ScheduleError) -> SimError + '_ {
+fn sched_err(st: &SimRank) -> impl Fn(ScheduleError) -> SimError + '_ {
     move |source| SimError::Schedule { rank: st.sched.rank(), step: st.step, source }
 }
 
 /// Feeds `OpDone` for every collective that ended by the rank's clock.
-fn feed_done(colls: &Colls, st: &mut RankState) -> Result<(), SimError> {
+fn feed_done(colls: &Colls, st: &mut SimRank) -> Result<(), SimError> {
     for s in 0..2 {
         while st.fed[s] < colls.resolved[s] {
             let c = &colls.all[colls.lane[s][st.fed[s]] as usize];
@@ -371,7 +371,7 @@ fn feed_done(colls: &Colls, st: &mut RankState) -> Result<(), SimError> {
 }
 
 /// Runs a rank until it blocks or finishes; returns whether it advanced.
-fn advance(sh: &mut Program, colls: &mut Colls, st: &mut RankState) -> Result<bool, SimError> {
+fn advance(sh: &mut Program, colls: &mut Colls, st: &mut SimRank) -> Result<bool, SimError> {
     let mut progressed = false;
     loop {
         if st.finished {
@@ -450,7 +450,7 @@ fn advance(sh: &mut Program, colls: &mut Colls, st: &mut RankState) -> Result<bo
     }
 }
 
-fn end_step(sh: &Program, st: &mut RankState) {
+fn end_step(sh: &Program, st: &mut SimRank) {
     st.acc.end = st.clock;
     st.per_step.push(st.acc);
     st.counters.push(st.sched.last_step().counters.clone());
@@ -471,7 +471,7 @@ fn lane_of(stream: Stream) -> Option<usize> {
 }
 
 /// Executes the rank's pending actions from `act_pos`.
-fn exec(sh: &mut Program, colls: &mut Colls, st: &mut RankState) -> Result<Flow, SimError> {
+fn exec(sh: &mut Program, colls: &mut Colls, st: &mut SimRank) -> Result<Flow, SimError> {
     while st.act_pos < st.acts.len() {
         match &st.acts[st.act_pos] {
             Action::Launch(l) => {

@@ -68,14 +68,14 @@ pub fn from_hwloc_xml(text: &str) -> Result<Topology, TopoError> {
     parse(text, "<string>", "hwloc-xml")
 }
 
-struct Ctx<'a> {
+struct XmlDoc<'a> {
     origin: &'a str,
     doc: &'a Document<'a>,
     /// osdev_type is a bit mask (hwloc 3.x) rather than an enumeration.
     bitmask_osdev: bool,
 }
 
-impl Ctx<'_> {
+impl XmlDoc<'_> {
     fn err(&self, node: Node<'_, '_>, message: String) -> TopoError {
         let pos = self.doc.text_pos_at(node.range().start);
         let id = node.attribute("id").or_else(|| node.attribute("gp_index")).unwrap_or("?");
@@ -114,7 +114,7 @@ fn parse(text: &str, origin: &str, name: &str) -> Result<Topology, TopoError> {
     }
     let major: u32 =
         root.attribute("version").and_then(|v| v.split('.').next()).and_then(|v| v.parse().ok()).unwrap_or(1);
-    let cx = Ctx { origin, doc: &doc, bitmask_osdev: major >= 3 };
+    let cx = XmlDoc { origin, doc: &doc, bitmask_osdev: major >= 3 };
     let Some(top) = root.children().find(|n| n.has_tag_name("object")) else {
         return Err(TopoError::HwlocXml {
             origin: origin.to_owned(),
@@ -284,7 +284,7 @@ fn ancestor_of_type<'a, 'i>(node: Node<'a, 'i>, types: &[&str]) -> Option<Node<'
 }
 
 /// `pci_type="0302 [10de:1db8] [10de:131d] a1 00"` -> (class, vendor, device).
-fn pci_type(cx: &Ctx<'_>, node: Node<'_, '_>) -> Result<(u16, u16, u16), TopoError> {
+fn pci_type(cx: &XmlDoc<'_>, node: Node<'_, '_>) -> Result<(u16, u16, u16), TopoError> {
     let Some(v) = node.attribute("pci_type") else {
         return Err(cx.err(node, "PCI device without a pci_type attribute".to_owned()));
     };
@@ -299,7 +299,7 @@ fn pci_type(cx: &Ctx<'_>, node: Node<'_, '_>) -> Result<(u16, u16, u16), TopoErr
     Ok((class, vendor, device))
 }
 
-fn pci_address(cx: &Ctx<'_>, node: Node<'_, '_>) -> Result<Option<PciAddress>, TopoError> {
+fn pci_address(cx: &XmlDoc<'_>, node: Node<'_, '_>) -> Result<Option<PciAddress>, TopoError> {
     match node.attribute("pci_busid") {
         None => Ok(None),
         Some(v) => v.parse().map(Some).map_err(|e: String| cx.err(node, format!("pci_busid: {e}"))),
@@ -307,7 +307,7 @@ fn pci_address(cx: &Ctx<'_>, node: Node<'_, '_>) -> Result<Option<PciAddress>, T
 }
 
 /// The single NUMA node in the nodeset of the first non-I/O ancestor, if it is exactly one.
-fn numa_of(cx: &Ctx<'_>, node: Node<'_, '_>) -> Result<Option<u32>, TopoError> {
+fn numa_of(cx: &XmlDoc<'_>, node: Node<'_, '_>) -> Result<Option<u32>, TopoError> {
     let Some(anc) = node
         .ancestors()
         .skip(1)

@@ -5,7 +5,7 @@ use crate::error::LayoutError;
 use crate::{Boundary, DType, ModuleKey, ParamId, ParamSet, Sharding};
 
 use super::bucket::{BucketId, BucketKind};
-use super::strategy::{dtype_slot, Ctx, RankLoads};
+use super::strategy::{dtype_slot, RankLoads, Sharder};
 use super::{Layout, DEFAULT_ALIGN, DEFAULT_BUCKET_BYTES};
 
 /// Configures and builds a [`Layout`].
@@ -180,7 +180,7 @@ impl LayoutBuilder {
         if u32::try_from(n_gather.saturating_mul(2)).is_err() {
             return Err(LayoutError::TooManyBuckets);
         }
-        let ctx = Ctx { world, group, align: self.align };
+        let ctx = Sharder { world, group, align: self.align };
         let mut buckets = Vec::with_capacity(n_gather * 2);
         let mut ranks = RankLoads::new(world);
         for (i, (dtype, ps)) in groups.into_iter().enumerate() {

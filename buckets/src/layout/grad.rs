@@ -5,9 +5,9 @@ use crate::error::LayoutError;
 use crate::ParamId;
 
 use super::bucket::{Bucket, BucketId, BucketKind, ShardMap};
-use super::strategy::{align_up, pack_by_owner, Ctx};
+use super::strategy::{align_up, pack_by_owner, Sharder};
 
-impl Ctx {
+impl Sharder {
     /// The gradient bucket of a gather bucket: its trainable parameters, each element owned by
     /// the same rank as in the gather bucket. `None` if no parameter is trainable.
     pub(super) fn grad_of(

@@ -27,7 +27,7 @@ pub use builder::LayoutBuilder;
 use crate::error::LayoutError;
 use crate::{Boundary, ModuleKey, ParamId, ParamSet, Sharding};
 
-use strategy::Ctx;
+use strategy::Sharder;
 
 /// Default cap on a bucket's parameter bytes: 64 MiB.
 pub const DEFAULT_BUCKET_BYTES: usize = 64 << 20;
@@ -274,7 +274,7 @@ impl Layout {
     fn rebuild_grad_buckets(&mut self) -> Result<(), LayoutError> {
         self.buckets.truncate(self.n_gather);
         let mask = self.params.trainable_mask();
-        let ctx = Ctx { world: self.world, group: self.group_size(), align: self.align };
+        let ctx = Sharder { world: self.world, group: self.group_size(), align: self.align };
         let mut placement =
             vec![Placement { gather: BucketId(0), gather_index: 0, grad: None }; self.params.len()];
         let mut grads = Vec::new();

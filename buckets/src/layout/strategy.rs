@@ -141,13 +141,13 @@ pub(super) fn align_up(x: usize, a: usize) -> Option<usize> {
 }
 
 /// What every bucket of one layout shares.
-pub(super) struct Ctx {
+pub(super) struct Sharder {
     pub(super) world: u32,
     pub(super) group: u32,
     pub(super) align: usize,
 }
 
-impl Ctx {
+impl Sharder {
     pub(super) fn bucket(
         &self,
         (id, kind, dtype): (BucketId, BucketKind, DType),

@@ -96,7 +96,7 @@ impl Default for LocalConfig {
 }
 
 /// What every rank and stream thread of a world shares.
-pub(crate) struct Shared {
+pub(crate) struct WorldShared {
     n: usize,
     config: LocalConfig,
     cores: usize,
@@ -118,7 +118,7 @@ pub(crate) struct Shared {
 /// # Ok::<(), collsched::backend::BackendError>(())
 /// ```
 pub struct LocalWorld {
-    shared: Arc<Shared>,
+    shared: Arc<WorldShared>,
 }
 
 impl LocalWorld {
@@ -143,7 +143,7 @@ impl LocalWorld {
         }
         let cores = std::thread::available_parallelism().map_or(1, NonZeroUsize::get);
         Ok(LocalWorld {
-            shared: Arc::new(Shared {
+            shared: Arc::new(WorldShared {
                 n,
                 config,
                 cores,
@@ -243,7 +243,7 @@ impl LocalWorld {
 /// One rank of a [`LocalWorld`]: the [`Backend`] the engine of that rank uses.
 pub struct LocalRank {
     rank: usize,
-    shared: Arc<Shared>,
+    shared: Arc<WorldShared>,
     streams: [OnceLock<Arc<Queue>>; 3],
     pool: Arc<Pool>,
     events: EventPool,

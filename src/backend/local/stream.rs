@@ -11,7 +11,7 @@ use smallvec::SmallVec;
 
 use super::event::LocalEvent;
 use super::rendezvous::{Arrival, Caller, Channel, Post};
-use super::Shared;
+use super::WorldShared;
 use crate::backend::{BackendError, BackendEvent, CollDesc, OpId, RankGroup, Stream};
 
 /// Host work enqueued on a stream.
@@ -135,7 +135,7 @@ impl Drop for GoneOnDrop {
 
 /// Starts the thread of (`rank`, `stream`) and returns its queue. If the thread cannot be
 /// started, the queue is gone at once (launches then fail with `Shutdown`).
-pub(super) fn spawn(rank: usize, stream: Stream, shared: Arc<Shared>) -> Arc<Queue> {
+pub(super) fn spawn(rank: usize, stream: Stream, shared: Arc<WorldShared>) -> Arc<Queue> {
     let queue = Arc::new(Queue::new());
     let rx = Arc::clone(&queue);
     let name = format!("collsched-r{rank}-{stream}");
@@ -153,7 +153,7 @@ pub(super) fn spawn(rank: usize, stream: Stream, shared: Arc<Shared>) -> Arc<Que
 struct StreamThread {
     rank: usize,
     stream: Stream,
-    shared: Arc<Shared>,
+    shared: Arc<WorldShared>,
     /// The first failure on this stream: every later item fails with it (CUDA's sticky errors).
     poison: Option<BackendError>,
     /// Channels used so far and the next sequence number on each.
