@@ -79,6 +79,8 @@ mod input;
 mod prefetch;
 mod registry;
 mod report;
+mod state;
+mod tables;
 
 pub use action::{
     Action, BufferId, EngineEvent, Event, Fence, Fences, GradSource, Launch, LaunchId, Ops, ReduceSpec, Role,
@@ -98,148 +100,8 @@ use std::collections::VecDeque;
 
 use crate::buckets::{BucketId, ParamId, ParamSet};
 use crate::plan::Plan;
-use registry::{add_consumer, Gathered};
-
-const NONE: u32 = u32::MAX;
-
-/// The scheduler's tables, built once from a plan (see [`ScheduleInput`]).
-#[derive(Debug, Clone)]
-struct Tables {
-    params: ParamSet,
-    world: u32,
-    param_gather: Vec<u32>,
-    param_grad: Vec<u32>,
-    gather: Vec<BucketInput>,
-    grad: Vec<BucketInput>,
-    grad_reduce: Vec<ReduceSpec>,
-    /// Gather bucket position by `BucketId` index.
-    bucket_index: Vec<u32>,
-    /// Gradient bucket position by `BucketId` index.
-    grad_bucket_index: Vec<u32>,
-    digests: PlanDigests,
-}
-
-impl Tables {
-    fn new(input: &ScheduleInput, config: &SchedulerConfig) -> Result<Tables, ScheduleError> {
-        input.validate()?;
-        let n = input.params.len();
-        let mut param_gather = vec![NONE; n];
-        let max_id = input.gather.iter().chain(&input.grad).map(|b| b.id.index() + 1).max().unwrap_or(0);
-        let mut bucket_index = vec![NONE; max_id];
-        for (g, b) in input.gather.iter().enumerate() {
-            bucket_index[b.id.index()] = g as u32;
-            for p in &b.params {
-                param_gather[p.index()] = g as u32;
-            }
-        }
-        let mut t = Tables {
-            params: input.params.clone(),
-            world: input.world.max(1),
-            param_gather,
-            param_grad: Vec::new(),
-            gather: input.gather.clone(),
-            grad: Vec::new(),
-            grad_reduce: Vec::new(),
-            bucket_index,
-            grad_bucket_index: Vec::new(),
-            digests: input.digests.clone(),
-        };
-        t.set_grad(input, config);
-        Ok(t)
-    }
-
-    fn set_grad(&mut self, input: &ScheduleInput, config: &SchedulerConfig) {
-        self.params = input.params.clone();
-        self.digests = input.digests.clone();
-        self.param_grad = vec![NONE; input.params.len()];
-        let max_id = input.grad.iter().map(|b| b.id.index() + 1).max().unwrap_or(0);
-        self.grad_bucket_index = vec![NONE; max_id];
-        for (j, b) in input.grad.iter().enumerate() {
-            self.grad_bucket_index[b.id.index()] = j as u32;
-            for p in &b.params {
-                self.param_grad[p.index()] = j as u32;
-            }
-        }
-        self.grad_reduce = input
-            .grad
-            .iter()
-            .map(|b| {
-                let o = b
-                    .partner
-                    .and_then(|g| config.reduce_per_bucket.iter().find(|(id, _)| *id == g))
-                    .map(|x| x.1)
-                    .unwrap_or_default();
-                let base = config.reduce;
-                let pre = o.pre_divide.or(base.pre_divide).unwrap_or(1.0);
-                ReduceSpec {
-                    dtype: o.dtype.or(base.dtype).unwrap_or(b.dtype),
-                    pre_divide: pre,
-                    post_divide: o.post_divide.or(base.post_divide).unwrap_or(f64::from(self.world) / pre),
-                }
-            })
-            .collect();
-        self.grad = input.grad.clone();
-    }
-
-    /// Bytes of gradient bucket `j`'s full-size buffer in its reduction dtype (the driver casts
-    /// gradients to it at copy-in: a bf16 bucket reduced in f32 takes twice its gathered bytes).
-    fn grad_bytes(&self, j: usize) -> usize {
-        let b = &self.grad[j];
-        b.gathered_bytes / b.dtype.size() * self.grad_reduce[j].dtype.size()
-    }
-
-    fn gather_index(&self, b: BucketId) -> Option<usize> {
-        match self.bucket_index.get(b.index()) {
-            Some(&g) if g != NONE => Some(g as usize),
-            _ => None,
-        }
-    }
-
-    fn grad_index(&self, b: BucketId) -> Option<usize> {
-        match self.grad_bucket_index.get(b.index()) {
-            Some(&j) if j != NONE => Some(j as usize),
-            _ => None,
-        }
-    }
-}
-
-#[derive(Debug)]
-struct Core {
-    rank: u32,
-    config: SchedulerConfig,
-    registry: u64,
-    owner: u32,
-    t: Tables,
-    source: Option<Plan>,
-    // per parameter
-    my_users: Vec<u32>,
-    released: Vec<bool>,
-    grad_seen: Vec<bool>,
-    accumulated: Vec<bool>,
-    n_accumulated: usize,
-    mask: Vec<bool>,
-    mask_pending: bool,
-    // per gather bucket
-    my_bucket_users: Vec<u32>,
-    waited: Vec<Option<LaunchId>>,
-    /// This scheduler's unused prefetches, oldest first (fetches usually hit the front;
-    /// evictions take the back).
-    pending: VecDeque<u32>,
-    // per gradient bucket
-    grad_arrived: Vec<u32>,
-    grad_buffer: Vec<Option<BufferId>>,
-    grad_launched: Vec<bool>,
-    /// Position in `reduces` of the gradient bucket's reduce this step (checked against the
-    /// id, so stale entries of earlier steps are harmless): makes `OpDone` O(1).
-    reduce_slot: Vec<u32>,
-    /// The step's reduce launches in launch order, with their completion.
-    reduces: Vec<(LaunchId, bool)>,
-    grads_this_step: usize,
-    no_sync: bool,
-    counters: StepCounters,
-    report: StepReport,
-    step: u64,
-}
+use state::Core;
+use tables::{Tables, NONE};
 
 /// The sans-IO scheduler of one engine (coordinator) on one rank: see the module docs.
 ///
@@ -284,10 +146,7 @@ impl Scheduler {
         config.validate(input)?;
         let t = Tables::new(input, &config)?;
         let n = t.params.len();
-        let same = registry.param_bucket == t.param_gather
-            && registry.slots.len() == t.gather.len()
-            && registry.slots.iter().zip(&t.gather).all(|(s, b)| s.id == b.id && s.bytes == b.memory_bytes());
-        if !same {
+        if !registry.fits(&t.param_gather, &t.gather) {
             return Err(ScheduleError::WrongRegistry {
                 rank,
                 what: "the registry was created for other gather buckets".to_string(),
@@ -305,7 +164,7 @@ impl Scheduler {
         Ok(Scheduler {
             core: Core {
                 rank,
-                registry: registry.uid,
+                registry: registry.uid(),
                 owner,
                 source: None,
                 my_users: vec![0; n],
@@ -416,10 +275,7 @@ impl Scheduler {
             c.my_bucket_users[g] += 1;
             c.my_users[p.index()] += 1;
             c.released[p.index()] = false;
-            registry.param_users[p.index()] += 1;
-            if let Some(s) = registry.slots[g].gathered.as_mut() {
-                s.users += 1;
-            }
+            registry.add_user(p, g);
         }
         // Neither the policy nor the budgets changed unless a bucket was acquired.
         if acquired {
@@ -465,20 +321,9 @@ impl Scheduler {
             if c.my_users[p.index()] == 0 {
                 c.released[p.index()] = true;
             }
-            registry.param_users[p.index()] -= 1;
             let g = c.t.param_gather[p.index()] as usize;
             c.my_bucket_users[g] -= 1;
-            let last = match registry.slots[g].gathered.as_mut() {
-                Some(s) => {
-                    s.users -= 1;
-                    if let Some(ev) = after {
-                        add_consumer(&mut s.consumers, ev);
-                    }
-                    s.users == 0
-                }
-                None => false,
-            };
-            if last {
+            if registry.release_user(p, g, after) {
                 c.free_slot(registry, g, out);
                 freed = true;
             }
@@ -558,19 +403,13 @@ impl Scheduler {
     pub fn op_done(&mut self, registry: &mut InflightRegistry, id: LaunchId) -> Result<(), ScheduleError> {
         let c = &mut self.core;
         c.check_registry(registry)?;
-        if id.serial >= registry.next_serial {
-            return Err(ScheduleError::UnknownLaunch {
-                rank: c.rank,
-                launch: id,
-                issued: registry.next_serial,
-            });
+        if id.serial >= registry.issued() {
+            return Err(ScheduleError::UnknownLaunch { rank: c.rank, launch: id, issued: registry.issued() });
         }
         match id.role {
             Role::Gather => {
                 if let Some(g) = c.t.gather_index(id.bucket) {
-                    if let Some(s) = registry.slots[g].gathered.as_mut().filter(|s| s.launch == id) {
-                        s.done = true;
-                    }
+                    registry.complete(g, id);
                 }
             }
             Role::Reduce => {
@@ -597,13 +436,9 @@ impl Scheduler {
     ) -> Result<(), ScheduleError> {
         let c = &mut self.core;
         c.check_registry(registry)?;
-        registry.shards_fence = Some(ev);
-        for g in 0..registry.slots.len() {
-            let stale = registry.slots[g]
-                .gathered
-                .as_ref()
-                .is_some_and(|s| s.prefetched_by.is_some() && s.users == 0);
-            if stale {
+        registry.set_shards_fence(ev);
+        for g in 0..registry.buckets() {
+            if registry.unused_prefetch(g, None) {
                 c.free_slot(registry, g, out);
                 c.counters.discarded_prefetches += 1;
             }
@@ -634,8 +469,7 @@ impl Scheduler {
         c.report.held.clear();
         for k in 0..c.pending.len() {
             let g = c.pending[k] as usize;
-            let mine = registry.slots[g].gathered.as_ref().is_some_and(|s| s.prefetched_by == Some(c.owner));
-            if mine {
+            if registry.prefetched_by(g, c.owner) {
                 c.report.drained.extend_from_slice(&c.t.gather[g].params);
                 c.free_slot(registry, g, out);
             }
@@ -689,7 +523,7 @@ impl Scheduler {
         c.counters.zero_filled_params = c.report.zero_filled.len() as u64;
         c.report.step = c.step;
         c.report.counters = std::mem::take(&mut c.counters);
-        c.counters.peak_gathered_bytes = registry.live_bytes as u64;
+        c.counters.peak_gathered_bytes = registry.live_bytes() as u64;
         c.step += 1;
         self.policy.end_step();
         if c.config.check_trainable && c.mask_pending {
@@ -818,7 +652,7 @@ impl Scheduler {
         c.config.max_inflight = 0;
         for k in 0..c.pending.len() {
             let g = c.pending[k] as usize;
-            if registry.slots[g].gathered.as_ref().is_some_and(|s| s.prefetched_by == Some(c.owner)) {
+            if registry.prefetched_by(g, c.owner) {
                 c.free_slot(registry, g, out);
             }
         }
@@ -947,212 +781,5 @@ impl Scheduler {
             return;
         }
         self.policy.candidates(&mut |b| c.offer(registry, b, out));
-    }
-}
-
-impl Core {
-    fn check_registry(&self, registry: &InflightRegistry) -> Result<(), ScheduleError> {
-        if registry.uid != self.registry {
-            return Err(ScheduleError::WrongRegistry {
-                rank: self.rank,
-                what: "this is not the registry the scheduler was attached to".to_string(),
-            });
-        }
-        Ok(())
-    }
-
-    fn check_ids(&self, op: &'static str, params: &[ParamId]) -> Result<(), ScheduleError> {
-        let count = self.t.params.len();
-        match params.iter().find(|p| p.index() >= count) {
-            Some(&param) => Err(ScheduleError::UnknownParam { op, rank: self.rank, param, count }),
-            None => Ok(()),
-        }
-    }
-
-    fn check_boundary(&self) -> Result<(), ScheduleError> {
-        if self.n_accumulated > 0 {
-            let first = self.accumulated.iter().position(|&a| a).map_or(0, |i| i as u32);
-            return Err(ScheduleError::RefreshWithUnsynced {
-                rank: self.rank,
-                count: self.n_accumulated,
-                first: self.t.params.name(ParamId(first)).to_string(),
-            });
-        }
-        if self.grads_this_step > 0 {
-            return Err(ScheduleError::RefreshMidStep { rank: self.rank, arrived: self.grads_this_step });
-        }
-        Ok(())
-    }
-
-    /// First fetch of bucket `g` by this scheduler: use it if gathered, else launch it; wait
-    /// for it if not known complete.
-    fn acquire(&mut self, reg: &mut InflightRegistry, g: usize, out: &mut Vec<Action>) {
-        if reg.slots[g].gathered.is_none() {
-            self.make_room(reg, g, out);
-            self.launch_gather(reg, g, false, out);
-            self.counters.prefetch_misses += 1;
-        } else if reg.unmark_prefetch(g) {
-            self.counters.prefetch_hits += 1;
-            if let Some(k) = self.pending.iter().position(|&x| x as usize == g) {
-                self.pending.remove(k);
-            }
-        } else {
-            self.counters.already_gathered += 1;
-        }
-        if let Some(s) = reg.slots[g].gathered.as_ref() {
-            if !s.done && self.waited[g] != Some(s.launch) {
-                out.push(Action::Wait { fence: Fence::Op(s.launch), on: WaitOn::Stream(Stream::Compute) });
-                self.counters.waits += 1;
-                self.waited[g] = Some(s.launch);
-            }
-        }
-    }
-
-    /// Before a fetch launches bucket `g`: evict this scheduler's unused prefetches (newest
-    /// first) while the gathered memory would exceed `max_live_bytes`.
-    fn make_room(&mut self, reg: &mut InflightRegistry, g: usize, out: &mut Vec<Action>) {
-        let need = reg.slots[g].bytes;
-        while reg.live_bytes.saturating_add(need) > self.config.max_live_bytes {
-            let Some(v) = self.pending.pop_back() else { break };
-            let v = v as usize;
-            if reg.slots[v].gathered.as_ref().is_some_and(|s| s.prefetched_by == Some(self.owner)) {
-                self.free_slot(reg, v, out);
-                self.counters.evictions += 1;
-            }
-        }
-        if reg.live_bytes.saturating_add(need) > self.config.max_live_bytes {
-            self.counters.live_overruns += 1;
-        }
-    }
-
-    fn launch_gather(&mut self, reg: &mut InflightRegistry, g: usize, prefetch: bool, out: &mut Vec<Action>) {
-        let b = &self.t.gather[g];
-        let serial = reg.next_serial();
-        let id = LaunchId { serial, bucket: b.id, role: Role::Gather };
-        let mut after = Fences::new();
-        if let Some(ev) = reg.shards_fence {
-            after.push(Fence::Engine(ev));
-        }
-        out.push(Action::Launch(Launch {
-            id,
-            ops: b.ops.clone(),
-            stream: Stream::AllGather,
-            buffer: BufferId { bucket: b.id, serial },
-            bytes: b.memory_bytes(),
-            after,
-            prefetch,
-            reduce: None,
-        }));
-        reg.slots[g].gathered = Some(Gathered {
-            launch: id,
-            done: false,
-            users: 0,
-            prefetched_by: prefetch.then_some(self.owner),
-            consumers: Fences::new(),
-        });
-        reg.live_bytes += b.memory_bytes();
-        reg.peak_live_bytes = reg.peak_live_bytes.max(reg.live_bytes);
-        self.counters.peak_gathered_bytes = self.counters.peak_gathered_bytes.max(reg.live_bytes as u64);
-        self.counters.all_gathers += 1;
-        self.counters.ops_issued += b.ops.len() as u64;
-        for &k in &b.kinds {
-            self.counters.ops_by_kind[report::kind_slot(k)] += 1;
-        }
-        self.counters.gathered_bytes += b.gathered_bytes as u64;
-        if prefetch {
-            if let Some(a) = reg.ahead.get_mut(self.owner as usize) {
-                a.bytes += b.memory_bytes();
-                a.count += 1;
-            }
-            self.pending.push_back(g as u32);
-            self.counters.prefetch_launches += 1;
-        }
-    }
-
-    /// The prefetch policy proposes `b`.
-    fn offer(&mut self, reg: &mut InflightRegistry, b: BucketId, out: &mut Vec<Action>) -> Offer {
-        let Some(g) = self.t.gather_index(b) else { return Offer::Skipped };
-        if reg.slots[g].gathered.is_some() {
-            return Offer::Live;
-        }
-        let bytes = reg.slots[g].bytes;
-        let a = reg.ahead(self.owner);
-        let cfg = &self.config;
-        // The first bucket ahead is admitted whatever its size (a bucket larger than
-        // `prefetch_bytes` would otherwise never be prefetched); beyond it, `prefetch_bytes`
-        // bounds the bytes ahead. `max_inflight` and `max_live_bytes` always hold.
-        let over_bytes = a.count > 0 && a.bytes.saturating_add(bytes) > cfg.prefetch_bytes;
-        if a.count + 1 > cfg.max_inflight
-            || over_bytes
-            || reg.live_bytes.saturating_add(bytes) > cfg.max_live_bytes
-        {
-            return Offer::Stop;
-        }
-        self.launch_gather(reg, g, true, out);
-        Offer::Launched
-    }
-
-    /// The policy gave up on bucket `b`: free it if it is still this scheduler's unused
-    /// prefetch.
-    fn discard_prefetch(&mut self, reg: &mut InflightRegistry, b: BucketId, out: &mut Vec<Action>) {
-        let Some(g) = self.t.gather_index(b) else { return };
-        if reg.slots[g].gathered.as_ref().is_some_and(|s| s.prefetched_by == Some(self.owner) && s.users == 0)
-        {
-            if let Some(k) = self.pending.iter().position(|&x| x as usize == g) {
-                self.pending.remove(k);
-            }
-            self.free_slot(reg, g, out);
-            self.counters.discarded_prefetches += 1;
-        }
-    }
-
-    fn free_slot(&mut self, reg: &mut InflightRegistry, g: usize, out: &mut Vec<Action>) {
-        if let Some((launch, after)) = reg.take(g) {
-            out.push(Action::Free {
-                buffer: BufferId { bucket: launch.bucket, serial: launch.serial },
-                after,
-            });
-            self.waited[g] = None;
-        }
-    }
-
-    fn open_grad(&mut self, reg: &mut InflightRegistry, j: usize, out: &mut Vec<Action>) -> BufferId {
-        if let Some(b) = self.grad_buffer[j] {
-            return b;
-        }
-        let b = BufferId { bucket: self.t.grad[j].id, serial: reg.next_serial() };
-        out.push(Action::AllocGrad { buffer: b, bytes: self.t.grad_bytes(j) });
-        self.grad_buffer[j] = Some(b);
-        b
-    }
-
-    fn launch_reduce(&mut self, reg: &mut InflightRegistry, j: usize, out: &mut Vec<Action>) {
-        let buffer = self.open_grad(reg, j, out);
-        self.grad_buffer[j] = None;
-        let bytes = self.t.grad_bytes(j);
-        let b = &self.t.grad[j];
-        let id = LaunchId { serial: reg.next_serial(), bucket: b.id, role: Role::Reduce };
-        out.push(Action::Launch(Launch {
-            id,
-            ops: b.ops.clone(),
-            stream: Stream::ReduceScatter,
-            buffer,
-            bytes,
-            after: Fences::new(),
-            prefetch: false,
-            reduce: Some(self.t.grad_reduce[j]),
-        }));
-        let mut after = Fences::new();
-        after.push(Fence::Op(id));
-        out.push(Action::Free { buffer, after });
-        self.grad_launched[j] = true;
-        self.reduce_slot[j] = self.reduces.len() as u32;
-        self.reduces.push((id, false));
-        self.counters.reduce_scatters += 1;
-        self.counters.ops_issued += b.ops.len() as u64;
-        for &k in &b.kinds {
-            self.counters.ops_by_kind[report::kind_slot(k)] += 1;
-        }
-        self.counters.reduced_bytes += bytes as u64;
     }
 }

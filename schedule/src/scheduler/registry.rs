@@ -26,7 +26,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use crate::buckets::{BucketId, ParamId};
 
 use super::action::{BufferId, EngineEvent, Fence, Fences, LaunchId};
-use super::input::ScheduleInput;
+use super::input::{BucketInput, ScheduleInput};
 
 static NEXT_REGISTRY: AtomicU64 = AtomicU64::new(1);
 
@@ -46,22 +46,22 @@ pub enum ParamState {
 
 /// A gathered bucket.
 #[derive(Clone, Debug)]
-pub(crate) struct Gathered {
-    pub(crate) launch: LaunchId,
-    pub(crate) done: bool,
+struct Gathered {
+    launch: LaunchId,
+    done: bool,
     /// Unreleased fetches of the bucket's parameters (all schedulers).
-    pub(crate) users: u32,
+    users: u32,
     /// The scheduler slot that prefetched it, until the first fetch.
-    pub(crate) prefetched_by: Option<u32>,
+    prefetched_by: Option<u32>,
     /// Latest consumer event per engine queue.
-    pub(crate) consumers: Fences,
+    consumers: Fences,
 }
 
 #[derive(Clone, Debug)]
-pub(crate) struct Slot {
-    pub(crate) id: BucketId,
-    pub(crate) bytes: usize,
-    pub(crate) gathered: Option<Gathered>,
+struct Slot {
+    id: BucketId,
+    bytes: usize,
+    gathered: Option<Gathered>,
 }
 
 /// Prefetch budget use of one attached scheduler.
@@ -77,16 +77,25 @@ pub(crate) struct Ahead {
 /// ([`Scheduler::new`](super::Scheduler::new)); pass it to every
 /// [`Scheduler::handle`](super::Scheduler::handle) call.
 #[derive(Debug)]
+///
+/// Invariants, kept by its operations: `live_bytes` is the sum of the bytes of the gathered
+/// slots; a slot's `users` is the sum of `param_users` over its parameters; `ahead[o]` counts
+/// the slots with `prefetched_by == Some(o)`; launch serials only grow.
 pub struct InflightRegistry {
-    pub(crate) uid: u64,
-    pub(crate) param_bucket: Vec<u32>,
-    pub(crate) param_users: Vec<u32>,
-    pub(crate) slots: Vec<Slot>,
-    pub(crate) live_bytes: usize,
-    pub(crate) peak_live_bytes: usize,
-    pub(crate) ahead: Vec<Ahead>,
-    pub(crate) next_serial: u64,
-    pub(crate) shards_fence: Option<EngineEvent>,
+    uid: u64,
+    /// Per parameter: the position of its gather bucket.
+    param_bucket: Vec<u32>,
+    /// Per parameter: unreleased fetches (all schedulers).
+    param_users: Vec<u32>,
+    /// Per gather bucket (by position).
+    slots: Vec<Slot>,
+    live_bytes: usize,
+    peak_live_bytes: usize,
+    /// Per attached scheduler.
+    ahead: Vec<Ahead>,
+    next_serial: u64,
+    /// The optimizer's last shard update: later gathers wait for it.
+    shards_fence: Option<EngineEvent>,
 }
 
 impl InflightRegistry {
@@ -170,6 +179,108 @@ impl InflightRegistry {
         self.slots.iter().filter_map(|s| s.gathered.as_ref().map(|g| (s.id, g.launch, g.users)))
     }
 
+    /// Which registry this is (schedulers check they were attached to it).
+    pub(crate) fn uid(&self) -> u64 {
+        self.uid
+    }
+
+    /// Whether this registry was created for gather buckets `gather` holding parameters as
+    /// `param_bucket` says.
+    pub(crate) fn fits(&self, param_bucket: &[u32], gather: &[BucketInput]) -> bool {
+        self.param_bucket == param_bucket
+            && self.slots.len() == gather.len()
+            && self.slots.iter().zip(gather).all(|(s, b)| s.id == b.id && s.bytes == b.memory_bytes())
+    }
+
+    /// Gather buckets (slots).
+    pub(crate) fn buckets(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Launch serials issued so far (every id below is known).
+    pub(crate) fn issued(&self) -> u64 {
+        self.next_serial
+    }
+
+    /// Bytes of bucket `g` when gathered (with its unpacked copy).
+    pub(crate) fn bucket_bytes(&self, g: usize) -> usize {
+        self.slots[g].bytes
+    }
+
+    /// The launch gathering bucket `g` and whether it completed, if gathered.
+    pub(crate) fn launch_of(&self, g: usize) -> Option<(LaunchId, bool)> {
+        self.slots[g].gathered.as_ref().map(|s| (s.launch, s.done))
+    }
+
+    /// Whether bucket `g` is gathered and was prefetched by scheduler `owner`, not fetched yet.
+    pub(crate) fn prefetched_by(&self, g: usize, owner: u32) -> bool {
+        self.slots[g].gathered.as_ref().is_some_and(|s| s.prefetched_by == Some(owner))
+    }
+
+    /// Whether bucket `g` is a prefetch (of `owner`, or of anyone when `None`) nobody uses.
+    pub(crate) fn unused_prefetch(&self, g: usize, owner: Option<u32>) -> bool {
+        self.slots[g].gathered.as_ref().is_some_and(|s| {
+            s.users == 0 && s.prefetched_by.is_some() && (owner.is_none() || s.prefetched_by == owner)
+        })
+    }
+
+    /// The optimizer's last shard update, which new gathers wait for.
+    pub(crate) fn shards_fence(&self) -> Option<EngineEvent> {
+        self.shards_fence
+    }
+
+    /// Records the optimizer's shard update `ev`.
+    pub(crate) fn set_shards_fence(&mut self, ev: EngineEvent) {
+        self.shards_fence = Some(ev);
+    }
+
+    /// Marks bucket `g` gathered by `launch` (prefetched by scheduler `prefetched_by`, or
+    /// fetched); counts its bytes live (and ahead for a prefetch). Returns the live bytes.
+    pub(crate) fn start_gather(&mut self, g: usize, launch: LaunchId, prefetched_by: Option<u32>) -> usize {
+        let bytes = self.slots[g].bytes;
+        self.slots[g].gathered =
+            Some(Gathered { launch, done: false, users: 0, prefetched_by, consumers: Fences::new() });
+        self.live_bytes += bytes;
+        self.peak_live_bytes = self.peak_live_bytes.max(self.live_bytes);
+        if let Some(a) = prefetched_by.and_then(|o| self.ahead.get_mut(o as usize)) {
+            a.bytes += bytes;
+            a.count += 1;
+        }
+        self.live_bytes
+    }
+
+    /// Gather `id` of bucket `g` completed (a stale id, of a buffer already freed, changes
+    /// nothing).
+    pub(crate) fn complete(&mut self, g: usize, id: LaunchId) {
+        if let Some(s) = self.slots[g].gathered.as_mut().filter(|s| s.launch == id) {
+            s.done = true;
+        }
+    }
+
+    /// One more fetch of parameter `p` of bucket `g`.
+    pub(crate) fn add_user(&mut self, p: ParamId, g: usize) {
+        self.param_users[p.index()] += 1;
+        if let Some(s) = self.slots[g].gathered.as_mut() {
+            s.users += 1;
+        }
+    }
+
+    /// One fetch of parameter `p` of bucket `g` released after `after`; returns whether it was
+    /// the bucket's last user (then the caller frees it with [`take`](Self::take)).
+    pub(crate) fn release_user(&mut self, p: ParamId, g: usize, after: Option<EngineEvent>) -> bool {
+        self.param_users[p.index()] -= 1;
+        match self.slots[g].gathered.as_mut() {
+            Some(s) => {
+                s.users -= 1;
+                if let Some(ev) = after {
+                    add_consumer(&mut s.consumers, ev);
+                }
+                s.users == 0
+            }
+            None => false,
+        }
+    }
+
     /// Bytes launched ahead (prefetched, not yet fetched) by the scheduler in slot `owner`.
     pub(crate) fn ahead(&self, owner: u32) -> Ahead {
         self.ahead.get(owner as usize).copied().unwrap_or_default()
@@ -213,7 +324,7 @@ impl InflightRegistry {
 }
 
 /// Adds a consumer event, keeping only the latest per engine queue.
-pub(crate) fn add_consumer(fences: &mut Fences, ev: EngineEvent) {
+fn add_consumer(fences: &mut Fences, ev: EngineEvent) {
     for f in fences.iter_mut() {
         if let Fence::Engine(e) = f {
             if e.queue == ev.queue {
