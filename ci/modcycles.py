@@ -3,7 +3,7 @@
 
 Every `crate::`, `super::` and `self::` path in a crate's non-test sources (use statements,
 brace groups expanded, and paths in code) is an edge from the module that writes it to the
-deepest module the path names. An edge between a module and its own ancestor or descendant is
+module that defines what the path names (re-exports followed). An edge between a module and its own ancestor or descendant is
 the module tree itself (a parent re-exports, a child names its parent's types) and is not
 counted; any other edge is lifted to the two sibling modules under their common parent. A cycle
 among siblings is an error: the imports of a crate must run one way.
@@ -82,9 +82,47 @@ def resolve(here: tuple[str, ...], path: str, is_mod_file: bool) -> tuple[str, .
     return tuple(base + [p.split(" as ")[0] for p in parts if p != "self"])
 
 
+PUB_USE = re.compile(r"\bpub(?:\([^)]*\))?\s+use\s+([^;]+);", re.S)
+
+
+def reexports(root: Path, files: dict) -> dict:
+    """Per module: the names it re-exports (`pub use a::b::Name;`), to where they resolve."""
+    out: dict[tuple[str, ...], dict[str, tuple[str, ...]]] = {}
+    for here, f in files.items():
+        text = strip_tests(f.read_text())
+        for m in PUB_USE.finditer(text):
+            for p in expand(m.group(1)):
+                p = p.replace(" ", "")
+                name = p.split("::")[-1].split(" as ")[-1]
+                if not p.startswith(("crate", "super", "self")):
+                    p = "self::" + p
+                target = resolve(here, p, False)
+                if target is not None and name and name != "*":
+                    out.setdefault(here, {})[name] = target
+    return out
+
+
+def locate(target: tuple[str, ...], mods: set, reexp: dict) -> tuple[str, ...]:
+    """The module that defines what `target` names, following re-exports."""
+    for _ in range(16):
+        mod = target
+        while mod and mod not in mods:
+            mod = mod[:-1]
+        rest = target[len(mod) :]
+        if rest and rest[0] in reexp.get(mod, {}):
+            nxt = reexp[mod][rest[0]] + rest[1:]
+            if nxt == target:
+                return mod
+            target = nxt
+            continue
+        return mod
+    return mod
+
+
 def check(root: Path) -> list[str]:
     files = {module_of(root, f): f for f in root.rglob("*.rs")}
     mods = {m for m in files if not (m and m[-1] == "tests")}
+    reexp = reexports(root, {m: files[m] for m in mods})
     edges: dict[tuple[str, ...], set[tuple[str, ...]]] = {}
     for here in mods:
         f = files[here]
@@ -95,8 +133,7 @@ def check(root: Path) -> list[str]:
             target = resolve(here, p.replace(" ", ""), f.name in ("mod.rs", "lib.rs"))
             if target is None:
                 continue
-            while target and target not in mods:
-                target = target[:-1]
+            target = locate(target, mods, reexp)
             n = 0
             while n < min(len(here), len(target)) and here[n] == target[n]:
                 n += 1

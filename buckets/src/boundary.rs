@@ -3,7 +3,6 @@
 use std::fmt;
 use std::str::FromStr;
 
-use crate::error::ParseBoundaryError;
 use crate::ParamSpec;
 
 /// How a module key is derived from a parameter's name (see [`Boundary`]).
@@ -240,4 +239,22 @@ mod tests {
             assert!(s.parse::<Boundary>().is_err(), "{s:?}");
         }
     }
+}
+
+/// A `--bucket-by` value that is not `size`, `module`, `module:D` (each `module` form with an
+/// optional `+pack`).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ParseBoundaryError {
+    /// Not one of the known forms.
+    #[error("unknown bucket boundary `{given}` (expected size, module or module:DEPTH, a module form optionally with +pack, e.g. module:3+pack)")]
+    Unknown {
+        /// What was given.
+        given: String,
+    },
+    /// `module:D` with a `D` that is not a positive integer.
+    #[error("bad module depth in `{given}`: D in module:D must be a positive integer (e.g. module:2 keeps `h.0` of `h.0.attn.qkv.weight`)")]
+    BadDepth {
+        /// What was given.
+        given: String,
+    },
 }

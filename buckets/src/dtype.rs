@@ -3,8 +3,6 @@
 use std::fmt;
 use std::str::FromStr;
 
-use crate::error::ParseDTypeError;
-
 /// The element type of a parameter (and of the buckets it is packed into).
 ///
 /// `F64`, `U8` and `I8` exist for payloads (quantized weights, optimizer state); reductions
@@ -95,4 +93,12 @@ impl FromStr for DType {
             _ => return Err(ParseDTypeError { given: s.to_string() }),
         })
     }
+}
+
+/// A dtype name that is not one of [`DType`]'s.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("unknown dtype `{given}` (expected one of f32, f16, bf16, f64, u8, i8)")]
+pub struct ParseDTypeError {
+    /// What was given.
+    pub given: String,
 }

@@ -29,22 +29,18 @@
 
 mod boundary;
 mod dtype;
-mod error;
 mod layout;
 mod param;
 mod sharding;
 
-pub use boundary::{Boundary, ModuleKey};
-pub use dtype::DType;
-pub use error::{
-    LayoutError, ParamError, ParamFileError, ParseBoundaryError, ParseDTypeError, ParseShardingError,
-};
+pub use boundary::{Boundary, ModuleKey, ParseBoundaryError};
+pub use dtype::{DType, ParseDTypeError};
 pub use layout::{
     Bucket, BucketId, BucketKind, CanonicalSink, GatheredSegment, GatheredSegments, Layout, LayoutBuilder,
-    LayoutDiff, Placement, Segment, Segments, DEFAULT_ALIGN, DEFAULT_BUCKET_BYTES,
+    LayoutDiff, LayoutError, Placement, Segment, Segments, DEFAULT_ALIGN, DEFAULT_BUCKET_BYTES,
 };
-pub use param::{ParamId, ParamSet, ParamSpec};
-pub use sharding::Sharding;
+pub use param::{ParamError, ParamFileError, ParamId, ParamSet, ParamSpec};
+pub use sharding::{ParseShardingError, Sharding};
 
 /// The entry point of the `parse_params` fuzz target (`fuzz/`): parses `text` with
 /// [`ParamSet::from_json`] and, when it is a valid set, buckets it by module (layer keys, and

@@ -6,7 +6,6 @@ use std::sync::Arc;
 
 use serde::Deserialize;
 
-use crate::error::{ParamError, ParamFileError};
 use crate::DType;
 
 /// Dense index of a parameter in its [`ParamSet`] (its position in the list).
@@ -310,4 +309,98 @@ impl ParamSet {
             }),
         })
     }
+}
+
+/// Why a parameter list was rejected by [`ParamSet::new`](crate::ParamSet::new).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ParamError {
+    /// The list holds no parameters.
+    #[error("the parameter list is empty: give at least one parameter")]
+    Empty,
+    /// A parameter without a name.
+    #[error("parameter #{index} has an empty name: every parameter needs a unique name")]
+    EmptyName {
+        /// Position in the list.
+        index: usize,
+    },
+    /// A parameter whose explicit module name is empty.
+    #[error("parameter `{name}` has an empty module name: leave `module` out (it is then derived from the name) or name the module, e.g. \"h.0\"")]
+    EmptyModule {
+        /// The parameter.
+        name: String,
+    },
+    /// Two parameters share a name.
+    #[error("duplicate parameter name `{name}` (entries #{first} and #{second}): names must be unique")]
+    DuplicateName {
+        /// The name.
+        name: String,
+        /// Position of its first occurrence.
+        first: usize,
+        /// Position of its second occurrence.
+        second: usize,
+    },
+    /// A dimension of size zero.
+    #[error(
+        "parameter `{name}` has shape {shape:?} with a zero in dimension {dim}: sizes must be at least 1"
+    )]
+    ZeroDim {
+        /// The parameter.
+        name: String,
+        /// Its shape.
+        shape: Vec<usize>,
+        /// The first zero dimension.
+        dim: usize,
+    },
+    /// The element count or byte size does not fit the address space.
+    #[error("parameter `{name}` with shape {shape:?} of {dtype} is too large to address")]
+    TooLarge {
+        /// The parameter.
+        name: String,
+        /// Its shape.
+        shape: Vec<usize>,
+        /// Its dtype.
+        dtype: DType,
+    },
+    /// More parameters than a [`ParamId`] can number.
+    #[error("{count} parameters: at most {max} are supported", max = u32::MAX)]
+    TooMany {
+        /// How many were given.
+        count: usize,
+    },
+    /// A trainability mask whose length is not the number of parameters.
+    #[error("trainability mask has {got} entries but there are {expected} parameters")]
+    MaskLength {
+        /// Entries in the mask.
+        got: usize,
+        /// Parameters in the set.
+        expected: usize,
+    },
+}
+
+/// Why a parameter file (JSON) was rejected by [`ParamSet::from_json`](crate::ParamSet::from_json).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ParamFileError {
+    /// Not valid JSON, or not the expected shape.
+    #[error("parameter file, line {line} column {column}: {message} (expected {{\"params\": [{{\"name\", \"shape\", \"dtype\", \"trainable\", \"module\"}}, ...]}})")]
+    Json {
+        /// 1-based line of the problem.
+        line: usize,
+        /// 1-based column of the problem.
+        column: usize,
+        /// What is wrong there.
+        message: String,
+    },
+    /// A dtype name that is not one of [`DType`]'s.
+    #[error("parameter `{name}` (entry #{index}): unknown dtype `{dtype}` (expected one of f32, f16, bf16, f64, u8, i8)")]
+    UnknownDType {
+        /// The parameter.
+        name: String,
+        /// Position in the list.
+        index: usize,
+        /// The dtype as given.
+        dtype: String,
+    },
+    /// The list parsed but is not a valid parameter set.
+    #[error(transparent)]
+    Param(#[from] ParamError),
 }

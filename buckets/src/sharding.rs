@@ -3,8 +3,6 @@
 use std::fmt;
 use std::str::FromStr;
 
-use crate::error::ParseShardingError;
-
 /// A sharding strategy: the parameter-to-rank map of every bucket.
 ///
 /// Text form (the `--strategy` flag): `even`, `flat`, `greedy`, `hybrid:G`.
@@ -80,4 +78,21 @@ impl FromStr for Sharding {
             },
         }
     }
+}
+
+/// A sharding strategy name that is not `even`, `flat`, `greedy` or `hybrid:G`.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ParseShardingError {
+    /// Not one of the known names.
+    #[error("unknown sharding strategy `{given}` (expected even, flat, greedy or hybrid:G)")]
+    Unknown {
+        /// What was given.
+        given: String,
+    },
+    /// `hybrid:G` with a `G` that is not a positive integer.
+    #[error("bad group size in `{given}`: G in hybrid:G must be a positive integer (e.g. hybrid:8)")]
+    BadGroup {
+        /// What was given.
+        given: String,
+    },
 }

@@ -202,7 +202,8 @@ fn extra_groups(plan: &Plan) -> Result<Vec<crate::backend::RankGroup>, DemoError
     for op in plan.ops() {
         let groups = op.groups();
         for g in 0..groups.count() {
-            let group = RankGroup::new(groups.ranks(g).map(|r| r as usize).collect::<Vec<_>>())?;
+            let group = RankGroup::new(groups.ranks(g).map(|r| r as usize).collect::<Vec<_>>())
+                .map_err(BackendError::from)?;
             if group != world && !out.contains(&group) {
                 out.push(group);
             }

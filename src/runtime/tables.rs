@@ -64,7 +64,7 @@ fn group_of(plan: &Plan, op: collsched_schedule::OpId, rank: usize) -> Result<Ra
         rank,
         op: "plan",
         bucket: Some(o.bucket()),
-        source,
+        source: source.into(),
     })
 }
 

@@ -36,7 +36,7 @@ use crate::backend::{Backend, BackendEvent};
 /// ([`Views::copy_to_host`], [`Views::read_f32`]). Views are **read-only**: writing through
 /// a device pointer obtained from one is not allowed (other coordinators on the model see the
 /// same buffers, and the shards are the parameters' truth: update them with
-/// [`Coordinator::update_shards`]). No collective reads a buffer a view shows: the gathered
+/// [`Coordinator::update_shards`](super::Coordinator::update_shards)). No collective reads a buffer a view shows: the gathered
 /// buffer is the output of a completed collective, and the pool hands it to a new gather only
 /// after its `Free` and the events that free waits for.
 pub struct Views<'a, B: Backend> {

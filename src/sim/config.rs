@@ -151,7 +151,7 @@ pub struct SimConfig {
     /// `bucket_bytes`: the layout's bucket cap. Default 64 MiB (ignored by [`Policy::Naive`],
     /// which puts every parameter in its own bucket).
     pub bucket_bytes: usize,
-    /// `bucket_by`: where buckets end ([`LayoutBuilder::boundary`]). Default
+    /// `bucket_by`: where buckets end ([`LayoutBuilder::boundary`](collsched_buckets::LayoutBuilder::boundary)). Default
     /// [`DEFAULT_SIM_BOUNDARY`] (ignored by [`Policy::Naive`]).
     pub boundary: Boundary,
     /// `prefetch_bytes`: the scheduler's prefetch budget. Default the scheduler's

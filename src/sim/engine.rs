@@ -1,5 +1,5 @@
 //! The simulated backend: every rank's real [`Scheduler`] driven by a workload on a virtual
-//! clock, collectives priced by [`CostModel`], compute by FLOPs over an achieved throughput.
+//! clock, collectives priced by [`CostModel`](collsched_topo::CostModel), compute by FLOPs over an achieved throughput.
 //!
 //! # Model
 //! - **Clock**: integer nanoseconds (deterministic; no float accumulation across events).
@@ -15,7 +15,7 @@
 //! - **Streams**: the compute stream is the rank's clock; the all-gather and reduce-scatter
 //!   streams are FIFO timelines. A collective starts when every rank launched it (at its host
 //!   time, after its fences) and the previous collective of that stream ended, and lasts
-//!   [`CostModel::time`] (or [`CostModel::group_call_time`] when a launch holds several plan
+//!   [`CostModel::time`](collsched_topo::CostModel::time) (or [`CostModel::group_call_time`](collsched_topo::CostModel::group_call_time) when a launch holds several plan
 //!   ops); a group of one rank moves nothing and costs 0. All ranks issue the same collectives
 //!   in the same order (the scheduler's determinism rule), which the simulator checks.
 //! - **Actions**: `Launch` queues the collective (and allocates a gathered buffer);

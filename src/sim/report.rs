@@ -72,7 +72,7 @@ pub struct Span {
     pub dur_ns: u64,
     /// What it is.
     pub kind: SpanKind,
-    /// The layer (compute spans; index into [`Workload::layers`]) or the bucket (collectives).
+    /// The layer (compute spans; index into [`Workload::layers`](super::workload::Workload::layers)) or the bucket (collectives).
     pub index: u32,
     /// Step (0-based).
     pub step: u32,
@@ -80,7 +80,7 @@ pub struct Span {
     pub prefetch: bool,
 }
 
-/// Every span of a simulation (recorded with [`SimConfig::timeline`]).
+/// Every span of a simulation (recorded with [`SimConfig::timeline`](super::SimConfig::timeline)).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Timeline {
     /// Per rank: its compute-lane spans (compute, waits, host overhead) in time order.

@@ -2,12 +2,12 @@
 
 use crate::{DType, ParamId};
 
-/// Dense index of a bucket in its [`Layout`]: gather buckets first, then gradient buckets.
+/// Dense index of a bucket in its [`Layout`](super::Layout): gather buckets first, then gradient buckets.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct BucketId(pub u32);
 
 impl BucketId {
-    /// The id as an index into [`Layout::buckets`].
+    /// The id as an index into [`Layout::buckets`](super::Layout::buckets).
     pub const fn index(self) -> usize {
         self.0 as usize
     }
@@ -179,7 +179,7 @@ impl Bucket {
     }
 
     /// For a gradient bucket, the gather bucket it belongs to (`None` for a gather bucket;
-    /// the other direction is [`Layout::grad_bucket_for`]).
+    /// the other direction is [`Layout::grad_bucket_for`](super::Layout::grad_bucket_for)).
     pub fn gather_bucket(&self) -> Option<BucketId> {
         self.source
     }
@@ -463,7 +463,7 @@ impl Iterator for GatheredSegments<'_> {
     }
 }
 
-/// Receives the canonical encoding of a [`Layout`] (see [`Layout::encode_canonical`]); the
+/// Receives the canonical encoding of a [`Layout`](super::Layout) (see [`Layout::encode_canonical`](super::Layout::encode_canonical)); the
 /// plan fingerprint hashes it.
 pub trait CanonicalSink {
     /// One 64-bit word.

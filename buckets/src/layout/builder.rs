@@ -1,7 +1,7 @@
 //! [`LayoutBuilder`]: the knobs, validation, and the grouping loop that cuts parameters into
 //! buckets (by size, dtype and module boundary) before a strategy shards each bucket.
 
-use crate::error::LayoutError;
+use super::error::LayoutError;
 use crate::{Boundary, DType, ModuleKey, ParamId, ParamSet, Sharding};
 
 use super::bucket::{BucketId, BucketKind};

@@ -1,7 +1,7 @@
 //! Gradient buckets: a gather bucket's trainable parameters, every element owned by the rank
 //! that owns it in the gather bucket, so no gradient element changes owner.
 
-use crate::error::LayoutError;
+use super::error::LayoutError;
 use crate::ParamId;
 
 use super::bucket::{Bucket, BucketId, BucketKind, ShardMap};

@@ -13,6 +13,7 @@
 
 mod bucket;
 mod builder;
+mod error;
 mod grad;
 mod strategy;
 #[cfg(test)]
@@ -23,8 +24,8 @@ pub use bucket::{
     Segments,
 };
 pub use builder::LayoutBuilder;
+pub use error::LayoutError;
 
-use crate::error::LayoutError;
 use crate::{Boundary, ModuleKey, ParamId, ParamSet, Sharding};
 
 use strategy::Sharder;

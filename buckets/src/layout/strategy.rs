@@ -4,7 +4,7 @@
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
-use crate::error::LayoutError;
+use super::error::LayoutError;
 use crate::{DType, ParamId};
 
 use super::bucket::{Bucket, BucketId, BucketKind, ShardMap};

@@ -89,8 +89,8 @@ pub use rendezvous::{BootstrapError, FileRendezvous, LaunchEnv};
 pub use world::CudaWorld;
 
 use super::{
-    Backend, BackendBuffer, BackendError, BackendEvent, CollKind, Collective, InFlight, LaunchError, OnDrop,
-    OpId, RankGroup, Stream,
+    Backend, BackendBuffer, BackendError, BackendEvent, CollKind, CollRef, Collective, InFlight, LaunchError,
+    OnDrop, RankGroup, Stream,
 };
 
 /// A raw CUDA stream handle (`CUstream`, the same as the runtime's `cudaStream_t`).
@@ -352,7 +352,7 @@ impl CudaBackend {
     fn invalid(&self, desc: &super::CollDesc, stream: Stream, what: String) -> BackendError {
         BackendError::InvalidCollective {
             rank: self.rank,
-            op: Box::new(OpId { desc: desc.clone(), stream, seq: None }),
+            op: Box::new(CollRef { desc: desc.clone(), stream, seq: None }),
             what,
         }
     }

@@ -56,8 +56,8 @@ use self::event::EventPool;
 use self::rendezvous::{Channels, Departures, OpPost, Post, RawPtr};
 use self::stream::{HostFn, Queue, Work};
 use crate::backend::{
-    Backend, BackendBuffer, BackendError, CollKind, Collective, InFlight, LaunchError, OnDrop, OpId,
-    RankGroup, Stream,
+    Backend, BackendBuffer, BackendError, CollKind, CollRef, Collective, InFlight, InvalidGroup, LaunchError,
+    OnDrop, RankGroup, Stream,
 };
 
 /// Default of [`LocalConfig::timeout`]: 300 s.
@@ -136,10 +136,10 @@ impl LocalWorld {
     /// [`BackendError::InvalidGroup`] if `n == 0`.
     pub fn with_config(n: usize, config: LocalConfig) -> Result<Self, BackendError> {
         if n == 0 {
-            return Err(BackendError::InvalidGroup {
+            return Err(BackendError::InvalidGroup(InvalidGroup {
                 ranks: Vec::new(),
                 what: "a local world needs at least one rank (LocalWorld::new(0))".into(),
-            });
+            }));
         }
         let cores = std::thread::available_parallelism().map_or(1, NonZeroUsize::get);
         Ok(LocalWorld {
@@ -172,16 +172,16 @@ impl LocalWorld {
     /// [`BackendError::InvalidGroup`] if `r` is out of range or was already taken.
     pub fn rank(&self, r: usize) -> Result<LocalRank, BackendError> {
         let Some(flag) = self.shared.claimed.get(r) else {
-            return Err(BackendError::InvalidGroup {
+            return Err(BackendError::InvalidGroup(InvalidGroup {
                 ranks: vec![r],
                 what: format!("rank {r} does not exist in a local world of {} ranks", self.shared.n),
-            });
+            }));
         };
         if flag.swap(true, Ordering::SeqCst) {
-            return Err(BackendError::InvalidGroup {
+            return Err(BackendError::InvalidGroup(InvalidGroup {
                 ranks: vec![r],
                 what: format!("rank {r} of this local world was already taken; each rank has one handle"),
-            });
+            }));
         }
         let pool = Arc::new(Pool::new(r, self.shared.config.timeout));
         let drop_pool = Arc::clone(&pool);
@@ -312,8 +312,8 @@ impl LocalRank {
         self.pool.allocations()
     }
 
-    fn op_id(&self, stream: Stream, c: &Collective<LocalBuffer>) -> Box<OpId> {
-        Box::new(OpId { desc: c.desc.clone(), stream, seq: None })
+    fn op_id(&self, stream: Stream, c: &Collective<LocalBuffer>) -> Box<CollRef> {
+        Box::new(CollRef { desc: c.desc.clone(), stream, seq: None })
     }
 
     /// Checks a group launch and builds this rank's post.

@@ -30,7 +30,7 @@ use collsched_kernels::{copy_piece, reduce_piece};
 use smallvec::SmallVec;
 
 use super::LocalConfig;
-use crate::backend::{BackendError, CollDesc, CollKind, OpId, RankGroup, Stream};
+use crate::backend::{BackendError, CollDesc, CollKind, CollRef, RankGroup, Stream};
 
 /// A raw pointer into a rank's buffer, shared with the peers of one collective.
 #[derive(Clone, Copy, Debug)]
@@ -266,7 +266,13 @@ impl Channel {
         }
     }
 
-    fn abort_error(&self, caller: &Caller<'_>, op: &OpId, abort: &Abort, waited: Duration) -> BackendError {
+    fn abort_error(
+        &self,
+        caller: &Caller<'_>,
+        op: &CollRef,
+        abort: &Abort,
+        waited: Duration,
+    ) -> BackendError {
         let op = Box::new(op.clone());
         let rank = caller.rank;
         match abort.clone() {
@@ -289,7 +295,7 @@ impl Channel {
         caller: &Caller<'_>,
         seq: u64,
         arrival: Arrival,
-        op: &OpId,
+        op: &CollRef,
     ) -> Result<(), BackendError> {
         let n = self.group.len();
         let Some(me) = self.group.position(caller.rank) else {
@@ -532,7 +538,7 @@ impl Channel {
 /// Runs `f`, turning a panic into an error (so the member still departs).
 fn guarded(
     caller: &Caller<'_>,
-    op: &OpId,
+    op: &CollRef,
     f: impl FnOnce() -> Result<(), BackendError>,
 ) -> Result<(), BackendError> {
     catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|p| {
@@ -681,7 +687,12 @@ impl Piece {
 /// speed nobody helps, and when one is slower (descheduled, or on a busier core) the others
 /// finish its pieces instead of waiting for it at the departure barrier. Every piece is written
 /// by exactly one thread, and nobody reads a reduced output before the barrier that follows.
-fn reduce_shared(me: usize, running: &Running, caller: &Caller<'_>, op: &OpId) -> Result<(), BackendError> {
+fn reduce_shared(
+    me: usize,
+    running: &Running,
+    caller: &Caller<'_>,
+    op: &CollRef,
+) -> Result<(), BackendError> {
     let posts = &running.posts;
     let n = posts.len();
     // Every piece's input slices, refilled per piece (on the heap beyond 16 ranks: once per
@@ -744,7 +755,7 @@ fn move_data_second(me: usize, posts: &[Post]) -> Result<(), BackendError> {
     Ok(())
 }
 
-fn kernel_error(rank: usize, op: &OpId, source: collsched_kernels::KernelError) -> BackendError {
+fn kernel_error(rank: usize, op: &CollRef, source: collsched_kernels::KernelError) -> BackendError {
     BackendError::Kernel { rank, op: Box::new(op.clone()), source }
 }
 

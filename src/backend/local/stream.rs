@@ -12,7 +12,7 @@ use smallvec::SmallVec;
 use super::event::LocalEvent;
 use super::rendezvous::{Arrival, Caller, Channel, Post};
 use super::WorldShared;
-use crate::backend::{BackendError, BackendEvent, CollDesc, OpId, RankGroup, Stream};
+use crate::backend::{BackendError, BackendEvent, CollDesc, CollRef, RankGroup, Stream};
 
 /// Host work enqueued on a stream.
 pub(super) type HostFn = Box<dyn FnOnce() -> Result<(), BackendError> + Send>;
@@ -219,7 +219,7 @@ impl StreamThread {
                 let chan = Arc::clone(&entry.0);
                 let seq = entry.1;
                 entry.1 += 1;
-                let op = OpId { desc: first, stream: self.stream, seq: Some(seq) };
+                let op = CollRef { desc: first, stream: self.stream, seq: Some(seq) };
                 tracing::trace!(target: "collsched::coll", rank = self.rank, %op, ops = post.len(), "collective starts");
                 let arrival = match self.poison.clone() {
                     Some(p) => Arrival::Failed(p),
