@@ -86,7 +86,7 @@ pub(super) fn launch_in_stream_order<B: Backend, I: IntoIterator<Item = Chained<
                 op: Box::new(CollRef { desc, stream, seq: None }),
                 what,
             },
-            None => BackendError::Unsupported { what: format!("rank {}: {what}", backend.rank()) },
+            None => BackendError::InvalidLaunch { rank: backend.rank(), what },
         };
         let outputs = next.into_iter().map(|c| c.output).collect();
         return Err(Box::new(ChainError { error, first, outputs }));

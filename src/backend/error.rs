@@ -146,6 +146,21 @@ pub enum BackendError {
         /// The library's error code and message.
         detail: String,
     },
+    /// A launch this backend refuses before anything runs (an empty group launch, ...).
+    #[error("rank {rank}: {what}")]
+    InvalidLaunch {
+        /// The rank.
+        rank: usize,
+        /// What is wrong and what to do.
+        what: String,
+    },
+    /// A broken invariant of the backend itself, or a kernel or host function that panicked: a
+    /// bug in collsched (report it with the message), not in the caller's input.
+    #[error("internal error (a bug in collsched; please report it): {what}")]
+    Internal {
+        /// What broke, with the rank and op where known.
+        what: String,
+    },
     /// Not supported by this backend or build.
     #[error("{what}")]
     Unsupported {

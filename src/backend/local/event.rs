@@ -117,8 +117,8 @@ impl LocalEvent {
         match self.0.state.load(Ordering::Acquire) {
             PENDING => Ok(false),
             DONE => Ok(true),
-            _ => Err(self.0.error.get().cloned().unwrap_or(BackendError::Unsupported {
-                what: "event failed without an error (a bug in the local backend)".into(),
+            _ => Err(self.0.error.get().cloned().unwrap_or(BackendError::Internal {
+                what: "local backend: an event failed without an error".into(),
             })),
         }
     }

@@ -38,6 +38,7 @@
 
 mod buffer;
 mod event;
+mod moves;
 mod rendezvous;
 mod stream;
 
@@ -53,7 +54,8 @@ pub use event::LocalEvent;
 
 use self::buffer::Pool;
 use self::event::EventPool;
-use self::rendezvous::{Channels, Departures, OpPost, Post, RawPtr};
+use self::moves::{OpPost, Post, RawPtr};
+use self::rendezvous::{Channels, Departures};
 use self::stream::{HostFn, Queue, Work};
 use crate::backend::{
     Backend, BackendBuffer, BackendError, CollKind, CollRef, Collective, InFlight, InvalidGroup, LaunchError,
@@ -324,8 +326,9 @@ impl LocalRank {
     ) -> Result<(RankGroup, Post), BackendError> {
         let rank = self.rank;
         let Some(first) = ops.first() else {
-            return Err(BackendError::Unsupported {
-                what: format!("rank {rank}: launch_group on stream {stream} got no collectives"),
+            return Err(BackendError::InvalidLaunch {
+                rank,
+                what: format!("launch_group on stream {stream} got no collectives; pass at least one"),
             });
         };
         let group = first.desc.group.clone();

@@ -10,7 +10,8 @@ use crossbeam::utils::Backoff;
 use smallvec::SmallVec;
 
 use super::event::LocalEvent;
-use super::rendezvous::{Arrival, Caller, Channel, Post};
+use super::moves::Post;
+use super::rendezvous::{Arrival, Caller, Channel};
 use super::WorldShared;
 use crate::backend::{BackendError, BackendEvent, CollDesc, CollRef, RankGroup, Stream};
 
@@ -200,7 +201,7 @@ impl StreamThread {
                 let result = match self.poison.clone() {
                     Some(p) => Err(p),
                     None => catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|_| {
-                        Err(BackendError::Unsupported {
+                        Err(BackendError::Internal {
                             what: format!("rank {}: host work on stream {} panicked", self.rank, self.stream),
                         })
                     }),
