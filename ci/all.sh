@@ -7,6 +7,7 @@ start=$(date +%s)
 step() { echo "== ci: $1 ($(( $(date +%s) - start ))s)"; bash "ci/$1.sh"; }
 step setup
 step fmt
+step house
 step clippy
 step test
 for extra in doc ptx fuzz; do
