@@ -5,9 +5,8 @@ use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
 use collsched::backend::local::{LocalBuffer, LocalConfig, LocalRank, LocalWorld};
-use collsched::backend::{
-    Backend, BackendError, CollDesc, CollKind, Collective, InFlight, RankGroup, Stream,
-};
+use collsched::backend::CollectiveKind;
+use collsched::backend::{Backend, BackendError, CollDesc, Collective, InFlight, RankGroup, Stream};
 use collsched::kernels::ElemType;
 
 /// Long enough never to fire in a test that relies on departure detection; those tests check the
@@ -60,7 +59,7 @@ fn panicking_rank_fails_the_others_at_once() {
             BackendError::PeerFailed { rank, op, missing, reason } => {
                 assert_eq!(*rank, r);
                 assert_eq!(missing, &vec![1]);
-                assert_eq!(op.desc.kind, CollKind::AllGather);
+                assert_eq!(op.desc.kind, CollectiveKind::AllGather);
                 assert_eq!(op.desc.tag, 3);
                 assert_eq!(op.seq, Some(0));
                 assert!(reason.contains("panicked"), "{reason}");

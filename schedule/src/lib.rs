@@ -10,8 +10,9 @@ pub use collsched_buckets as buckets;
 pub mod fingerprint;
 pub mod plan;
 
+pub use collsched_topo::CollectiveKind;
 pub use fingerprint::{PlanFingerprint, StableHasher};
-pub use plan::{plan_from_json, BufferRole, CopyRun, Op, OpId, OpKind, Plan, PlanInputError, RankGroups};
+pub use plan::{plan_from_json, BufferRole, CopyRun, Op, OpId, Plan, PlanInputError, RankGroups};
 
 pub mod scheduler;
 pub use scheduler::{

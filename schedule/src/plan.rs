@@ -22,6 +22,7 @@ use collsched_buckets::{
 };
 
 use crate::fingerprint::{PlanFingerprint, StableHasher};
+use collsched_topo::CollectiveKind;
 
 /// Dense index of an op in its [`Plan`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -40,37 +41,13 @@ impl std::fmt::Display for OpId {
     }
 }
 
-/// The collective an op runs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum OpKind {
-    /// Every rank contributes its shard; every rank receives the gathered buffer.
-    AllGather,
-    /// Every rank contributes a full buffer; every rank receives its shard of the sum.
-    ReduceScatter,
-    /// Every rank contributes a buffer; every rank receives the sum.
-    AllReduce,
-    /// The root's buffer is copied to every rank.
-    Broadcast,
-}
-
-impl OpKind {
-    /// `all_gather`, `reduce_scatter`, `all_reduce` or `broadcast`, as in the plan JSON.
-    pub const fn name(self) -> &'static str {
-        match self {
-            OpKind::AllGather => "all_gather",
-            OpKind::ReduceScatter => "reduce_scatter",
-            OpKind::AllReduce => "all_reduce",
-            OpKind::Broadcast => "broadcast",
-        }
-    }
-
-    const fn code(self) -> u64 {
-        match self {
-            OpKind::AllGather => 1,
-            OpKind::ReduceScatter => 2,
-            OpKind::AllReduce => 3,
-            OpKind::Broadcast => 4,
-        }
+/// The fingerprint's code of a collective kind (part of the plan's canonical encoding).
+const fn kind_code(kind: CollectiveKind) -> u64 {
+    match kind {
+        CollectiveKind::AllGather => 1,
+        CollectiveKind::ReduceScatter => 2,
+        CollectiveKind::AllReduce => 3,
+        CollectiveKind::Broadcast => 4,
     }
 }
 
@@ -158,7 +135,7 @@ pub enum BufferRole {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Op {
     id: OpId,
-    kind: OpKind,
+    kind: CollectiveKind,
     bucket: BucketId,
     groups: RankGroups,
     bytes_per_rank: usize,
@@ -176,7 +153,7 @@ impl Op {
     }
 
     /// The collective.
-    pub fn kind(&self) -> OpKind {
+    pub fn kind(&self) -> CollectiveKind {
         self.kind
     }
 
@@ -224,7 +201,7 @@ impl Op {
 
     fn encode(&self, h: &mut StableHasher) {
         h.word(u64::from(self.id.0));
-        h.word(self.kind.code());
+        h.word(kind_code(self.kind));
         h.word(u64::from(self.bucket.0));
         h.word(u64::from(self.groups.world) | (u64::from(self.groups.step) << 32));
         h.word(u64::from(self.groups.strided));
@@ -265,13 +242,13 @@ pub struct CopyRun {
 /// # Examples
 /// ```
 /// use collsched_buckets::{DType, LayoutBuilder, ParamSet, ParamSpec, Sharding};
-/// use collsched_schedule::{OpKind, Plan};
+/// use collsched_schedule::{CollectiveKind, Plan};
 /// let set = ParamSet::new(vec![ParamSpec::new("w", [4096], DType::BF16)]).unwrap();
 /// let layout = LayoutBuilder::new(&set, Sharding::Hybrid(2), 4).build().unwrap();
 /// let plan = Plan::new(layout);
 /// let grad = plan.layout().grad_buckets()[0].id();
 /// let kinds: Vec<_> = plan.grad_ops(grad).iter().map(|&o| plan.op(o).unwrap().kind()).collect();
-/// assert_eq!(kinds, [OpKind::ReduceScatter, OpKind::AllReduce]);
+/// assert_eq!(kinds, [CollectiveKind::ReduceScatter, CollectiveKind::AllReduce]);
 /// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Plan {
@@ -313,20 +290,26 @@ impl Plan {
             use BufferRole::{Gathered, Shard};
             match (b.kind(), b.single_owner()) {
                 (BucketKind::Gather, Some(o)) => {
-                    push(OpKind::Broadcast, shard_groups, Some(o), (Shard, Gathered), (true, true));
+                    push(CollectiveKind::Broadcast, shard_groups, Some(o), (Shard, Gathered), (true, true));
                 }
                 (BucketKind::Gather, None) => {
-                    push(OpKind::AllGather, shard_groups, None, (Shard, Gathered), (true, true));
+                    push(CollectiveKind::AllGather, shard_groups, None, (Shard, Gathered), (true, true));
                 }
                 (BucketKind::Grad, Some(_)) => {
-                    push(OpKind::AllReduce, shard_groups, None, (Gathered, Shard), (true, true));
+                    push(CollectiveKind::AllReduce, shard_groups, None, (Gathered, Shard), (true, true));
                 }
                 (BucketKind::Grad, None) => {
                     let replicated = matches!(layout.sharding(), Sharding::Hybrid(_)) && g < world;
-                    push(OpKind::ReduceScatter, shard_groups, None, (Gathered, Shard), (true, !replicated));
+                    push(
+                        CollectiveKind::ReduceScatter,
+                        shard_groups,
+                        None,
+                        (Gathered, Shard),
+                        (true, !replicated),
+                    );
                     if replicated {
                         let across = RankGroups::strided(world, g);
-                        push(OpKind::AllReduce, across, None, (Shard, Shard), (false, true));
+                        push(CollectiveKind::AllReduce, across, None, (Shard, Shard), (false, true));
                     }
                 }
             }

@@ -4,7 +4,7 @@ mod common;
 
 use collsched_schedule::buckets::{BucketId, DType, ParamId};
 use collsched_schedule::{
-    Action, EngineEvent, Event, Explicit, Fence, GradReduce, GradSource, InflightRegistry, OpKind,
+    Action, CollectiveKind, EngineEvent, Event, Explicit, Fence, GradReduce, GradSource, InflightRegistry,
     ParamState, Plan, PolicyKind, Role, ScheduleError, Scheduler, SchedulerConfig, Stream, WaitOn,
 };
 use common::*;
@@ -852,7 +852,12 @@ fn hybrid_and_single_owner_buckets_launch_all_their_plan_ops_in_one_launch() {
         }
         let ops: usize = ls.iter().map(|l| l.ops.len()).sum();
         assert_eq!(s.counters().ops_issued as usize, ops);
-        for kind in [OpKind::AllGather, OpKind::ReduceScatter, OpKind::AllReduce, OpKind::Broadcast] {
+        for kind in [
+            CollectiveKind::AllGather,
+            CollectiveKind::ReduceScatter,
+            CollectiveKind::AllReduce,
+            CollectiveKind::Broadcast,
+        ] {
             let want =
                 ls.iter().flat_map(|l| l.ops.iter()).filter(|&&o| plan.op(o).unwrap().kind() == kind).count();
             assert_eq!(s.counters().ops_of_kind(kind) as usize, want, "{sharding} {kind:?}");

@@ -4,53 +4,9 @@ use std::fmt;
 use std::sync::Arc;
 
 use collsched_kernels::{ElemType, ReduceOp, Scaling};
+use collsched_topo::CollectiveKind;
 
 use super::Stream;
-
-/// Which collective.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum CollKind {
-    /// Every member's `count`-element shard, concatenated in group order into one flat output of
-    /// `group.len() * count` elements (`all_gather_into_tensor`).
-    AllGather,
-    /// One flat input of `group.len() * count` elements per member; member at position p of the
-    /// group receives the reduction of every member's chunk p (`reduce_scatter_tensor`).
-    ReduceScatter,
-    /// The element-wise reduction of every member's `count`-element input, on every member.
-    AllReduce,
-    /// The root's `count` elements, on every member. `root` is a rank (not a group position).
-    Broadcast {
-        /// The rank whose data is sent.
-        root: usize,
-    },
-}
-
-impl CollKind {
-    /// Lower-case name (`all_gather`, `reduce_scatter`, `all_reduce`, `broadcast`).
-    pub const fn name(self) -> &'static str {
-        match self {
-            CollKind::AllGather => "all_gather",
-            CollKind::ReduceScatter => "reduce_scatter",
-            CollKind::AllReduce => "all_reduce",
-            CollKind::Broadcast { .. } => "broadcast",
-        }
-    }
-
-    /// Whether the collective reduces (and so reads [`CollDesc::op`] and [`CollDesc::scaling`]).
-    pub const fn reduces(self) -> bool {
-        matches!(self, CollKind::ReduceScatter | CollKind::AllReduce)
-    }
-}
-
-impl fmt::Display for CollKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            CollKind::Broadcast { root } => write!(f, "broadcast(root {root})"),
-            k => f.write_str(k.name()),
-        }
-    }
-}
 
 /// A rank group that is not one: the ranks given and what is wrong.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -132,7 +88,9 @@ impl fmt::Display for RankGroup {
 #[derive(Clone, Debug, PartialEq)]
 pub struct CollDesc {
     /// Which collective.
-    pub kind: CollKind,
+    pub kind: CollectiveKind,
+    /// The rank (not group position) whose data a broadcast sends; 0 for other kinds.
+    pub root: usize,
     /// Who takes part.
     pub group: RankGroup,
     /// Element type of the buffers.
@@ -149,28 +107,28 @@ pub struct CollDesc {
 }
 
 impl CollDesc {
-    fn new(kind: CollKind, group: RankGroup, elem: ElemType, count: usize) -> Self {
-        CollDesc { kind, group, elem, count, op: ReduceOp::Sum, scaling: Scaling::default(), tag: 0 }
+    fn new(kind: CollectiveKind, group: RankGroup, elem: ElemType, count: usize) -> Self {
+        CollDesc { kind, root: 0, group, elem, count, op: ReduceOp::Sum, scaling: Scaling::default(), tag: 0 }
     }
 
     /// An all-gather of `count` elements per member.
     pub fn all_gather(group: RankGroup, elem: ElemType, count: usize) -> Self {
-        Self::new(CollKind::AllGather, group, elem, count)
+        Self::new(CollectiveKind::AllGather, group, elem, count)
     }
 
     /// A reduce-scatter to `count` elements per member (the input holds `group.len() * count`).
     pub fn reduce_scatter(group: RankGroup, elem: ElemType, count: usize) -> Self {
-        Self::new(CollKind::ReduceScatter, group, elem, count)
+        Self::new(CollectiveKind::ReduceScatter, group, elem, count)
     }
 
     /// An all-reduce of `count` elements.
     pub fn all_reduce(group: RankGroup, elem: ElemType, count: usize) -> Self {
-        Self::new(CollKind::AllReduce, group, elem, count)
+        Self::new(CollectiveKind::AllReduce, group, elem, count)
     }
 
     /// A broadcast of `count` elements from rank `root`.
     pub fn broadcast(group: RankGroup, elem: ElemType, count: usize, root: usize) -> Self {
-        Self::new(CollKind::Broadcast { root }, group, elem, count)
+        CollDesc { root, ..Self::new(CollectiveKind::Broadcast, group, elem, count) }
     }
 
     /// Sets the tag (bucket id).
@@ -191,7 +149,7 @@ impl CollDesc {
     /// Elements the input must hold (if one is given).
     pub fn input_count(&self) -> usize {
         match self.kind {
-            CollKind::ReduceScatter => self.count * self.group.len(),
+            CollectiveKind::ReduceScatter => self.count * self.group.len(),
             _ => self.count,
         }
     }
@@ -199,7 +157,7 @@ impl CollDesc {
     /// Elements the output must hold.
     pub fn output_count(&self) -> usize {
         match self.kind {
-            CollKind::AllGather => self.count * self.group.len(),
+            CollectiveKind::AllGather => self.count * self.group.len(),
             _ => self.count,
         }
     }
@@ -211,6 +169,7 @@ impl CollDesc {
                 && self.scaling.pre_divide.to_bits() == other.scaling.pre_divide.to_bits()
                 && self.scaling.post_divide.to_bits() == other.scaling.post_divide.to_bits());
         self.kind == other.kind
+            && self.root == other.root
             && self.group == other.group
             && self.elem == other.elem
             && self.count == other.count
@@ -221,7 +180,11 @@ impl CollDesc {
 
 impl fmt::Display for CollDesc {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}(tag {}, {} x {}", self.kind, self.tag, self.count, self.elem.name())?;
+        match self.kind {
+            CollectiveKind::Broadcast => write!(f, "broadcast(root {}, ", self.root)?,
+            k => write!(f, "{k}(")?,
+        }
+        write!(f, "tag {}, {} x {}", self.tag, self.count, self.elem.name())?;
         if self.kind.reduces() {
             let op = match self.op {
                 ReduceOp::Sum => "sum",

@@ -84,7 +84,8 @@ pub mod local;
 
 pub use chain::{ChainError, Chained};
 pub use collsched_schedule::Stream;
-pub use desc::{CollDesc, CollKind, CollRef, Collective, InvalidGroup, RankGroup};
+pub use collsched_topo::CollectiveKind;
+pub use desc::{CollDesc, CollRef, Collective, InvalidGroup, RankGroup};
 pub use error::{BackendError, LaunchError};
 pub use inflight::{InFlight, OnDrop, WaitError};
 

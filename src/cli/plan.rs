@@ -9,7 +9,7 @@ use std::process::ExitCode;
 use serde::ser::{Serialize, SerializeMap, Serializer};
 
 use collsched_buckets::{Boundary, Bucket, Layout, Sharding};
-use collsched_schedule::{plan_from_json, Op, OpKind, Plan, PlanInputError};
+use collsched_schedule::{plan_from_json, CollectiveKind, Op, Plan, PlanInputError};
 
 use super::CliError;
 
@@ -269,7 +269,12 @@ pub fn write_table(out: &mut impl Write, plan: &Plan) -> io::Result<()> {
         writeln!(out, "   ... {} more buckets (--json lists all)", l.buckets().len() - TABLE_ROWS)?;
     }
     let mut counts = Vec::new();
-    for kind in [OpKind::AllGather, OpKind::Broadcast, OpKind::ReduceScatter, OpKind::AllReduce] {
+    for kind in [
+        CollectiveKind::AllGather,
+        CollectiveKind::Broadcast,
+        CollectiveKind::ReduceScatter,
+        CollectiveKind::AllReduce,
+    ] {
         let n: u64 =
             plan.ops().iter().filter(|o| o.kind() == kind).map(|o| u64::from(o.groups().count())).sum();
         if n > 0 {

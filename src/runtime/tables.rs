@@ -2,10 +2,14 @@
 //! gather buckets, copy-in lists and shard runs of the gradient buckets. Built when a model
 //! state is created (gather side) or a plan is refreshed (gradient side), so that steady-state
 //! steps only index into them.
+//!
+//! Index names used throughout the runtime: `g` is a gather bucket's position in
+//! `GatherTables::gather`, `j` a gradient bucket's position in `GradTables::grad`, `p` a
+//! parameter's index; `position(BucketId)` translates a layout's bucket id.
 
 use collsched_buckets::{BucketId, DType, ParamId};
 use collsched_kernels::{CopySegment, ElemType, ReduceOp, Scaling};
-use collsched_schedule::{BufferRole, OpKind, Plan, Scheduler};
+use collsched_schedule::{BufferRole, CollectiveKind, Plan, Scheduler};
 
 use super::RuntimeError;
 use crate::backend::{CollDesc, RankGroup};
@@ -151,7 +155,7 @@ impl GatherTables {
             })?;
             let group = group_of(plan, op_id, rank)?;
             let (desc, sends) = match op.kind() {
-                OpKind::Broadcast => {
+                CollectiveKind::Broadcast => {
                     let pos = op.root().unwrap_or(0) as usize;
                     let root = group.ranks().get(pos).copied().unwrap_or(0);
                     (CollDesc::broadcast(group, elem, b.shard_numel(), root), root == rank)
@@ -307,7 +311,7 @@ impl GradTables {
                 let pre = if k == 0 { spec.pre_divide as f32 } else { 1.0 };
                 let post = if k == last { spec.post_divide as f32 } else { 1.0 };
                 let desc = match op.kind() {
-                    OpKind::ReduceScatter => CollDesc::reduce_scatter(group, elem, b.shard_numel()),
+                    CollectiveKind::ReduceScatter => CollDesc::reduce_scatter(group, elem, b.shard_numel()),
                     _ => CollDesc::all_reduce(group, elem, b.shard_numel()),
                 };
                 let scaling = Scaling { pre_divide: pre, post_divide: post };

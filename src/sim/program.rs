@@ -2,7 +2,7 @@
 //! their compute times, and the prices of the plan's collectives.
 
 use collsched_buckets::{Boundary, BucketId, DType, LayoutBuilder, ParamId, ParamSet, ParamSpec, Sharding};
-use collsched_schedule::{Explicit, OpKind, Plan, ScheduleInput};
+use collsched_schedule::{Explicit, Plan, ScheduleInput};
 use collsched_topo::{CollectiveKind, CostModel, GroupShape};
 
 use super::config::{Policy, SimConfig, SimError};
@@ -225,11 +225,11 @@ pub(crate) fn price(sh: &mut Program, bucket: BucketId, ops: &[collsched_schedul
         let mut nodes: Vec<u32> = g.ranks_of(0).map(|r| r / sh.rpn).collect();
         nodes.dedup();
         let per = op.bytes_per_rank() as u64;
-        let (kind, bytes) = match op.kind() {
-            OpKind::AllGather => (CollectiveKind::AllGather, per * u64::from(n)),
-            OpKind::ReduceScatter => (CollectiveKind::ReduceScatter, per * u64::from(n)),
-            OpKind::AllReduce => (CollectiveKind::AllReduce, per),
-            OpKind::Broadcast => (CollectiveKind::Broadcast, per),
+        // The cost model's size: the whole buffer of all-gather and reduce-scatter.
+        let kind = op.kind();
+        let bytes = match kind {
+            CollectiveKind::AllGather | CollectiveKind::ReduceScatter => per * u64::from(n),
+            CollectiveKind::AllReduce | CollectiveKind::Broadcast => per,
         };
         calls.push((kind, bytes, GroupShape { ranks: n as usize, nodes: nodes.len().max(1) }));
     }

@@ -8,9 +8,9 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use collsched::backend::CollectiveKind;
 use collsched::backend::{
-    Backend, BackendBuffer, BackendError, BackendEvent, CollKind, Collective, InFlight, LaunchError, OnDrop,
-    Stream,
+    Backend, BackendBuffer, BackendError, BackendEvent, Collective, InFlight, LaunchError, OnDrop, Stream,
 };
 use collsched::kernels::{reduce, ReduceOp};
 
@@ -114,7 +114,7 @@ impl Backend for Loopback {
             let n = d.count * d.elem.size();
             let input = c.input.as_ref().map_or(&[][..], |b| &b.0[..n]);
             match d.kind {
-                CollKind::ReduceScatter | CollKind::AllReduce => {
+                CollectiveKind::ReduceScatter | CollectiveKind::AllReduce => {
                     reduce(d.elem, ReduceOp::Sum, d.scaling, &mut c.output.0[..n], &[input]).unwrap();
                 }
                 _ => c.output.0[..n].copy_from_slice(input),

@@ -61,13 +61,18 @@ impl CollectiveKind {
     ];
 
     /// The name used in plans and on the command line (`all_gather`, ...).
-    pub fn name(self) -> &'static str {
+    pub const fn name(self) -> &'static str {
         match self {
             CollectiveKind::AllGather => "all_gather",
             CollectiveKind::ReduceScatter => "reduce_scatter",
             CollectiveKind::AllReduce => "all_reduce",
             CollectiveKind::Broadcast => "broadcast",
         }
+    }
+
+    /// Whether the collective reduces (reduce-scatter, all-reduce).
+    pub const fn reduces(self) -> bool {
+        matches!(self, CollectiveKind::ReduceScatter | CollectiveKind::AllReduce)
     }
 
     /// nccl-tests' factor from algorithm bandwidth to bus bandwidth on `n` ranks:
@@ -115,7 +120,7 @@ impl Algorithm {
     pub const ALL: [Algorithm; 3] = [Algorithm::Ring, Algorithm::Tree, Algorithm::Hierarchical];
 
     /// Lower-case name.
-    pub fn name(self) -> &'static str {
+    pub const fn name(self) -> &'static str {
         match self {
             Algorithm::Ring => "ring",
             Algorithm::Tree => "tree",

@@ -80,7 +80,7 @@ type Observable = (
     String,
     Vec<(String, usize, DType, bool)>,
     Vec<(BucketKind, DType, Vec<ParamId>, usize, Vec<Vec<(ParamId, usize, usize, usize)>>)>,
-    Vec<(OpKind, BucketId, Vec<u32>, usize)>,
+    Vec<(CollectiveKind, BucketId, Vec<u32>, usize)>,
 );
 
 /// Everything the plan shows (what `collsched plan --json` prints), materialized.
@@ -168,18 +168,18 @@ proptest! {
                     prop_assert_eq!(ops.len(), 1);
                     prop_assert_eq!(plan.gather_op(b.id()), Some(ops[0].id()));
                     prop_assert!(plan.grad_ops(b.id()).is_empty());
-                    let want = if b.single_owner().is_some() { OpKind::Broadcast } else { OpKind::AllGather };
+                    let want = if b.single_owner().is_some() { CollectiveKind::Broadcast } else { CollectiveKind::AllGather };
                     prop_assert_eq!(ops[0].kind(), want);
                     prop_assert_eq!(ops[0].root(), b.single_owner());
                 }
                 BucketKind::Grad => {
                     prop_assert_eq!(plan.gather_op(b.id()), None);
                     prop_assert_eq!(plan.grad_ops(b.id()), plan.ops_of(b.id()));
-                    let kinds: Vec<OpKind> = ops.iter().map(|o| o.kind()).collect();
+                    let kinds: Vec<CollectiveKind> = ops.iter().map(|o| o.kind()).collect();
                     let want = match (b.single_owner(), c.sharding) {
-                        (Some(_), _) => vec![OpKind::AllReduce],
-                        (None, Sharding::Hybrid(h)) if h < c.world => vec![OpKind::ReduceScatter, OpKind::AllReduce],
-                        (None, _) => vec![OpKind::ReduceScatter],
+                        (Some(_), _) => vec![CollectiveKind::AllReduce],
+                        (None, Sharding::Hybrid(h)) if h < c.world => vec![CollectiveKind::ReduceScatter, CollectiveKind::AllReduce],
+                        (None, _) => vec![CollectiveKind::ReduceScatter],
                     };
                     prop_assert_eq!(kinds, want);
                     // Exactly one op of the chain unpacks into the gradient shards.
@@ -364,11 +364,13 @@ fn simulate(plan: &Plan, bucket: BucketId) -> Result<HashMap<(ParamId, usize), u
                 let members: Vec<u32> = groups.ranks_of(r).collect();
                 let pos = groups.position(r).unwrap() as usize;
                 match op.kind() {
-                    OpKind::AllGather => members.iter().flat_map(|&m| bufs[m as usize].clone()).collect(),
-                    OpKind::Broadcast => bufs[members[op.root().unwrap() as usize] as usize].clone(),
-                    OpKind::ReduceScatter | OpKind::AllReduce => {
+                    CollectiveKind::AllGather => {
+                        members.iter().flat_map(|&m| bufs[m as usize].clone()).collect()
+                    }
+                    CollectiveKind::Broadcast => bufs[members[op.root().unwrap() as usize] as usize].clone(),
+                    CollectiveKind::ReduceScatter | CollectiveKind::AllReduce => {
                         let n = size(op.output());
-                        let start = if op.kind() == OpKind::ReduceScatter { pos * n } else { 0 };
+                        let start = if op.kind() == CollectiveKind::ReduceScatter { pos * n } else { 0 };
                         (0..n)
                             .map(|k| {
                                 members.iter().fold(0u64, |a, &m| a.wrapping_add(bufs[m as usize][start + k]))

@@ -4,7 +4,8 @@
 //! works on these tables.
 
 use crate::buckets::{BucketId, DType, ParamId, ParamSet};
-use crate::plan::{OpKind, Plan};
+use crate::plan::Plan;
+use crate::CollectiveKind;
 use smallvec::SmallVec;
 
 use super::action::Ops;
@@ -32,7 +33,7 @@ pub struct BucketInput {
     /// The plan ops that move it, run in order on one stream.
     pub ops: Ops,
     /// The kind of each op of `ops` (for per-kind counters).
-    pub kinds: SmallVec<[OpKind; 2]>,
+    pub kinds: SmallVec<[CollectiveKind; 2]>,
     /// For a gradient bucket: its gather bucket.
     pub partner: Option<BucketId>,
 }

@@ -1,7 +1,7 @@
 //! Per-step counters and the end-of-step report.
 
 use crate::buckets::ParamId;
-use crate::plan::OpKind;
+use crate::CollectiveKind;
 
 /// What one step did. Reset at each [`Event::EndStep`](super::Event::EndStep).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -68,16 +68,16 @@ pub struct StepReport {
 
 impl StepCounters {
     /// Plan ops of `kind` issued in the step.
-    pub fn ops_of_kind(&self, kind: OpKind) -> u64 {
+    pub fn ops_of_kind(&self, kind: CollectiveKind) -> u64 {
         self.ops_by_kind[kind_slot(kind)]
     }
 }
 
-pub(crate) fn kind_slot(kind: OpKind) -> usize {
+pub(crate) fn kind_slot(kind: CollectiveKind) -> usize {
     match kind {
-        OpKind::AllGather => 0,
-        OpKind::ReduceScatter => 1,
-        OpKind::AllReduce => 2,
-        OpKind::Broadcast => 3,
+        CollectiveKind::AllGather => 0,
+        CollectiveKind::ReduceScatter => 1,
+        CollectiveKind::AllReduce => 2,
+        CollectiveKind::Broadcast => 3,
     }
 }

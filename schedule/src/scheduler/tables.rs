@@ -1,4 +1,9 @@
 //! The scheduler's tables: per parameter and per bucket, what a plan says, built once.
+//!
+//! Index names used throughout the scheduler: `g` is a gather bucket's position in
+//! `Tables::gather` (and in the registry's slots), `j` a gradient bucket's position in
+//! `Tables::grad`, `p` a parameter (`ParamId`, or its index); bucket *ids* (`BucketId`) are
+//! the layout's and are only translated at the edges (`gather_index`, `grad_index`).
 
 use crate::buckets::{BucketId, ParamSet};
 

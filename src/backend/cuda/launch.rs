@@ -5,7 +5,8 @@ use collsched_kernels::cuda::reduce_post_divisor;
 use collsched_kernels::ReduceOp;
 
 use super::{CallSite, CudaBackend, CudaBuffer, CudaError, Group, NcclOp};
-use crate::backend::{BackendError, CollDesc, CollKind, CollRef, Collective, Stream};
+use crate::backend::CollectiveKind;
+use crate::backend::{BackendError, CollDesc, CollRef, Collective, Stream};
 
 impl CudaBackend {
     fn invalid(&self, desc: &CollDesc, stream: Stream, what: String) -> BackendError {
@@ -82,7 +83,8 @@ impl CudaBackend {
                             ),
                         ));
                     }
-                    if let CollKind::Broadcast { root } = d.kind {
+                    if d.kind == CollectiveKind::Broadcast {
+                        let root = d.root;
                         if root != self.rank {
                             return Err(self.invalid(
                                 d,
@@ -92,7 +94,7 @@ impl CudaBackend {
                         }
                     }
                 }
-                (None, CollKind::ReduceScatter | CollKind::AllReduce) => {
+                (None, CollectiveKind::ReduceScatter | CollectiveKind::AllReduce) => {
                     return Err(self.invalid(
                         d,
                         stream,
@@ -101,7 +103,8 @@ impl CudaBackend {
                 }
                 (None, _) => {}
             }
-            if let CollKind::Broadcast { root } = d.kind {
+            if d.kind == CollectiveKind::Broadcast {
+                let root = d.root;
                 if d.group.position(root).is_none() {
                     return Err(self.invalid(
                         d,
@@ -160,23 +163,24 @@ impl CudaBackend {
             // SAFETY (all four): validated sizes; the buffers are owned by the ops, which the
             // InFlight returned from this launch keeps until the stream's event completed.
             match d.kind {
-                CollKind::AllGather => {
+                CollectiveKind::AllGather => {
                     let send =
                         op.input.as_ref().map_or(out + pos as u64 * d.count as u64 * es, CudaBuffer::ptr);
                     // SAFETY: see above: validated sizes, buffers owned by the returned InFlight.
                     unsafe { comm.all_gather(site, send, out, d.count, d.elem, s) }?;
                 }
-                CollKind::ReduceScatter => {
+                CollectiveKind::ReduceScatter => {
                     let send = op.input.as_ref().map_or(0, CudaBuffer::ptr);
                     // SAFETY: see above: validated sizes, buffers owned by the returned InFlight.
                     unsafe { comm.reduce_scatter(site, send, out, d.count, d.elem, nop, s) }?;
                 }
-                CollKind::AllReduce => {
+                CollectiveKind::AllReduce => {
                     let send = op.input.as_ref().map_or(0, CudaBuffer::ptr);
                     // SAFETY: see above: validated sizes, buffers owned by the returned InFlight.
                     unsafe { comm.all_reduce(site, send, out, d.count, d.elem, nop, s) }?;
                 }
-                CollKind::Broadcast { root } => {
+                CollectiveKind::Broadcast => {
+                    let root = d.root;
                     let send = op.input.as_ref().map_or(out, CudaBuffer::ptr);
                     let root_pos = d.group.position(root).unwrap_or(0);
                     // SAFETY: see above: validated sizes, buffers owned by the returned InFlight.

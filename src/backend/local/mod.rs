@@ -57,9 +57,10 @@ use self::event::EventPool;
 use self::moves::{OpPost, Post, RawPtr};
 use self::rendezvous::{Channels, Departures};
 use self::stream::{HostFn, Queue, Work};
+use crate::backend::CollectiveKind;
 use crate::backend::{
-    Backend, BackendBuffer, BackendError, CollKind, CollRef, Collective, InFlight, InvalidGroup, LaunchError,
-    OnDrop, RankGroup, Stream,
+    Backend, BackendBuffer, BackendError, CollRef, Collective, InFlight, InvalidGroup, LaunchError, OnDrop,
+    RankGroup, Stream,
 };
 
 /// Default of [`LocalConfig::timeout`]: 300 s.
@@ -366,13 +367,14 @@ impl LocalRank {
             };
             need(d.output_count(), "output", c.output.len())?;
             match (d.kind, &c.input) {
-                (CollKind::ReduceScatter | CollKind::AllReduce, None) => {
+                (CollectiveKind::ReduceScatter | CollectiveKind::AllReduce, None) => {
                     return Err(bad(format!(
                         "{} needs an input buffer distinct from the output (in place is not supported)",
                         d.kind.name()
                     )))
                 }
-                (CollKind::Broadcast { root }, input) => {
+                (CollectiveKind::Broadcast, input) => {
+                    let root = d.root;
                     if d.group.position(root).is_none() {
                         return Err(bad(format!("root {root} is not a member of group {}", d.group)));
                     }

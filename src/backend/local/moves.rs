@@ -11,7 +11,7 @@ use smallvec::SmallVec;
 
 #[cfg(test)]
 use crate::backend::CollDesc;
-use crate::backend::{BackendError, CollKind, CollRef};
+use crate::backend::{BackendError, CollRef, CollectiveKind};
 
 /// A raw pointer into a rank's buffer, shared with the peers of one collective.
 #[derive(Clone, Copy, Debug)]
@@ -80,7 +80,7 @@ pub(super) fn first_half(me: usize, posts: &[Post]) -> Result<(), BackendError> 
         let d = &mine.desc;
         let es = d.elem.size();
         match d.kind {
-            CollKind::AllGather => {
+            CollectiveKind::AllGather => {
                 let bytes = d.count * es;
                 for (q, post) in posts.iter().enumerate() {
                     if q == me && mine.src.0.is_null() {
@@ -96,8 +96,9 @@ pub(super) fn first_half(me: usize, posts: &[Post]) -> Result<(), BackendError> 
                 }
             }
             // Shared between the members: `reduce_shared`.
-            CollKind::ReduceScatter | CollKind::AllReduce => {}
-            CollKind::Broadcast { root } => {
+            CollectiveKind::ReduceScatter | CollectiveKind::AllReduce => {}
+            CollectiveKind::Broadcast => {
+                let root = d.root;
                 let bytes = d.count * es;
                 let Some(rp) = d.group.position(root) else { continue };
                 if rp == me {
@@ -138,12 +139,12 @@ impl Piece {
             let d = &o.desc;
             // Member q's part: (first input element, first output element, elements).
             let (input, output, len) = match d.kind {
-                CollKind::ReduceScatter => (q * d.count, 0, d.count),
-                CollKind::AllReduce => {
+                CollectiveKind::ReduceScatter => (q * d.count, 0, d.count),
+                CollectiveKind::AllReduce => {
                     let (lo, hi) = chunk(d.count, n, q);
                     (lo, lo, hi - lo)
                 }
-                CollKind::AllGather | CollKind::Broadcast { .. } => continue,
+                CollectiveKind::AllGather | CollectiveKind::Broadcast => continue,
             };
             let per = (piece_bytes / d.elem.size()).max(1);
             let pieces = len.div_ceil(per);
@@ -220,7 +221,7 @@ pub(super) fn second_half(me: usize, posts: &[Post]) -> Result<(), BackendError>
     let n = posts.len();
     for (i, mine) in posts[me].iter().enumerate() {
         let d = &mine.desc;
-        if d.kind != CollKind::AllReduce {
+        if d.kind != CollectiveKind::AllReduce {
             continue;
         }
         let es = d.elem.size();

@@ -31,7 +31,8 @@ use std::time::{Duration, Instant};
 
 use super::moves::{self, Post};
 use super::LocalConfig;
-use crate::backend::{BackendError, CollKind, CollRef, RankGroup, Stream};
+use crate::backend::CollectiveKind;
+use crate::backend::{BackendError, CollRef, RankGroup, Stream};
 
 /// What a member brings to a slot (the post inline: boxing it would allocate per collective).
 #[allow(clippy::large_enum_variant)]
@@ -460,7 +461,7 @@ impl Channel {
         op: &CollRef,
     ) -> Result<(), BackendError> {
         let posts = &running.posts;
-        let needs_mid = posts[me].iter().any(|o| o.desc.kind == CollKind::AllReduce);
+        let needs_mid = posts[me].iter().any(|o| o.desc.kind == CollectiveKind::AllReduce);
         let mut result = guarded(caller, op, || {
             moves::first_half(me, posts)?;
             moves::reduce_shared(me, posts, &running.next, caller.config.piece_bytes, caller.rank, op)
