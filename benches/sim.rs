@@ -1,7 +1,7 @@
 //! The simulator's speed: one training step of `roberta-50b` on 64 ranks (8 DGX H100 nodes),
 //! every rank's real scheduler included, and scheduler events per second.
 //!
-//! Run: `cargo bench --bench sim`. The targets: a 64-rank `roberta-50b` step in under
+//! Run: `cargo bench --bench sim`. Targets: a 64-rank `roberta-50b` step in under
 //! 2 seconds, at least a million scheduler events per second (criterion prints the events per
 //! second as `thrpt`).
 

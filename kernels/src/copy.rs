@@ -41,8 +41,8 @@ pub fn copy_piece(dst: &mut [u8], src: &[u8], whole_bytes: usize) -> Result<(), 
     Ok(())
 }
 
-/// Pieces of [`copy_piece`] from this size on go to `memcpy` (64 MiB). Measured on the 2-core
-/// Xeon of these sessions (105 MiB L3), per thread: a 128 MiB copy 9.2-10.3 GB/s with glibc's
+/// Pieces of [`copy_piece`] from this size on go to `memcpy` (64 MiB). Measured on a 2-core
+/// Xeon with 105 MiB of L3, per thread: a 128 MiB copy 9.2-10.3 GB/s with glibc's
 /// `memcpy` (which streams it) against 8.6-9.3 with our AVX2 loop; 32 MiB pieces 5.0-5.5 with
 /// `memcpy` (not streamed: read for ownership) against 6.5-7.7 with ours. A machine whose
 /// `memcpy` streams only larger copies loses some of that gain on pieces of 64 MiB and more.

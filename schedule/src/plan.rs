@@ -124,7 +124,8 @@ impl RankGroups {
 /// Which of a bucket's two buffers an op reads or writes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum BufferRole {
-    /// The rank's shard: `shard_numel` elements, laid out by [`Bucket::segments`](collsched_buckets::Bucket::segments).
+    /// The rank's shard: `shard_numel` elements, laid out by
+    /// [`Bucket::segments`](collsched_buckets::Bucket::segments).
     Shard,
     /// The gathered buffer: `gathered_numel` elements, laid out by
     /// [`Bucket::gathered_segments`](collsched_buckets::Bucket::gathered_segments).

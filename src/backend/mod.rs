@@ -341,10 +341,10 @@ pub trait Backend: Send + Sync {
     /// ```
     ///
     /// # Errors
-    /// [`ChainError`] (boxed: the failure path is rare) with `first` given back still in flight (untouched) and the `next`
-    /// outputs, if an `input_of` names no collective of `first` or two name the same one
-    /// ([`BackendError::InvalidCollective`]), if `next` is empty, or if the launch of `next`
-    /// was refused (as [`Backend::launch_group`]).
+    /// [`ChainError`] (boxed: the failure path is rare) with `first` given back still in flight
+    /// (untouched) and the `next` outputs, if an `input_of` names no collective of `first` or two
+    /// name the same one ([`BackendError::InvalidCollective`]), if `next` is empty, or if the
+    /// launch of `next` was refused (as [`Backend::launch_group`]).
     fn launch_then<I>(
         &self,
         first: InFlight<Self>,

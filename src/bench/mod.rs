@@ -14,7 +14,18 @@
 //! separate launches.
 //!
 //! All-gathers run in place (each rank's shard already sits in its slot of the output, as FSDP's
-//! copy-in leaves it); reduce-scatters and all-reduces out of place (sum).
+//! copy-in leaves it); reduce-scatters and all-reduces out of place (sum). Sizes are rounded
+//! down to whole elements per rank (and per tensor with `--coalesce`). `--check` fills inputs
+//! with rank-dependent values exact in every type and counts output elements that differ
+//! (bitwise) from a reference summed in f32 in rank order and rounded once; any wrong element
+//! makes the exit status 1.
+//!
+//! Reference lines, measured in the same run: from a largest size of
+//! [`CONCURRENT_MIN_BYTES`] up, the aggregate bandwidth of one streaming copy of the largest
+//! size per core at once; from [`BOUND_MIN_BYTES`] up, the op's **memory bound**: with every
+//! byte moved once with streaming stores, S bytes cost 2(n-1)S of traffic for an all-gather,
+//! (n+1)S for a reduce-scatter and (3n-1)S for an all-reduce, against 2 bytes of traffic per
+//! byte copied ([`BenchPlan::memory_bound_busbw`]). Measurements: `benches/README.md`.
 //!
 //! The engine is generic over [`Backend`](crate::backend::Backend): a backend's command line
 //! builds its ranks, runs [`run_rank`] on each with one shared [`Collector`] and [`Printer`],

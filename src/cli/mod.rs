@@ -1,6 +1,8 @@
 //! The `collsched` command line: one module per subcommand, each with its own `Args` and `run`.
 //!
-//! The flags are a contract that scripts depend on (see `ARCHITECTURE.md`, "Command line").
+//! The flags and output formats are a contract that scripts depend on: each subcommand's
+//! module documents its own, and `collsched <command> --help` lists every flag with its
+//! default. Every bad input exits with status 1 and one line `error: ...`.
 
 use std::process::ExitCode;
 

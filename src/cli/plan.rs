@@ -1,6 +1,26 @@
 //! `collsched plan`: build the layout and coalesced plan of a parameter file and print it,
-//! as a short table or (`--json`) as the plan JSON that scripts read (a contract; see
-//! `ARCHITECTURE.md`, "Layouts and plans").
+//! as a short table or (`--json`) as the plan JSON that scripts read (a contract).
+//!
+//! Flags: `--params FILE --world N [--strategy even|flat|greedy|hybrid:G] [--bucket-mb X]
+//! [--align BYTES] [--bucket-by size|module[:D][+pack]] [--json]`; `--bucket-mb` is MiB
+//! (fractions allowed, default 64), `--align` defaults to 256, `--bucket-by` to `size`.
+//!
+//! The table prints one row per bucket (at most 40; `--json` has all) and totals: collective
+//! counts per kind counting each group, all-gathered bytes per step, padding overhead.
+//!
+//! `--json` streams one JSON object on one line:
+//! - `world`, `strategy` (as given), then `bucket_by` only when it is not `size`,
+//!   `fingerprint` (16 hex digits);
+//! - `params`: `{name, numel, dtype, trainable}` in input order, canonical dtype names;
+//! - `buckets`: `{id, kind: gather|grad, dtype, params: [names], shard_numel, shards: [{rank,
+//!   segments: [{param, param_offset, numel, shard_offset}]}]}`, one shard entry per rank of
+//!   the world (Hybrid replicas included);
+//! - `ops`: `{kind: all_gather|reduce_scatter|all_reduce|broadcast, bucket, group: [ranks],
+//!   bytes_per_rank}`, one entry per group. A broadcast's root is the one rank whose shard has
+//!   segments.
+//!
+//! The golden file `tests/data/params/small.hybrid2.plan.json` pins the format
+//! (`COLLSCHED_BLESS=1 cargo test --test cli_plan golden` regenerates it).
 
 use std::io::{self, BufWriter, Write};
 use std::path::PathBuf;
@@ -92,7 +112,7 @@ fn bucket_bytes(mb: f64) -> Result<usize, CliError> {
     Ok(bytes as usize)
 }
 
-/// Writes the plan as one JSON object (the format of `ARCHITECTURE.md`), streaming: the
+/// Writes the plan as one JSON object (the format in the module docs), streaming: the
 /// per-rank segments are derived while writing, never all held in memory.
 ///
 /// # Errors

@@ -22,11 +22,11 @@
 //! - `AccumulateGrad`: add into the parameter's full-size accumulator, in the reduction dtype
 //!   (the kernels' `accumulate`; `accumulate_cast` when the dtypes differ).
 //!
-//! Engine events (the scheduler's [`EngineEvent`](collsched_schedule::EngineEvent)s) are named per coordinator (one engine
-//! queue each, increasing sequence numbers) and mapped back to the backend events the engine
-//! gave, per gather bucket (the latest per queue, as the scheduler keeps them). The fence of
-//! a `CopyGradIn` / `AccumulateGrad` is complete when the action runs: `grad_ready_after`
-//! waited for it before the scheduler saw the gradient.
+//! Engine events (the scheduler's [`EngineEvent`](collsched_schedule::EngineEvent)s) are named per
+//! coordinator (one engine queue each, increasing sequence numbers) and mapped back to the backend
+//! events the engine gave, per gather bucket (the latest per queue, as the scheduler keeps them).
+//! The fence of a `CopyGradIn` / `AccumulateGrad` is complete when the action runs:
+//! `grad_ready_after` waited for it before the scheduler saw the gradient.
 //!
 //! Finishing a launch (a `Wait`, a fetch that needs the data, `end_step`, or without blocking
 //! [`Coordinator::poll`](super::Coordinator::poll)) is the gather side's (`gather.rs`) or the

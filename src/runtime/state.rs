@@ -153,7 +153,8 @@ impl<B: Backend> RankState<B> {
         (&mut self.grads, op_done(sched, &mut self.registry))
     }
 
-    /// The optimizer hook's walk (see [`Coordinator::update_shards`](super::Coordinator::update_shards)): `f` on every run of
+    /// The optimizer hook's walk (see
+    /// [`Coordinator::update_shards`](super::Coordinator::update_shards)): `f` on every run of
     /// every trainable parameter with a reduced gradient; the gradients are consumed.
     pub(crate) fn update_shards(
         &mut self,
@@ -284,9 +285,9 @@ impl<B: Backend> ModelInner<B> {
 /// optimizer owns), its reduced gradient shards, its no_sync accumulators and its
 /// [`InflightRegistry`], behind one lock. Cheap to clone (a shared handle).
 ///
-/// Every [`Coordinator`](super::Coordinator) made from it (a training and an evaluation one, say) shares all of
-/// that, so they neither gather a bucket twice nor free one under each other (DESIGN: "the
-/// registry belongs to the parameter set").
+/// Every [`Coordinator`](super::Coordinator) made from it (a training and an evaluation one, say)
+/// shares all of that, so they neither gather a bucket twice nor free one under each other (DESIGN:
+/// "the registry belongs to the parameter set").
 ///
 /// # Examples
 /// ```

@@ -30,15 +30,15 @@ use crate::backend::{Backend, BackendEvent};
 /// Both buffers exist only while the bucket is gathered (from its gather to the `Free` after
 /// its last release): nothing of the model's full size is kept across steps.
 ///
-/// Host backends (the local one) read the bytes directly ([`Views::bytes`], [`Views::f32`]);
-/// device backends hand out the buffer and range ([`Views::buffer`]: a CUDA engine takes the
-/// device pointer of the buffer plus the range's start), or copy to the host
-/// ([`Views::copy_to_host`], [`Views::read_f32`]). Views are **read-only**: writing through
-/// a device pointer obtained from one is not allowed (other coordinators on the model see the
-/// same buffers, and the shards are the parameters' truth: update them with
-/// [`Coordinator::update_shards`](super::Coordinator::update_shards)). No collective reads a buffer a view shows: the gathered
-/// buffer is the output of a completed collective, and the pool hands it to a new gather only
-/// after its `Free` and the events that free waits for.
+/// Host backends (the local one) read the bytes directly ([`Views::bytes`], [`Views::f32`]); device
+/// backends hand out the buffer and range ([`Views::buffer`]: a CUDA engine takes the device
+/// pointer of the buffer plus the range's start), or copy to the host ([`Views::copy_to_host`],
+/// [`Views::read_f32`]). Views are **read-only**: writing through a device pointer obtained from
+/// one is not allowed (other coordinators on the model see the same buffers, and the shards are the
+/// parameters' truth: update them with
+/// [`Coordinator::update_shards`](super::Coordinator::update_shards)). No collective reads a buffer
+/// a view shows: the gathered buffer is the output of a completed collective, and the pool hands it
+/// to a new gather only after its `Free` and the events that free waits for.
 pub struct Views<'a, B: Backend> {
     st: MutexGuard<'a, RankState<B>>,
     state: &'a ModelState<B>,

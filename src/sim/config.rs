@@ -17,7 +17,7 @@ pub const NAIVE_HOST_OVERHEAD_S: f64 = 20e-6;
 /// [`Boundary::LAYER`], a new bucket at every transformer block, as FSDP2 wraps models. On the
 /// five presets at 64 ranks of dgx-h100 it never issues more all-gathers than size bucketing
 /// and never takes longer (`gpt2-1.5b`: 104 instead of 198 all-gathers, step 283 instead of
-/// 331 ms); see ARCHITECTURE.md, "The simulator". The library and `collsched plan` keep
+/// 331 ms; `benches/README.md`, "What the simulator shows"). The library and `collsched plan` keep
 /// [`Boundary::Size`].
 pub const DEFAULT_SIM_BOUNDARY: Boundary = Boundary::LAYER;
 /// Default simulated steps.
@@ -151,7 +151,8 @@ pub struct SimConfig {
     /// `bucket_bytes`: the layout's bucket cap. Default 64 MiB (ignored by [`Policy::Naive`],
     /// which puts every parameter in its own bucket).
     pub bucket_bytes: usize,
-    /// `bucket_by`: where buckets end ([`LayoutBuilder::boundary`](collsched_buckets::LayoutBuilder::boundary)). Default
+    /// `bucket_by`: where buckets end
+    /// ([`LayoutBuilder::boundary`](collsched_buckets::LayoutBuilder::boundary)). Default
     /// [`DEFAULT_SIM_BOUNDARY`] (ignored by [`Policy::Naive`]).
     pub boundary: Boundary,
     /// `prefetch_bytes`: the scheduler's prefetch budget. Default the scheduler's

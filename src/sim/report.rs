@@ -72,7 +72,8 @@ pub struct Span {
     pub dur_ns: u64,
     /// What it is.
     pub kind: SpanKind,
-    /// The layer (compute spans; index into [`Workload::layers`](super::workload::Workload::layers)) or the bucket (collectives).
+    /// The layer (compute spans; index into
+    /// [`Workload::layers`](super::workload::Workload::layers)) or the bucket (collectives).
     pub index: u32,
     /// Step (0-based).
     pub step: u32,

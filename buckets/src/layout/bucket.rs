@@ -463,8 +463,8 @@ impl Iterator for GatheredSegments<'_> {
     }
 }
 
-/// Receives the canonical encoding of a [`Layout`](super::Layout) (see [`Layout::encode_canonical`](super::Layout::encode_canonical)); the
-/// plan fingerprint hashes it.
+/// Receives the canonical encoding of a [`Layout`](super::Layout) (see
+/// [`Layout::encode_canonical`](super::Layout::encode_canonical)); the plan fingerprint hashes it.
 pub trait CanonicalSink {
     /// One 64-bit word.
     fn word(&mut self, w: u64);

@@ -11,7 +11,7 @@ use super::input::ScheduleInput;
 /// one-module-ahead prefetch takes.
 ///
 /// Measured in the simulator (64 ranks of dgx-h100, trace replay, 64 MiB buckets at layer
-/// boundaries, ARCHITECTURE.md "The simulator"): with 256 MiB (the earlier default) the large
+/// boundaries, `benches/README.md`): with 256 MiB the large
 /// presets kept most of their all-gathers exposed, because a block of 7-9 buckets of 100-470
 /// MB each got only one bucket ahead (`llama-70b` 800 ms, `roberta-50b` 682 ms, `roberta-10b`
 /// 121 ms exposed per step); 1 GiB still left 475 / 440 ms; 2 GiB hides nearly all of it
@@ -21,10 +21,11 @@ use super::input::ScheduleInput;
 pub const DEFAULT_PREFETCH_BYTES: usize = 2 << 30;
 /// Default of [`SchedulerConfig::max_inflight`]: 16 launched-but-unconsumed gathers.
 ///
-/// A transformer block is about 8 gather buckets in the simulator's workloads; 16 lets a whole block's buckets be launched ahead of its
-/// fetch (FSDP2 prefetches one module ahead) with room for the start of the next one. The
-/// count only bounds how many gathered buffers exist ahead of use; memory is bounded by
-/// `prefetch_bytes` and `max_live_bytes`, which stay the binding limits for large buckets.
+/// A transformer block is about 8 gather buckets in the simulator's workloads; 16 lets a whole
+/// block's buckets be launched ahead of its fetch (FSDP2 prefetches one module ahead) with room for
+/// the start of the next one. The count only bounds how many gathered buffers exist ahead of use;
+/// memory is bounded by `prefetch_bytes` and `max_live_bytes`, which stay the binding limits for
+/// large buckets.
 pub const DEFAULT_MAX_INFLIGHT: usize = 16;
 /// Default of [`SchedulerConfig::max_live_bytes`]: 4 GiB of gathered parameters.
 pub const DEFAULT_MAX_LIVE_BYTES: usize = 4 << 30;

@@ -169,12 +169,13 @@ impl Piece {
 /// the members' stream threads.
 ///
 /// Member q's part of each reduction (its reduce-scatter output, or chunk q of the all-reduce) is
-/// cut into pieces of `piece_bytes` ([`LocalConfig::piece_bytes`]) of output, handed out by q's counter; whoever takes a piece
-/// reads that range of every member's input and writes it into q's output. Each member takes
-/// its own pieces first, then helps the others in ring order: when the members run at the same
-/// speed nobody helps, and when one is slower (descheduled, or on a busier core) the others
-/// finish its pieces instead of waiting for it at the departure barrier. Every piece is written
-/// by exactly one thread, and nobody reads a reduced output before the barrier that follows.
+/// cut into pieces of `piece_bytes` ([`LocalConfig::piece_bytes`]) of output, handed out by q's
+/// counter; whoever takes a piece reads that range of every member's input and writes it into q's
+/// output. Each member takes its own pieces first, then helps the others in ring order: when the
+/// members run at the same speed nobody helps, and when one is slower (descheduled, or on a busier
+/// core) the others finish its pieces instead of waiting for it at the departure barrier. Every
+/// piece is written by exactly one thread, and nobody reads a reduced output before the barrier
+/// that follows.
 pub(super) fn reduce_shared(
     me: usize,
     posts: &[Post],
