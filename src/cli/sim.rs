@@ -1,6 +1,17 @@
 //! `collsched sim`: simulate training steps of a workload on a modelled machine with the real
 //! scheduler, and print step time, compute, exposed communication, TFLOPS, memory and
 //! collective counts (a table, one JSON object, a sweep table, a Chrome trace, an SVG).
+//!
+//! `--json` prints one object: `step_ms`, `compute_ms`, `exposed_comm_ms`, `host_ms`, `comm_ms
+//! {all_gather, reduce_scatter}`, `tflops_per_gpu`, `peak_gathered_bytes`, `collectives` (per
+//! step), `all_gathers`, `reduce_scatters`, `prefetch_hits`, `gather_buckets`, `grad_buckets`,
+//! `scheduler_events`, `workload`, `world`, `policy`, `bucket_by`, `steps_reported`.
+//! `--sweep KEY=V1,V2,..` (keys `policy world topo workload bucket-mb bucket-by prefetch-mb
+//! max-inflight max-live-mb steps tflops host-overhead-us jitter seed`, repeatable) runs the
+//! grid and prints a table, or with `--json` one object per line with a `sweep` member.
+//! `--trace-out` writes Chrome trace JSON (`pid` = rank, `tid` 0 compute, 1 all_gather, 2
+//! reduce_scatter; `"X"` events, times in µs); `--svg` draws rank `--svg-rank`'s last step, one
+//! lane per stream, waits in red, prefetched collectives lighter.
 
 use std::fs::File;
 use std::io::{self, BufWriter, Write};

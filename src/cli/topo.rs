@@ -1,4 +1,10 @@
 //! `collsched topo`: prints the machine as the library sees it.
+//!
+//! `collsched topo [--xml FILE | --synthetic DESC | --preset NAME] [--nodes N] [--json]`: the
+//! summary (nodes, NUMA nodes, GPUs with PCI ids and NUMA node, NICs, link levels, rank groups,
+//! and the cost model's time, algorithm and bus bandwidth for a 1 GiB collective on one node and
+//! on the world) or the topology JSON. Without a source it discovers this machine (feature
+//! `hwloc`) or says how to give one.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
