@@ -14,6 +14,7 @@ pub use collsched_topo as topo;
 
 pub mod backend;
 pub mod bench;
+pub mod bootstrap;
 pub mod cli;
 pub mod demo;
 pub mod runtime;

@@ -5,7 +5,7 @@ use collsched_kernels::KernelError;
 
 use super::nccl::NcclError;
 use super::park::Parked;
-use super::rendezvous::BootstrapError;
+use super::rendezvous::RendezvousError;
 
 /// Why the CUDA backend failed. Every variant says what was being done.
 #[derive(Debug, thiserror::Error, Clone, PartialEq)]
@@ -37,7 +37,7 @@ pub enum CudaError {
     Nccl(Box<NcclError>),
     /// The NCCL unique id could not be agreed on.
     #[error(transparent)]
-    Bootstrap(Box<BootstrapError>),
+    Bootstrap(Box<RendezvousError>),
     /// No such device.
     #[error("no CUDA device {ordinal}: the driver sees {count} device(s); choose an ordinal below {count} (CUDA_VISIBLE_DEVICES may hide some)")]
     NoSuchDevice {
@@ -90,8 +90,8 @@ impl From<NcclError> for CudaError {
     }
 }
 
-impl From<BootstrapError> for CudaError {
-    fn from(e: BootstrapError) -> Self {
+impl From<RendezvousError> for CudaError {
+    fn from(e: RendezvousError) -> Self {
         CudaError::Bootstrap(Box::new(e))
     }
 }

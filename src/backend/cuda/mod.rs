@@ -86,13 +86,14 @@ pub use device::{device_count, BufferPool, CudaBuffer, CudaEvent, Device, Stream
 pub use error::CudaError;
 pub use nccl::{CallSite, Communicator, Group, NcclCallError, NcclError, NcclOp, UniqueId};
 pub use park::ErrorPark;
-pub use rendezvous::{BootstrapError, FileRendezvous, LaunchEnv};
+pub use rendezvous::{FileRendezvous, RendezvousError};
 pub use world::CudaWorld;
 
 use super::{
     Backend, BackendBuffer, BackendError, BackendEvent, Collective, InFlight, LaunchError, OnDrop, RankGroup,
     Stream,
 };
+use crate::bootstrap::{EnvError, LaunchEnv};
 
 /// A raw CUDA stream handle (`CUstream`, the same as the runtime's `cudaStream_t`).
 pub type RawStream = cusys::CUstream;
@@ -223,27 +224,29 @@ impl CudaBackend {
         Self::build(config, id, Some(compute))
     }
 
-    /// Builds the rank a torchrun-style launch describes ([`LaunchEnv`]: `RANK`, `WORLD_SIZE`,
-    /// `LOCAL_RANK` as the device, `COLLSCHED_RENDEZVOUS_FILE` for the unique id; rank 0
+    /// Builds the rank a launcher describes ([`LaunchEnv`]: torchrun's `RANK`, `WORLD_SIZE`,
+    /// `LOCAL_RANK` as the device, or Open MPI's; `COLLSCHED_RENDEZVOUS_FILE` for the unique id; rank 0
     /// creates it) with the given extra groups.
     ///
     /// # Errors
     /// [`CudaError::Bootstrap`] for a missing or malformed variable or a late rank 0; as
     /// [`CudaBackend::new`] otherwise.
     pub fn from_launch_env(groups: Vec<RankGroup>) -> Result<Self, CudaError> {
-        let launch = LaunchEnv::from_env()?;
+        let launch = LaunchEnv::from_env().map_err(RendezvousError::from)?;
         let lookup = |k: &str| std::env::var(k).ok();
         let timeout = match lookup("COLLSCHED_CUDA_TIMEOUT_SECS") {
             None => DEFAULT_TIMEOUT,
-            Some(v) => v.trim().parse::<u64>().map(Duration::from_secs).map_err(|_| BootstrapError::Env {
-                var: "COLLSCHED_CUDA_TIMEOUT_SECS",
-                value: v.clone(),
-                what: "expected whole seconds, e.g. 300".into(),
+            Some(v) => v.trim().parse::<u64>().map(Duration::from_secs).map_err(|_| {
+                RendezvousError::Env(EnvError {
+                    var: "COLLSCHED_CUDA_TIMEOUT_SECS",
+                    value: v.clone(),
+                    what: "expected whole seconds, e.g. 300".into(),
+                })
             })?,
         };
         // Fail on a missing driver before waiting for the rendezvous.
         device_count()?;
-        let rendezvous = launch.rendezvous(lookup)?;
+        let rendezvous = FileRendezvous::from_launch(&launch, lookup)?;
         let id = rendezvous.exchange(launch.rank, UniqueId::generate)?;
         let config =
             CudaConfig { rank: launch.rank, world: launch.world, device: launch.local_rank, groups, timeout };

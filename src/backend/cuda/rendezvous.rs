@@ -6,8 +6,9 @@
 //! - **file rendezvous** on a filesystem every rank sees ([`FileRendezvous`]): rank 0 creates
 //!   the id and writes it atomically (a temporary file renamed into place), the others poll
 //!   for it until a timeout;
-//! - **torchrun-style environment** ([`LaunchEnv`]): `RANK`, `WORLD_SIZE`, `LOCAL_RANK`
-//!   (`LOCAL_WORLD_SIZE` optional) and `COLLSCHED_RENDEZVOUS_FILE` for the file rendezvous.
+//! - **a launcher's environment** (the shared [`LaunchEnv`] of `crate::bootstrap`: torchrun's
+//!   or Open MPI's variables) and `COLLSCHED_RENDEZVOUS_FILE` for the file rendezvous
+//!   ([`FileRendezvous::from_launch`]).
 //!
 //! The file holds a small text header (format version, world size, run id) and the id in hex,
 //! so a reader refuses a file of another job or world size instead of hanging in NCCL's
@@ -25,6 +26,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use super::nccl::{hex, NcclError, UniqueId};
+use crate::bootstrap::{EnvError, LaunchEnv};
 
 /// Default of `COLLSCHED_RENDEZVOUS_TIMEOUT_SECS`.
 pub const DEFAULT_RENDEZVOUS_TIMEOUT: Duration = Duration::from_secs(300);
@@ -34,17 +36,10 @@ const MAGIC: &str = "collsched-nccl-unique-id v1";
 
 /// Why the ranks could not agree on a unique id.
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
-pub enum BootstrapError {
-    /// An environment variable is missing or malformed.
-    #[error("launch environment: {var}={value:?}: {what}")]
-    Env {
-        /// The variable.
-        var: &'static str,
-        /// Its value (empty when unset).
-        value: String,
-        /// What is wrong and what to do.
-        what: String,
-    },
+pub enum RendezvousError {
+    /// A launcher variable or knob is missing or malformed.
+    #[error(transparent)]
+    Env(#[from] EnvError),
     /// Writing or reading the rendezvous file failed.
     #[error("rank {rank}: rendezvous file {path}: {what}")]
     File {
@@ -94,8 +89,8 @@ impl FileRendezvous {
     /// environment (`COLLSCHED_RUN_ID` / `TORCHELASTIC_RUN_ID`, `COLLSCHED_RENDEZVOUS_TIMEOUT_SECS`).
     ///
     /// # Errors
-    /// [`BootstrapError::Env`] for a malformed timeout.
-    pub fn new(path: impl Into<PathBuf>, world: usize) -> Result<Self, BootstrapError> {
+    /// [`RendezvousError::Env`] for a malformed timeout.
+    pub fn new(path: impl Into<PathBuf>, world: usize) -> Result<Self, RendezvousError> {
         let env = |k: &str| std::env::var(k).ok();
         Ok(FileRendezvous { path: path.into(), world, run_id: run_id(&env), timeout: timeout(&env)? })
     }
@@ -136,12 +131,12 @@ impl FileRendezvous {
     /// Every rank returns the same id.
     ///
     /// # Errors
-    /// [`BootstrapError`] if the file cannot be written or read, or rank 0 is late.
+    /// [`RendezvousError`] if the file cannot be written or read, or rank 0 is late.
     pub fn exchange(
         &self,
         rank: usize,
         generate: impl FnOnce() -> Result<UniqueId, NcclError>,
-    ) -> Result<UniqueId, BootstrapError> {
+    ) -> Result<UniqueId, RendezvousError> {
         if rank == 0 {
             let id = generate()?;
             self.publish(&id)?;
@@ -154,9 +149,9 @@ impl FileRendezvous {
     /// Writes the file atomically: a temporary file in the same directory, renamed into place.
     ///
     /// # Errors
-    /// [`BootstrapError::File`] on an I/O error.
-    pub fn publish(&self, id: &UniqueId) -> Result<(), BootstrapError> {
-        let err = |what: String| BootstrapError::File { rank: 0, path: self.path.clone(), what };
+    /// [`RendezvousError::File`] on an I/O error.
+    pub fn publish(&self, id: &UniqueId) -> Result<(), RendezvousError> {
+        let err = |what: String| RendezvousError::File { rank: 0, path: self.path.clone(), what };
         let dir = self.path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
         std::fs::create_dir_all(dir).map_err(|e| err(format!("creating its directory: {e}")))?;
         let name = self.path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
@@ -172,8 +167,8 @@ impl FileRendezvous {
     /// Polls for the file until it holds an id for this job, or the timeout.
     ///
     /// # Errors
-    /// [`BootstrapError::Timeout`].
-    pub fn wait(&self, rank: usize) -> Result<UniqueId, BootstrapError> {
+    /// [`RendezvousError::Timeout`].
+    pub fn wait(&self, rank: usize) -> Result<UniqueId, RendezvousError> {
         let start = Instant::now();
         let mut last_seen = None;
         loop {
@@ -184,7 +179,7 @@ impl FileRendezvous {
                 },
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
                 Err(e) => {
-                    return Err(BootstrapError::File {
+                    return Err(RendezvousError::File {
                         rank,
                         path: self.path.clone(),
                         what: format!("reading: {e}"),
@@ -193,7 +188,7 @@ impl FileRendezvous {
             }
             let waited = start.elapsed();
             if waited >= self.timeout {
-                return Err(BootstrapError::Timeout { rank, path: self.path.clone(), waited, last_seen });
+                return Err(RendezvousError::Timeout { rank, path: self.path.clone(), waited, last_seen });
             }
             std::thread::sleep(RENDEZVOUS_POLL.min(self.timeout - waited));
         }
@@ -210,7 +205,7 @@ fn run_id(env: &dyn Fn(&str) -> Option<String>) -> String {
     }
 }
 
-fn timeout(env: &dyn Fn(&str) -> Option<String>) -> Result<Duration, BootstrapError> {
+fn timeout(env: &dyn Fn(&str) -> Option<String>) -> Result<Duration, RendezvousError> {
     match env("COLLSCHED_RENDEZVOUS_TIMEOUT_SECS") {
         None => Ok(DEFAULT_RENDEZVOUS_TIMEOUT),
         Some(v) => v
@@ -219,101 +214,35 @@ fn timeout(env: &dyn Fn(&str) -> Option<String>) -> Result<Duration, BootstrapEr
             .ok()
             .filter(|s| s.is_finite() && *s >= 0.0)
             .map(Duration::from_secs_f64)
-            .ok_or(BootstrapError::Env {
+            .ok_or(RendezvousError::Env(EnvError {
                 var: "COLLSCHED_RENDEZVOUS_TIMEOUT_SECS",
                 value: v,
                 what: "expected a number of seconds, e.g. 300".into(),
-            }),
+            })),
     }
 }
 
-/// A process's place in a torchrun-style launch.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct LaunchEnv {
-    /// `RANK`: this process's global rank.
-    pub rank: usize,
-    /// `WORLD_SIZE`: processes in the job.
-    pub world: usize,
-    /// `LOCAL_RANK`: this process's rank on its node, the CUDA device it uses.
-    pub local_rank: usize,
-    /// `LOCAL_WORLD_SIZE`, if set.
-    pub local_world: Option<usize>,
-    /// `COLLSCHED_RENDEZVOUS_FILE`, if set.
-    pub rendezvous_file: Option<PathBuf>,
-}
-
-impl LaunchEnv {
-    /// Reads the process environment.
+impl FileRendezvous {
+    /// The file rendezvous a launch names (`COLLSCHED_RENDEZVOUS_FILE`), with the run id and
+    /// timeout read through `lookup`.
     ///
     /// # Errors
-    /// [`BootstrapError::Env`] naming the missing or malformed variable.
-    pub fn from_env() -> Result<Self, BootstrapError> {
-        Self::from_lookup(|k| std::env::var(k).ok())
-    }
-
-    /// Reads the variables through `lookup` (for tests and embedders with their own source).
-    ///
-    /// # Errors
-    /// As [`LaunchEnv::from_env`].
-    pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Self, BootstrapError> {
-        let num = |var: &'static str, required: bool| -> Result<Option<usize>, BootstrapError> {
-            match lookup(var) {
-                None if required => Err(BootstrapError::Env {
-                    var,
-                    value: String::new(),
-                    what: "not set; launch with torchrun (or set RANK, WORLD_SIZE and LOCAL_RANK)".into(),
-                }),
-                None => Ok(None),
-                Some(v) => v.trim().parse().map(Some).map_err(|_| BootstrapError::Env {
-                    var,
-                    value: v,
-                    what: "expected a non-negative integer".into(),
-                }),
-            }
-        };
-        let rank = num("RANK", true)?.unwrap_or(0);
-        let world = num("WORLD_SIZE", true)?.unwrap_or(0);
-        let local_rank = num("LOCAL_RANK", true)?.unwrap_or(0);
-        let local_world = num("LOCAL_WORLD_SIZE", false)?;
-        if world == 0 || rank >= world {
-            return Err(BootstrapError::Env {
-                var: "RANK",
-                value: rank.to_string(),
-                what: format!("must be below WORLD_SIZE={world} (and WORLD_SIZE at least 1)"),
-            });
-        }
-        if let Some(lw) = local_world {
-            if local_rank >= lw {
-                return Err(BootstrapError::Env {
-                    var: "LOCAL_RANK",
-                    value: local_rank.to_string(),
-                    what: format!("must be below LOCAL_WORLD_SIZE={lw}"),
-                });
-            }
-        }
-        Ok(LaunchEnv {
-            rank,
-            world,
-            local_rank,
-            local_world,
-            rendezvous_file: lookup("COLLSCHED_RENDEZVOUS_FILE").filter(|s| !s.is_empty()).map(PathBuf::from),
-        })
-    }
-
-    /// The file rendezvous this launch names, with the run id and timeout from `lookup`.
-    ///
-    /// # Errors
-    /// [`BootstrapError::Env`] when `COLLSCHED_RENDEZVOUS_FILE` is unset or the timeout is bad.
-    pub fn rendezvous(
-        &self,
+    /// [`RendezvousError::Env`] when `COLLSCHED_RENDEZVOUS_FILE` is unset or the timeout is bad.
+    pub fn from_launch(
+        launch: &LaunchEnv,
         lookup: impl Fn(&str) -> Option<String>,
-    ) -> Result<FileRendezvous, BootstrapError> {
-        let path = self.rendezvous_file.clone().ok_or(BootstrapError::Env {
+    ) -> Result<FileRendezvous, RendezvousError> {
+        let path = lookup("COLLSCHED_RENDEZVOUS_FILE")
+            .filter(|s| !s.is_empty())
+            .map(PathBuf::from)
+            .ok_or(RendezvousError::Env(EnvError {
             var: "COLLSCHED_RENDEZVOUS_FILE",
             value: String::new(),
-            what: "not set; point it at a path on a filesystem every rank sees, or pass the unique id bytes from the engine".into(),
-        })?;
-        Ok(FileRendezvous { path, world: self.world, run_id: run_id(&lookup), timeout: timeout(&lookup)? })
+            what: "not set; point it at a path on a filesystem every rank sees, or pass the unique id bytes \
+                       from the engine"
+                .into(),
+        }))?;
+        Ok(FileRendezvous { path, world: launch.world, run_id: run_id(&lookup), timeout: timeout(&lookup)? })
     }
 }
 
@@ -366,7 +295,7 @@ mod tests {
         let other_world = FileRendezvous { world: 8, ..old.clone() };
         let e = other_world.wait(3).unwrap_err();
         assert!(
-            matches!(&e, BootstrapError::Timeout { rank: 3, last_seen: Some(s), .. } if s.contains("world of 4")),
+            matches!(&e, RendezvousError::Timeout { rank: 3, last_seen: Some(s), .. } if s.contains("world of 4")),
             "{e}"
         );
         let other_run = FileRendezvous { run_id: "new".into(), ..old.clone() };
@@ -384,7 +313,7 @@ mod tests {
     }
 
     #[test]
-    fn launch_env_parses_torchrun_variables_and_names_bad_ones() {
+    fn the_file_rendezvous_reads_its_knobs_from_the_launch() {
         let vars = |pairs: &'static [(&'static str, &'static str)]| {
             move |k: &str| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
         };
@@ -397,25 +326,37 @@ mod tests {
         ]))
         .unwrap();
         assert_eq!((ok.rank, ok.world, ok.local_rank, ok.local_world), (3, 8, 1, Some(2)));
-        let r = ok
-            .rendezvous(vars(&[("TORCHELASTIC_RUN_ID", "abc"), ("COLLSCHED_RENDEZVOUS_TIMEOUT_SECS", "2.5")]))
-            .unwrap();
+        let r = FileRendezvous::from_launch(
+            &ok,
+            vars(&[
+                ("COLLSCHED_RENDEZVOUS_FILE", "/shared/id"),
+                ("TORCHELASTIC_RUN_ID", "abc"),
+                ("COLLSCHED_RENDEZVOUS_TIMEOUT_SECS", "2.5"),
+            ]),
+        )
+        .unwrap();
         assert_eq!((r.world, r.run_id.as_str(), r.timeout), (8, "abc", Duration::from_millis(2500)));
-        let r = ok
-            .rendezvous(vars(&[("TORCHELASTIC_RUN_ID", "abc"), ("TORCHELASTIC_RESTART_COUNT", "2")]))
-            .unwrap();
+        let r = FileRendezvous::from_launch(
+            &ok,
+            vars(&[
+                ("COLLSCHED_RENDEZVOUS_FILE", "/shared/id"),
+                ("TORCHELASTIC_RUN_ID", "abc"),
+                ("TORCHELASTIC_RESTART_COUNT", "2"),
+            ]),
+        )
+        .unwrap();
         assert_eq!(r.run_id, "abc/restart-2", "a restarted job must not read the previous attempt's file");
 
-        let e = LaunchEnv::from_lookup(vars(&[("RANK", "0"), ("LOCAL_RANK", "0")])).unwrap_err();
-        assert!(matches!(e, BootstrapError::Env { var: "WORLD_SIZE", .. }), "{e}");
-        let e = LaunchEnv::from_lookup(vars(&[("RANK", "x"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0")]))
-            .unwrap_err();
-        assert!(matches!(e, BootstrapError::Env { var: "RANK", .. }), "{e}");
-        let e = LaunchEnv::from_lookup(vars(&[("RANK", "2"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0")]))
-            .unwrap_err();
-        assert!(e.to_string().contains("below WORLD_SIZE=2"), "{e}");
-        let bad_timeout = ok.rendezvous(vars(&[("COLLSCHED_RENDEZVOUS_TIMEOUT_SECS", "soon")])).unwrap_err();
-        assert!(matches!(bad_timeout, BootstrapError::Env { var: "COLLSCHED_RENDEZVOUS_TIMEOUT_SECS", .. }));
+        let unset = FileRendezvous::from_launch(&ok, vars(&[])).unwrap_err();
+        assert!(matches!(&unset, RendezvousError::Env(e) if e.var == "COLLSCHED_RENDEZVOUS_FILE"), "{unset}");
+        let bad_timeout = FileRendezvous::from_launch(
+            &ok,
+            vars(&[("COLLSCHED_RENDEZVOUS_FILE", "/x"), ("COLLSCHED_RENDEZVOUS_TIMEOUT_SECS", "soon")]),
+        )
+        .unwrap_err();
+        assert!(
+            matches!(&bad_timeout, RendezvousError::Env(e) if e.var == "COLLSCHED_RENDEZVOUS_TIMEOUT_SECS")
+        );
     }
 
     #[test]
