@@ -1,8 +1,9 @@
 //! The bootstrap with real processes: each test starts this test binary's `child` entry as
 //! the ranks of a job (torchrun's variables set by hand) and reads what each rank reports.
 
-use std::io::{Read, Seek, SeekFrom, Write};
+use std::io::Write;
 use std::os::fd::{AsFd, FromRawFd, IntoRawFd};
+use std::os::unix::fs::FileExt;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -37,10 +38,11 @@ fn run_child() -> Result<String, String> {
         return Err(format!("{} descriptors for a world of {}", fds.len(), env.world));
     }
     for (r, fd) in fds.into_iter().enumerate() {
-        let mut f = std::fs::File::from(fd);
-        let mut s = String::new();
-        f.seek(SeekFrom::Start(0)).map_err(|e| e.to_string())?;
-        f.read_to_string(&mut s).map_err(|e| e.to_string())?;
+        // Positioned reads: every process shares each memfd's file offset.
+        let f = std::fs::File::from(fd);
+        let mut buf = [0u8; 64];
+        let n = f.read_at(&mut buf, 0).map_err(|e| e.to_string())?;
+        let s = String::from_utf8_lossy(&buf[..n]);
         if s != format!("memfd of rank {r}") {
             return Err(format!("descriptor {r} holds {s:?}"));
         }
@@ -135,9 +137,13 @@ fn every_rank_gets_every_ranks_bytes_and_descriptors() {
         let all: Vec<usize> = (0..world).collect();
         let out = finish(start(&job(&format!("ok{world}")), world, &all, 30.0, |_| "exchange"));
         assert_eq!(out.len(), world);
+        let all_lines = format!("{out:?}");
         for (r, line) in out {
             let line = line.unwrap_or_else(|| panic!("world {world}: rank {r} reported nothing"));
-            assert!(line.starts_with(&format!("ok {world} ranks")), "world {world}: rank {r}: {line}");
+            assert!(
+                line.starts_with(&format!("ok {world} ranks")),
+                "world {world}: rank {r}: {line}; all: {all_lines}"
+            );
         }
     }
 }

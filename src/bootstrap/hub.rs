@@ -380,8 +380,11 @@ impl Hub {
         hello.extend_from_slice(&std::process::id().to_le_bytes());
         hello.extend_from_slice(&fnv(env.job.as_bytes()).to_le_bytes());
         link.send(HELLO, 0, &hello, None).map_err(io_err(rank, "saying hello to rank 0"))?;
+        // Rank 0 gives up at the same deadline and then says who is missing: wait a little
+        // longer for its word.
+        let grace = (config.timeout / 10).max(Duration::from_secs(1));
         let frame = link.recv(
-            deadline,
+            deadline + grace,
             &mut || Ok(()),
             &mut || BootstrapError::PeerDied { rank, peer: 0, during: "the bootstrap" },
             &mut || BootstrapError::Timeout {

@@ -38,6 +38,7 @@
 
 mod buffer;
 mod event;
+mod meeting;
 mod moves;
 mod rendezvous;
 mod stream;
@@ -54,8 +55,9 @@ pub use event::LocalEvent;
 
 use self::buffer::Pool;
 use self::event::EventPool;
+use self::meeting::Meeting;
 use self::moves::{OpPost, Post, RawPtr};
-use self::rendezvous::{Channels, Departures};
+use self::rendezvous::Channels;
 use self::stream::{HostFn, Queue, Work};
 use crate::backend::CollectiveKind;
 use crate::backend::{
@@ -103,8 +105,7 @@ pub(crate) struct WorldShared {
     n: usize,
     config: LocalConfig,
     cores: usize,
-    channels: Channels,
-    departures: Departures,
+    meeting: Box<dyn Meeting>,
     claimed: Vec<AtomicBool>,
 }
 
@@ -150,8 +151,7 @@ impl LocalWorld {
                 n,
                 config,
                 cores,
-                channels: Channels::default(),
-                departures: Departures::new(n),
+                meeting: Box::new(Channels::new(n)),
                 claimed: (0..n).map(|_| AtomicBool::new(false)).collect(),
             }),
         })
@@ -262,15 +262,14 @@ impl std::fmt::Debug for LocalRank {
 impl Drop for LocalRank {
     fn drop(&mut self) {
         if std::thread::panicking() {
-            self.shared.departures.set_panicked(self.rank);
+            self.shared.meeting.panicked(self.rank);
         }
         for s in Stream::ALL {
             match self.streams[s.index()].get() {
                 // Each stream thread finishes its queue, then leaves.
                 Some(q) => q.close(),
                 None => {
-                    self.shared.departures.set_departed(self.rank, s);
-                    self.shared.channels.poke(self.rank, s);
+                    self.shared.meeting.departed(self.rank, s);
                 }
             }
         }

@@ -148,6 +148,7 @@ impl Departures {
 /// The meeting place of one (group, stream).
 pub(super) struct Channel {
     group: RankGroup,
+    departures: Arc<Departures>,
     stream: Stream,
     state: Mutex<ChanState>,
     cv: Condvar,
@@ -158,13 +159,12 @@ pub(super) struct Channel {
 pub(super) struct Caller<'a> {
     pub rank: usize,
     pub config: &'a LocalConfig,
-    pub departures: &'a Departures,
     /// Whether spinning makes sense (the group fits the machine's cores).
     pub spin: bool,
 }
 
 impl Channel {
-    pub(super) fn new(group: RankGroup, stream: Stream) -> Self {
+    pub(super) fn new(group: RankGroup, stream: Stream, departures: Arc<Departures>) -> Self {
         let n = group.len();
         let state = ChanState {
             slots: Vec::with_capacity(super::PREFILL),
@@ -172,7 +172,14 @@ impl Channel {
             spare_running: (0..super::PREFILL).map(|_| Arc::new(Running::with_capacity(n))).collect(),
             ..ChanState::default()
         };
-        Channel { group, stream, state: Mutex::new(state), cv: Condvar::new(), epoch: AtomicU64::new(0) }
+        Channel {
+            group,
+            departures,
+            stream,
+            state: Mutex::new(state),
+            cv: Condvar::new(),
+            epoch: AtomicU64::new(0),
+        }
     }
 
     pub(super) fn stream(&self) -> Stream {
@@ -411,12 +418,12 @@ impl Channel {
             let gone: Vec<usize> = (0..n)
                 .filter(|&q| slot.posts[q].is_none())
                 .map(|q| self.group.ranks()[q])
-                .filter(|&r| caller.departures.departed(r, self.stream))
+                .filter(|&r| self.departures.departed(r, self.stream))
                 .collect();
             if gone.is_empty() {
                 return false;
             }
-            let reason = caller.departures.reason(&gone, self.stream);
+            let reason = self.departures.reason(&gone, self.stream);
             slot.phase = Phase::Aborted(Abort::PeerFailed { missing: gone, reason });
             true
         });
@@ -578,22 +585,33 @@ fn guarded(
     })
 }
 
-/// The world's channels, created on first use.
-#[derive(Default)]
-pub(super) struct Channels(Mutex<HashMap<(Stream, RankGroup), Arc<Channel>>>);
+/// The world's channels, created on first use, and who has left: the in-process
+/// [`Meeting`](super::meeting::Meeting).
+pub(super) struct Channels {
+    map: Mutex<HashMap<(Stream, RankGroup), Arc<Channel>>>,
+    departures: Arc<Departures>,
+}
 
 impl Channels {
+    pub(super) fn new(n: usize) -> Self {
+        Channels { map: Mutex::default(), departures: Arc::new(Departures::new(n)) }
+    }
+
     pub(super) fn get(&self, stream: Stream, group: &RankGroup) -> Arc<Channel> {
-        let mut map = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut map = self.map.lock().unwrap_or_else(PoisonError::into_inner);
         map.entry((stream, group.clone()))
-            .or_insert_with(|| Arc::new(Channel::new(group.clone(), stream)))
+            .or_insert_with(|| Arc::new(Channel::new(group.clone(), stream, Arc::clone(&self.departures))))
             .clone()
+    }
+
+    pub(super) fn departures(&self) -> &Departures {
+        &self.departures
     }
 
     /// Wakes every channel of `stream` that `rank` belongs to (it just left).
     pub(super) fn poke(&self, rank: usize, stream: Stream) {
         let chans: Vec<Arc<Channel>> = {
-            let map = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+            let map = self.map.lock().unwrap_or_else(PoisonError::into_inner);
             map.values()
                 .filter(|c| c.stream() == stream && c.group().position(rank).is_some())
                 .cloned()

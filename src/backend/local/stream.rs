@@ -10,8 +10,9 @@ use crossbeam::utils::Backoff;
 use smallvec::SmallVec;
 
 use super::event::LocalEvent;
+use super::meeting::Place;
 use super::moves::Post;
-use super::rendezvous::{Arrival, Caller, Channel};
+use super::rendezvous::{Arrival, Caller};
 use super::WorldShared;
 use crate::backend::{BackendError, BackendEvent, CollDesc, CollRef, RankGroup, Stream};
 
@@ -142,7 +143,7 @@ pub(super) fn spawn(rank: usize, stream: Stream, shared: Arc<WorldShared>) -> Ar
     let name = format!("collsched-r{rank}-{stream}");
     let started = std::thread::Builder::new().name(name).spawn(move || {
         let _gone = GoneOnDrop(Arc::clone(&rx));
-        StreamThread { rank, stream, shared, poison: None, channels: HashMap::new() }.run(&rx)
+        StreamThread { rank, stream, shared, poison: None, places: HashMap::new() }.run(&rx)
     });
     if let Err(e) = started {
         tracing::error!(target: "collsched::init", rank, %stream, error = %e, "cannot start stream thread");
@@ -158,7 +159,7 @@ struct StreamThread {
     /// The first failure on this stream: every later item fails with it (CUDA's sticky errors).
     poison: Option<BackendError>,
     /// Channels used so far and the next sequence number on each.
-    channels: HashMap<RankGroup, (Arc<Channel>, u64)>,
+    places: HashMap<RankGroup, (Arc<dyn Place>, u64)>,
 }
 
 impl StreamThread {
@@ -167,8 +168,7 @@ impl StreamThread {
             self.step(work);
         }
         // Every collective this (rank, stream) will ever post has been posted: tell waiters.
-        self.shared.departures.set_departed(self.rank, self.stream);
-        self.shared.channels.poke(self.rank, self.stream);
+        self.shared.meeting.departed(self.rank, self.stream);
     }
 
     fn fail(&mut self, e: BackendError) {
@@ -213,11 +213,12 @@ impl StreamThread {
             }
             Work::Coll { group, first, post, after, event } => {
                 let shared = Arc::clone(&self.shared);
+                let spin = group.len() <= shared.cores;
                 let entry = self
-                    .channels
+                    .places
                     .entry(group)
-                    .or_insert_with_key(|g| (shared.channels.get(self.stream, g), 0));
-                let chan = Arc::clone(&entry.0);
+                    .or_insert_with_key(|g| (shared.meeting.place(self.stream, g), 0));
+                let place = Arc::clone(&entry.0);
                 let seq = entry.1;
                 entry.1 += 1;
                 let op = CollRef { desc: first, stream: self.stream, seq: Some(seq) };
@@ -229,13 +230,8 @@ impl StreamThread {
                         Err(e) => Arrival::Failed(e),
                     },
                 };
-                let caller = Caller {
-                    rank: self.rank,
-                    config: &shared.config,
-                    departures: &shared.departures,
-                    spin: chan.group().len() <= shared.cores,
-                };
-                let result = chan.run(&caller, seq, arrival, &op);
+                let caller = Caller { rank: self.rank, config: &shared.config, spin };
+                let result = place.run(&caller, seq, arrival, &op);
                 if let Err(e) = &result {
                     self.fail(e.clone());
                 }
