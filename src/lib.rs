@@ -19,5 +19,6 @@ pub mod cli;
 pub mod demo;
 pub mod runtime;
 pub mod sim;
+pub mod units;
 
 pub use runtime::{Coordinator, ModelState, RuntimeError, StepStats};

@@ -146,6 +146,9 @@ pub enum BackendError {
         /// The library's error code and message.
         detail: String,
     },
+    /// The processes of a multi-process backend could not meet.
+    #[error(transparent)]
+    Bootstrap(#[from] crate::bootstrap::BootstrapError),
     /// A launch this backend refuses before anything runs (an empty group launch, ...).
     #[error("rank {rank}: {what}")]
     InvalidLaunch {

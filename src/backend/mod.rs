@@ -81,6 +81,7 @@ mod desc;
 mod error;
 mod inflight;
 pub mod local;
+pub mod shm;
 
 pub use chain::{ChainError, Chained};
 pub use collsched_schedule::Stream;

@@ -46,7 +46,7 @@ pub struct Liveness {
 }
 
 impl Liveness {
-    fn new(rank: usize, pids: Vec<u32>) -> Self {
+    pub(crate) fn new(rank: usize, pids: Vec<u32>) -> Self {
         let pidfds = pids
             .iter()
             .enumerate()
@@ -68,25 +68,25 @@ impl Liveness {
 
     /// The lowest rank whose process has exited, if any (never blocks).
     pub fn first_dead(&self) -> Option<usize> {
-        for (r, fd) in self.pidfds.iter().enumerate() {
-            if r == self.rank {
-                continue;
-            }
-            let dead = match fd {
-                Some(fd) => {
-                    let mut p = [rustix::event::PollFd::new(fd, rustix::event::PollFlags::IN)];
-                    let zero = rustix::time::Timespec { tv_sec: 0, tv_nsec: 0 };
-                    matches!(rustix::event::poll(&mut p, Some(&zero)), Ok(n) if n > 0)
-                }
-                // No pidfd (an old kernel): a signal-0 probe, which a zombie still passes.
-                None => rustix::process::Pid::from_raw(self.pids[r] as i32)
-                    .is_none_or(|p| rustix::process::test_kill_process(p).is_err()),
-            };
-            if dead {
-                return Some(r);
-            }
+        (0..self.pids.len()).find(|&r| self.is_dead(r))
+    }
+
+    /// Whether rank `r`'s process has exited (never blocks; `false` for this process and for a
+    /// rank outside the job).
+    pub fn is_dead(&self, r: usize) -> bool {
+        if r == self.rank || r >= self.pids.len() {
+            return false;
         }
-        None
+        match &self.pidfds[r] {
+            Some(fd) => {
+                let mut p = [rustix::event::PollFd::new(fd, rustix::event::PollFlags::IN)];
+                let zero = rustix::time::Timespec { tv_sec: 0, tv_nsec: 0 };
+                matches!(rustix::event::poll(&mut p, Some(&zero)), Ok(n) if n > 0)
+            }
+            // No pidfd (an old kernel): a signal-0 probe, which a zombie still passes.
+            None => rustix::process::Pid::from_raw(self.pids[r] as i32)
+                .is_none_or(|p| rustix::process::test_kill_process(p).is_err()),
+        }
     }
 }
 

@@ -4,7 +4,7 @@ use std::alloc::{self, Layout};
 use std::collections::HashMap;
 use std::fmt;
 use std::ptr::NonNull;
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use super::event::LocalEvent;
@@ -13,11 +13,26 @@ use crate::backend::{BackendBuffer, BackendError, BackendEvent};
 /// Alignment of every local buffer: a cache line, so vectorized kernels start aligned.
 pub const BUFFER_ALIGN: usize = 64;
 
+/// Where a pool's buffers come from when not from the process heap: memory other processes
+/// map too (the `shm` backend's arena). Every block is [`BUFFER_ALIGN`]-aligned, `cap` bytes,
+/// and stays valid while the memory value lives (storages keep it alive).
+pub(crate) trait HostMemory: Send + Sync + fmt::Debug {
+    /// A block of `cap` bytes (a multiple of [`BUFFER_ALIGN`], not 0).
+    ///
+    /// # Errors
+    /// [`BackendError::OutOfMemory`] naming the limit.
+    fn alloc(&self, rank: usize, cap: usize) -> Result<NonNull<u8>, BackendError>;
+    /// Takes a block back.
+    fn release(&self, ptr: NonNull<u8>, cap: usize);
+}
+
 /// Bytes owned through a raw pointer (not a `Box`), so that moving the owner around while
 /// stream threads of other ranks read or write the bytes asserts nothing about uniqueness.
+/// From the process heap, or from a [`HostMemory`] (kept alive by the storage).
 struct Storage {
     ptr: NonNull<u8>,
     cap: usize,
+    memory: Option<Arc<dyn HostMemory>>,
 }
 
 // SAFETY: `Storage` owns its allocation exclusively, like a `Box<[u8]>`; sending it to another
@@ -35,9 +50,16 @@ impl Storage {
         Layout::from_size_align(cap, BUFFER_ALIGN).unwrap_or(Layout::new::<u8>())
     }
 
-    fn new(rank: usize, cap: usize) -> Result<Self, BackendError> {
+    fn new(rank: usize, cap: usize, memory: Option<&Arc<dyn HostMemory>>) -> Result<Self, BackendError> {
         if cap == 0 {
-            return Ok(Storage { ptr: NonNull::<[u8; BUFFER_ALIGN]>::dangling().cast(), cap: 0 });
+            return Ok(Storage {
+                ptr: NonNull::<[u8; BUFFER_ALIGN]>::dangling().cast(),
+                cap: 0,
+                memory: None,
+            });
+        }
+        if let Some(m) = memory {
+            return Ok(Storage { ptr: m.alloc(rank, cap)?, cap, memory: Some(Arc::clone(m)) });
         }
         let layout = Layout::from_size_align(cap, BUFFER_ALIGN).map_err(|e| BackendError::OutOfMemory {
             rank,
@@ -51,15 +73,17 @@ impl Storage {
             bytes: cap,
             what: "the system allocator returned null".into(),
         })?;
-        Ok(Storage { ptr, cap })
+        Ok(Storage { ptr, cap, memory: None })
     }
 }
 
 impl Drop for Storage {
     fn drop(&mut self) {
-        if self.cap > 0 {
+        match &self.memory {
+            Some(m) => m.release(self.ptr, self.cap),
             // SAFETY: allocated in `Storage::new` with exactly this layout, freed once.
-            unsafe { alloc::dealloc(self.ptr.as_ptr(), Self::layout(self.cap)) };
+            None if self.cap > 0 => unsafe { alloc::dealloc(self.ptr.as_ptr(), Self::layout(self.cap)) },
+            None => {}
         }
     }
 }
@@ -131,6 +155,8 @@ pub(super) struct Pool {
     timeout: Duration,
     inner: Mutex<PoolInner>,
     parked: Mutex<Option<BackendError>>,
+    /// Where fresh buffers come from: `None` for the process heap.
+    memory: Option<Arc<dyn HostMemory>>,
 }
 
 impl Drop for Pool {
@@ -155,9 +181,9 @@ impl Drop for Pool {
 }
 
 impl Pool {
-    pub(super) fn new(rank: usize, timeout: Duration) -> Self {
+    pub(super) fn new(rank: usize, timeout: Duration, memory: Option<Arc<dyn HostMemory>>) -> Self {
         let inner = PoolInner { pending: Vec::with_capacity(super::PREFILL), ..PoolInner::default() };
-        Pool { rank, timeout, inner: Mutex::new(inner), parked: Mutex::new(None) }
+        Pool { rank, timeout, inner: Mutex::new(inner), parked: Mutex::new(None), memory }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, PoolInner> {
@@ -206,7 +232,7 @@ impl Pool {
         inner.allocations += 1;
         drop(inner);
         tracing::debug!(target: "collsched::alloc", rank = self.rank, bytes, "fresh local buffer");
-        Ok(LocalBuffer { storage: Storage::new(self.rank, class)?, len: bytes })
+        Ok(LocalBuffer { storage: Storage::new(self.rank, class, self.memory.as_ref())?, len: bytes })
     }
 
     /// Returns `buffer` now or once `after` completed. With `park`, a failure of `after` is

@@ -38,9 +38,9 @@
 
 mod buffer;
 mod event;
-mod meeting;
-mod moves;
-mod rendezvous;
+pub(crate) mod meeting;
+pub(crate) mod moves;
+pub(crate) mod rendezvous;
 mod stream;
 
 use std::num::NonZeroUsize;
@@ -53,6 +53,7 @@ use smallvec::SmallVec;
 pub use buffer::{LocalBuffer, BUFFER_ALIGN};
 pub use event::LocalEvent;
 
+pub(crate) use self::buffer::HostMemory;
 use self::buffer::Pool;
 use self::event::EventPool;
 use self::meeting::Meeting;
@@ -139,6 +140,16 @@ impl LocalWorld {
     /// # Errors
     /// [`BackendError::InvalidGroup`] if `n == 0`.
     pub fn with_config(n: usize, config: LocalConfig) -> Result<Self, BackendError> {
+        Self::with_meeting(n, config, Box::new(Channels::new(n)))
+    }
+
+    /// A world of `n` ranks whose collectives meet in `meeting` (in this process, or across
+    /// processes for the `shm` backend).
+    pub(crate) fn with_meeting(
+        n: usize,
+        config: LocalConfig,
+        meeting: Box<dyn Meeting>,
+    ) -> Result<Self, BackendError> {
         if n == 0 {
             return Err(BackendError::InvalidGroup(InvalidGroup {
                 ranks: Vec::new(),
@@ -151,7 +162,7 @@ impl LocalWorld {
                 n,
                 config,
                 cores,
-                meeting: Box::new(Channels::new(n)),
+                meeting,
                 claimed: (0..n).map(|_| AtomicBool::new(false)).collect(),
             }),
         })
@@ -174,6 +185,15 @@ impl LocalWorld {
     /// # Errors
     /// [`BackendError::InvalidGroup`] if `r` is out of range or was already taken.
     pub fn rank(&self, r: usize) -> Result<LocalRank, BackendError> {
+        self.rank_in(r, None)
+    }
+
+    /// [`LocalWorld::rank`] with buffers from `memory` (another process's view of them too).
+    pub(crate) fn rank_in(
+        &self,
+        r: usize,
+        memory: Option<Arc<dyn HostMemory>>,
+    ) -> Result<LocalRank, BackendError> {
         let Some(flag) = self.shared.claimed.get(r) else {
             return Err(BackendError::InvalidGroup(InvalidGroup {
                 ranks: vec![r],
@@ -186,7 +206,7 @@ impl LocalWorld {
                 what: format!("rank {r} of this local world was already taken; each rank has one handle"),
             }));
         }
-        let pool = Arc::new(Pool::new(r, self.shared.config.timeout));
+        let pool = Arc::new(Pool::new(r, self.shared.config.timeout, memory));
         let drop_pool = Arc::clone(&pool);
         let on_drop: OnDrop<LocalRank> =
             Arc::new(move |ops: Vec<Collective<LocalBuffer>>, event: &LocalEvent| {

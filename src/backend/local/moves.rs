@@ -4,8 +4,6 @@
 //! says which bytes each member moves, and why that is sound (every byte written by exactly one
 //! thread, inputs only read, buffers alive until every member departed).
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-
 use collsched_kernels::{copy_piece, reduce_piece};
 use smallvec::SmallVec;
 
@@ -15,7 +13,7 @@ use crate::backend::{BackendError, CollRef, CollectiveKind};
 
 /// A raw pointer into a rank's buffer, shared with the peers of one collective.
 #[derive(Clone, Copy, Debug)]
-pub(super) struct RawPtr(pub *mut u8);
+pub(crate) struct RawPtr(pub *mut u8);
 
 // SAFETY: the pointer is only dereferenced under the protocol in the module docs: the memory it
 // points to is owned by an `InFlight` (or a pool's pending list) until every member departed, and
@@ -26,7 +24,7 @@ unsafe impl Sync for RawPtr {}
 
 /// One collective of a member's post.
 #[derive(Debug)]
-pub(super) struct OpPost {
+pub(crate) struct OpPost {
     pub desc: crate::backend::CollDesc,
     /// The input, or null for in place.
     pub src: RawPtr,
@@ -35,10 +33,10 @@ pub(super) struct OpPost {
 }
 
 /// Collectives of a group launch held inline (no heap allocation) by a [`Post`].
-pub(super) const POST_INLINE: usize = 4;
+pub(crate) const POST_INLINE: usize = 4;
 
 /// A member's post: its group launch (on the heap only beyond [`POST_INLINE`] collectives).
-pub(super) type Post = SmallVec<[OpPost; POST_INLINE]>;
+pub(crate) type Post = SmallVec<[OpPost; POST_INLINE]>;
 
 /// Element range of chunk `q` of `count` elements split over `n` members.
 fn chunk(count: usize, n: usize, q: usize) -> (usize, usize) {
@@ -75,7 +73,7 @@ unsafe fn copy_bytes(dst: *mut u8, src: *const u8, bytes: usize, whole: usize) {
 
 /// First half of the copies: all-gather and broadcast entirely (the reductions are in
 /// [`reduce_shared`]).
-pub(super) fn first_half(me: usize, posts: &[Post]) -> Result<(), BackendError> {
+pub(crate) fn first_half(me: usize, posts: &[Post]) -> Result<(), BackendError> {
     for (i, mine) in posts[me].iter().enumerate() {
         let d = &mine.desc;
         let es = d.elem.size();
@@ -176,10 +174,10 @@ impl Piece {
 /// core) the others finish its pieces instead of waiting for it at the departure barrier. Every
 /// piece is written by exactly one thread, and nobody reads a reduced output before the barrier
 /// that follows.
-pub(super) fn reduce_shared(
+pub(crate) fn reduce_shared(
     me: usize,
     posts: &[Post],
-    next: &[AtomicUsize],
+    next: &dyn Fn(usize) -> usize,
     piece_bytes: usize,
     rank: usize,
     op: &CollRef,
@@ -191,7 +189,7 @@ pub(super) fn reduce_shared(
     for k in 0..n {
         let q = (me + k) % n;
         loop {
-            let u = next[q].fetch_add(1, Ordering::Relaxed);
+            let u = next(q);
             let Some(p) = Piece::find(&posts[q], n, q, piece_bytes, u) else { break };
             let d = &posts[q][p.i].desc;
             faults::piece(d, q, u);
@@ -218,7 +216,7 @@ pub(super) fn reduce_shared(
 }
 
 /// Second half, after the middle barrier: all-reduce gathers the other members' reduced chunks.
-pub(super) fn second_half(me: usize, posts: &[Post]) -> Result<(), BackendError> {
+pub(crate) fn second_half(me: usize, posts: &[Post]) -> Result<(), BackendError> {
     let n = posts.len();
     for (i, mine) in posts[me].iter().enumerate() {
         let d = &mine.desc;
@@ -266,4 +264,4 @@ mod faults {
 }
 
 #[cfg(test)]
-pub(super) use faults::FAIL_TAG;
+pub(crate) use faults::FAIL_TAG;

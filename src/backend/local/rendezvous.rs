@@ -36,7 +36,7 @@ use crate::backend::{BackendError, CollRef, RankGroup, Stream};
 
 /// What a member brings to a slot (the post inline: boxing it would allocate per collective).
 #[allow(clippy::large_enum_variant)]
-pub(super) enum Arrival {
+pub(crate) enum Arrival {
     /// Its collectives.
     Ops(Post),
     /// It cannot take part (its stream failed before): abort the slot.
@@ -156,7 +156,7 @@ pub(super) struct Channel {
 }
 
 /// Who is calling, for error messages and waits.
-pub(super) struct Caller<'a> {
+pub(crate) struct Caller<'a> {
     pub rank: usize,
     pub config: &'a LocalConfig,
     /// Whether spinning makes sense (the group fits the machine's cores).
@@ -471,7 +471,8 @@ impl Channel {
         let needs_mid = posts[me].iter().any(|o| o.desc.kind == CollectiveKind::AllReduce);
         let mut result = guarded(caller, op, || {
             moves::first_half(me, posts)?;
-            moves::reduce_shared(me, posts, &running.next, caller.config.piece_bytes, caller.rank, op)
+            let next = |q: usize| running.next[q].fetch_add(1, Ordering::Relaxed);
+            moves::reduce_shared(me, posts, &next, caller.config.piece_bytes, caller.rank, op)
         });
         if needs_mid {
             self.barrier(caller, seq, |s| &mut s.mid, &result);
@@ -570,7 +571,7 @@ impl Channel {
 }
 
 /// Runs `f`, turning a panic into an error (so the member still departs).
-fn guarded(
+pub(crate) fn guarded(
     caller: &Caller<'_>,
     op: &CollRef,
     f: impl FnOnce() -> Result<(), BackendError>,

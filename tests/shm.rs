@@ -1,0 +1,173 @@
+//! The shm backend with real processes (one per rank): the backend-generic collective suite at
+//! 1, 2, 3 and 5 processes, and the faults of a multi-process job: a mismatched collective, a
+//! rank killed before or during a collective, a rank that leaves early. Nothing may be left in
+//! `/dev/shm`.
+
+use std::time::{Duration, Instant};
+
+use collsched::backend::local::LocalRank;
+use collsched::backend::shm::{join, ShmConfig};
+use collsched::backend::{Backend, BackendError, CollDesc, Collective, RankGroup, Stream};
+use collsched::bootstrap::LaunchEnv;
+use collsched::kernels::ElemType;
+
+#[path = "support/collectives.rs"]
+mod collectives;
+#[path = "support/procs.rs"]
+mod procs;
+use procs::{finish, job, start};
+
+fn kill_self() {
+    let _ = rustix::process::kill_process(rustix::process::getpid(), rustix::process::Signal::KILL);
+}
+
+/// One all-reduce of `count` f32 over the world on this rank.
+fn all_reduce(rank: &LocalRank, count: usize) -> Result<(), BackendError> {
+    let n = rank.world_size();
+    let input = rank.alloc(count * 4)?;
+    let output = rank.alloc(count * 4)?;
+    let desc = CollDesc::all_reduce(RankGroup::world(n), ElemType::F32, count);
+    let f = rank
+        .launch(Stream::ReduceScatter, &[], Collective { desc, input: Some(input), output })
+        .map_err(|e| e.error)?;
+    f.wait(Duration::from_secs(120)).map_err(|e| e.into_error())?;
+    Ok(())
+}
+
+fn run_child() -> Result<String, String> {
+    let env = LaunchEnv::from_env().map_err(|e| e.to_string())?;
+    let config = ShmConfig::from_env().map_err(|e| e.to_string())?;
+    let mode = std::env::var("COLLSCHED_TEST_MODE").unwrap_or_default();
+    let (rank, _hub) = join(&env, &config).map_err(|e| e.to_string())?;
+    let me = env.rank;
+    match mode.as_str() {
+        "suite" => {
+            let wrong = collectives::exercise(rank).map_err(|e| e.to_string())?;
+            if wrong.is_empty() {
+                Ok("suite".into())
+            } else {
+                Err(format!("wrong results: {wrong:?}"))
+            }
+        }
+        "mismatch" => {
+            let n = rank.world_size();
+            let count = 64;
+            let desc = if me == 1 {
+                CollDesc::reduce_scatter(RankGroup::world(n), ElemType::F32, count)
+            } else {
+                CollDesc::all_gather(RankGroup::world(n), ElemType::F32, count)
+            };
+            let input =
+                rank.alloc(if me == 1 { n * count * 4 } else { count * 4 }).map_err(|e| e.to_string())?;
+            let output = rank.alloc(n * count * 4).map_err(|e| e.to_string())?;
+            let f = rank
+                .launch(Stream::AllGather, &[], Collective { desc, input: Some(input), output })
+                .map_err(|e| e.error.to_string())?;
+            match f.wait(Duration::from_secs(60)) {
+                Ok(_) => Ok("a mismatched collective ran".into()),
+                Err(e) => Err(e.into_error().to_string()),
+            }
+        }
+        "kill-before" | "kill-mid" | "leave" => {
+            let victim = me == rank.world_size() - 1;
+            if victim && mode == "kill-before" {
+                kill_self();
+            }
+            if victim && mode == "leave" {
+                drop(rank);
+                return Ok("left".into());
+            }
+            if victim {
+                // Killed while its peers are inside a large all-reduce with it.
+                std::thread::spawn(|| {
+                    std::thread::sleep(Duration::from_millis(300));
+                    kill_self();
+                });
+            }
+            for _ in 0..1000 {
+                all_reduce(&rank, 16 << 20).map_err(|e| e.to_string())?;
+            }
+            Ok("no failure seen".into())
+        }
+        other => Err(format!("unknown mode {other}")),
+    }
+}
+
+#[test]
+#[ignore = "a rank of the shm tests' jobs, started by them as a child process"]
+fn child() {
+    match run_child() {
+        Ok(s) => println!("\nRESULT ok {s}"),
+        Err(e) => println!("\nRESULT err {e}"),
+    }
+}
+
+/// Names in `/dev/shm` that look like ours.
+fn leftovers() -> Vec<String> {
+    std::fs::read_dir("/dev/shm")
+        .map(|d| {
+            d.filter_map(Result::ok)
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.contains("collsched"))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+#[test]
+fn every_collective_at_1_2_3_and_5_processes() {
+    for world in [1, 2, 3, 5] {
+        let all: Vec<usize> = (0..world).collect();
+        let out = finish(start(&job(&format!("suite{world}")), world, &all, 60.0, |_| "suite"));
+        assert_eq!(out.len(), world);
+        for (r, line) in out {
+            let line = line.unwrap_or_else(|| panic!("world {world}: rank {r} reported nothing"));
+            assert_eq!(line, "ok suite", "world {world}: rank {r}");
+        }
+    }
+    assert_eq!(leftovers(), Vec::<String>::new());
+}
+
+#[test]
+fn a_mismatched_collective_fails_on_every_rank_at_once() {
+    let t = Instant::now();
+    let out = finish(start(&job("mismatch"), 3, &[0, 1, 2], 60.0, |_| "mismatch"));
+    assert!(t.elapsed() < Duration::from_secs(20), "took {:?}", t.elapsed());
+    for (r, line) in out {
+        let line = line.unwrap_or_else(|| panic!("rank {r} reported nothing"));
+        assert!(
+            line.contains("mismatched collectives") && line.contains("reduce_scatter"),
+            "rank {r}: {line}"
+        );
+    }
+}
+
+/// Every rank but the last must fail naming the last, within `within` (the timeout is 120 s).
+fn check_victim_named(mode: &'static str, within: Duration) {
+    let t = Instant::now();
+    let out = finish(start(&job(mode), 3, &[0, 1, 2], 120.0, move |_| mode));
+    assert!(t.elapsed() < within, "{mode}: took {:?}", t.elapsed());
+    for (r, line) in out {
+        if r == 2 {
+            continue;
+        }
+        let line = line.unwrap_or_else(|| panic!("{mode}: rank {r} reported nothing"));
+        assert!(line.starts_with("err") && line.contains("[2]"), "{mode}: rank {r}: {line}");
+    }
+    assert_eq!(leftovers(), Vec::<String>::new());
+}
+
+#[test]
+fn a_rank_killed_before_a_collective_is_named_within_seconds() {
+    check_victim_named("kill-before", Duration::from_secs(10));
+}
+
+#[test]
+fn a_rank_killed_in_the_middle_of_a_large_collective_is_named_within_seconds() {
+    check_victim_named("kill-mid", Duration::from_secs(15));
+}
+
+#[test]
+fn a_rank_that_leaves_early_is_named_within_seconds() {
+    check_victim_named("leave", Duration::from_secs(10));
+}

@@ -1,0 +1,185 @@
+//! The backend-generic collective suite: every collective, odd sizes, every element type,
+//! checked element by element against a reference computed here (shared by the local and shm
+//! backends' tests).
+#![allow(dead_code)]
+
+use std::time::Duration;
+
+use collsched::backend::{Backend, BackendBuffer, BackendError, CollDesc, Collective, RankGroup, Stream};
+use collsched::kernels::{ElemType, ReduceOp, Scaling};
+use half::{bf16, f16};
+
+pub const SIZES: [usize; 4] = [1, 17, 257, 4099];
+pub const TYPES: [ElemType; 3] = [ElemType::F32, ElemType::F16, ElemType::BF16];
+pub const WAIT: Duration = Duration::from_secs(60);
+
+/// A value of rank `r`, element `i`: a multiple of 1/8 below 32 in magnitude, exact in every
+/// element type (8 significant bits), while sums over many ranks are not exact in f16/bf16 — so
+/// a kernel that accumulated in the narrow type, or rounded twice, would show.
+pub fn value(_ty: ElemType, r: usize, i: usize, salt: usize) -> f32 {
+    let h = (r.wrapping_mul(2_654_435_761) ^ i.wrapping_mul(40_503) ^ salt.wrapping_mul(97)) % 511;
+    (h as f32 - 255.0) / 8.0
+}
+
+pub fn round(ty: ElemType, x: f32) -> f32 {
+    match ty {
+        ElemType::F32 => x,
+        ElemType::F16 => f16::from_f32(x).to_f32(),
+        ElemType::BF16 => bf16::from_f32(x).to_f32(),
+    }
+}
+
+pub fn encode(ty: ElemType, v: &[f32]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(v.len() * ty.size());
+    for &x in v {
+        match ty {
+            ElemType::F32 => out.extend_from_slice(&x.to_le_bytes()),
+            ElemType::F16 => out.extend_from_slice(&f16::from_f32(x).to_le_bytes()),
+            ElemType::BF16 => out.extend_from_slice(&bf16::from_f32(x).to_le_bytes()),
+        }
+    }
+    out
+}
+
+pub fn decode(ty: ElemType, b: &[u8]) -> Vec<f32> {
+    b.chunks_exact(ty.size())
+        .map(|c| match ty {
+            ElemType::F32 => f32::from_le_bytes([c[0], c[1], c[2], c[3]]),
+            ElemType::F16 => f16::from_le_bytes([c[0], c[1]]).to_f32(),
+            ElemType::BF16 => bf16::from_le_bytes([c[0], c[1]]).to_f32(),
+        })
+        .collect()
+}
+
+/// The reduction as the contract defines it: f32, rank order, pre-divide each, post-divide the
+/// sum (times n for avg), rounded once to `ty`.
+pub fn reduce_ref(ty: ElemType, op: ReduceOp, s: Scaling, xs: impl Iterator<Item = f32>, n: usize) -> f32 {
+    let mut acc = 0.0f32;
+    for x in xs {
+        acc += x / s.pre_divide;
+    }
+    let post = match op {
+        ReduceOp::Sum => s.post_divide,
+        ReduceOp::Avg => s.post_divide * n as f32,
+    };
+    round(ty, acc / post)
+}
+
+pub fn compare(what: &str, ty: ElemType, got: &[u8], want: &[f32], wrong: &mut Vec<String>) {
+    let got = decode(ty, got);
+    let want_bits: Vec<f32> = want.iter().map(|&x| round(ty, x)).collect();
+    if got.len() != want_bits.len() {
+        wrong.push(format!("{what}: {} elements, want {}", got.len(), want_bits.len()));
+        return;
+    }
+    if let Some(i) = (0..got.len()).find(|&i| got[i].to_bits() != want_bits[i].to_bits()) {
+        wrong.push(format!("{what}: element {i} is {}, want {}", got[i], want_bits[i]));
+    }
+}
+
+pub fn run_one<B: Backend>(
+    rank: &B,
+    stream: Stream,
+    c: Collective<B::Buffer>,
+) -> Result<Vec<u8>, BackendError> {
+    let f = rank.launch(stream, &[], c).map_err(|e| e.error)?;
+    let mut done = f.wait(WAIT).map_err(|e| e.into_error())?;
+    let c = done.pop().expect("one collective back");
+    let mut out = vec![0u8; c.output.len()];
+    rank.read_to_host(&c.output, 0, &mut out)?;
+    rank.free(c.output, None);
+    if let Some(i) = c.input {
+        rank.free(i, None);
+    }
+    Ok(out)
+}
+
+/// Runs every collective, size and type on one rank; returns descriptions of wrong results.
+pub fn exercise<B: Backend>(rank: B) -> Result<Vec<String>, BackendError> {
+    let n = rank.world_size();
+    let me = rank.rank();
+    let group = RankGroup::world(n);
+    let mut wrong = Vec::new();
+    let scalings =
+        [(ReduceOp::Sum, Scaling::default()), (ReduceOp::Avg, Scaling { pre_divide: 2.0, post_divide: 1.5 })];
+    for ty in TYPES {
+        let es = ty.size();
+        for count in SIZES {
+            // all-gather, out of place and in place
+            let shard: Vec<f32> = (0..count).map(|i| value(ty, me, i, 1)).collect();
+            let want: Vec<f32> = (0..n).flat_map(|r| (0..count).map(move |i| value(ty, r, i, 1))).collect();
+            let mut input = rank.alloc(count * es)?;
+            rank.write_from_host(&mut input, 0, &encode(ty, &shard))?;
+            let output = rank.alloc(n * count * es)?;
+            let desc = CollDesc::all_gather(group.clone(), ty, count).with_tag(count as u64);
+            let got = run_one(
+                &rank,
+                Stream::AllGather,
+                Collective { desc: desc.clone(), input: Some(input), output },
+            )?;
+            compare(&format!("all_gather n={n} {count} x {}", ty.name()), ty, &got, &want, &mut wrong);
+
+            let mut output = rank.alloc(n * count * es)?;
+            rank.write_from_host(&mut output, me * count * es, &encode(ty, &shard))?;
+            let got = run_one(&rank, Stream::AllGather, Collective { desc, input: None, output })?;
+            compare(
+                &format!("all_gather in place n={n} {count} x {}", ty.name()),
+                ty,
+                &got,
+                &want,
+                &mut wrong,
+            );
+
+            // reduce-scatter and all-reduce, with sum and avg + scaling
+            for (k, &(op, s)) in scalings.iter().enumerate() {
+                let full: Vec<f32> = (0..n * count).map(|i| value(ty, me, i, 2 + k)).collect();
+                let want: Vec<f32> = (0..count)
+                    .map(|i| reduce_ref(ty, op, s, (0..n).map(|r| value(ty, r, me * count + i, 2 + k)), n))
+                    .collect();
+                let mut input = rank.alloc(n * count * es)?;
+                rank.write_from_host(&mut input, 0, &encode(ty, &full))?;
+                let output = rank.alloc(count * es)?;
+                let desc = CollDesc::reduce_scatter(group.clone(), ty, count).with_reduce(op, s);
+                let got =
+                    run_one(&rank, Stream::ReduceScatter, Collective { desc, input: Some(input), output })?;
+                compare(
+                    &format!("reduce_scatter {op:?} n={n} {count} x {}", ty.name()),
+                    ty,
+                    &got,
+                    &want,
+                    &mut wrong,
+                );
+
+                let mine: Vec<f32> = (0..count).map(|i| value(ty, me, i, 5 + k)).collect();
+                let want: Vec<f32> = (0..count)
+                    .map(|i| reduce_ref(ty, op, s, (0..n).map(|r| value(ty, r, i, 5 + k)), n))
+                    .collect();
+                let mut input = rank.alloc(count * es)?;
+                rank.write_from_host(&mut input, 0, &encode(ty, &mine))?;
+                let output = rank.alloc(count * es)?;
+                let desc = CollDesc::all_reduce(group.clone(), ty, count).with_reduce(op, s);
+                let got =
+                    run_one(&rank, Stream::ReduceScatter, Collective { desc, input: Some(input), output })?;
+                compare(
+                    &format!("all_reduce {op:?} n={n} {count} x {}", ty.name()),
+                    ty,
+                    &got,
+                    &want,
+                    &mut wrong,
+                );
+            }
+
+            // broadcast from the last rank, in place on the root
+            let root = n - 1;
+            let data: Vec<f32> = (0..count).map(|i| value(ty, root, i, 9)).collect();
+            let mut output = rank.alloc(count * es)?;
+            if me == root {
+                rank.write_from_host(&mut output, 0, &encode(ty, &data))?;
+            }
+            let desc = CollDesc::broadcast(group.clone(), ty, count, root);
+            let got = run_one(&rank, Stream::Compute, Collective { desc, input: None, output })?;
+            compare(&format!("broadcast n={n} {count} x {}", ty.name()), ty, &got, &data, &mut wrong);
+        }
+    }
+    Ok(wrong)
+}
