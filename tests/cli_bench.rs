@@ -223,3 +223,44 @@ fn bad_flags_and_cuda_without_the_feature_are_clear_errors() {
     ]);
     assert!(!ok && err.contains("cuda"), "{err}");
 }
+
+/// `--backend shm` alone starts one process per rank; the table has the same columns and the
+/// checked results are right.
+#[test]
+fn shm_backend_standalone_checked() {
+    let args =
+        ["-b", "1K", "-e", "64K", "-f", "4", "--iters", "3", "--warmup", "1", "--check", "--backend", "shm"];
+    let (ok, out, err) = bench(&[&["--op", "all_gather", "--ranks", "3"], &args[..]].concat());
+    assert!(ok, "{err}");
+    assert!(out.contains("(shm backend)"), "{out}");
+    check_table(
+        &out,
+        Expect {
+            ranks: 3,
+            elem: 4,
+            ty: "f32",
+            redop: "none",
+            bus: 2.0 / 3.0,
+            min: 1024,
+            max: 65536,
+            factor: 4,
+        },
+    );
+    let (ok, out, err) =
+        bench(&[&["--op", "reduce_scatter", "--ranks", "2", "--dtype", "bf16"], &args[..]].concat());
+    assert!(ok, "{err}");
+    check_table(
+        &out,
+        Expect { ranks: 2, elem: 2, ty: "bf16", redop: "sum", bus: 0.5, min: 1024, max: 65536, factor: 4 },
+    );
+}
+
+/// Sizes default to 32M and the factor to 2, as in nccl-tests: `--op` and `--ranks` suffice.
+#[test]
+fn sizes_and_factor_have_nccl_tests_defaults() {
+    let (ok, out, err) = bench(&["--op", "all_gather", "--ranks", "2", "--iters", "2", "--warmup", "1"]);
+    assert!(ok, "{err}");
+    let rows = rows(&out);
+    assert_eq!(rows.len(), 1, "{out}");
+    assert_eq!(rows[0].size, 32 << 20);
+}

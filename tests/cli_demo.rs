@@ -63,3 +63,28 @@ fn demo_cuda_backend_without_gpu_is_a_clear_error() {
         if cfg!(feature = "cuda") { "no CUDA driver found" } else { "built without the `cuda` feature" };
     assert!(stderr.contains(expected), "expected `{expected}` in:\n{stderr}");
 }
+
+/// `--backend shm`: one process per rank (started by the demo itself), the same parity as the
+/// local backend: bit for bit for even, flat and greedy, within the hybrid tolerance for hybrid.
+#[test]
+fn demo_shm_backend_reaches_local_parity_for_every_strategy() {
+    for (strategy, ranks, tolerance) in
+        [("even", "3", 0.0), ("flat", "2", 0.0), ("greedy", "3", 0.0), ("hybrid:2", "4", 1e-4)]
+    {
+        let (ok, stdout) = demo(&[
+            "--backend",
+            "shm",
+            "--ranks",
+            ranks,
+            "--steps",
+            "3",
+            "--strategy",
+            strategy,
+            "--seed",
+            "3",
+        ]);
+        assert!(ok, "{strategy}: demo failed:\n{stdout}");
+        let (x, steps) = parse_last_line(&stdout);
+        assert!(x <= tolerance && steps == 3, "{strategy}: {stdout}");
+    }
+}

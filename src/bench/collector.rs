@@ -4,6 +4,64 @@
 use std::sync::{Condvar, Mutex, PoisonError};
 
 use super::RankRow;
+use crate::bootstrap::Hub;
+
+/// How the ranks of a bench hand each other their rows: threads of one process meet in a
+/// [`Collector`], processes through the bootstrap hub ([`HubRows`]).
+pub trait RowExchange: Sync {
+    /// Hands in `row` for `rank` and waits for every rank; returns all rows in rank order.
+    ///
+    /// # Errors
+    /// The failure of another rank.
+    fn exchange(&self, rank: usize, row: RankRow) -> Result<Vec<RankRow>, String>;
+    /// Marks the run failed, so that no other rank waits for this one.
+    fn break_with(&self, why: String);
+}
+
+impl RowExchange for Collector {
+    fn exchange(&self, rank: usize, row: RankRow) -> Result<Vec<RankRow>, String> {
+        Collector::exchange(self, rank, row)
+    }
+
+    fn break_with(&self, why: String) {
+        Collector::break_with(self, why);
+    }
+}
+
+/// Rows exchanged between processes through the job's hub. A rank that fails exits, and the
+/// others' exchange fails naming it (the hub watches the processes).
+#[derive(Debug)]
+pub struct HubRows(pub Mutex<Hub>);
+
+impl RowExchange for HubRows {
+    fn exchange(&self, _rank: usize, row: RankRow) -> Result<Vec<RankRow>, String> {
+        let mut bytes = Vec::with_capacity(25);
+        bytes.extend_from_slice(&row.grouped.to_le_bytes());
+        bytes.extend_from_slice(&row.separate.unwrap_or(f64::NAN).to_le_bytes());
+        bytes.push(u8::from(row.separate.is_some()));
+        bytes.extend_from_slice(&row.wrong.to_le_bytes());
+        let all = self
+            .0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .all_gather(&bytes)
+            .map_err(|e| e.to_string())?;
+        all.iter()
+            .map(|b| {
+                let f = |i: usize| b.get(i..i + 8).and_then(|s| s.try_into().ok()).map(f64::from_le_bytes);
+                let w = b.get(17..25).and_then(|s| s.try_into().ok()).map(u64::from_le_bytes);
+                match (f(0), f(8), b.get(16), w) {
+                    (Some(grouped), Some(sep), Some(&has), Some(wrong)) => {
+                        Ok(RankRow { grouped, separate: (has == 1).then_some(sep), wrong })
+                    }
+                    _ => Err("a rank sent a malformed bench row".to_string()),
+                }
+            })
+            .collect()
+    }
+
+    fn break_with(&self, _why: String) {}
+}
 
 /// A barrier of the rank threads that a failing rank breaks instead of leaving the others
 /// waiting, and that collects each rank's row.
@@ -70,7 +128,7 @@ impl Collector {
 /// Breaks the collector if its rank's thread unwinds, so the other ranks stop waiting for it.
 pub struct BreakOnPanic<'a> {
     /// The collector to break.
-    pub collector: &'a Collector,
+    pub collector: &'a dyn RowExchange,
     /// The rank this guard belongs to.
     pub rank: usize,
 }

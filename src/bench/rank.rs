@@ -4,7 +4,7 @@ use std::time::{Duration, Instant};
 
 use half::{bf16, f16};
 
-use super::{BenchOp, BenchPlan, BreakOnPanic, Collector, Printer, RankRow, PIPELINE};
+use super::{BenchOp, BenchPlan, BreakOnPanic, Printer, RankRow, RowExchange, PIPELINE};
 use crate::backend::{Backend, BackendError, CollDesc, Collective, InFlight, RankGroup, Stream};
 use crate::kernels::ElemType;
 
@@ -164,7 +164,7 @@ fn time_iterations<B: Backend>(
     plan: &BenchPlan,
     sets: &mut [Option<Ops<B>>],
     grouped: bool,
-    collector: &Collector,
+    collector: &dyn RowExchange,
 ) -> Result<f64, String> {
     let stream = match plan.op {
         BenchOp::AllGather => Stream::AllGather,
@@ -205,7 +205,7 @@ fn time_iterations<B: Backend>(
 pub fn run_rank<B: Backend>(
     b: &B,
     plan: &BenchPlan,
-    collector: &Collector,
+    collector: &dyn RowExchange,
     printer: &Printer,
 ) -> Result<(), String> {
     let r = b.rank();
@@ -225,7 +225,7 @@ pub fn run_rank<B: Backend>(
 pub fn bench_rank<B: Backend>(
     b: &B,
     plan: &BenchPlan,
-    collector: &Collector,
+    collector: &dyn RowExchange,
     print: &(dyn Fn(usize, &[RankRow]) + Sync),
 ) -> Result<(), String> {
     let me = b.rank();

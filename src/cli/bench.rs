@@ -3,12 +3,17 @@
 
 use std::process::ExitCode;
 
+use std::sync::Mutex;
+
+use super::launch::{self, Role};
 use super::CliError;
 use crate::backend::local::{LocalConfig, LocalWorld};
+use crate::backend::shm::{self, ShmConfig};
 use crate::bench::{
     first_failure, memcpy_bandwidth, memcpy_concurrent_bandwidth, run_rank, BenchOp, BenchPlan, BenchSpec,
-    Collector, Printer, CONCURRENT_MIN_BYTES,
+    Collector, HubRows, Printer, CONCURRENT_MIN_BYTES,
 };
+use crate::bootstrap::LaunchEnv;
 use crate::kernels::ElemType;
 
 /// Element type on the command line.
@@ -39,6 +44,9 @@ pub enum BenchBackend {
     Local,
     /// CUDA devices through NCCL (feature `cuda`), one thread per GPU.
     Cuda,
+    /// Processes of one machine, one per rank, over shared memory: under torchrun or mpirun
+    /// each process is a rank; alone, `--ranks N` starts N processes of this program.
+    Shm,
 }
 
 /// Flags of `collsched bench`.
@@ -47,17 +55,17 @@ pub struct Args {
     /// The collective.
     #[arg(long, value_enum)]
     pub op: BenchOp,
-    /// Number of ranks.
+    /// Number of ranks (with `--backend shm` under torchrun or mpirun: the launcher's).
     #[arg(long)]
-    pub ranks: usize,
+    pub ranks: Option<usize>,
     /// Smallest size in bytes of the whole buffer (`1K`, `16M`, `1G` are powers of 1024).
-    #[arg(short = 'b', long = "minbytes", value_parser = parse_size)]
+    #[arg(short = 'b', long = "minbytes", value_parser = parse_size, default_value = "32M")]
     pub min_bytes: usize,
     /// Largest size in bytes.
-    #[arg(short = 'e', long = "maxbytes", value_parser = parse_size)]
+    #[arg(short = 'e', long = "maxbytes", value_parser = parse_size, default_value = "32M")]
     pub max_bytes: usize,
     /// Factor between successive sizes (at least 2).
-    #[arg(short = 'f', long = "stepfactor")]
+    #[arg(short = 'f', long = "stepfactor", default_value_t = 2)]
     pub factor: usize,
     /// Backend.
     #[arg(long, value_enum, default_value = "local")]
@@ -80,11 +88,11 @@ pub struct Args {
 }
 
 impl Args {
-    /// The flags as the engine's input.
-    pub fn spec(&self) -> BenchSpec {
+    /// The flags as the engine's input, for `ranks` ranks.
+    pub fn spec(&self, ranks: usize) -> BenchSpec {
         BenchSpec {
             op: self.op,
-            ranks: self.ranks,
+            ranks,
             elem: self.dtype.into(),
             min_bytes: self.min_bytes,
             max_bytes: self.max_bytes,
@@ -104,21 +112,51 @@ pub use crate::units::parse_size;
 /// # Errors
 /// Bad flags, a backend failure, as one line for the user.
 pub fn run(args: Args) -> Result<ExitCode, CliError> {
-    let plan = BenchPlan::new(&args.spec())?;
+    if args.backend == BenchBackend::Shm {
+        return match launch::role(args.ranks)? {
+            Role::Standalone(n) => launch::standalone(n),
+            Role::Rank(env) => run_shm(&args, &env),
+        };
+    }
+    let ranks = args.ranks.ok_or("--ranks is required (the number of ranks)")?;
+    let plan = BenchPlan::new(&args.spec(ranks))?;
     match args.backend {
         BenchBackend::Local => run_local(&plan),
         BenchBackend::Cuda => run_cuda(&plan),
+        BenchBackend::Shm => unreachable!("handled above"),
     }
 }
 
-fn run_local(plan: &BenchPlan) -> Result<ExitCode, CliError> {
+/// The reference lines of a table measured on this machine: single-thread memcpy and, from
+/// [`CONCURRENT_MIN_BYTES`] up, one copy per core at once.
+fn printer_for(plan: &BenchPlan, backend: &'static str) -> Printer {
     let largest = plan.sizes.last().copied().unwrap_or(0);
     let memcpy = memcpy_bandwidth(largest);
     let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
     let threads = plan.ranks.min(cores);
-    let mut printer = Printer::new(plan, "local", memcpy);
+    let mut printer = Printer::new(plan, backend, memcpy);
     printer.concurrent = (threads > 1 && largest >= CONCURRENT_MIN_BYTES)
         .then(|| (threads, memcpy_concurrent_bandwidth(largest, threads)));
+    printer
+}
+
+/// `--backend shm`, this process being rank `env.rank`: rank 0 measures the references and
+/// prints; the rows travel through the bootstrap hub.
+fn run_shm(args: &Args, env: &LaunchEnv) -> Result<ExitCode, CliError> {
+    let plan = BenchPlan::new(&args.spec(env.world))?;
+    let config = ShmConfig::from_env()?;
+    let printer = if env.rank == 0 { printer_for(&plan, "shm") } else { Printer::new(&plan, "shm", 0.0) };
+    let (rank, hub) = shm::join(env, &config)?;
+    if env.rank == 0 {
+        printer.header();
+    }
+    let rows = HubRows(Mutex::new(hub));
+    run_rank(&rank, &plan, &rows, &printer)?;
+    Ok(if env.rank == 0 { printer.footer() } else { ExitCode::SUCCESS })
+}
+
+fn run_local(plan: &BenchPlan) -> Result<ExitCode, CliError> {
+    let printer = printer_for(plan, "local");
     printer.header();
     let world = LocalWorld::with_config(plan.ranks, LocalConfig::default())?;
     let collector = Collector::new(plan.ranks);

@@ -15,8 +15,12 @@ use collsched_buckets::Sharding;
 use collsched_schedule::PolicyKind;
 
 use super::bench::BenchBackend;
+use super::launch::{self, Role};
 use super::CliError;
-use crate::demo::{max_differences, reference_run, sharded_run, DemoConfig, ShardedOptions};
+use crate::backend::shm::{self, ShmConfig};
+use crate::demo::{
+    max_differences, reference_run, sharded_run, sharded_run_process, DemoConfig, ShardedOptions,
+};
 
 /// Largest loss difference accepted for `hybrid:G` (absolute; the losses are O(0.1..1)).
 pub const HYBRID_TOLERANCE: f32 = 1e-4;
@@ -24,9 +28,10 @@ pub const HYBRID_TOLERANCE: f32 = 1e-4;
 /// Flags of `collsched demo`.
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// Local ranks (threads).
-    #[arg(long, default_value_t = 4)]
-    pub ranks: usize,
+    /// Ranks: threads (`local`), GPUs (`cuda`) or processes (`shm`; under torchrun or mpirun
+    /// the launcher's world size). Default 4.
+    #[arg(long)]
+    pub ranks: Option<usize>,
     /// Optimizer steps.
     #[arg(long, default_value_t = 12)]
     pub steps: usize,
@@ -39,8 +44,8 @@ pub struct Args {
     /// Prefetch policy: none or trace (record the first step's order, replay it).
     #[arg(long, default_value = "trace", value_parser = parse_policy)]
     pub policy: PolicyKind,
-    /// Backend: `local` (threads of this process) or `cuda` (one GPU per rank, NCCL; needs a
-    /// build with `--features cuda`).
+    /// Backend: `local` (threads of this process), `shm` (one process per rank; alone it
+    /// starts them) or `cuda` (one GPU per rank, NCCL; needs a build with `--features cuda`).
     #[arg(long, value_enum, default_value = "local")]
     pub backend: BenchBackend,
 }
@@ -75,21 +80,36 @@ fn run_cuda(_: &DemoConfig, _: &ShardedOptions) -> Result<crate::demo::ShardedRu
 /// Bad flags (zero ranks or steps, a hybrid group that does not divide the ranks) or a failed
 /// rank, as one line for the user.
 pub fn run(args: Args) -> Result<ExitCode, CliError> {
-    if args.ranks == 0 || args.steps == 0 {
-        return Err(format!(
-            "--ranks and --steps must be at least 1 (got {} and {})",
-            args.ranks, args.steps
-        )
-        .into());
+    let mut ranks = args.ranks.unwrap_or(4);
+    let mut process = None;
+    if args.backend == BenchBackend::Shm {
+        match launch::role(Some(ranks).filter(|_| args.ranks.is_some() || !launch::launched()))? {
+            Role::Standalone(n) => return launch::standalone(n),
+            Role::Rank(env) => {
+                ranks = env.world;
+                process = Some(env);
+            }
+        }
     }
-    let cfg = DemoConfig::standard(args.ranks, args.steps, args.seed);
+    if ranks == 0 || args.steps == 0 {
+        return Err(format!("--ranks and --steps must be at least 1 (got {ranks} and {})", args.steps).into());
+    }
+    let cfg = DemoConfig::standard(ranks, args.steps, args.seed);
     let opts = ShardedOptions { sharding: args.strategy, policy: args.policy, ..ShardedOptions::default() };
     let t0 = Instant::now();
     let reference = reference_run(&cfg);
     let t1 = Instant::now();
-    let sharded = match args.backend {
-        BenchBackend::Local => sharded_run(&cfg, &opts)?,
-        BenchBackend::Cuda => run_cuda(&cfg, &opts)?,
+    let sharded = match (args.backend, process) {
+        (BenchBackend::Local, _) => sharded_run(&cfg, &opts)?,
+        (BenchBackend::Cuda, _) => run_cuda(&cfg, &opts)?,
+        (BenchBackend::Shm, Some(env)) => {
+            let (rank, mut hub) = shm::join(&env, &ShmConfig::from_env()?)?;
+            match sharded_run_process(&cfg, &opts, rank, &mut hub)? {
+                Some(run) => run,
+                None => return Ok(ExitCode::SUCCESS),
+            }
+        }
+        (BenchBackend::Shm, None) => return Err("collsched demo --backend shm: no rank to run".into()),
     };
     let t2 = Instant::now();
     println!(

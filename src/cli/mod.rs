@@ -10,6 +10,7 @@ use clap::{Parser, Subcommand};
 
 pub mod bench;
 pub mod demo;
+pub mod launch;
 pub mod plan;
 pub mod sim;
 pub mod topo;

@@ -16,7 +16,9 @@ pub mod sharded;
 
 #[cfg(feature = "cuda")]
 pub use sharded::sharded_run_cuda;
-pub use sharded::{max_differences, sharded_run, DemoError, ShardedOptions, ShardedRun, StepCost};
+pub use sharded::{
+    max_differences, sharded_run, sharded_run_process, DemoError, ShardedOptions, ShardedRun, StepCost,
+};
 
 use collsched_kernels::{reduce, ElemType, ReduceOp, Scaling};
 

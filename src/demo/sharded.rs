@@ -171,6 +171,47 @@ pub fn sharded_run(cfg: &DemoConfig, opts: &ShardedOptions) -> Result<ShardedRun
     combine(cfg, outcomes, buckets)
 }
 
+/// Runs this process's rank of the demo in a multi-process job (the `shm` backend: `backend`
+/// is this rank, `hub` the job's bootstrap hub). Every rank trains; the losses are gathered
+/// through the hub; rank 0 gets the run's record, the other ranks `None`.
+///
+/// # Errors
+/// This rank's failure, or a peer's seen through the hub.
+pub fn sharded_run_process<B: Backend>(
+    cfg: &DemoConfig,
+    opts: &ShardedOptions,
+    backend: B,
+    hub: &mut crate::bootstrap::Hub,
+) -> Result<Option<ShardedRun>, DemoError> {
+    let plan = plan(cfg, opts)?;
+    let buckets = (plan.layout().gather_buckets().len(), plan.layout().grad_buckets().len());
+    let init = cfg.model.init(cfg.seed);
+    let me = backend.rank();
+    let mine = run_rank(cfg, opts, &plan, &init, backend)?;
+    let bytes: Vec<u8> = mine.losses.iter().flat_map(|l| l.to_le_bytes()).collect();
+    let all = hub.all_gather(&bytes).map_err(BackendError::from)?;
+    if me != 0 {
+        return Ok(None);
+    }
+    let mut first = Some(mine);
+    let outcomes: Vec<std::thread::Result<Result<RankOutcome, RuntimeError>>> = all
+        .iter()
+        .enumerate()
+        .map(|(r, b)| {
+            let losses = b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+            let o = match (r, first.take()) {
+                (0, Some(mut o)) => {
+                    o.losses = losses;
+                    o
+                }
+                _ => RankOutcome { losses, evals: Vec::new(), params: Vec::new(), cost: Vec::new() },
+            };
+            Ok(Ok(o))
+        })
+        .collect();
+    combine(cfg, outcomes, buckets).map(Some)
+}
+
 /// Runs the demo sharded over `cfg.world` GPUs of this process (device `r` for rank `r`, one
 /// thread per GPU, one NCCL world; hybrid sharding's shard and replica groups are declared to
 /// the backends from the plan). Same steps and result as [`sharded_run`]; the reductions go
