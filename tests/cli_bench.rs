@@ -264,3 +264,36 @@ fn sizes_and_factor_have_nccl_tests_defaults() {
     assert_eq!(rows.len(), 1, "{out}");
     assert_eq!(rows[0].size, 32 << 20);
 }
+
+/// Start-up and teardown of process ranks: 100 consecutive `--backend shm --ranks 2` runs
+/// succeed and leave no process of theirs (running or zombie) and nothing in `/dev/shm`.
+#[test]
+fn a_hundred_shm_runs_leave_nothing_behind() {
+    let tag = format!("collsched-test-{}", std::process::id());
+    for i in 0..100 {
+        let out = Command::new(env!("CARGO_BIN_EXE_collsched"))
+            .args(["bench", "--op", "all_reduce", "--ranks", "2", "-b", "4K", "-e", "4K", "--iters", "1"])
+            .args(["--warmup", "0", "--backend", "shm"])
+            .env("COLLSCHED_TEST_TAG", &tag)
+            .output()
+            .expect("run collsched");
+        assert!(out.status.success(), "run {i}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let ours: Vec<String> = std::fs::read_dir("/proc")
+        .expect("/proc")
+        .filter_map(Result::ok)
+        .filter(|e| e.file_name().to_string_lossy().chars().all(|c| c.is_ascii_digit()))
+        .filter(|e| {
+            let env = std::fs::read(e.path().join("environ")).unwrap_or_default();
+            let stat = std::fs::read_to_string(e.path().join("stat")).unwrap_or_default();
+            env.windows(tag.len()).any(|w| w == tag.as_bytes())
+                || (stat.contains(") Z ") && stat.contains("collsched"))
+        })
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(ours, Vec::<String>::new(), "processes left");
+    let shm: Vec<String> = std::fs::read_dir("/dev/shm")
+        .map(|d| d.filter_map(Result::ok).map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+        .unwrap_or_default();
+    assert!(shm.iter().all(|n| !n.contains("collsched")), "{shm:?}");
+}
