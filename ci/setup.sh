@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Installs what a fresh machine lacks: Debian packages for hwloc, the CUDA pip wheels for the
+# Installs what a fresh machine lacks: Debian packages for hwloc and Open MPI, the CUDA pip wheels for the
 # NVRTC/ptxas checks. Idempotent; quick when everything is there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source ci/env.sh
 
 need_apt=()
-for pkg in libhwloc-dev libudev-dev pkg-config; do
+# openmpi-bin: mpirun launches the shm backend tests as Open MPI would.
+for pkg in libhwloc-dev libudev-dev pkg-config openmpi-bin; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
 done
 if [ ${#need_apt[@]} -gt 0 ]; then

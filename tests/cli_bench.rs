@@ -297,3 +297,58 @@ fn a_hundred_shm_runs_leave_nothing_behind() {
         .unwrap_or_default();
     assert!(shm.iter().all(|n| !n.contains("collsched")), "{shm:?}");
 }
+
+/// Launched by Open MPI's `mpirun` (its `OMPI_COMM_WORLD_*` variables and job namespace), each
+/// process is a rank: the checked table, and the demo's parity. `ci/setup.sh` installs
+/// `openmpi-bin`.
+#[test]
+fn shm_ranks_launched_by_mpirun() {
+    let mpirun = |args: &[&str]| {
+        Command::new("mpirun")
+            .args(["--allow-run-as-root", "--oversubscribe", "-np", "3", env!("CARGO_BIN_EXE_collsched")])
+            .args(args)
+            .output()
+            .expect("mpirun (apt install openmpi-bin, or run ci/setup.sh)")
+    };
+    // The local backend under a launcher still needs --ranks: a clear error, not a hang.
+    let out = mpirun(&["bench", "--op", "all_reduce", "-b", "1K", "-e", "16K", "-f", "4", "--iters", "3"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--ranks is required"));
+    let out = mpirun(&[
+        "bench",
+        "--op",
+        "all_reduce",
+        "-b",
+        "1K",
+        "-e",
+        "16K",
+        "-f",
+        "4",
+        "--iters",
+        "3",
+        "--warmup",
+        "1",
+        "--check",
+        "--backend",
+        "shm",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    check_table(
+        &stdout,
+        Expect {
+            ranks: 3,
+            elem: 4,
+            ty: "f32",
+            redop: "sum",
+            bus: 4.0 / 3.0,
+            min: 1024,
+            max: 16384,
+            factor: 4,
+        },
+    );
+    let out = mpirun(&["demo", "--backend", "shm", "--steps", "2", "--strategy", "greedy"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}");
+    assert!(stdout.trim_end().ends_with("parity: max |loss difference| = 0e0 over 2 steps"), "{stdout}");
+}
