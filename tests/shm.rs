@@ -171,3 +171,24 @@ fn a_rank_killed_in_the_middle_of_a_large_collective_is_named_within_seconds() {
 fn a_rank_that_leaves_early_is_named_within_seconds() {
     check_victim_named("leave", Duration::from_secs(10));
 }
+
+#[test]
+fn two_jobs_at_once_keep_to_themselves() {
+    let a = start(&job("twin-a"), 2, &[0, 1], 60.0, |_| "suite");
+    let b = start(&job("twin-b"), 3, &[0, 1, 2], 60.0, |_| "suite");
+    for (r, line) in finish(a).into_iter().chain(finish(b)) {
+        let line = line.unwrap_or_else(|| panic!("rank {r} reported nothing"));
+        assert_eq!(line, "ok suite", "rank {r}");
+    }
+}
+
+#[test]
+fn a_rank_that_never_starts_is_named_after_the_bootstrap_timeout() {
+    let t = Instant::now();
+    let out = finish(start(&job("never"), 3, &[0, 1], 2.0, |_| "suite"));
+    assert!(t.elapsed() < Duration::from_secs(20), "took {:?}", t.elapsed());
+    for (r, line) in out {
+        let line = line.unwrap_or_else(|| panic!("rank {r} reported nothing"));
+        assert!(line.starts_with("err") && line.contains("[2]"), "rank {r}: {line}");
+    }
+}
