@@ -19,7 +19,7 @@ fn check_world(n: usize) {
 fn check_world_with(n: usize, piece_bytes: usize) {
     let config = LocalConfig { timeout: Duration::from_secs(60), piece_bytes, ..LocalConfig::default() };
     let world = LocalWorld::with_config(n, config).expect("world");
-    for (r, outcome) in world.run(exercise).expect("ranks").into_iter().enumerate() {
+    for (r, outcome) in world.run(|r| exercise(&r)).expect("ranks").into_iter().enumerate() {
         let wrong =
             outcome.unwrap_or_else(|_| panic!("rank {r} of {n} panicked")).unwrap_or_else(|e| panic!("{e}"));
         assert!(wrong.is_empty(), "rank {r} of {n}: {wrong:#?}");
@@ -62,74 +62,8 @@ fn grouped_launch_and_subgroups() {
         LocalWorld::with_config(n, LocalConfig { timeout: WAIT, ..LocalConfig::default() }).expect("world");
     let out = world
         .run(|rank| -> Result<(), BackendError> {
-            let me = rank.rank();
-            let odd = RankGroup::new(vec![1, 3])?;
-            let mut ops = Vec::new();
-            let mut wants = Vec::new();
-            for (k, (ty, count)) in
-                [(ElemType::F32, 17), (ElemType::BF16, 4099), (ElemType::F16, 1)].into_iter().enumerate()
-            {
-                let mut input = rank.alloc(count * ty.size())?;
-                rank.write_from_host(
-                    &mut input,
-                    0,
-                    &encode(ty, &(0..count).map(|i| value(ty, me, i, k)).collect::<Vec<_>>()),
-                )?;
-                let output = rank.alloc(n * count * ty.size())?;
-                ops.push(Collective {
-                    desc: CollDesc::all_gather(RankGroup::world(n), ty, count).with_tag(k as u64),
-                    input: Some(input),
-                    output,
-                });
-                wants.push((
-                    ty,
-                    (0..n).flat_map(|r| (0..count).map(move |i| value(ty, r, i, k))).collect::<Vec<f32>>(),
-                ));
-            }
-            let group_flight = rank.launch_group(Stream::AllGather, &[], ops).map_err(|e| e.error)?;
-            // Meanwhile the odd ranks all-reduce among themselves on another stream.
-            let sub = if let Some(pos) = odd.position(me) {
-                let _ = pos;
-                let ty = ElemType::F32;
-                let mut input = rank.alloc(257 * 4)?;
-                rank.write_from_host(
-                    &mut input,
-                    0,
-                    &encode(ty, &(0..257).map(|i| value(ty, me, i, 11)).collect::<Vec<_>>()),
-                )?;
-                let output = rank.alloc(257 * 4)?;
-                let desc = CollDesc::all_reduce(odd.clone(), ty, 257);
-                Some(
-                    rank.launch(Stream::ReduceScatter, &[], Collective { desc, input: Some(input), output })
-                        .map_err(|e| e.error)?,
-                )
-            } else {
-                None
-            };
-            let done = group_flight.wait(WAIT).map_err(|e| e.into_error())?;
-            for (c, (ty, want)) in done.iter().zip(&wants) {
-                let mut wrong = Vec::new();
-                compare("grouped all_gather", *ty, c.output.as_bytes(), want, &mut wrong);
-                assert!(wrong.is_empty(), "rank {me}: {wrong:?}");
-            }
-            if let Some(f) = sub {
-                let done = f.wait(WAIT).map_err(|e| e.into_error())?;
-                let ty = ElemType::F32;
-                let want: Vec<f32> = (0..257)
-                    .map(|i| {
-                        reduce_ref(
-                            ty,
-                            ReduceOp::Sum,
-                            Scaling::default(),
-                            [1usize, 3].iter().map(|&r| value(ty, r, i, 11)),
-                            2,
-                        )
-                    })
-                    .collect();
-                let mut wrong = Vec::new();
-                compare("subgroup all_reduce", ty, done[0].output.as_bytes(), &want, &mut wrong);
-                assert!(wrong.is_empty(), "rank {me}: {wrong:?}");
-            }
+            let wrong = grouped_launch_and_subgroup(&rank)?;
+            assert!(wrong.is_empty(), "{wrong:?}");
             Ok(())
         })
         .expect("ranks");

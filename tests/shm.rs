@@ -42,7 +42,8 @@ fn run_child() -> Result<String, String> {
     let me = env.rank;
     match mode.as_str() {
         "suite" => {
-            let wrong = collectives::exercise(rank).map_err(|e| e.to_string())?;
+            let mut wrong = collectives::exercise(&rank).map_err(|e| e.to_string())?;
+            wrong.extend(collectives::grouped_launch_and_subgroup(&rank).map_err(|e| e.to_string())?);
             if wrong.is_empty() {
                 Ok("suite".into())
             } else {

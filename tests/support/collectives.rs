@@ -95,7 +95,7 @@ pub fn run_one<B: Backend>(
 }
 
 /// Runs every collective, size and type on one rank; returns descriptions of wrong results.
-pub fn exercise<B: Backend>(rank: B) -> Result<Vec<String>, BackendError> {
+pub fn exercise<B: Backend>(rank: &B) -> Result<Vec<String>, BackendError> {
     let n = rank.world_size();
     let me = rank.rank();
     let group = RankGroup::world(n);
@@ -113,7 +113,7 @@ pub fn exercise<B: Backend>(rank: B) -> Result<Vec<String>, BackendError> {
             let output = rank.alloc(n * count * es)?;
             let desc = CollDesc::all_gather(group.clone(), ty, count).with_tag(count as u64);
             let got = run_one(
-                &rank,
+                rank,
                 Stream::AllGather,
                 Collective { desc: desc.clone(), input: Some(input), output },
             )?;
@@ -121,7 +121,7 @@ pub fn exercise<B: Backend>(rank: B) -> Result<Vec<String>, BackendError> {
 
             let mut output = rank.alloc(n * count * es)?;
             rank.write_from_host(&mut output, me * count * es, &encode(ty, &shard))?;
-            let got = run_one(&rank, Stream::AllGather, Collective { desc, input: None, output })?;
+            let got = run_one(rank, Stream::AllGather, Collective { desc, input: None, output })?;
             compare(
                 &format!("all_gather in place n={n} {count} x {}", ty.name()),
                 ty,
@@ -141,7 +141,7 @@ pub fn exercise<B: Backend>(rank: B) -> Result<Vec<String>, BackendError> {
                 let output = rank.alloc(count * es)?;
                 let desc = CollDesc::reduce_scatter(group.clone(), ty, count).with_reduce(op, s);
                 let got =
-                    run_one(&rank, Stream::ReduceScatter, Collective { desc, input: Some(input), output })?;
+                    run_one(rank, Stream::ReduceScatter, Collective { desc, input: Some(input), output })?;
                 compare(
                     &format!("reduce_scatter {op:?} n={n} {count} x {}", ty.name()),
                     ty,
@@ -159,7 +159,7 @@ pub fn exercise<B: Backend>(rank: B) -> Result<Vec<String>, BackendError> {
                 let output = rank.alloc(count * es)?;
                 let desc = CollDesc::all_reduce(group.clone(), ty, count).with_reduce(op, s);
                 let got =
-                    run_one(&rank, Stream::ReduceScatter, Collective { desc, input: Some(input), output })?;
+                    run_one(rank, Stream::ReduceScatter, Collective { desc, input: Some(input), output })?;
                 compare(
                     &format!("all_reduce {op:?} n={n} {count} x {}", ty.name()),
                     ty,
@@ -177,9 +177,85 @@ pub fn exercise<B: Backend>(rank: B) -> Result<Vec<String>, BackendError> {
                 rank.write_from_host(&mut output, 0, &encode(ty, &data))?;
             }
             let desc = CollDesc::broadcast(group.clone(), ty, count, root);
-            let got = run_one(&rank, Stream::Compute, Collective { desc, input: None, output })?;
+            let got = run_one(rank, Stream::Compute, Collective { desc, input: None, output })?;
             compare(&format!("broadcast n={n} {count} x {}", ty.name()), ty, &got, &data, &mut wrong);
         }
+    }
+    Ok(wrong)
+}
+
+/// A group launch of three all-gathers (three types, odd sizes) over the world on one stream,
+/// while the odd ranks all-reduce among themselves on another; returns wrong results.
+pub fn grouped_launch_and_subgroup<B: Backend>(rank: &B) -> Result<Vec<String>, BackendError> {
+    let mut wrong = Vec::new();
+    let me = rank.rank();
+    let n = rank.world_size();
+    let odd_ranks: Vec<usize> = (1..n).step_by(2).collect();
+    let odd = RankGroup::new(odd_ranks.clone()).unwrap_or_else(|_| RankGroup::world(1));
+    let mut ops = Vec::new();
+    let mut wants = Vec::new();
+    for (k, (ty, count)) in
+        [(ElemType::F32, 17), (ElemType::BF16, 4099), (ElemType::F16, 1)].into_iter().enumerate()
+    {
+        let mut input = rank.alloc(count * ty.size())?;
+        rank.write_from_host(
+            &mut input,
+            0,
+            &encode(ty, &(0..count).map(|i| value(ty, me, i, k)).collect::<Vec<_>>()),
+        )?;
+        let output = rank.alloc(n * count * ty.size())?;
+        ops.push(Collective {
+            desc: CollDesc::all_gather(RankGroup::world(n), ty, count).with_tag(k as u64),
+            input: Some(input),
+            output,
+        });
+        wants.push((
+            ty,
+            (0..n).flat_map(|r| (0..count).map(move |i| value(ty, r, i, k))).collect::<Vec<f32>>(),
+        ));
+    }
+    let group_flight = rank.launch_group(Stream::AllGather, &[], ops).map_err(|e| e.error)?;
+    // Meanwhile the odd ranks all-reduce among themselves on another stream.
+    let sub = if !odd_ranks.is_empty() && odd.position(me).is_some() {
+        let ty = ElemType::F32;
+        let mut input = rank.alloc(257 * 4)?;
+        rank.write_from_host(
+            &mut input,
+            0,
+            &encode(ty, &(0..257).map(|i| value(ty, me, i, 11)).collect::<Vec<_>>()),
+        )?;
+        let output = rank.alloc(257 * 4)?;
+        let desc = CollDesc::all_reduce(odd.clone(), ty, 257);
+        Some(
+            rank.launch(Stream::ReduceScatter, &[], Collective { desc, input: Some(input), output })
+                .map_err(|e| e.error)?,
+        )
+    } else {
+        None
+    };
+    let done = group_flight.wait(WAIT).map_err(|e| e.into_error())?;
+    for (c, (ty, want)) in done.iter().zip(&wants) {
+        let mut got = vec![0u8; c.output.len()];
+        rank.read_to_host(&c.output, 0, &mut got)?;
+        compare(&format!("rank {me}: grouped all_gather"), *ty, &got, want, &mut wrong);
+    }
+    if let Some(f) = sub {
+        let done = f.wait(WAIT).map_err(|e| e.into_error())?;
+        let ty = ElemType::F32;
+        let want: Vec<f32> = (0..257)
+            .map(|i| {
+                reduce_ref(
+                    ty,
+                    ReduceOp::Sum,
+                    Scaling::default(),
+                    odd_ranks.iter().map(|&r| value(ty, r, i, 11)),
+                    odd_ranks.len(),
+                )
+            })
+            .collect();
+        let mut got = vec![0u8; done[0].output.len()];
+        rank.read_to_host(&done[0].output, 0, &mut got)?;
+        compare(&format!("rank {me}: subgroup all_reduce"), ty, &got, &want, &mut wrong);
     }
     Ok(wrong)
 }
