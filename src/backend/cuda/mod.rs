@@ -225,8 +225,9 @@ impl CudaBackend {
     }
 
     /// Builds the rank a launcher describes ([`LaunchEnv`]: torchrun's `RANK`, `WORLD_SIZE`,
-    /// `LOCAL_RANK` as the device, or Open MPI's; `COLLSCHED_RENDEZVOUS_FILE` for the unique id; rank 0
-    /// creates it) with the given extra groups.
+    /// `LOCAL_RANK` as the device, or Open MPI's) with the given extra groups. Rank 0 creates
+    /// NCCL's unique id and hands it out through the file `COLLSCHED_RENDEZVOUS_FILE` when set
+    /// (jobs across machines), else through the bootstrap hub (one machine).
     ///
     /// # Errors
     /// [`CudaError::Bootstrap`] for a missing or malformed variable or a late rank 0; as
@@ -246,8 +247,24 @@ impl CudaBackend {
         };
         // Fail on a missing driver before waiting for the rendezvous.
         device_count()?;
-        let rendezvous = FileRendezvous::from_launch(&launch, lookup)?;
-        let id = rendezvous.exchange(launch.rank, UniqueId::generate)?;
+        let id = if lookup("COLLSCHED_RENDEZVOUS_FILE").is_some_and(|f| !f.is_empty()) {
+            // Across machines: a file every rank sees.
+            FileRendezvous::from_launch(&launch, lookup)?.exchange(launch.rank, UniqueId::generate)?
+        } else {
+            // One machine: the shared bootstrap's hub, as the shm backend meets.
+            let config = crate::bootstrap::HubConfig::from_env().map_err(RendezvousError::from)?;
+            let mut hub =
+                crate::bootstrap::Hub::connect(&launch, &config).map_err(|e| CudaError::Invalid {
+                    op: format!("rank {}: meeting the other processes", launch.rank),
+                    what: e.to_string(),
+                })?;
+            let mine = if launch.rank == 0 { UniqueId::generate()?.0.to_vec() } else { Vec::new() };
+            let all = hub.all_gather(&mine).map_err(|e| CudaError::Invalid {
+                op: format!("rank {}: exchanging the NCCL unique id", launch.rank),
+                what: e.to_string(),
+            })?;
+            UniqueId::from_bytes(all.first().map_or(&[][..], Vec::as_slice))?
+        };
         let config =
             CudaConfig { rank: launch.rank, world: launch.world, device: launch.local_rank, groups, timeout };
         Self::new(config, &id)
