@@ -352,3 +352,30 @@ fn shm_ranks_launched_by_mpirun() {
     assert!(out.status.success(), "{stdout}");
     assert!(stdout.trim_end().ends_with("parity: max |loss difference| = 0e0 over 2 steps"), "{stdout}");
 }
+
+/// `--check` counts only the buffer sets that ran: with one iteration and one warm-up, a
+/// correct run reports 0 wrong elements.
+#[test]
+fn check_with_a_single_iteration_counts_only_what_ran() {
+    for backend in ["local", "shm"] {
+        let (ok, out, err) = bench(&[
+            "--op",
+            "reduce_scatter",
+            "--ranks",
+            "2",
+            "-b",
+            "4K",
+            "-e",
+            "4K",
+            "--iters",
+            "1",
+            "--warmup",
+            "1",
+            "--check",
+            "--backend",
+            backend,
+        ]);
+        assert!(ok, "{backend}: {err}\n{out}");
+        assert!(out.contains("# out of bounds values : 0 OK"), "{backend}: {out}");
+    }
+}

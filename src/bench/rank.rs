@@ -243,7 +243,10 @@ pub fn bench_rank<B: Backend>(
         };
         let mut wrong = 0;
         if plan.check {
-            for ops in sets.iter().flatten() {
+            // Every run of iterations starts at set 0: a set ran only if some run had more
+            // iterations than its index (`--iters 1 --warmup 1` never touches set 1).
+            let used = plan.iters.max(plan.warmup).min(PIPELINE);
+            for ops in sets.iter().take(used).flatten() {
                 wrong += count_wrong(b, plan, ops).map_err(fail)?;
             }
         }

@@ -193,6 +193,41 @@ pub fn reference_run(cfg: &DemoConfig) -> RunRecord {
 mod tests {
     use super::*;
 
+    /// NaN, a missing step, parameter or element, or an evaluation on one side only is an
+    /// infinite difference, never 0.
+    #[test]
+    fn max_differences_fail_on_nan_and_on_anything_missing() {
+        let step = |loss: f32, eval: Option<f32>| StepRecord { loss, eval_loss: eval };
+        let good =
+            RunRecord { steps: vec![step(1.0, Some(0.5)), step(0.5, None)], params: vec![vec![1.0, 2.0]] };
+        assert_eq!(max_differences(&good, &good), (0.0, 0.0));
+        let mut nan_loss = good.clone();
+        nan_loss.steps[1].loss = f32::NAN;
+        assert_eq!(max_differences(&nan_loss, &nan_loss).0, f32::INFINITY, "NaN on both sides");
+        assert_eq!(max_differences(&good, &nan_loss).0, f32::INFINITY);
+        let mut nan_eval = good.clone();
+        nan_eval.steps[0].eval_loss = Some(f32::NAN);
+        assert_eq!(max_differences(&good, &nan_eval).0, f32::INFINITY);
+        let mut no_eval = good.clone();
+        no_eval.steps[0].eval_loss = None;
+        assert_eq!(max_differences(&good, &no_eval).0, f32::INFINITY);
+        let mut short = good.clone();
+        short.steps.pop();
+        assert_eq!(max_differences(&good, &short).0, f32::INFINITY);
+        let mut nan_param = good.clone();
+        nan_param.params[0][1] = f32::NAN;
+        assert_eq!(max_differences(&nan_param, &nan_param).1, f32::INFINITY);
+        let mut missing_tensor = good.clone();
+        missing_tensor.params.clear();
+        assert_eq!(max_differences(&good, &missing_tensor).1, f32::INFINITY);
+        let mut missing_elem = good.clone();
+        missing_elem.params[0].pop();
+        assert_eq!(max_differences(&good, &missing_elem).1, f32::INFINITY);
+        let mut off = good.clone();
+        off.params[0][0] = 1.5;
+        assert_eq!(max_differences(&good, &off).1, 0.5);
+    }
+
     #[test]
     fn reference_training_lowers_the_loss() {
         let cfg = DemoConfig::standard(4, 12, 3);

@@ -421,28 +421,34 @@ fn run_rank<B: Backend>(
 }
 
 /// The largest absolute difference between two runs' losses (training and evaluation), and
-/// between their final parameters.
+/// between their final parameters. A NaN anywhere (in either run), an evaluation in one run
+/// only, or a missing step, parameter or element counts as an infinite difference: a broken run
+/// never passes for a matching one.
 pub fn max_differences(a: &RunRecord, b: &RunRecord) -> (f32, f32) {
-    let mut loss = 0f32;
+    fn worse(acc: f32, x: f32, y: f32) -> f32 {
+        let d = (x - y).abs();
+        if d.is_nan() {
+            f32::INFINITY
+        } else {
+            acc.max(d)
+        }
+    }
+    let mut loss = if a.steps.len() == b.steps.len() { 0f32 } else { f32::INFINITY };
     for (x, y) in a.steps.iter().zip(&b.steps) {
-        loss = loss.max((x.loss - y.loss).abs());
-        if let (Some(p), Some(q)) = (x.eval_loss, y.eval_loss) {
-            loss = loss.max((p - q).abs());
-        }
-        if x.eval_loss.is_some() != y.eval_loss.is_some() || x.loss.is_nan() != y.loss.is_nan() {
-            loss = f32::INFINITY;
+        loss = worse(loss, x.loss, y.loss);
+        match (x.eval_loss, y.eval_loss) {
+            (Some(p), Some(q)) => loss = worse(loss, p, q),
+            (None, None) => {}
+            _ => loss = f32::INFINITY,
         }
     }
-    if a.steps.len() != b.steps.len() {
-        loss = f32::INFINITY;
-    }
-    let mut param = 0f32;
+    let mut param = if a.params.len() == b.params.len() { 0f32 } else { f32::INFINITY };
     for (p, q) in a.params.iter().zip(&b.params) {
-        for (x, y) in p.iter().zip(q) {
-            param = param.max((x - y).abs());
-        }
         if p.len() != q.len() {
             param = f32::INFINITY;
+        }
+        for (x, y) in p.iter().zip(q) {
+            param = worse(param, *x, *y);
         }
     }
     (loss, param)
