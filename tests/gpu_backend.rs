@@ -23,7 +23,7 @@ const WAIT: Duration = Duration::from_secs(60);
 mod gpu;
 
 /// Number of GPUs to use (at most 4), or `None` (and a printed reason) when the GPU tests must skip.
-fn gpus(test: &str) -> Option<usize> {
+fn gpus(test: &str) -> usize {
     gpu::gpus(test, 4)
 }
 
@@ -86,10 +86,9 @@ fn download(b: &CudaBackend, buf: &CudaBuffer) -> Vec<u8> {
 const TYPES: [ElemType; 3] = [ElemType::F32, ElemType::F16, ElemType::BF16];
 
 #[test]
+#[ignore = "needs a GPU: COLLSCHED_GPU=1 cargo nextest run --all-features --run-ignored only (fails without a device)"]
 fn gpu_copy_in_and_copy_out_match_the_cpu() {
-    if gpus("gpu_copy_in_and_copy_out_match_the_cpu").is_none() {
-        return;
-    }
+    gpus("gpu_copy_in_and_copy_out_match_the_cpu");
     let b = single();
     let mut rng = Rng(0x5eed);
     // Odd sizes, unaligned offsets, and one run long enough to be split into pieces.
@@ -130,10 +129,9 @@ fn gpu_copy_in_and_copy_out_match_the_cpu() {
 }
 
 #[test]
+#[ignore = "needs a GPU: COLLSCHED_GPU=1 cargo nextest run --all-features --run-ignored only (fails without a device)"]
 fn gpu_reduce_accumulate_and_cast_match_the_cpu_bit_for_bit() {
-    if gpus("gpu_reduce_accumulate_and_cast_match_the_cpu_bit_for_bit").is_none() {
-        return;
-    }
+    gpus("gpu_reduce_accumulate_and_cast_match_the_cpu_bit_for_bit");
     let b = single();
     let mut rng = Rng(42);
     let n = 4099;
@@ -181,10 +179,9 @@ fn exact_values(rank: usize, n: usize) -> Vec<f32> {
 }
 
 #[test]
+#[ignore = "needs a GPU: COLLSCHED_GPU=1 cargo nextest run --all-features --run-ignored only (fails without a device)"]
 fn gpu_collectives_match_the_cpu_on_every_visible_gpu() {
-    let Some(world) = gpus("gpu_collectives_match_the_cpu_on_every_visible_gpu") else {
-        return;
-    };
+    let world = gpus("gpu_collectives_match_the_cpu_on_every_visible_gpu");
     let id = UniqueId::generate().expect("ncclGetUniqueId (is COLLSCHED_NCCL_LIB set?)");
     let count = 1031;
     let handles: Vec<_> = (0..world)
@@ -370,10 +367,9 @@ fn block_stream(b: &CudaBackend, stream: Stream) -> mpsc::Sender<()> {
 }
 
 #[test]
+#[ignore = "needs a GPU: COLLSCHED_GPU=1 cargo nextest run --all-features --run-ignored only (fails without a device)"]
 fn gpu_events_and_deferred_frees_wait_for_their_consumers() {
-    if gpus("gpu_events_and_deferred_frees_wait_for_their_consumers").is_none() {
-        return;
-    }
+    gpus("gpu_events_and_deferred_frees_wait_for_their_consumers");
     let b = single();
     let bytes = 3 << 20;
     let buf = b.alloc(bytes).unwrap();
@@ -439,10 +435,9 @@ fn gpu_events_and_deferred_frees_wait_for_their_consumers() {
 }
 
 #[test]
+#[ignore = "needs a GPU: COLLSCHED_GPU=1 cargo nextest run --all-features --run-ignored only (fails without a device)"]
 fn gpu_hybrid_groups_reduce_within_their_members_only() {
-    let Some(world) = gpus("gpu_hybrid_groups_reduce_within_their_members_only") else {
-        return;
-    };
+    let world = gpus("gpu_hybrid_groups_reduce_within_their_members_only");
     // Shard groups of consecutive ranks and replica groups across them (hybrid sharding); on
     // one or two GPUs some groups are single ranks, which NCCL handles as well.
     let shard = world.div_ceil(2);
