@@ -56,7 +56,7 @@ fn cuda_bench_without_a_driver_is_a_clear_error() {
     #[derive(Parser)]
     struct Cli {
         #[command(flatten)]
-        args: collsched::cli::bench::Args,
+        args: collsched::cli::bench::BenchArgs,
     }
     let cli = Cli::try_parse_from([
         "bench",

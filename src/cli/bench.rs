@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use std::sync::Mutex;
 
-use super::launch::{self, Role};
+use super::launch::{self, LaunchRole};
 use super::CliError;
 use crate::backend::local::{LocalConfig, LocalWorld};
 use crate::backend::shm::{self, ShmConfig};
@@ -51,7 +51,7 @@ pub enum BenchBackend {
 
 /// Flags of `collsched bench`.
 #[derive(Debug, Clone, clap::Args)]
-pub struct Args {
+pub struct BenchArgs {
     /// The collective.
     #[arg(long, value_enum)]
     pub op: BenchOp,
@@ -87,7 +87,7 @@ pub struct Args {
     pub coalesce: usize,
 }
 
-impl Args {
+impl BenchArgs {
     /// The flags as the engine's input, for `ranks` ranks.
     pub fn spec(&self, ranks: usize) -> BenchSpec {
         BenchSpec {
@@ -111,11 +111,11 @@ pub use crate::units::parse_size;
 ///
 /// # Errors
 /// Bad flags, a backend failure, as one line for the user.
-pub fn run(args: Args) -> Result<ExitCode, CliError> {
+pub fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
     if args.backend == BenchBackend::Shm {
         return match launch::role(args.ranks)? {
-            Role::Standalone(n) => launch::standalone(n),
-            Role::Rank(env) => run_shm(&args, &env),
+            LaunchRole::Standalone(n) => launch::standalone(n),
+            LaunchRole::Rank(env) => run_shm(&args, &env),
         };
     }
     let ranks = args.ranks.ok_or("--ranks is required (the number of ranks)")?;
@@ -142,7 +142,7 @@ fn printer_for(plan: &BenchPlan, backend: &'static str) -> Printer {
 
 /// `--backend shm`, this process being rank `env.rank`: rank 0 measures the references and
 /// prints; the rows travel through the bootstrap hub.
-fn run_shm(args: &Args, env: &LaunchEnv) -> Result<ExitCode, CliError> {
+fn run_shm(args: &BenchArgs, env: &LaunchEnv) -> Result<ExitCode, CliError> {
     let plan = BenchPlan::new(&args.spec(env.world))?;
     let config = ShmConfig::from_env()?;
     let printer = if env.rank == 0 { printer_for(&plan, "shm") } else { Printer::new(&plan, "shm", 0.0) };

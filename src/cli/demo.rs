@@ -15,7 +15,7 @@ use collsched_buckets::Sharding;
 use collsched_schedule::PolicyKind;
 
 use super::bench::BenchBackend;
-use super::launch::{self, Role};
+use super::launch::{self, LaunchRole};
 use super::CliError;
 use crate::backend::shm::{self, ShmConfig};
 use crate::demo::{
@@ -27,7 +27,7 @@ pub const HYBRID_TOLERANCE: f32 = 1e-4;
 
 /// Flags of `collsched demo`.
 #[derive(Debug, clap::Args)]
-pub struct Args {
+pub struct DemoArgs {
     /// Ranks: threads (`local`), GPUs (`cuda`) or processes (`shm`; under torchrun or mpirun
     /// the launcher's world size). Default 4.
     #[arg(long)]
@@ -79,13 +79,13 @@ fn run_cuda(_: &DemoConfig, _: &ShardedOptions) -> Result<crate::demo::ShardedRu
 /// # Errors
 /// Bad flags (zero ranks or steps, a hybrid group that does not divide the ranks) or a failed
 /// rank, as one line for the user.
-pub fn run(args: Args) -> Result<ExitCode, CliError> {
+pub fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
     let mut ranks = args.ranks.unwrap_or(4);
     let mut process = None;
     if args.backend == BenchBackend::Shm {
         match launch::role(Some(ranks).filter(|_| args.ranks.is_some() || !launch::launched()))? {
-            Role::Standalone(n) => return launch::standalone(n),
-            Role::Rank(env) => {
+            LaunchRole::Standalone(n) => return launch::standalone(n),
+            LaunchRole::Rank(env) => {
                 ranks = env.world;
                 process = Some(env);
             }

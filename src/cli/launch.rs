@@ -9,7 +9,7 @@ use crate::bootstrap::LaunchEnv;
 
 /// What this process is in a multi-process run.
 #[derive(Debug)]
-pub enum Role {
+pub enum LaunchRole {
     /// One rank of a job a launcher (or this command) started.
     Rank(LaunchEnv),
     /// No launcher: start this many ranks.
@@ -27,7 +27,7 @@ pub fn launched() -> bool {
 /// # Errors
 /// A malformed launcher variable; `--ranks` missing or 0 without a launcher, or unequal to the
 /// launcher's world size.
-pub fn role(ranks: Option<usize>) -> Result<Role, CliError> {
+pub fn role(ranks: Option<usize>) -> Result<LaunchRole, CliError> {
     if launched() {
         let env = LaunchEnv::from_env()?;
         if let Some(n) = ranks.filter(|&n| n != env.world) {
@@ -37,10 +37,10 @@ pub fn role(ranks: Option<usize>) -> Result<Role, CliError> {
             )
             .into());
         }
-        return Ok(Role::Rank(env));
+        return Ok(LaunchRole::Rank(env));
     }
     match ranks {
-        Some(n) if n > 0 => Ok(Role::Standalone(n)),
+        Some(n) if n > 0 => Ok(LaunchRole::Standalone(n)),
         _ => Err("give --ranks N (at least 1), or start the ranks with torchrun or mpirun".into()),
     }
 }

@@ -1,4 +1,5 @@
-//! The `collsched` command line: one module per subcommand, each with its own `Args` and `run`.
+//! The `collsched` command line: one module per subcommand, each with its own flags (`PlanArgs`,
+//! `BenchArgs`, ...) and `run`.
 //!
 //! The flags and output formats are a contract that scripts depend on: each subcommand's
 //! module documents its own, and `collsched <command> --help` lists every flag with its
@@ -28,15 +29,15 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Build the layout and coalesced plan for a parameter list and print it.
-    Plan(plan::Args),
+    Plan(plan::PlanArgs),
     /// Measure collectives, printing nccl-tests columns.
-    Bench(bench::Args),
+    Bench(bench::BenchArgs),
     /// Simulate training steps on a modelled machine.
-    Sim(sim::Args),
+    Sim(sim::SimArgs),
     /// Train a small model sharded over local ranks and check parity with an unsharded run.
-    Demo(demo::Args),
+    Demo(demo::DemoArgs),
     /// Print the machine as the library sees it.
-    Topo(topo::Args),
+    Topo(topo::TopoArgs),
 }
 
 /// An error a subcommand reports: printed as one line `error: ...`, exit status 1.

@@ -35,7 +35,7 @@ use super::CliError;
 
 /// Flags of `collsched plan`.
 #[derive(Debug, clap::Args)]
-pub struct Args {
+pub struct PlanArgs {
     /// Parameter file: `{"params": [{"name", "shape", "dtype", "trainable", "module"}, ...]}`
     /// (`trainable` and `module` optional).
     #[arg(long, value_name = "FILE.json")]
@@ -70,7 +70,7 @@ pub struct Args {
 /// # Errors
 /// Any failure, as one line for the user: an unreadable or invalid parameter file, a bad flag
 /// value, a layout that cannot be built, a failed write to stdout.
-pub fn run(args: Args) -> Result<ExitCode, CliError> {
+pub fn run(args: PlanArgs) -> Result<ExitCode, CliError> {
     let plan = build(&args)?;
     let stdout = io::stdout();
     let mut out = BufWriter::new(stdout.lock());
@@ -87,7 +87,7 @@ pub fn run(args: Args) -> Result<ExitCode, CliError> {
 ///
 /// # Errors
 /// One line naming the file, flag, parameter or bucket at fault.
-pub fn build(args: &Args) -> Result<Plan, CliError> {
+pub fn build(args: &PlanArgs) -> Result<Plan, CliError> {
     let file = args.params.display();
     let text = std::fs::read_to_string(&args.params).map_err(|e| format!("cannot read {file}: {e}"))?;
     let bucket_bytes = bucket_bytes(args.bucket_mb)?;

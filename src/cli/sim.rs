@@ -30,7 +30,7 @@ use super::CliError;
 
 /// Flags of `collsched sim`.
 #[derive(Debug, Clone, clap::Args)]
-pub struct Args {
+pub struct SimArgs {
     /// A workload preset (gpt2-1.5b, llama-7b, llama-70b, roberta-10b, roberta-50b) or a
     /// workload JSON file.
     #[arg(long, value_name = "NAME|FILE")]
@@ -107,7 +107,7 @@ pub struct Args {
 /// # Errors
 /// Any failure, as one line for the user: an unknown workload, topology or policy, a bad flag
 /// value, an unwritable output file.
-pub fn run(args: Args) -> Result<ExitCode, CliError> {
+pub fn run(args: SimArgs) -> Result<ExitCode, CliError> {
     let stdout = io::stdout();
     let mut out = BufWriter::new(stdout.lock());
     if args.sweep.is_empty() {
@@ -153,7 +153,7 @@ fn mib(knob: &str, mb: f64) -> Result<usize, CliError> {
 }
 
 /// Builds the configuration the flags describe and runs it.
-fn run_one(args: &Args, timeline: bool) -> Result<(SimReport, Topology, SimConfig), CliError> {
+fn run_one(args: &SimArgs, timeline: bool) -> Result<(SimReport, Topology, SimConfig), CliError> {
     let workload = Workload::resolve(&args.workload)?;
     let topo = collsched_topo::resolve(&args.topo)?;
     let policy: Policy = args.policy.parse()?;
@@ -260,7 +260,7 @@ const SWEEP_KEYS: [&str; 14] = [
     "seed",
 ];
 
-fn apply(args: &mut Args, key: &str, v: &str) -> Result<(), CliError> {
+fn apply(args: &mut SimArgs, key: &str, v: &str) -> Result<(), CliError> {
     let num = |v: &str| -> Result<f64, CliError> {
         v.parse::<f64>().map_err(|_| format!("--sweep {key}={v}: `{v}` is not a number").into())
     };
@@ -319,7 +319,7 @@ fn parse_sweep(specs: &[String]) -> Result<Vec<(String, Vec<String>)>, CliError>
     Ok(grid)
 }
 
-fn run_sweep(out: &mut impl Write, args: &Args) -> Result<(), CliError> {
+fn run_sweep(out: &mut impl Write, args: &SimArgs) -> Result<(), CliError> {
     let grid = parse_sweep(&args.sweep)?;
     let total: usize = grid.iter().map(|(_, v)| v.len()).product();
     if !args.json {

@@ -18,7 +18,7 @@ use super::CliError;
 /// Exactly one source at most: `--xml`, `--synthetic` or `--preset`; with none, the live machine
 /// is discovered through hwloc (builds with feature `hwloc`).
 #[derive(Debug, clap::Args)]
-pub struct Args {
+pub struct TopoArgs {
     /// Load an hwloc XML export (`lstopo --of xml`).
     #[arg(long, value_name = "FILE", conflicts_with_all = ["synthetic", "preset"])]
     pub xml: Option<PathBuf>,
@@ -40,7 +40,7 @@ pub struct Args {
 ///
 /// # Errors
 /// Any failure to get or check the topology, as one line for the user.
-pub fn run(args: Args) -> Result<ExitCode, CliError> {
+pub fn run(args: TopoArgs) -> Result<ExitCode, CliError> {
     let topo = source(&args)?.with_nodes(args.nodes)?;
     if args.json {
         println!("{}", topo.to_json());
@@ -80,7 +80,7 @@ fn print_costs(topo: &Topology) {
     }
 }
 
-fn source(args: &Args) -> Result<Topology, CliError> {
+fn source(args: &TopoArgs) -> Result<Topology, CliError> {
     if let Some(path) = &args.xml {
         return Ok(collsched_topo::load_hwloc_xml_file(path)?);
     }
