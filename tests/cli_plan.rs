@@ -360,3 +360,25 @@ fn bad_bucket_boundaries() {
     );
     rejects(&["--params", &empty, "--world", "2"], &["`w`", "empty module"]);
 }
+
+/// A reader that stops early (`collsched plan --json | head -c 10`) ends the command quietly:
+/// no panic message, killed by SIGPIPE as coreutils are, never exit status 101.
+#[test]
+fn a_closed_output_pipe_ends_quietly() {
+    use std::io::Read;
+    use std::os::unix::process::ExitStatusExt;
+    use std::process::{Command, Stdio};
+    let mut child = Command::new(env!("CARGO_BIN_EXE_collsched"))
+        .args(["plan", "--params", "tests/data/params/small.json", "--world", "4096", "--json"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run collsched");
+    let mut first = [0u8; 10];
+    child.stdout.take().expect("stdout").read_exact(&mut first).expect("ten bytes");
+    // Closing our end of the pipe: the next write fails.
+    let out = child.wait_with_output().expect("wait");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(out.status.success() || out.status.signal() == Some(13), "{:?}: {stderr}", out.status);
+}
