@@ -69,6 +69,31 @@ fn run_child() -> Result<String, String> {
                 Err(e) => Err(e.into_error().to_string()),
             }
         }
+        "kill-depart" => {
+            // The victim is the root of in-place broadcasts: it copies nothing, so it spends
+            // its time in the departure barrier, waiting for its peers to copy from it.
+            let n = rank.world_size();
+            let root = n - 1;
+            if me == root {
+                std::thread::spawn(|| {
+                    std::thread::sleep(Duration::from_millis(300));
+                    kill_self();
+                });
+            }
+            let count = 32 << 20;
+            for _ in 0..1000 {
+                let output = rank.alloc(count * 4).map_err(|e| e.to_string())?;
+                let desc = CollDesc::broadcast(RankGroup::world(n), ElemType::F32, count, root);
+                let f = rank
+                    .launch(Stream::AllGather, &[], Collective { desc, input: None, output })
+                    .map_err(|e| e.error.to_string())?;
+                let mut done = f.wait(Duration::from_secs(120)).map_err(|e| e.into_error().to_string())?;
+                if let Some(c) = done.pop() {
+                    rank.free(c.output, None);
+                }
+            }
+            Ok("no failure seen".into())
+        }
         "kill-before" | "kill-mid" | "leave" => {
             let victim = me == rank.world_size() - 1;
             if victim && mode == "kill-before" {
@@ -166,6 +191,11 @@ fn a_rank_killed_before_a_collective_is_named_within_seconds() {
 #[test]
 fn a_rank_killed_in_the_middle_of_a_large_collective_is_named_within_seconds() {
     check_victim_named("kill-mid", Duration::from_secs(15));
+}
+
+#[test]
+fn a_rank_killed_in_the_departure_barrier_is_named_within_seconds() {
+    check_victim_named("kill-depart", Duration::from_secs(15));
 }
 
 #[test]
