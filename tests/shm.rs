@@ -44,6 +44,7 @@ fn run_child() -> Result<String, String> {
         "suite" => {
             let mut wrong = collectives::exercise(&rank).map_err(|e| e.to_string())?;
             wrong.extend(collectives::grouped_launch_and_subgroup(&rank).map_err(|e| e.to_string())?);
+            wrong.extend(collectives::random_program(&rank).map_err(|e| e.to_string())?);
             if wrong.is_empty() {
                 Ok("suite".into())
             } else {

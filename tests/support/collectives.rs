@@ -259,3 +259,146 @@ pub fn grouped_launch_and_subgroup<B: Backend>(rank: &B) -> Result<Vec<String>, 
     }
     Ok(wrong)
 }
+
+/// A deterministic pseudo-random program of collectives over random subgroups of the world, on
+/// two streams, all launched before any is waited for: every rank follows the same program
+/// (skipping the collectives it is not a member of), so streams and channels interleave freely.
+/// Returns wrong results.
+pub fn random_program<B: Backend>(rank: &B) -> Result<Vec<String>, BackendError> {
+    const STEPS: usize = 60;
+    let n_world = rank.world_size();
+    struct Step {
+        group: Vec<usize>,
+        stream: Stream,
+        kind: u8,
+        ty: ElemType,
+        count: usize,
+        salt: usize,
+    }
+    let mut seed = 0x9E37_79B9_7F4A_7C15u64;
+    let mut next = move |m: u64| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        (seed % m) as usize
+    };
+    let program: Vec<Step> = (0..STEPS)
+        .map(|salt| {
+            let mask = 1 + next((1 << n_world) - 1);
+            let group: Vec<usize> = (0..n_world).filter(|r| mask & (1 << r) != 0).collect();
+            Step {
+                group,
+                stream: if next(2) == 0 { Stream::AllGather } else { Stream::ReduceScatter },
+                kind: next(4) as u8,
+                ty: TYPES[next(3)],
+                count: [1, 17, 257][next(3)],
+                salt,
+            }
+        })
+        .collect();
+    let me = rank.rank();
+    let mut flights = Vec::new();
+    for s in program.iter().filter(|s| s.group.contains(&me)) {
+        let group = RankGroup::new(s.group.clone())?;
+        let (n, pos, ty, count, es) =
+            (s.group.len(), group.position(me).unwrap_or(0), s.ty, s.count, s.ty.size());
+        let (c, want): (_, Vec<f32>) = match s.kind {
+            0 => {
+                let mut input = rank.alloc(count * es)?;
+                rank.write_from_host(
+                    &mut input,
+                    0,
+                    &encode(ty, &(0..count).map(|i| value(ty, me, i, s.salt)).collect::<Vec<_>>()),
+                )?;
+                let want =
+                    s.group.iter().flat_map(|&r| (0..count).map(move |i| value(ty, r, i, s.salt))).collect();
+                (
+                    Collective {
+                        desc: CollDesc::all_gather(group, ty, count),
+                        input: Some(input),
+                        output: rank.alloc(n * count * es)?,
+                    },
+                    want,
+                )
+            }
+            1 => {
+                let mut input = rank.alloc(n * count * es)?;
+                rank.write_from_host(
+                    &mut input,
+                    0,
+                    &encode(ty, &(0..n * count).map(|i| value(ty, me, i, s.salt)).collect::<Vec<_>>()),
+                )?;
+                let want = (0..count)
+                    .map(|i| {
+                        reduce_ref(
+                            ty,
+                            ReduceOp::Sum,
+                            Scaling::default(),
+                            s.group.iter().map(|&r| value(ty, r, pos * count + i, s.salt)),
+                            n,
+                        )
+                    })
+                    .collect();
+                (
+                    Collective {
+                        desc: CollDesc::reduce_scatter(group, ty, count),
+                        input: Some(input),
+                        output: rank.alloc(count * es)?,
+                    },
+                    want,
+                )
+            }
+            2 => {
+                let mut input = rank.alloc(count * es)?;
+                rank.write_from_host(
+                    &mut input,
+                    0,
+                    &encode(ty, &(0..count).map(|i| value(ty, me, i, s.salt)).collect::<Vec<_>>()),
+                )?;
+                let want = (0..count)
+                    .map(|i| {
+                        reduce_ref(
+                            ty,
+                            ReduceOp::Avg,
+                            Scaling::default(),
+                            s.group.iter().map(|&r| value(ty, r, i, s.salt)),
+                            n,
+                        )
+                    })
+                    .collect();
+                let desc =
+                    CollDesc::all_reduce(group, ty, count).with_reduce(ReduceOp::Avg, Scaling::default());
+                (Collective { desc, input: Some(input), output: rank.alloc(count * es)? }, want)
+            }
+            _ => {
+                let root = s.group[s.salt % n];
+                let data: Vec<f32> = (0..count).map(|i| value(ty, root, i, s.salt)).collect();
+                let input = if me == root {
+                    let mut b = rank.alloc(count * es)?;
+                    rank.write_from_host(&mut b, 0, &encode(ty, &data))?;
+                    Some(b)
+                } else {
+                    None
+                };
+                (
+                    Collective {
+                        desc: CollDesc::broadcast(group, ty, count, root),
+                        input,
+                        output: rank.alloc(count * es)?,
+                    },
+                    data,
+                )
+            }
+        };
+        let f = rank.launch(s.stream, &[], c).map_err(|e| e.error)?;
+        flights.push((s.salt, ty, f, want));
+    }
+    let mut wrong = Vec::new();
+    for (salt, ty, f, want) in flights {
+        let done = f.wait(WAIT).map_err(|e| e.into_error())?;
+        let mut got = vec![0u8; done[0].output.len()];
+        rank.read_to_host(&done[0].output, 0, &mut got)?;
+        compare(&format!("rank {me}: step {salt}"), ty, &got, &want, &mut wrong);
+    }
+    Ok(wrong)
+}
