@@ -70,6 +70,29 @@ fn run_child() -> Result<String, String> {
                 Err(e) => Err(e.into_error().to_string()),
             }
         }
+        "failed-dep" => {
+            // The last rank launches behind an event that fails: every rank fails, at once.
+            let n = rank.world_size();
+            let mut after = Vec::new();
+            if me == n - 1 {
+                after.push(
+                    rank.enqueue_host(Stream::Compute, || {
+                        Err(BackendError::InvalidLaunch { rank: 0, what: "injected host failure".into() })
+                    })
+                    .map_err(|e| e.to_string())?,
+                );
+            }
+            let input = rank.alloc(64 * 4).map_err(|e| e.to_string())?;
+            let output = rank.alloc(n * 64 * 4).map_err(|e| e.to_string())?;
+            let desc = CollDesc::all_gather(RankGroup::world(n), ElemType::F32, 64);
+            let f = rank
+                .launch(Stream::AllGather, &after, Collective { desc, input: Some(input), output })
+                .map_err(|e| e.error.to_string())?;
+            match f.wait(Duration::from_secs(60)) {
+                Ok(_) => Ok("the collective ran".into()),
+                Err(e) => Err(e.into_error().to_string()),
+            }
+        }
         "kill-depart" => {
             // The victim is the root of in-place broadcasts: it copies nothing, so it spends
             // its time in the departure barrier, waiting for its peers to copy from it.
@@ -197,6 +220,21 @@ fn a_rank_killed_in_the_middle_of_a_large_collective_is_named_within_seconds() {
 #[test]
 fn a_rank_killed_in_the_departure_barrier_is_named_within_seconds() {
     check_victim_named("kill-depart", Duration::from_secs(15));
+}
+
+#[test]
+fn a_failed_dependency_fails_every_rank_at_once() {
+    let t = Instant::now();
+    let out = finish(start(&job("faileddep"), 3, &[0, 1, 2], 120.0, |_| "failed-dep"));
+    assert!(t.elapsed() < Duration::from_secs(10), "took {:?}", t.elapsed());
+    for (r, line) in out {
+        let line = line.unwrap_or_else(|| panic!("rank {r} reported nothing"));
+        if r == 2 {
+            assert!(line.starts_with("err") && line.contains("injected host failure"), "rank {r}: {line}");
+        } else {
+            assert!(line.starts_with("err") && line.contains("[2]"), "rank {r}: {line}");
+        }
+    }
 }
 
 #[test]
