@@ -30,6 +30,7 @@
 //! | see [`crate::bootstrap`] | | how the processes meet |
 
 mod arena;
+mod layout;
 mod place;
 mod segment;
 
@@ -44,7 +45,7 @@ use super::local::{LocalConfig, LocalRank, LocalWorld};
 use super::BackendError;
 use crate::bootstrap::{EnvError, Hub, HubConfig, LaunchEnv, Liveness};
 
-pub use place::{CHANNELS, MAX_OPS};
+pub use layout::{CHANNELS, MAX_OPS};
 
 /// Knobs of the shm backend.
 #[derive(Clone, Debug, PartialEq)]
@@ -162,7 +163,7 @@ pub fn join(env: &LaunchEnv, config: &ShmConfig) -> Result<(LocalRank, Hub), Bac
     // The control block: rank 0 creates and initialises it, everyone maps rank 0's.
     let mine = match rank {
         0 => {
-            let c = Segment::create("collsched-control", place::Layout::new(world).bytes())
+            let c = Segment::create("collsched-control", layout::Layout::new(world).bytes())
                 .map_err(io(rank, "creating the shared control block"))?;
             ShmMeeting::init(&c, world);
             Some(c)

@@ -36,103 +36,7 @@ use crate::backend::local::rendezvous::{guarded, Arrival, Caller};
 use crate::backend::{BackendError, CollDesc, CollRef, CollectiveKind, RankGroup, Stream};
 use crate::bootstrap::Liveness;
 
-const MAGIC: u64 = 0x636f_6c6c_7368_6d01; // "collshm", version 1
-/// Collectives one group launch may hold on this backend.
-pub const MAX_OPS: usize = 8;
-const OP_WORDS: usize = 7;
-const POST_WORDS: usize = 2 + MAX_OPS * OP_WORDS;
-/// Distinct (group, stream) pairs a job may use.
-pub const CHANNELS: usize = 128;
-/// Sequence numbers of one channel in flight at once.
-const SLOTS: usize = 8;
-
-// Slot words.
-const SEQ: usize = 0;
-const STATE: usize = 1;
-const ARRIVED: usize = 2;
-const MID: usize = 3;
-const DONE: usize = 4;
-const LEFT: usize = 5;
-const FAILED: usize = 6;
-const AKIND: usize = 7;
-const ADETAIL: usize = 8;
-const AMISS: usize = 9;
-// Channel words.
-const KEY: usize = 0;
-const READY: usize = 1;
-const CSTREAM: usize = 2;
-const POISON: usize = 3;
-const PKIND: usize = 4;
-const PDETAIL: usize = 5;
-const GROUP: usize = 6;
-
-const COLLECTING: u64 = 0;
-const RUNNING: u64 = 1;
-const ABORTED: u64 = 2;
-
-// Why a slot aborted (AKIND) or a channel is poisoned (PKIND).
-const MISMATCH: u64 = 1;
-const TIMEOUT: u64 = 2;
-const EXITED: u64 = 3;
-const DEPARTED: u64 = 4;
-const ARRIVED_FAILED: u64 = 5;
-const MOVE_FAILED: u64 = 6;
-
-/// Bit of the `departed` word of a rank whose handle was dropped while panicking.
-const PANICKED_BIT: u64 = 1 << 8;
-
-/// Where everything sits in the control block of a job of `world` ranks.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Layout {
-    world: usize,
-    /// Words of a rank bitmap.
-    gw: usize,
-    hdr: usize,
-    chan_hdr: usize,
-    slot_words: usize,
-    chan_words: usize,
-}
-
-impl Layout {
-    pub(crate) fn new(world: usize) -> Self {
-        let gw = world.div_ceil(64);
-        let hdr = (8 + world).next_multiple_of(8);
-        let chan_hdr = (GROUP + gw).next_multiple_of(8);
-        let slot_words = (AMISS + 3 * gw + world + world * POST_WORDS).next_multiple_of(8);
-        let chan_words = chan_hdr + SLOTS * slot_words;
-        Layout { world, gw, hdr, chan_hdr, slot_words, chan_words }
-    }
-
-    /// Bytes of the control block.
-    pub(crate) fn bytes(&self) -> usize {
-        (self.hdr + CHANNELS * self.chan_words) * 8
-    }
-
-    fn departed(&self, rank: usize) -> usize {
-        8 + rank
-    }
-
-    fn chan(&self, c: usize) -> usize {
-        self.hdr + c * self.chan_words
-    }
-
-    fn slot(&self, c: usize, seq: u64) -> usize {
-        self.chan(c) + self.chan_hdr + (seq % SLOTS as u64) as usize * self.slot_words
-    }
-
-    /// The bitmap of the members (group positions) past barrier `which` (`MID` or `DONE`).
-    fn passed(&self, slot: usize, which: usize) -> usize {
-        slot + AMISS + self.gw * if which == MID { 1 } else { 2 }
-    }
-
-    fn next(&self, slot: usize) -> usize {
-        slot + AMISS + 3 * self.gw
-    }
-
-    fn post(&self, slot: usize, q: usize) -> usize {
-        slot + AMISS + 3 * self.gw + self.world + q * POST_WORDS
-    }
-}
+use super::layout::*;
 
 /// What the places of one process share.
 #[derive(Debug)]
@@ -388,11 +292,17 @@ impl ShmPlace {
 
     /// The first group position whose post differs from position 0's, if any.
     fn first_mismatch(&self, slot: usize) -> Option<usize> {
-        let l = &self.job.layout;
-        let first = self.descs(l.post(slot, 0));
+        let (w, l) = (self.w(), &self.job.layout);
+        let first = l.post(slot, 0);
+        let len = w[first + 1].load(Ordering::Relaxed) as usize;
+        // Compared op by op, allocating nothing (this runs on every collective).
         (1..self.group.len()).find(|&q| {
-            let other = self.descs(l.post(slot, q));
-            other.len() != first.len() || other.iter().zip(&first).any(|(a, b)| !a.matches(b))
+            let at = l.post(slot, q);
+            w[at + 1].load(Ordering::Relaxed) as usize != len
+                || (0..len.min(MAX_OPS)).any(|i| match (self.read_op(first, i), self.read_op(at, i)) {
+                    (Some(a), Some(b)) => !a.0.matches(&b.0),
+                    _ => true,
+                })
         })
     }
 
@@ -583,15 +493,16 @@ impl ShmPlace {
                 return Some(());
             }
             if slow {
-                let gone: Vec<usize> = (0..self.group.len())
-                    .filter(|&q| w[bits + q / 64].load(Ordering::Acquire) & (1 << (q % 64)) == 0)
-                    .map(|q| self.group.ranks()[q])
-                    .filter(|&r| self.job.dead(r))
-                    .collect();
-                if let Some(&r) = gone.first() {
+                let gone = || {
+                    (0..self.group.len())
+                        .filter(|&q| w[bits + q / 64].load(Ordering::Acquire) & (1 << (q % 64)) == 0)
+                        .map(|q| self.group.ranks()[q])
+                        .filter(|&r| self.job.dead(r))
+                };
+                if let Some(r) = gone().next() {
                     dead.get_or_insert(r);
                 }
-                if count + gone.len() as u64 >= n {
+                if count + gone().count() as u64 >= n {
                     return Some(());
                 }
             }
@@ -696,14 +607,16 @@ impl Place for ShmPlace {
                 return Some(st);
             }
             if slow {
-                let exited: Vec<usize> = not_arrived().filter(|&r| self.job.dead(r)).collect();
-                if !exited.is_empty() {
-                    self.abort(slot, EXITED, exited[0] as u64, &exited);
+                // Lists are made only once something is wrong: waiting allocates nothing.
+                if let Some(first) = not_arrived().find(|&r| self.job.dead(r)) {
+                    let exited: Vec<usize> = not_arrived().filter(|&r| self.job.dead(r)).collect();
+                    self.abort(slot, EXITED, first as u64, &exited);
                     return Some(w[slot + STATE].load(Ordering::Acquire));
                 }
-                let gone: Vec<usize> = not_arrived().filter(|&r| self.job.departed(r, self.stream)).collect();
-                if !gone.is_empty() {
-                    self.abort(slot, DEPARTED, gone[0] as u64, &gone);
+                if let Some(first) = not_arrived().find(|&r| self.job.departed(r, self.stream)) {
+                    let gone: Vec<usize> =
+                        not_arrived().filter(|&r| self.job.departed(r, self.stream)).collect();
+                    self.abort(slot, DEPARTED, first as u64, &gone);
                     return Some(w[slot + STATE].load(Ordering::Acquire));
                 }
             }
