@@ -1,4 +1,5 @@
-//! Streams and events of the local backend: in-order execution, cross-stream and cross-rank
+//! Streams and events of the local backend (the single-rank tests also on an shm rank, which
+//! shares the stream machinery): in-order execution, cross-stream and cross-rank
 //! events, launches after events, host waits, the pool.
 
 use std::sync::mpsc;
@@ -13,64 +14,87 @@ use collsched::kernels::ElemType;
 
 const WAIT: Duration = Duration::from_secs(20);
 
+/// Rank 0 of a one-rank world of `backend` (`local`, or `shm`: this process alone), and what
+/// must outlive it.
+fn one_rank(backend: &str) -> (collsched::backend::local::LocalRank, Box<dyn std::any::Any>) {
+    match backend {
+        "shm" => {
+            let env = collsched::bootstrap::LaunchEnv::single(format!("streams-{}", std::process::id()));
+            let config = collsched::backend::shm::ShmConfig {
+                arena_bytes: 64 << 20,
+                local: LocalConfig { timeout: WAIT, ..LocalConfig::default() },
+                ..Default::default()
+            };
+            let (rank, hub) = collsched::backend::shm::join(&env, &config).expect("shm rank");
+            (rank, Box::new(hub))
+        }
+        _ => {
+            let w = world(1);
+            (w.rank(0).expect("rank"), Box::new(w))
+        }
+    }
+}
+
 fn world(n: usize) -> LocalWorld {
     LocalWorld::with_config(n, LocalConfig { timeout: WAIT, ..LocalConfig::default() }).expect("world")
 }
 
 #[test]
 fn work_on_one_stream_runs_in_launch_order() {
-    let w = world(1);
-    let rank = w.rank(0).expect("rank");
-    let log = Arc::new(Mutex::new(Vec::new()));
-    let mut events = Vec::new();
-    for i in 0..200 {
-        let log = Arc::clone(&log);
-        events.push(rank.enqueue_host(Stream::Compute, move || {
-            log.lock().expect("log").push(i);
-            Ok(())
-        }));
+    for backend in ["local", "shm"] {
+        let (rank, _keep) = one_rank(backend);
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let mut events = Vec::new();
+        for i in 0..200 {
+            let log = Arc::clone(&log);
+            events.push(rank.enqueue_host(Stream::Compute, move || {
+                log.lock().expect("log").push(i);
+                Ok(())
+            }));
+        }
+        let last = rank.record(Stream::Compute).expect("record");
+        last.wait(WAIT).expect("done");
+        for e in events {
+            assert!(e.expect("enqueued").query().expect("no failure"));
+        }
+        assert_eq!(*log.lock().expect("log"), (0..200).collect::<Vec<_>>());
     }
-    let last = rank.record(Stream::Compute).expect("record");
-    last.wait(WAIT).expect("done");
-    for e in events {
-        assert!(e.expect("enqueued").query().expect("no failure"));
-    }
-    assert_eq!(*log.lock().expect("log"), (0..200).collect::<Vec<_>>());
 }
 
 #[test]
 fn a_stream_waits_for_an_event_of_another_stream() {
-    let w = world(1);
-    let rank = w.rank(0).expect("rank");
-    let (open_tx, open_rx) = mpsc::channel::<()>();
-    let value = Arc::new(Mutex::new(0));
-    // Compute stream: blocked until the test opens the gate, then writes 42.
-    let v = Arc::clone(&value);
-    rank.enqueue_host(Stream::Compute, move || {
-        open_rx.recv().map_err(|_| BackendError::Unsupported { what: "gate dropped".into() })?;
-        *v.lock().expect("value") = 42;
-        Ok(())
-    })
-    .expect("enqueue");
-    let produced = rank.record(Stream::Compute).expect("record");
-    // All-gather stream: waits for that event, then reads the value.
-    rank.wait_event(Stream::AllGather, &produced).expect("wait_event");
-    let seen = Arc::new(Mutex::new(None));
-    let s = Arc::clone(&seen);
-    let v = Arc::clone(&value);
-    let consumed = rank
-        .enqueue_host(Stream::AllGather, move || {
-            *s.lock().expect("seen") = Some(*v.lock().expect("value"));
+    for backend in ["local", "shm"] {
+        let (rank, _keep) = one_rank(backend);
+        let (open_tx, open_rx) = mpsc::channel::<()>();
+        let value = Arc::new(Mutex::new(0));
+        // Compute stream: blocked until the test opens the gate, then writes 42.
+        let v = Arc::clone(&value);
+        rank.enqueue_host(Stream::Compute, move || {
+            open_rx.recv().map_err(|_| BackendError::Unsupported { what: "gate dropped".into() })?;
+            *v.lock().expect("value") = 42;
             Ok(())
         })
         .expect("enqueue");
-    // Other streams are not held up by the compute stream.
-    rank.synchronize(Stream::ReduceScatter, WAIT).expect("independent stream");
-    assert!(!consumed.query().expect("pending"), "ran before the event it waits for");
-    assert!(matches!(consumed.wait(Duration::from_millis(1)), Err(BackendError::EventTimeout { .. })));
-    open_tx.send(()).expect("open");
-    consumed.wait(WAIT).expect("done");
-    assert_eq!(*seen.lock().expect("seen"), Some(42));
+        let produced = rank.record(Stream::Compute).expect("record");
+        // All-gather stream: waits for that event, then reads the value.
+        rank.wait_event(Stream::AllGather, &produced).expect("wait_event");
+        let seen = Arc::new(Mutex::new(None));
+        let s = Arc::clone(&seen);
+        let v = Arc::clone(&value);
+        let consumed = rank
+            .enqueue_host(Stream::AllGather, move || {
+                *s.lock().expect("seen") = Some(*v.lock().expect("value"));
+                Ok(())
+            })
+            .expect("enqueue");
+        // Other streams are not held up by the compute stream.
+        rank.synchronize(Stream::ReduceScatter, WAIT).expect("independent stream");
+        assert!(!consumed.query().expect("pending"), "ran before the event it waits for");
+        assert!(matches!(consumed.wait(Duration::from_millis(1)), Err(BackendError::EventTimeout { .. })));
+        open_tx.send(()).expect("open");
+        consumed.wait(WAIT).expect("done");
+        assert_eq!(*seen.lock().expect("seen"), Some(42));
+    }
 }
 
 #[test]
@@ -235,22 +259,23 @@ fn steady_state_steps_allocate_nothing() {
 
 #[test]
 fn deferred_free_holds_the_buffer_until_its_event() {
-    let w = world(1);
-    let rank = w.rank(0).expect("rank");
-    let (go_tx, go_rx) = mpsc::channel::<()>();
-    let gate = rank
-        .enqueue_host(Stream::Compute, move || {
-            go_rx.recv().map_err(|_| BackendError::Unsupported { what: "gate".into() })
-        })
-        .expect("enqueue");
-    let b = rank.alloc(1000).expect("alloc");
-    let addr = b.as_bytes().as_ptr();
-    rank.free(b, Some(&gate));
-    let c = rank.alloc(1000).expect("alloc");
-    assert_ne!(c.as_bytes().as_ptr(), addr, "reused a buffer whose event is pending");
-    go_tx.send(()).expect("go");
-    gate.wait(WAIT).expect("done");
-    let d = rank.alloc(1000).expect("alloc");
-    assert_eq!(d.as_bytes().as_ptr(), addr, "the buffer came back to the pool after its event");
-    drop(c);
+    for backend in ["local", "shm"] {
+        let (rank, _keep) = one_rank(backend);
+        let (go_tx, go_rx) = mpsc::channel::<()>();
+        let gate = rank
+            .enqueue_host(Stream::Compute, move || {
+                go_rx.recv().map_err(|_| BackendError::Unsupported { what: "gate".into() })
+            })
+            .expect("enqueue");
+        let b = rank.alloc(1000).expect("alloc");
+        let addr = b.as_bytes().as_ptr();
+        rank.free(b, Some(&gate));
+        let c = rank.alloc(1000).expect("alloc");
+        assert_ne!(c.as_bytes().as_ptr(), addr, "reused a buffer whose event is pending");
+        go_tx.send(()).expect("go");
+        gate.wait(WAIT).expect("done");
+        let d = rank.alloc(1000).expect("alloc");
+        assert_eq!(d.as_bytes().as_ptr(), addr, "the buffer came back to the pool after its event");
+        drop(c);
+    }
 }
