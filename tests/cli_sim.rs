@@ -230,3 +230,25 @@ fn bad_input_is_one_clear_error() {
     assert!(err_line(&["--workload", &w, "--world", "4", "--topo", "nope"]).contains("nope"));
     assert!(err_line(&["--workload", &w, "--world", "0", "--topo", "dgx-h100"]).contains("world"));
 }
+
+/// Knobs that would run the virtual clock past its range are refused, naming the knob, instead
+/// of printing saturated times with exit status 0.
+#[test]
+fn knobs_beyond_the_clock_are_refused_by_name() {
+    let base = ["sim", "--workload", "gpt2-1.5b", "--world", "8", "--topo", "dgx-h100"];
+    for (extra, knob) in [
+        (["--tflops", "1e-9"], "`tflops`"),
+        (["--host-overhead-us", "1e15"], "`host-overhead-us`"),
+        (["--steps", "4294967295"], "`steps`"),
+    ] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_collsched"))
+            .args(base)
+            .args(extra)
+            .output()
+            .expect("run collsched");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{extra:?} was accepted");
+        assert!(err.contains(knob) && err.contains("beyond the simulator's clock"), "{extra:?}: {err}");
+        assert!(!err.contains("panicked"), "{err}");
+    }
+}

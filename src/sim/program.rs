@@ -167,7 +167,7 @@ impl Program {
             [make(&fwd), make(&bwd)]
         });
         let n_buckets = plan.layout().buckets().len();
-        let program = Program {
+        let mut program = Program {
             plan,
             layer_params,
             program,
@@ -183,9 +183,63 @@ impl Program {
             steps: config.steps,
             timeline: config.timeline,
         };
+        program.check_clock(workload, config)?;
         Ok((program, input))
     }
+
+    /// Refuses a run whose virtual clock could pass [`MAX_CLOCK_NS`] (it is integer
+    /// nanoseconds): a compute op, a collective or the host overhead too long, or their sum
+    /// over the run. Names the knob to change instead of printing saturated times.
+    fn check_clock(&mut self, workload: &Workload, config: &SimConfig) -> Result<(), SimError> {
+        let too_long = |knob: &'static str, what: String| SimError::Config {
+            knob,
+            message: format!("{what}, beyond the simulator's clock ({MAX_CLOCK_NS:e} ns); check the value"),
+        };
+        let mut step = 0f64;
+        for (c, &ns) in self.program.iter().zip(&self.compute_ns) {
+            if !(ns.is_finite() && ns <= MAX_CLOCK_NS) {
+                let layer = match c {
+                    Call::Compute(l, _) => workload.layers[*l as usize].name.as_str(),
+                    _ => "?",
+                };
+                return Err(too_long(
+                    "tflops",
+                    format!(
+                        "layer `{layer}` computes for {ns:e} ns at {} TFLOPS (its FLOPs over --tflops)",
+                        config.tflops
+                    ),
+                ));
+            }
+            step += ns;
+        }
+        let calls = self.program.len() as f64;
+        step += self.host_ns as f64 * calls;
+        if self.host_ns as f64 > MAX_CLOCK_NS / calls.max(1.0) {
+            return Err(too_long("host-overhead-us", format!("{} ns per launch", self.host_ns)));
+        }
+        for b in 0..self.plan.layout().buckets().len() {
+            let bucket = BucketId(b as u32);
+            let ops = self.plan.ops_of(bucket).to_vec();
+            let secs = self.price_secs(&ops);
+            if !(secs.is_finite() && secs * 1e9 <= MAX_CLOCK_NS) {
+                return Err(too_long(
+                    "topo",
+                    format!("one collective of bucket {bucket} takes {secs:e} s on this topology (its link bandwidths and latencies)"),
+                ));
+            }
+            // A bucket is launched at most twice a step (its gather, its reduction).
+            step += 2.0 * secs * 1e9;
+        }
+        if step * f64::from(config.steps) > MAX_CLOCK_NS {
+            return Err(too_long("steps", format!("{} steps of up to {step:e} ns each", config.steps)));
+        }
+        Ok(())
+    }
 }
+
+/// The longest virtual time a simulation may reach: 10^18 ns (about 31 years), far below
+/// `u64::MAX`, so the clock's integer sums never saturate.
+pub(crate) const MAX_CLOCK_NS: f64 = 1e18;
 
 fn gather_pos(input: &ScheduleInput, p: ParamId) -> usize {
     input.gather.iter().position(|b| b.params.contains(&p)).unwrap_or(0)
@@ -214,33 +268,40 @@ pub(crate) fn price(sh: &mut Program, bucket: BucketId, ops: &[collsched_schedul
             return p;
         }
     }
-    let mut calls: Vec<(CollectiveKind, u64, GroupShape)> = Vec::with_capacity(ops.len());
-    for &o in ops {
-        let Some(op) = sh.plan.op(o) else { continue };
-        let g = op.groups();
-        let n = g.group_size();
-        if n <= 1 {
-            continue;
-        }
-        let mut nodes: Vec<u32> = g.ranks_of(0).map(|r| r / sh.rpn).collect();
-        nodes.dedup();
-        let per = op.bytes_per_rank() as u64;
-        // The cost model's size: the whole buffer of all-gather and reduce-scatter.
-        let kind = op.kind();
-        let bytes = match kind {
-            CollectiveKind::AllGather | CollectiveKind::ReduceScatter => per * u64::from(n),
-            CollectiveKind::AllReduce | CollectiveKind::Broadcast => per,
-        };
-        calls.push((kind, bytes, GroupShape { ranks: n as usize, nodes: nodes.len().max(1) }));
-    }
-    let secs = match calls.len() {
-        0 => 0.0,
-        1 => sh.cost.time(calls[0].0, calls[0].1, calls[0].2),
-        _ => sh.cost.group_call_time(&calls),
-    };
-    let ns = (secs * 1e9).round().max(0.0) as u64;
+    // `check_clock` bounded every price at compile time: the conversion does not saturate.
+    let ns = (sh.price_secs(ops) * 1e9).round().max(0.0) as u64;
     if let Some(p) = sh.price.get_mut(bucket.index()) {
         *p = ns;
     }
     ns
+}
+
+impl Program {
+    /// Seconds of one launch running plan `ops` (one group call when several).
+    fn price_secs(&self, ops: &[collsched_schedule::OpId]) -> f64 {
+        let mut calls: Vec<(CollectiveKind, u64, GroupShape)> = Vec::with_capacity(ops.len());
+        for &o in ops {
+            let Some(op) = self.plan.op(o) else { continue };
+            let g = op.groups();
+            let n = g.group_size();
+            if n <= 1 {
+                continue;
+            }
+            let mut nodes: Vec<u32> = g.ranks_of(0).map(|r| r / self.rpn).collect();
+            nodes.dedup();
+            let per = op.bytes_per_rank() as u64;
+            // The cost model's size: the whole buffer of all-gather and reduce-scatter.
+            let kind = op.kind();
+            let bytes = match kind {
+                CollectiveKind::AllGather | CollectiveKind::ReduceScatter => per * u64::from(n),
+                CollectiveKind::AllReduce | CollectiveKind::Broadcast => per,
+            };
+            calls.push((kind, bytes, GroupShape { ranks: n as usize, nodes: nodes.len().max(1) }));
+        }
+        match calls.len() {
+            0 => 0.0,
+            1 => self.cost.time(calls[0].0, calls[0].1, calls[0].2),
+            _ => self.cost.group_call_time(&calls),
+        }
+    }
 }
