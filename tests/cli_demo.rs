@@ -40,6 +40,18 @@ fn demo_rejects_bad_settings() {
     assert!(!ok, "hybrid:3 on 4 ranks must fail");
     let (ok, _) = demo(&["--ranks", "0"]);
     assert!(!ok, "0 ranks must fail");
+    for (flag, value) in [("--ranks", "100000"), ("--steps", "18446744073709551615")] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_collsched"))
+            .args(["demo", flag, value])
+            .output()
+            .expect("run collsched");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains(flag) && err.contains("limit"),
+            "{flag} {value}: {err}"
+        );
+        assert!(!err.contains("panicked"), "{err}");
+    }
 }
 
 /// `--backend cuda` on a machine without a GPU (or a build without the `cuda` feature) is one

@@ -37,7 +37,7 @@ pub use boundary::{Boundary, ModuleKey, ParseBoundaryError};
 pub use dtype::{DType, ParseDTypeError};
 pub use layout::{
     Bucket, BucketId, BucketKind, CanonicalSink, GatheredSegment, GatheredSegments, Layout, LayoutBuilder,
-    LayoutDiff, LayoutError, Placement, Segment, Segments, DEFAULT_ALIGN, DEFAULT_BUCKET_BYTES,
+    LayoutDiff, LayoutError, Placement, Segment, Segments, DEFAULT_ALIGN, DEFAULT_BUCKET_BYTES, MAX_ALIGN,
 };
 pub use param::{ParamError, ParamFileError, ParamId, ParamSet, ParamSpec};
 pub use sharding::{ParseShardingError, Sharding};

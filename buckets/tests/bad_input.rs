@@ -113,6 +113,23 @@ fn alignment_not_a_power_of_two() {
 }
 
 #[test]
+fn alignment_above_the_limit_is_refused() {
+    for align in [2 << 20, 1 << 40] {
+        let err = LayoutBuilder::new(&one("w", &[4], DType::U8), Sharding::EvenSplit, 2)
+            .align(align)
+            .build()
+            .unwrap_err();
+        assert_eq!(err, LayoutError::AlignTooLarge { align, max: collsched_buckets::MAX_ALIGN });
+        assert!(err.to_string().contains("above the limit"), "{err}");
+    }
+    // The limit itself is accepted.
+    LayoutBuilder::new(&one("w", &[4], DType::U8), Sharding::EvenSplit, 2)
+        .align(collsched_buckets::MAX_ALIGN)
+        .build()
+        .expect("1 MiB alignment");
+}
+
+#[test]
 fn alignment_not_a_multiple_of_the_dtype_names_the_parameter() {
     let set = ParamSet::new(vec![
         ParamSpec::new("ln", [4], DType::BF16),

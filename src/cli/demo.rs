@@ -22,6 +22,11 @@ use crate::demo::{
     max_differences, reference_run, sharded_run, sharded_run_process, DemoConfig, ShardedOptions,
 };
 
+/// Most ranks `collsched demo` runs.
+pub const MAX_RANKS: usize = 256;
+/// Most steps `collsched demo` runs.
+pub const MAX_STEPS: usize = 100_000;
+
 /// Largest loss difference accepted for `hybrid:G` (absolute; the losses are O(0.1..1)).
 pub const HYBRID_TOLERANCE: f32 = 1e-4;
 
@@ -93,6 +98,20 @@ pub fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
     }
     if ranks == 0 || args.steps == 0 {
         return Err(format!("--ranks and --steps must be at least 1 (got {ranks} and {})", args.steps).into());
+    }
+    if ranks > MAX_RANKS {
+        return Err(format!(
+            "--ranks {ranks} is above the demo's limit of {MAX_RANKS} (each rank is a thread or process with up \
+             to three stream threads of its own)"
+        )
+        .into());
+    }
+    if args.steps > MAX_STEPS {
+        return Err(format!(
+            "--steps {} is above the demo's limit of {MAX_STEPS} (every step's losses are kept to compare)",
+            args.steps
+        )
+        .into());
     }
     let cfg = DemoConfig::standard(ranks, args.steps, args.seed);
     let opts = ShardedOptions { sharding: args.strategy, policy: args.policy, ..ShardedOptions::default() };

@@ -6,7 +6,7 @@ use crate::{Boundary, DType, ModuleKey, ParamId, ParamSet, Sharding};
 
 use super::bucket::{BucketId, BucketKind};
 use super::strategy::{dtype_slot, RankLoads, Sharder};
-use super::{Layout, DEFAULT_ALIGN, DEFAULT_BUCKET_BYTES};
+use super::{Layout, DEFAULT_ALIGN, DEFAULT_BUCKET_BYTES, MAX_ALIGN};
 
 /// Configures and builds a [`Layout`].
 ///
@@ -134,6 +134,9 @@ impl LayoutBuilder {
         }
         if !self.align.is_power_of_two() {
             return Err(LayoutError::AlignNotPowerOfTwo { align: self.align });
+        }
+        if self.align > MAX_ALIGN {
+            return Err(LayoutError::AlignTooLarge { align: self.align, max: MAX_ALIGN });
         }
         let specs = self.params.specs();
         let mut seen = [false; DType::ALL.len()];

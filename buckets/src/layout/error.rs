@@ -35,6 +35,14 @@ pub enum LayoutError {
         /// The alignment in bytes.
         align: usize,
     },
+    /// An alignment above [`MAX_ALIGN`](crate::MAX_ALIGN): every shard would be padded to it.
+    #[error("alignment {align} bytes is above the limit of {max} bytes (every shard is padded to a multiple of it): use e.g. 256")]
+    AlignTooLarge {
+        /// The alignment in bytes.
+        align: usize,
+        /// The limit.
+        max: usize,
+    },
     /// An alignment smaller than (so not a multiple of) a parameter's element size.
     #[error("alignment {align} bytes is not a multiple of the {dtype} element size ({size} bytes) of parameter `{param}`: use at least {size}")]
     AlignNotMultipleOfDType {

@@ -36,6 +36,11 @@ pub const DEFAULT_BUCKET_BYTES: usize = 64 << 20;
 /// Default alignment of shard offsets and segment starts: 256 bytes.
 pub const DEFAULT_ALIGN: usize = 256;
 
+/// The largest alignment a layout accepts (1 MiB): a shard is padded to a multiple of it, so a
+/// larger one would pad every shard of every bucket by up to that much (NCCL aligns to 512 bytes
+/// at most; huge pages are 2 MiB).
+pub const MAX_ALIGN: usize = 1 << 20;
+
 /// What changed between two layouts of one model whose trainability mask changed (see
 /// [`Layout::with_trainable`]). Gather buckets and shards never change.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
