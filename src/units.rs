@@ -1,4 +1,5 @@
-//! Sizes as people write them on command lines and in environment variables.
+//! Sizes as people write them on command lines and in environment variables, and the
+//! machine's memory they are checked against.
 
 /// Parses `4096`, `4K`, `16M`, `1G` (powers of 1024; a trailing `B` or `iB` is accepted).
 ///
@@ -16,6 +17,21 @@ pub fn parse_size(s: &str) -> Result<usize, String> {
     let n: usize =
         num.parse().map_err(|_| format!("size `{s}`: expected a number with an optional K, M or G"))?;
     n.checked_mul(1usize << shift).ok_or_else(|| format!("size `{s}` does not fit in memory addresses"))
+}
+
+/// Bytes of memory the kernel says are available (`MemAvailable` of `/proc/meminfo`), if it
+/// says.
+pub fn memory_available() -> Option<usize> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kb: usize = info
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    kb.checked_mul(1024)
 }
 
 #[cfg(test)]

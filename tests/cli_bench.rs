@@ -379,3 +379,25 @@ fn check_with_a_single_iteration_counts_only_what_ran() {
         assert!(out.contains("# out of bounds values : 0 OK"), "{backend}: {out}");
     }
 }
+
+/// A request larger than the machine is refused before anything is allocated, naming `-e`.
+#[test]
+fn a_request_larger_than_the_machine_is_refused() {
+    for backend in ["local", "shm"] {
+        let (ok, _, err) = bench(&[
+            "--op",
+            "all_reduce",
+            "--ranks",
+            "2",
+            "-b",
+            "1024G",
+            "-e",
+            "1024G",
+            "--backend",
+            backend,
+        ]);
+        assert!(!ok, "{backend}: accepted");
+        assert!(err.contains("-e/--maxbytes") && err.contains("available"), "{backend}: {err}");
+        assert_eq!(err.lines().count(), 1, "{backend}: one error line: {err}");
+    }
+}

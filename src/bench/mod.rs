@@ -210,6 +210,39 @@ impl BenchPlan {
         Some(2.0 * copy / traffic_per_byte * self.bus_factor())
     }
 
+    /// Bytes the whole bench holds at once at its largest size, over every rank: each rank's
+    /// [`PIPELINE`] sets of buffers (an all-gather's output, a reduce-scatter's input and
+    /// output, an all-reduce's input and output) and the two buffers of the memcpy reference.
+    pub fn memory_needed(&self) -> usize {
+        let size = self.sizes.last().copied().unwrap_or(0);
+        let per_set = match self.op {
+            BenchOp::AllGather => size,
+            BenchOp::ReduceScatter => size.saturating_add(size / self.ranks.max(1)),
+            BenchOp::AllReduce => size.saturating_mul(2),
+        };
+        per_set.saturating_mul(PIPELINE).saturating_mul(self.ranks).saturating_add(size.saturating_mul(2))
+    }
+
+    /// Refuses a bench that needs more memory than `available` (the machine's available
+    /// memory), naming `-e` and the limit, before anything is allocated.
+    ///
+    /// # Errors
+    /// [`BenchError`] saying how much it needs and how much there is.
+    pub fn check_memory(&self, available: usize) -> Result<(), BenchError> {
+        let need = self.memory_needed();
+        if need > available {
+            return Err(format!(
+                "-e/--maxbytes {}: the bench would hold {need} bytes at once ({} ranks x {PIPELINE} buffer sets, and \
+                 the memcpy reference), more than the {available} bytes of memory available; use a smaller -e or \
+                 fewer ranks",
+                self.sizes.last().copied().unwrap_or(0),
+                self.ranks
+            )
+            .into());
+        }
+        Ok(())
+    }
+
     /// Elements per tensor (shard per rank for all-gather / reduce-scatter) at `size` bytes.
     pub(crate) fn count_per_tensor(&self, size: usize) -> usize {
         let per = size / self.elem.size() / self.coalesce;
@@ -290,5 +323,27 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn memory_needed_counts_every_rank_and_the_reference() {
+        let plan = |op, ranks| BenchPlan {
+            op,
+            ranks,
+            elem: ElemType::F32,
+            sizes: vec![1 << 20, 1 << 30],
+            iters: 1,
+            warmup: 0,
+            check: false,
+            coalesce: 1,
+        };
+        let g = 1usize << 30;
+        assert_eq!(plan(BenchOp::AllGather, 4).memory_needed(), 4 * PIPELINE * g + 2 * g);
+        assert_eq!(plan(BenchOp::ReduceScatter, 4).memory_needed(), 4 * PIPELINE * (g + g / 4) + 2 * g);
+        assert_eq!(plan(BenchOp::AllReduce, 2).memory_needed(), 2 * PIPELINE * 2 * g + 2 * g);
+        let p = plan(BenchOp::AllGather, 2);
+        assert!(p.check_memory(p.memory_needed()).is_ok());
+        let e = p.check_memory(p.memory_needed() - 1).unwrap_err();
+        assert!(e.to_string().contains("-e/--maxbytes"), "{e}");
     }
 }

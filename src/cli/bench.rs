@@ -114,12 +114,22 @@ pub use crate::units::parse_size;
 pub fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
     if args.backend == BenchBackend::Shm {
         return match launch::role(args.ranks)? {
-            LaunchRole::Standalone(n) => launch::standalone(n),
+            LaunchRole::Standalone(n) => {
+                // Checked here too, so a bad request is one error, not one per rank.
+                let plan = BenchPlan::new(&args.spec(n))?;
+                if let Some(available) = crate::units::memory_available() {
+                    plan.check_memory(available)?;
+                }
+                launch::standalone(n)
+            }
             LaunchRole::Rank(env) => run_shm(&args, &env),
         };
     }
     let ranks = args.ranks.ok_or("--ranks is required (the number of ranks)")?;
     let plan = BenchPlan::new(&args.spec(ranks))?;
+    if let Some(available) = crate::units::memory_available() {
+        plan.check_memory(available)?;
+    }
     match args.backend {
         BenchBackend::Local => run_local(&plan),
         BenchBackend::Cuda => run_cuda(&plan),
@@ -144,6 +154,9 @@ fn printer_for(plan: &BenchPlan, backend: &'static str) -> Printer {
 /// prints; the rows travel through the bootstrap hub.
 fn run_shm(args: &BenchArgs, env: &LaunchEnv) -> Result<ExitCode, CliError> {
     let plan = BenchPlan::new(&args.spec(env.world))?;
+    if let Some(available) = crate::units::memory_available() {
+        plan.check_memory(available)?;
+    }
     let config = ShmConfig::from_env()?;
     let printer = if env.rank == 0 { printer_for(&plan, "shm") } else { Printer::new(&plan, "shm", 0.0) };
     let (rank, hub) = shm::join(env, &config)?;
