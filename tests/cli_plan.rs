@@ -382,3 +382,14 @@ fn a_closed_output_pipe_ends_quietly() {
     assert!(!stderr.contains("panicked"), "{stderr}");
     assert!(out.status.success() || out.status.signal() == Some(13), "{:?}: {stderr}", out.status);
 }
+
+/// A positive bucket size below one byte says so (it was reported as "give a positive size").
+#[test]
+fn a_bucket_below_one_byte_is_named_as_such() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_collsched"))
+        .args(["plan", "--params", "tests/data/params/small.json", "--world", "8", "--bucket-mb", "1e-9"])
+        .output()
+        .expect("run collsched");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("below one byte"), "{err}");
+}

@@ -5,6 +5,8 @@ use std::str::FromStr;
 
 use crate::ParamSpec;
 
+/// The deepest module key `module:D` accepts: 1,024 name components.
+pub const MAX_DEPTH: u32 = 1024;
 /// How a module key is derived from a parameter's name (see [`Boundary`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ModuleKey {
@@ -171,8 +173,14 @@ impl FromStr for Boundary {
         let key = match body {
             "module" => ModuleKey::Layer,
             _ => match body.strip_prefix("module:") {
-                Some(d) => match d.parse::<u32>() {
-                    Ok(d) if d > 0 => ModuleKey::Depth(d),
+                Some(d) => match d.parse::<u64>() {
+                    Ok(d) if d > 0 && d <= u64::from(MAX_DEPTH) => ModuleKey::Depth(d as u32),
+                    Ok(d) if d > 0 => {
+                        return Err(ParseBoundaryError::DepthTooLarge {
+                            given: s.to_string(),
+                            max: MAX_DEPTH,
+                        })
+                    }
                     _ => return Err(ParseBoundaryError::BadDepth { given: s.to_string() }),
                 },
                 None => return Err(ParseBoundaryError::Unknown { given: s.to_string() }),
@@ -250,6 +258,14 @@ pub enum ParseBoundaryError {
     Unknown {
         /// What was given.
         given: String,
+    },
+    /// `module:D` with a `D` above [`MAX_DEPTH`] (module paths are never that deep).
+    #[error("module depth in `{given}` is above the limit of {max} components (e.g. module:2 keeps `h.0` of `h.0.attn.qkv.weight`)")]
+    DepthTooLarge {
+        /// What was given.
+        given: String,
+        /// The limit.
+        max: u32,
     },
     /// `module:D` with a `D` that is not a positive integer.
     #[error("bad module depth in `{given}`: D in module:D must be a positive integer (e.g. module:2 keeps `h.0` of `h.0.attn.qkv.weight`)")]

@@ -33,7 +33,7 @@ mod layout;
 mod param;
 mod sharding;
 
-pub use boundary::{Boundary, ModuleKey, ParseBoundaryError};
+pub use boundary::{Boundary, ModuleKey, ParseBoundaryError, MAX_DEPTH};
 pub use dtype::{DType, ParseDTypeError};
 pub use layout::{
     Bucket, BucketId, BucketKind, CanonicalSink, GatheredSegment, GatheredSegments, Layout, LayoutBuilder,

@@ -205,6 +205,16 @@ impl ParamSet {
         fn yes() -> bool {
             true
         }
+        // A UTF-8 byte order mark (some editors write one) is not part of the JSON.
+        let text = text.strip_prefix('\u{feff}').unwrap_or(text);
+        if text.trim_start().starts_with('[') {
+            return Err(ParamFileError::Json {
+                line: 1,
+                column: 1,
+                message: "the file is a JSON array; the parameters go in an object: {\"params\": [...]}"
+                    .into(),
+            });
+        }
         let file: File = serde_json::from_str(text).map_err(|e| {
             let full = e.to_string();
             let suffix = format!(" at line {} column {}", e.line(), e.column());

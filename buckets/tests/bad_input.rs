@@ -285,3 +285,17 @@ fn parameter_files_carry_optional_modules() {
     let typo = r#"{"params": [{"name": "w", "shape": [4], "dtype": "f32", "modul": "x"}]}"#;
     assert!(ParamSet::from_json(typo).unwrap_err().to_string().contains("modul"));
 }
+
+/// A byte order mark is skipped; a top-level array is named as such; a deep module key is
+/// refused with its limit.
+#[test]
+fn parameter_files_with_a_bom_or_an_array_and_deep_module_keys() {
+    let set =
+        ParamSet::from_json("\u{feff}{\"params\": [{\"name\": \"w\", \"shape\": [2], \"dtype\": \"f32\"}]}")
+            .expect("a BOM is not JSON");
+    assert_eq!(set.len(), 1);
+    let e = ParamSet::from_json("[]").unwrap_err();
+    assert!(e.to_string().contains("JSON array"), "{e}");
+    let e = "module:99999999999".parse::<collsched_buckets::Boundary>().unwrap_err();
+    assert!(e.to_string().contains("above the limit of 1024"), "{e}");
+}

@@ -108,6 +108,12 @@ fn bucket_bytes(mb: f64) -> Result<usize, CliError> {
     if bytes > usize::MAX as f64 / 2.0 {
         return Err(format!("--bucket-mb {mb} is too large").into());
     }
+    if mb > 0.0 && bytes < 1.0 {
+        return Err(format!(
+            "--bucket-mb {mb} is below one byte (1 MiB is 1048576 bytes); give at least 0.000001, e.g. --bucket-mb 64"
+        )
+        .into());
+    }
     // Zero is rejected by the layout builder with its own message.
     Ok(bytes as usize)
 }

@@ -17,6 +17,12 @@ pub enum TopoError {
         #[source]
         source: std::io::Error,
     },
+    /// The file is not text (not UTF-8): not an XML export.
+    #[error("topology file {path} is not text (not UTF-8); give an hwloc XML export (`lstopo machine.xml`) or the project's JSON")]
+    NotText {
+        /// The file.
+        path: std::path::PathBuf,
+    },
     /// The text is not well-formed XML.
     #[error("hwloc XML {origin}: not well-formed XML: {message}")]
     Xml {

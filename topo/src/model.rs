@@ -470,8 +470,10 @@ impl Topology {
     /// [`TopoError::Io`] when the file cannot be read; otherwise as [`Topology::from_json`].
     pub fn load_json_file(path: impl AsRef<Path>) -> Result<Self, TopoError> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path)
-            .map_err(|source| TopoError::Io { path: path.to_owned(), source })?;
+        let text = std::fs::read_to_string(path).map_err(|source| match source.kind() {
+            std::io::ErrorKind::InvalidData => TopoError::NotText { path: path.to_owned() },
+            _ => TopoError::Io { path: path.to_owned(), source },
+        })?;
         Self::from_json_named(&text, &path.display().to_string())
     }
 

@@ -41,8 +41,10 @@ const IO_TYPES: [&str; 4] = ["Bridge", "PCIDev", "OSDev", "Misc"];
 /// [`TopoError::Io`] when the file cannot be read; otherwise as [`from_hwloc_xml`].
 pub fn load_hwloc_xml_file(path: impl AsRef<Path>) -> Result<Topology, TopoError> {
     let path = path.as_ref();
-    let text =
-        std::fs::read_to_string(path).map_err(|source| TopoError::Io { path: path.to_owned(), source })?;
+    let text = std::fs::read_to_string(path).map_err(|source| match source.kind() {
+        std::io::ErrorKind::InvalidData => TopoError::NotText { path: path.to_owned() },
+        _ => TopoError::Io { path: path.to_owned(), source },
+    })?;
     let name = path.file_stem().map_or_else(|| "hwloc-xml".to_owned(), |s| s.to_string_lossy().into_owned());
     parse(&text, &path.display().to_string(), &name)
 }

@@ -269,3 +269,15 @@ fn machines_write_back_as_synthetic_descriptions() {
     odd.machine.cores = 31;
     assert_eq!(odd.to_synthetic(), None);
 }
+
+/// A binary file given as a topology says it is not text, not "check the permissions".
+#[test]
+fn a_binary_file_is_not_text() {
+    let path = std::env::temp_dir().join(format!("collsched-binary-{}.xml", std::process::id()));
+    std::fs::write(&path, [0xffu8, 0xfe, 0x00, 0x80, 0x81]).expect("write");
+    let e = collsched_topo::load_hwloc_xml_file(&path).unwrap_err();
+    assert!(e.to_string().contains("not text"), "{e}");
+    let e = collsched_topo::Topology::load_json_file(&path).unwrap_err();
+    assert!(e.to_string().contains("not text"), "{e}");
+    let _ = std::fs::remove_file(&path);
+}
