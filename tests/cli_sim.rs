@@ -252,3 +252,18 @@ fn knobs_beyond_the_clock_are_refused_by_name() {
         assert!(!err.contains("panicked"), "{err}");
     }
 }
+
+/// A trace missing one field names the field.
+#[test]
+fn a_trace_missing_a_field_names_it() {
+    let dir = scratch("missing_field");
+    let path = dir.join("trace.json");
+    std::fs::write(
+        &path,
+        r#"{"format": "collsched-workload", "version": 1, "name": "x", "params": [], "forward_order": [], "backward_order": []}"#,
+    )
+    .expect("write");
+    let line =
+        err_line(&["sim", "--workload", path.to_str().expect("utf-8"), "--world", "2", "--topo", "dgx-h100"]);
+    assert!(line.contains("missing field `layers`"), "{line}");
+}

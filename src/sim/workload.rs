@@ -492,8 +492,26 @@ impl Workload {
                 w.validate()?;
                 Ok(w)
             }
-            (Some(_), Some(_)) => Err(json("holds both a `transformer` config and a trace; keep one".to_owned())),
-            (None, None) => Err(json("holds neither a `transformer` config nor a complete trace (`name`, `params`, `layers`, `forward_order`, `backward_order`)".to_owned())),
+            (Some(_), Some(_)) => {
+                Err(json("holds both a `transformer` config and a trace; keep one".to_owned()))
+            }
+            (None, None) => {
+                // A trace with a field missing or malformed reads as no trace at all: read it
+                // alone to name the field.
+                let keys = ["name", "params", "layers", "forward_order", "backward_order"];
+                let value: serde_json::Value = serde_json::from_str(text).map_err(|e| json(e.to_string()))?;
+                if keys.iter().any(|k| value.get(k).is_some()) {
+                    let e = serde_json::from_value::<Workload>(value)
+                        .err()
+                        .map_or_else(|| "an incomplete trace".to_string(), |e| e.to_string());
+                    return Err(json(format!("the trace is incomplete: {e}")));
+                }
+                Err(json(
+                    "holds neither a `transformer` config nor a trace (`name`, `params`, `layers`, \
+                     `forward_order`, `backward_order`)"
+                        .to_owned(),
+                ))
+            }
         }
     }
 
