@@ -263,7 +263,6 @@ fn a_trace_missing_a_field_names_it() {
         r#"{"format": "collsched-workload", "version": 1, "name": "x", "params": [], "forward_order": [], "backward_order": []}"#,
     )
     .expect("write");
-    let line =
-        err_line(&["sim", "--workload", path.to_str().expect("utf-8"), "--world", "2", "--topo", "dgx-h100"]);
+    let line = err_line(&["--workload", path.to_str().expect("utf-8"), "--world", "2", "--topo", "dgx-h100"]);
     assert!(line.contains("missing field `layers`"), "{line}");
 }
