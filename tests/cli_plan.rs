@@ -393,3 +393,16 @@ fn a_bucket_below_one_byte_is_named_as_such() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("below one byte"), "{err}");
 }
+
+/// A plan JSON of a terabyte is refused, naming --world and the limit, before anything is
+/// written (it was written, 9 GB and more).
+#[test]
+fn a_plan_json_beyond_the_limit_is_refused() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_collsched"))
+        .args(["plan", "--params", "tests/data/params/small.json", "--world", "4294967295", "--json"])
+        .output()
+        .expect("run collsched");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && out.stdout.is_empty(), "{err}");
+    assert!(err.contains("--world 4294967295 --json") && err.contains("limit"), "{err}");
+}

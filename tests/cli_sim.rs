@@ -266,3 +266,10 @@ fn a_trace_missing_a_field_names_it() {
     let line = err_line(&["--workload", path.to_str().expect("utf-8"), "--world", "2", "--topo", "dgx-h100"]);
     assert!(line.contains("missing field `layers`"), "{line}");
 }
+
+/// A world beyond the simulator's limit is refused at once, naming it (it allocated until abort).
+#[test]
+fn a_world_beyond_the_limit_is_refused() {
+    let line = err_line(&["--workload", "gpt2-1.5b", "--world", "4294967295", "--topo", "dgx-h100"]);
+    assert!(line.contains("`world`") && line.contains("limit of 1048576"), "{line}");
+}

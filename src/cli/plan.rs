@@ -75,6 +75,18 @@ pub fn run(args: PlanArgs) -> Result<ExitCode, CliError> {
     let stdout = io::stdout();
     let mut out = BufWriter::new(stdout.lock());
     if args.json {
+        // One shard entry (at least ~40 bytes) per rank per bucket: refuse what no reader wants
+        // before writing gigabytes.
+        let buckets = plan.layout().buckets().len() as u64;
+        let estimate = u64::from(plan.layout().world()).saturating_mul(buckets).saturating_mul(40);
+        if estimate > MAX_JSON_BYTES {
+            return Err(format!(
+                "--world {} --json would write at least {estimate} bytes (a shard entry per rank per bucket, {buckets} \
+                 buckets), above the limit of {MAX_JSON_BYTES}; use a smaller --world or the table (without --json)",
+                plan.layout().world()
+            )
+            .into());
+        }
         write_json(&mut out, &plan)?;
     } else {
         write_table(&mut out, &plan)?;
@@ -82,6 +94,9 @@ pub fn run(args: PlanArgs) -> Result<ExitCode, CliError> {
     out.flush()?;
     Ok(ExitCode::SUCCESS)
 }
+
+/// The largest plan JSON `collsched plan --json` writes (1 GiB).
+pub const MAX_JSON_BYTES: u64 = 1 << 30;
 
 /// Reads the parameter file and builds the plan the flags describe.
 ///

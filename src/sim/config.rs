@@ -20,6 +20,9 @@ pub const NAIVE_HOST_OVERHEAD_S: f64 = 20e-6;
 /// 331 ms; `benches/README.md`, "What the simulator shows"). The library and `collsched plan` keep
 /// [`Boundary::Size`].
 pub const DEFAULT_SIM_BOUNDARY: Boundary = Boundary::LAYER;
+/// The most ranks a simulation runs (2^20): every rank has its own scheduler and registry.
+pub const MAX_WORLD: u32 = 1 << 20;
+
 /// Default simulated steps.
 pub const DEFAULT_STEPS: u32 = 3;
 /// The engine queue (compute stream) the simulated engine records its events on.
@@ -239,6 +242,12 @@ impl SimConfig {
         let bad = |knob, message: String| Err(SimError::Config { knob, message });
         if self.world == 0 {
             return bad("world", "is 0; give at least 1 rank".into());
+        }
+        if self.world > MAX_WORLD {
+            return bad(
+                "world",
+                format!("is {}, above the simulator's limit of {MAX_WORLD} ranks (each rank runs its own scheduler)", self.world),
+            );
         }
         if self.ranks_per_node == 0 {
             return bad("ranks_per_node", "is 0".into());

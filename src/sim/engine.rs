@@ -176,6 +176,21 @@ impl Simulation {
     pub fn new(workload: &Workload, config: &SimConfig) -> Result<Simulation, SimError> {
         config.validate()?;
         let (program, input) = Program::compile(workload, config)?;
+        // Every rank has its own scheduler and registry: refuse a world whose ranks cannot fit in
+        // memory before allocating them (about 0.5 KiB per bucket and 0.1 KiB per parameter and
+        // program call per rank, measured on the presets, doubled).
+        let per_rank = 512 * input.gather.len() * 2 + 128 * (input.params.len() + program.program.len());
+        let need = per_rank.saturating_mul(config.world as usize);
+        if let Some(available) = crate::units::memory_available().filter(|&a| need > a) {
+            return Err(SimError::Config {
+                knob: "world",
+                message: format!(
+                    "{} ranks would need about {need} bytes ({per_rank} per rank: each has its own scheduler), more \
+                     than the {available} bytes available; simulate fewer ranks",
+                    config.world
+                ),
+            });
+        }
         let sched_config = SchedulerConfig {
             policy: match config.policy {
                 Policy::Trace => PolicyKind::TraceReplay,
