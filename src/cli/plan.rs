@@ -114,8 +114,11 @@ pub fn build(args: &PlanArgs) -> Result<Plan, CliError> {
     })
 }
 
-/// `--bucket-mb` in bytes (MiB, rounded to the nearest byte).
-fn bucket_bytes(mb: f64) -> Result<usize, CliError> {
+/// `--bucket-mb` (or the Python package's `bucket_mb`) in bytes: MiB, rounded to the nearest byte.
+///
+/// # Errors
+/// A negative, non-finite, sub-byte or huge value, naming the flag.
+pub fn bucket_bytes(mb: f64) -> Result<usize, CliError> {
     if !mb.is_finite() || mb < 0.0 {
         return Err(format!("--bucket-mb {mb}: give a positive number of MiB, e.g. --bucket-mb 64").into());
     }

@@ -358,6 +358,19 @@ impl<B: Backend> Coordinator<B> {
         Ok(NoSync { coord: self })
     }
 
+    /// no_sync without a guard, for engines that hold the flag themselves (a Python module's
+    /// `set_requires_gradient_sync`): `true` accumulates gradients locally from the next
+    /// gradient on, `false` reduces them (with everything accumulated) at the next synchronized
+    /// step. Change it between steps, as with [`no_sync`](Self::no_sync).
+    ///
+    /// # Errors
+    /// `NoSyncMidStep` if gradients already arrived in this step.
+    pub fn set_no_sync(&mut self, on: bool) -> Result<(), RuntimeError> {
+        self.take_parked()?;
+        self.sched.set_no_sync(on)?;
+        Ok(())
+    }
+
     /// Ends the step: drains unused prefetches, reduces unfilled gradient buckets (missing
     /// gradients as zeros), waits for the step's reductions (their shards are then ready for
     /// [`update_shards`](Self::update_shards)), applies a pending trainability mask (and then

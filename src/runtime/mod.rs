@@ -65,7 +65,7 @@ mod views;
 
 pub use coordinator::{Coordinator, NoSync, StepStats};
 pub use flight::DriverCounters;
-pub use state::{ModelState, ShardUpdate};
+pub use state::{ModelState, ShardRegion, ShardUpdate};
 pub use views::Views;
 
 use collsched_buckets::{BucketId, DType};

@@ -57,6 +57,11 @@ impl<B: Backend> RankState<B> {
         &self.gather
     }
 
+    /// Gather bucket `g`'s shard, for [`ModelState::shard_region`].
+    fn shard_bytes_mut(&mut self, g: usize) -> &mut [u8] {
+        self.shards[g].as_bytes_mut()
+    }
+
     /// The gradient store.
     pub(crate) fn grads_mut(&mut self) -> &mut GradStore {
         &mut self.grads
@@ -456,4 +461,66 @@ impl<B: Backend> ModelState<B> {
     pub fn gathers_in_flight(&self) -> usize {
         self.shared.lock().gather().in_flight()
     }
+
+    /// Where this rank's shard of `param` lives, for an engine that keeps its optimizer's
+    /// view of the shard in this memory (the Python package's sharded parameters are tensors
+    /// over it): the elements `param_offset..param_offset + numel` of the flattened
+    /// parameter, at `ptr`.
+    ///
+    /// The memory is the model state's own: its address never changes while any handle of
+    /// this model state lives, the runtime writes it only in
+    /// [`Coordinator::update_shards`](super::Coordinator::update_shards) and reads it only
+    /// when a coordinator launches a gather (copy-in, inside `fetch` and its prefetches). An
+    /// engine may write it between its calls into the runtime, from the thread that makes them.
+    ///
+    /// # Errors
+    /// [`RuntimeError::Param`] for an id the plan does not have, or a parameter whose shard on
+    /// this rank is more than one run of its elements (no strategy of this crate cuts one so).
+    pub fn shard_region(&self, param: ParamId) -> Result<ShardRegion, RuntimeError> {
+        let t = &self.shared.tables;
+        let rank = t.rank;
+        let set = self.shared.plan.layout().params();
+        let Some(slot) = t.params.get(param.index()) else {
+            return Err(RuntimeError::Param {
+                rank,
+                param: None,
+                what: format!("parameter id {param} is not in the plan ({} parameters)", set.len()),
+            });
+        };
+        let (param_offset, numel, shard_offset) = match t.runs_of(param) {
+            [] => (0, 0, 0),
+            [r] => (r.param_offset, r.numel, r.shard_offset),
+            runs => {
+                return Err(RuntimeError::Param {
+                    rank,
+                    param: Some(set.name(param).to_string()),
+                    what: format!(
+                        "its shard on this rank is {} separate runs of its elements; a shard viewed as one \
+                         tensor needs one run per rank (strategies even, flat, greedy, hybrid:G)",
+                        runs.len()
+                    ),
+                });
+            }
+        };
+        let g = slot.gather;
+        let es = slot.elem_size;
+        let mut st = self.shared.lock();
+        let shard = st.shard_bytes_mut(g);
+        let ptr = shard[shard_offset * es..(shard_offset + numel) * es].as_mut_ptr();
+        Ok(ShardRegion { param_offset, numel, elem: t.gather[g].elem, ptr })
+    }
+}
+
+/// This rank's shard of one parameter in the model state's memory
+/// ([`ModelState::shard_region`]).
+#[derive(Clone, Copy, Debug)]
+pub struct ShardRegion {
+    /// First element of the flattened parameter held here.
+    pub param_offset: usize,
+    /// Elements held here (0 when this rank holds none of the parameter).
+    pub numel: usize,
+    /// Element type (the parameter's dtype).
+    pub elem: ElemType,
+    /// Address of the first element (`numel * elem.size()` bytes follow).
+    pub ptr: *mut u8,
 }

@@ -1,0 +1,701 @@
+"""collsched.torch: shard PyTorch modules the way FSDP2's ``fully_shard`` does, on collsched.
+
+::
+
+    import collsched.torch as cst
+    cst.init()                                  # torchrun's environment, or torch.distributed's
+    for block in model.blocks:
+        cst.fully_shard(block)                  # a unit: its parameters are fetched together
+    cst.fully_shard(model)                      # the root: one plan for the whole model
+    opt = torch.optim.AdamW(model.parameters()) # on this rank's shards
+
+How it works (one rank):
+
+- **Sharding.** Each ``fully_shard`` call builds (or, for a root over already-sharded units,
+  rebuilds) one collsched model over every parameter under the module. Each parameter is
+  replaced in its module by a 1-D ``Parameter`` over this rank's elements of it (the shard,
+  in the library's memory: the optimizer updates it in place and the next gather reads it).
+  Bucket boundaries follow the units.
+- **Forward.** A unit's forward fetches its parameters (their buckets are all-gathered,
+  later ones prefetched along the recorded order) and swaps in full-size parameters whose data
+  are views of the gathered buffers (no copy); after its forward they are released and the
+  shards swapped back. Tensors autograd saves that view gathered parameters are kept as
+  references (``saved_tensors_hooks``), not as memory, and fetched again in backward.
+- **Backward.** A unit is fetched again when autograd first needs one of its saved
+  parameters; each parameter's gradient goes to the library as soon as it is accumulated
+  (``register_post_accumulate_grad_hook``), and gradient buckets are reduce-scattered as they
+  fill; a unit is released when its gradients are in. At the end of the backward, the step
+  ends and each shard's ``.grad`` gets the reduced (mean over ranks) gradient of its elements,
+  added to what is there (``zero_grad`` as usual).
+- **Passes without backward** (``torch.no_grad()``, an output that is dropped, an exception
+  in a forward) leave nothing fetched: evaluation passes run on a second engine of the same
+  model, and an aborted pass releases what it fetched.
+
+Knobs are the arguments of :func:`fully_shard` and :func:`init`; errors are
+:class:`collsched.CollschedError` and its subclasses, with the library's message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import _native, params_json
+from ._native import CollschedError
+
+__all__ = [
+    "CollschedError",
+    "fully_shard",
+    "full_parameters",
+    "init",
+    "plan",
+    "stats",
+    "world",
+]
+
+_WORLD: Any = None
+_TO_TORCH = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+_FROM_TORCH = {v: k for k, v in _TO_TORCH.items()}
+
+
+def init(backend: str = "shm") -> Any:
+    """Joins this process's job as its rank (collective: every rank calls it). Idempotent.
+
+    When ``torch.distributed`` is initialized, rank and world come from it and the ranks agree
+    on a job key through its store (no second rendezvous, no port); otherwise from the
+    launcher's environment (torchrun's ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, or Open
+    MPI's). ``backend``: ``"shm"`` (processes of one machine, CPU tensors).
+    """
+    global _WORLD
+    if _WORLD is not None:
+        return _WORLD
+    if backend != "shm":
+        raise CollschedError(
+            f"init(backend={backend!r}): this build runs the 'shm' backend (CPU tensors, ranks as processes "
+            "of one machine)"
+        )
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        rank, size = dist.get_rank(), dist.get_world_size()
+        local = os.environ.get("LOCAL_WORLD_SIZE")
+        if local is not None and local.strip().isdigit() and int(local) != size:
+            raise CollschedError(
+                f"init: the shm backend needs every rank on one machine; this job has {size} ranks, "
+                f"{local} on this machine (LOCAL_WORLD_SIZE)"
+            )
+        store = dist.distributed_c10d._get_default_store()
+        key = "collsched/job"
+        if rank == 0:
+            store.set(key, f"torch-{uuid.uuid4().hex}")
+        job = store.get(key).decode()
+        _WORLD = _native.World(rank, size, job)
+    else:
+        _WORLD = _native.World()
+    return _WORLD
+
+
+def world() -> Any:
+    """The world :func:`init` joined (raises if it was not called)."""
+    if _WORLD is None:
+        raise CollschedError("collsched.torch.init() was not called: call it on every rank first")
+    return _WORLD
+
+
+class _Saved:
+    """What a saved tensor that views a gathered parameter becomes: a reference."""
+
+    __slots__ = ("pid", "size", "stride", "offset", "dtype")
+
+    def __init__(self, pid: int, t: torch.Tensor) -> None:
+        self.pid = pid
+        self.size = t.size()
+        self.stride = t.stride()
+        self.offset = t.storage_offset()
+        self.dtype = t.dtype
+
+
+class _Param:
+    """One parameter of a sharded model: its shard (registered in the modules), the full-size
+    parameter forward and backward use, and where it lives."""
+
+    __slots__ = ("pid", "name", "shape", "dtype", "shard", "full", "placeholder", "unit")
+
+    def __init__(self, pid: int, name: str, shape: torch.Size, dtype: torch.dtype) -> None:
+        self.pid = pid
+        self.name = name
+        self.shape = shape
+        self.dtype = dtype
+        # Right shape, one element of memory, reads as zeros: what the full parameter holds
+        # while it is not gathered (autograd checks shapes, never reads it).
+        self.placeholder = torch.zeros(1, dtype=dtype).expand(shape) if len(shape) else torch.zeros((), dtype=dtype)
+        self.shard: nn.Parameter = nn.Parameter(torch.empty(0, dtype=dtype))
+        self.full: nn.Parameter = nn.Parameter(self.placeholder, requires_grad=False)
+        self.unit = 0
+
+
+class _Unit:
+    """A module given to ``fully_shard``: the parameters its forward uses (its own and those
+    of submodules that are not units themselves), fetched together."""
+
+    __slots__ = ("module", "slots", "ids", "fetched", "bwd", "grads_left", "trainable")
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.slots: list[tuple[nn.Module, str, int]] = []
+        self.ids: list[int] = []
+        self.fetched: Any = None
+        self.bwd = False
+        self.grads_left = 0
+        self.trainable: list[int] = []
+
+
+class _State:
+    """One root's sharded model on this rank: the library's model and two engines on it
+    (training, evaluation), the parameters and units, and the pass in progress."""
+
+    def __init__(self, root: nn.Module, opts: dict[str, Any]) -> None:
+        self.root = root
+        self.opts = opts
+        self.units: list[_Unit] = []
+        self.params: list[_Param] = []
+        self.live: dict[int, int] = {}
+        self.sync = True
+        self.unsynced = False
+        self.phase = "idle"
+        self.engine: Any = None
+        self.mask: list[bool] = []
+        self.model: Any = None
+        self.train: Any = None
+        self.eval: Any = None
+        self.last: dict[str, Any] = {}
+        self.host_s = 0.0
+        self.host_units = 0
+        self.queued = False
+        self.got: set[int] = set()
+        self.last_eval: dict[str, Any] = {}
+
+    # ---- building ----------------------------------------------------------------------
+
+    def build(self) -> None:
+        w = world()
+        root = self.root
+        unit_of: dict[int, int] = {}
+        self.units = []
+
+        def visit(m: nn.Module, u: int) -> None:
+            if m is not root and getattr(m, "_collsched_unit", False):
+                u = len(self.units)
+                self.units.append(_Unit(m))
+            unit_of[id(m)] = u
+            for c in m.children():
+                if id(c) not in unit_of:
+                    visit(c, u)
+
+        self.units.append(_Unit(root))
+        visit(root, 0)
+        # Parameters in module order; a tied parameter belongs to its first unit and is
+        # fetched by every unit that uses it.
+        found: dict[int, _Param] = {}
+        values: list[torch.Tensor] = []
+        old_states: dict[int, _State] = {}
+        names = {id(m): q for q, m in root.named_modules(remove_duplicate=False)}
+        inside = set(names)
+        for m in root.modules():
+            u = unit_of[id(m)]
+            for name, p in list(m._parameters.items()):
+                if p is None:
+                    continue
+                info = found.get(id(p))
+                if info is None:
+                    prev = getattr(p, "_collsched_param", None)
+                    qual = f"{names[id(m)]}.{name}" if names[id(m)] else name
+                    if prev is not None:
+                        st, old = prev
+                        if st.model is None or id(st.root) not in inside:
+                            raise CollschedError(
+                                f"fully_shard: parameter {qual} is already sharded by the fully_shard of a module "
+                                f"above {type(root).__name__}; call fully_shard on the blocks first, then on the root"
+                            )
+                        old_states[id(st)] = st
+                        shape, dtype, requires_grad = old.shape, old.dtype, p.requires_grad
+                    else:
+                        shape, dtype, requires_grad = p.shape, p.dtype, p.requires_grad
+                    if dtype not in _FROM_TORCH:
+                        raise CollschedError(
+                            f"fully_shard: parameter {qual} has dtype {dtype}; collsched moves float32, bfloat16 "
+                            "and float16 parameters (cast the module first, e.g. module.to(torch.bfloat16))"
+                        )
+                    if p.device.type != "cpu":
+                        raise CollschedError(
+                            f"fully_shard: parameter {qual} is on {p.device}; the shm backend shards CPU tensors"
+                        )
+                    info = _Param(len(self.params), qual, shape, dtype)
+                    info.unit = u
+                    info.shard = p if prev is not None else nn.Parameter(torch.empty(0, dtype=dtype))
+                    info.shard.requires_grad_(requires_grad)
+                    found[id(p)] = info
+                    self.params.append(info)
+                    values.append(p)
+                self.units[u].slots.append((m, name, info.pid))
+        if not self.params:
+            raise CollschedError(f"fully_shard: {type(root).__name__} has no parameters to shard")
+        for unit in self.units:
+            seen: dict[int, None] = {}
+            for _, _, pid in unit.slots:
+                seen[pid] = None
+            unit.ids = list(seen)
+        full = self._full_values(values, old_states)
+        if self.opts["sync_module_states"]:
+            full = self._from_rank0(full)
+        entries = [
+            {
+                "name": p.name,
+                "shape": list(p.shape),
+                "dtype": _FROM_TORCH[p.dtype],
+                "trainable": bool(p.shard.requires_grad),
+                "module": f"unit{p.unit}",
+            }
+            for p in self.params
+        ]
+        text = params_json(entries)
+        init = [(t.data_ptr(), t.numel() * t.element_size()) for t in full]
+        self.model = _native.Model(w, text, init, self.opts["strategy"], float(self.opts["bucket_mb"]), 256, "module")
+        del full, init
+        o = self.opts
+        engine_args = (o["prefetch"], o["prefetch_bytes"], o["max_inflight"], None, o["reduce_dtype"])
+        self.train = self.model.engine(*engine_args)
+        self.eval = self.model.engine(*engine_args)
+        for old in old_states.values():
+            old.retire()
+        for p in self.params:
+            region, _, numel = self.model.shard(p.pid)
+            data = torch.frombuffer(region, dtype=p.dtype) if region is not None else torch.empty(0, dtype=p.dtype)
+            assert data.numel() == numel
+            p.shard.data = data
+            p.shard._collsched_param = (self, p)
+            p.full.requires_grad_(p.shard.requires_grad)
+            p.full.register_post_accumulate_grad_hook(self._grad_hook(p))
+        for m, name, pid in (s for u in self.units for s in u.slots):
+            m._parameters[name] = self.params[pid].shard
+        for u in self.units:
+            u.trainable = [pid for pid in u.ids if self.params[pid].shard.requires_grad]
+        self.mask = [bool(p.shard.requires_grad) for p in self.params]
+
+    def _full_values(self, values: list[nn.Parameter], old_states: dict[int, _State]) -> list[torch.Tensor]:
+        gathered: dict[int, dict[int, torch.Tensor]] = {k: st.gather_all() for k, st in old_states.items()}
+        out = []
+        for p in values:
+            prev = getattr(p, "_collsched_param", None)
+            if prev is not None:
+                st, old = prev
+                out.append(gathered[id(st)][old.pid])
+            else:
+                out.append(p.detach().contiguous())
+                # The original full-size memory is no longer needed once the shards are cut.
+        return out
+
+    def _from_rank0(self, full: list[torch.Tensor]) -> list[torch.Tensor]:
+        w = world()
+        mine = (
+            b"".join(ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()) for t in full) if w.rank == 0 else b""
+        )
+        data = w.all_gather(mine)[0]
+        out, at = [], 0
+        for t in full:
+            n = t.numel() * t.element_size()
+            out.append(torch.frombuffer(bytearray(data[at : at + n]), dtype=t.dtype).view(t.shape))
+            at += n
+        return out
+
+    def retire(self) -> None:
+        """This state's parameters moved to a new root's state (a root over sharded units)."""
+        self.model = self.train = self.eval = None
+        self.units = []
+
+    # ---- passes ------------------------------------------------------------------------
+
+    def forward(self, module: nn.Module, call: Any, args: Any, kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        grad = torch.is_grad_enabled()
+        if self.phase == "backward":
+            self._recover()
+        if grad:
+            if self.phase == "idle":
+                self._step_boundary()
+            engine = self.train
+        else:
+            engine = self.eval
+        outer = self.engine
+        self.engine = engine
+        self.host_s += time.perf_counter() - t0
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                out = self._unit_forward(self.units[0], call, args, kwargs)
+        except BaseException:
+            self._abort(engine)
+            self.engine = outer
+            raise
+        self.engine = outer
+        if outer is not None:
+            return out
+        if engine is self.eval:
+            self.last_eval = engine.end_step()
+        elif _requires_grad(out):
+            self.phase = "forward"
+        elif self.phase == "idle":
+            # Nothing can run backward through this output: the step ends here.
+            self._end_step()
+        return out
+
+    def _unit_forward(self, unit: _Unit, call: Any, args: Any, kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        self._fetch(unit, self.engine, swap=True)
+        self.host_s += time.perf_counter() - t0
+        try:
+            return call(*args, **kwargs)
+        finally:
+            t1 = time.perf_counter()
+            self._release(unit, swap=True)
+            self.host_s += time.perf_counter() - t1
+            self.host_units += 1
+
+    def unit_forward(self, module: nn.Module, call: Any, args: Any, kwargs: Any) -> Any:
+        unit = next((u for u in self.units if u.module is module), None)
+        if unit is None or self.engine is None:
+            # A unit's forward outside its root's forward: the root's forward is the pass.
+            if unit is None:
+                return call(*args, **kwargs)
+            return self.forward(module, lambda *a, **k: self._unit_forward(unit, call, a, k), args, kwargs)
+        return self._unit_forward(unit, call, args, kwargs)
+
+    def _fetch(self, unit: _Unit, engine: Any, swap: bool) -> None:
+        if unit.fetched is not None:
+            return
+        regions = engine.fetch(unit.ids)
+        unit.fetched = engine
+        for pid, region in zip(unit.ids, regions):
+            p = self.params[pid]
+            view = torch.frombuffer(region, dtype=p.dtype).view(p.shape)
+            self.live[view.untyped_storage().data_ptr()] = pid
+            p.full.data = view
+            if p.full.requires_grad != p.shard.requires_grad:
+                p.full.requires_grad_(p.shard.requires_grad)
+        if swap:
+            for m, name, pid in unit.slots:
+                m._parameters[name] = self.params[pid].full
+
+    def _release(self, unit: _Unit, swap: bool) -> None:
+        engine = unit.fetched
+        if engine is None:
+            return
+        if swap:
+            for m, name, pid in unit.slots:
+                m._parameters[name] = self.params[pid].shard
+        for pid in unit.ids:
+            p = self.params[pid]
+            self.live.pop(p.full.untyped_storage().data_ptr(), None)
+            p.full.data = p.placeholder
+        unit.fetched = None
+        unit.bwd = False
+        engine.release(unit.ids)
+
+    def _abort(self, engine: Any) -> None:
+        """An exception in a forward: release what the pass fetched; an evaluation pass's
+        step ends (a training step stays open: its backward may still come, or the next
+        forward continues it)."""
+        for unit in self.units:
+            if unit.fetched is engine:
+                self._release(unit, swap=True)
+        if engine is self.eval:
+            engine.end_step()
+
+    def _recover(self) -> None:
+        """A backward that raised left units fetched: release them and end its step."""
+        for unit in self.units:
+            self._release(unit, swap=False)
+        self.phase = "idle"
+        self.queued = False
+        self._end_step()
+
+    def _step_boundary(self) -> None:
+        if self.opts["auto_refresh_trainable"] and not self.unsynced:
+            self.refresh_trainable()
+
+    def refresh_trainable(self) -> bool:
+        mask = [bool(p.shard.requires_grad) for p in self.params]
+        if mask == self.mask:
+            return False
+        if self.phase != "idle" or self.unsynced:
+            raise CollschedError(
+                "refresh_trainable: call it between steps, after a synchronized backward (not between "
+                "the micro-batches of a no_sync accumulation)"
+            )
+        self.train.refresh_trainable(mask)
+        self.mask = mask
+        for u in self.units:
+            u.trainable = [pid for pid in u.ids if mask[pid]]
+        for p, m in zip(self.params, mask):
+            p.full.requires_grad_(m)
+        return True
+
+    # ---- saved tensors -----------------------------------------------------------------
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        if self.live and t.device.type == "cpu" and t.layout == torch.strided:
+            pid = self.live.get(t.untyped_storage().data_ptr())
+            if pid is not None:
+                return _Saved(pid, t)
+        return t
+
+    def _unpack(self, x: Any) -> torch.Tensor:
+        if type(x) is not _Saved:
+            return x
+        self._begin_backward()
+        p = self.params[x.pid]
+        unit = self.units[p.unit]
+        if unit.fetched is None:
+            t0 = time.perf_counter()
+            self._fetch(unit, self.train, swap=False)
+            unit.bwd = True
+            unit.grads_left = sum(1 for q in unit.trainable if q not in self.got)
+            self.host_s += time.perf_counter() - t0
+        base = p.full.data
+        if x.dtype != base.dtype:
+            base = base.view(x.dtype)
+        return base.as_strided(x.size, x.stride, x.offset)
+
+    # ---- backward ----------------------------------------------------------------------
+
+    def _begin_backward(self) -> None:
+        if self.queued:
+            return
+        if self.phase == "idle":
+            self._step_boundary()
+        self.queued = True
+        self.phase = "backward"
+        self.train.set_no_sync(not self.sync)
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _grad_hook(self, p: _Param) -> Any:
+        def hook(full: torch.Tensor) -> None:
+            t0 = time.perf_counter()
+            self._begin_backward()
+            g = full.grad
+            full.grad = None
+            if g is None or not self.mask[p.pid]:
+                return
+            if not g.is_contiguous() or g.dtype != p.dtype:
+                g = g.contiguous().to(p.dtype)
+            self.train.grad_ready(p.pid, g.data_ptr(), g.numel() * g.element_size())
+            self.got.add(p.pid)
+            unit = self.units[p.unit]
+            if unit.bwd:
+                unit.grads_left -= 1
+                if unit.grads_left <= 0:
+                    self._release(unit, swap=False)
+            self.host_s += time.perf_counter() - t0
+
+        return hook
+
+    def _end_backward(self) -> None:
+        for unit in self.units:
+            self._release(unit, swap=False)
+        self.queued = False
+        self.phase = "idle"
+        self._end_step()
+
+    def _end_step(self) -> None:
+        self.got.clear()
+        stats = self.train.end_step()
+        stats["host_us_per_unit"] = 1e6 * self.host_s / max(self.host_units, 1)
+        self.host_s = 0.0
+        self.host_units = 0
+        self.last = stats
+        if not self.sync:
+            self.unsynced = stats["accumulated_grads"] > 0 or self.unsynced
+            return
+        self.unsynced = False
+        for pid, _offset, data, dtype in self.train.take_grads():
+            p = self.params[pid]
+            g = torch.frombuffer(data, dtype=_TO_TORCH[dtype])
+            if g.dtype != p.dtype:
+                g = g.to(p.dtype)
+            if p.shard.grad is None:
+                p.shard.grad = g
+            else:
+                p.shard.grad.add_(g)
+
+    # ---- whole model -------------------------------------------------------------------
+
+    def gather_all(self) -> dict[int, torch.Tensor]:
+        """Every parameter's full value (copies), by id. Collective."""
+        ids = [p.pid for p in self.params]
+        regions = self.eval.fetch(ids)
+        out = {}
+        for p, region in zip(self.params, regions):
+            out[p.pid] = torch.frombuffer(region, dtype=p.dtype).view(p.shape).clone()
+        self.eval.release(ids)
+        self.eval.end_step()
+        return out
+
+
+def _requires_grad(out: Any) -> bool:
+    if isinstance(out, torch.Tensor):
+        return out.requires_grad
+    if isinstance(out, (list, tuple)):
+        return any(_requires_grad(o) for o in out)
+    if isinstance(out, dict):
+        return any(_requires_grad(o) for o in out.values())
+    return False
+
+
+class CollschedModule:
+    """Mixed into every module given to :func:`fully_shard` (as FSDP2 does): its forward runs
+    the unit's fetch and release, and the root's adds the pass's bookkeeping."""
+
+    _collsched_unit = True
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:  # noqa: D401
+        state: _State | None = self.__dict__.get("_collsched_state")
+        call = super().forward  # type: ignore[misc]
+        if state is None:
+            return call(*args, **kwargs)
+        if state.root is self:
+            return state.forward(self, call, args, kwargs)  # type: ignore[arg-type]
+        return state.unit_forward(self, call, args, kwargs)  # type: ignore[arg-type]
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """``False``: backward passes accumulate gradients locally and reduce nothing, until a
+        backward with ``True`` reduces everything (FSDP2's spelling of ``no_sync``)."""
+        _state_of(self).sync = bool(requires_gradient_sync)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally; the first one after reduces."""
+        state = _state_of(self)
+        before = state.sync
+        state.sync = False
+        try:
+            yield
+        finally:
+            state.sync = before
+
+    def refresh_trainable(self) -> bool:
+        """Applies the parameters' ``requires_grad`` now (between steps); returns whether it
+        changed. Done at every step boundary unless ``auto_refresh_trainable=False``."""
+        return _state_of(self).refresh_trainable()
+
+
+def _state_of(module: nn.Module) -> _State:
+    state = module.__dict__.get("_collsched_state")
+    if state is None:
+        raise CollschedError(f"{type(module).__name__} is not sharded by collsched.torch.fully_shard")
+    return state
+
+
+def fully_shard(
+    module: nn.Module,
+    *,
+    strategy: str = "even",
+    bucket_mb: float = 64.0,
+    prefetch: str = "trace",
+    prefetch_mb: float | None = None,
+    max_inflight: int | None = None,
+    reduce_dtype: Any = None,
+    auto_refresh_trainable: bool = True,
+    sync_module_states: bool = False,
+) -> nn.Module:
+    """Shards ``module`` in place (collective: every rank calls it with the same module
+    structure) and returns it.
+
+    Call it on each block first, then on the root: each call makes ``module`` a unit whose
+    parameters are fetched together, and shards every parameter under it; a call on a module
+    above units re-plans them all as one model (the root's knobs apply). Afterwards
+    ``module.named_parameters()`` yields the same names, each a 1-D ``Parameter`` over this
+    rank's elements; after a synchronized backward each has ``.grad`` (the mean over ranks).
+    A second call on a sharded module returns it unchanged (two trainers on one model share
+    it).
+
+    Knobs: ``strategy`` ``"even"`` (every parameter cut in ``world`` pieces), ``"flat"``
+    (buckets cut in equal pieces), ``"greedy"`` (whole parameters per rank), ``"hybrid:G"``
+    (even within groups of G ranks, replicated across); ``bucket_mb`` (64) caps a bucket's
+    bytes; ``prefetch`` ``"trace"`` (record the first step's fetch order, gather along it ahead)
+    or ``"none"``; ``prefetch_mb`` (2048) and ``max_inflight`` (16) bound what is gathered ahead;
+    ``reduce_dtype`` (``None``: the parameter's; or ``torch.float32``, ...) is the dtype
+    gradients are reduced in; ``auto_refresh_trainable`` (True) picks up ``requires_grad``
+    changes at each step boundary; ``sync_module_states`` (False) starts every rank from rank
+    0's values.
+    """
+    if not isinstance(module, nn.Module):
+        raise CollschedError(f"fully_shard: expected a torch.nn.Module, got {type(module).__name__}")
+    if module.__dict__.get("_collsched_state") is not None and module.__dict__["_collsched_state"].root is module:
+        return module
+    if prefetch not in ("trace", "none"):
+        raise CollschedError(
+            f"fully_shard: prefetch={prefetch!r}; expected 'trace' (replay the first step's order) or 'none'"
+        )
+    if reduce_dtype is not None and not isinstance(reduce_dtype, str):
+        if reduce_dtype not in _FROM_TORCH:
+            raise CollschedError(f"fully_shard: reduce_dtype={reduce_dtype}; expected float32, bfloat16 or float16")
+        reduce_dtype = _FROM_TORCH[reduce_dtype]
+    opts = {
+        "strategy": strategy,
+        "bucket_mb": bucket_mb,
+        "prefetch": prefetch,
+        "prefetch_bytes": None if prefetch_mb is None else int(prefetch_mb * (1 << 20)),
+        "max_inflight": max_inflight,
+        "reduce_dtype": reduce_dtype,
+        "auto_refresh_trainable": auto_refresh_trainable,
+        "sync_module_states": sync_module_states,
+    }
+    state = _State(module, opts)
+    _mark(module)
+    state.build()
+    for unit in state.units:
+        unit.module.__dict__["_collsched_state"] = state
+    return module
+
+
+def _mark(module: nn.Module) -> None:
+    cls = type(module)
+    if issubclass(cls, CollschedModule):
+        return
+    module.__class__ = type(f"Collsched{cls.__name__}", (CollschedModule, cls), {})
+
+
+def _root_state(module: nn.Module) -> _State:
+    state = _state_of(module)
+    if state.model is None:
+        raise CollschedError(f"{type(module).__name__}'s sharding was taken over by a root's fully_shard")
+    return state
+
+
+def stats(module: nn.Module) -> dict[str, Any]:
+    """The last training step's counters of ``module``'s sharded model: ``all_gathers``,
+    ``reduce_scatters``, ``gathered_bytes``, ``reduced_bytes``, ``prefetch_hits``,
+    ``prefetch_misses``, ``wait_ms``, ``peak_gathered_bytes``, ``host_us_per_unit`` (time
+    this package's hooks spent per unit forward), and more."""
+    return dict(_root_state(module).last)
+
+
+def full_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's full value (a copy), by name. Collective: every rank calls it."""
+    state = _root_state(module)
+    values = state.gather_all()
+    return {p.name: values[p.pid] for p in state.params}
+
+
+def plan(module: nn.Module) -> dict[str, Any]:
+    """The plan of ``module``'s sharded model (the structure ``collsched plan --json``
+    prints: buckets, each rank's shard segments, ops)."""
+    return json.loads(_root_state(module).model.plan)

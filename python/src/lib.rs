@@ -1,0 +1,28 @@
+//! `collsched._native`: the Python bindings of collsched, behind the `collsched` package
+//! (`python/collsched/`). Plans ([`plan::plan_json`]), a rank of the `shm` backend
+//! ([`world::World`]), a sharded model and its engines ([`model::Model`],
+//! [`model::Engine`]), and library memory exported to torch without copies
+//! ([`region::Region`], the crate's only `unsafe`).
+
+mod errors;
+mod model;
+mod plan;
+mod region;
+mod world;
+
+use pyo3::prelude::*;
+
+/// The module.
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add("CollschedError", py.get_type::<errors::CollschedError>())?;
+    m.add("PeerError", py.get_type::<errors::PeerError>())?;
+    m.add("MismatchError", py.get_type::<errors::MismatchError>())?;
+    m.add_function(wrap_pyfunction!(plan::plan_json, m)?)?;
+    m.add_class::<world::World>()?;
+    m.add_class::<model::Model>()?;
+    m.add_class::<model::Engine>()?;
+    m.add_class::<region::Region>()?;
+    Ok(())
+}

@@ -1,0 +1,79 @@
+//! [`World`]: this process's rank of a job on the `shm` backend, and the job's hub.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use collsched::backend::local::LocalRank;
+use collsched::backend::shm::{join, ShmConfig};
+use collsched::backend::Backend;
+use collsched::bootstrap::{Hub, LaunchEnv};
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+use crate::errors;
+
+/// This process's rank of a job on the `shm` backend (one process per rank, one machine).
+///
+/// `World()` reads the launcher's environment (torchrun's `RANK`, `WORLD_SIZE`, `LOCAL_RANK`
+/// or Open MPI's); `World(rank, world, job)` takes them from the caller (an engine that already
+/// knows them from `torch.distributed`, with a job key it agreed on through its store).
+/// Collective: every rank of the job makes its `World`, and they meet.
+#[pyclass(module = "collsched._native", unsendable)]
+pub struct World {
+    pub(crate) backend: Arc<LocalRank>,
+    hub: Hub,
+}
+
+#[pymethods]
+impl World {
+    #[new]
+    #[pyo3(signature = (rank=None, world=None, job=None))]
+    fn new(rank: Option<usize>, world: Option<usize>, job: Option<String>) -> PyResult<World> {
+        let env =
+            match (rank, world, job) {
+                (None, None, None) => LaunchEnv::from_env().map_err(errors::other)?,
+                (Some(rank), Some(world), Some(job)) => {
+                    let vars: HashMap<&str, String> = [
+                        ("RANK", rank.to_string()),
+                        ("WORLD_SIZE", world.to_string()),
+                        ("LOCAL_RANK", rank.to_string()),
+                        ("LOCAL_WORLD_SIZE", world.to_string()),
+                        ("COLLSCHED_RUN_ID", job),
+                    ]
+                    .into_iter()
+                    .collect();
+                    LaunchEnv::from_lookup(|k| vars.get(k).cloned()).map_err(errors::other)?
+                }
+                _ => return Err(errors::other(
+                    "World: give rank, world and job together, or none of them (read from the launcher's \
+                     environment)",
+                )),
+            };
+        let config = ShmConfig::from_env().map_err(errors::other)?;
+        let (backend, hub) = join(&env, &config).map_err(errors::backend)?;
+        Ok(World { backend: Arc::new(backend), hub })
+    }
+
+    /// This process's rank.
+    #[getter]
+    fn rank(&self) -> usize {
+        self.backend.rank()
+    }
+
+    /// Ranks in the job.
+    #[getter]
+    fn world(&self) -> usize {
+        self.backend.world_size()
+    }
+
+    /// Every rank's `data`, by rank (collective; small exchanges: error reports, agreement).
+    fn all_gather<'py>(&mut self, py: Python<'py>, data: &[u8]) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+        let all = self.hub.all_gather(data).map_err(|e| errors::backend(e.into()))?;
+        Ok(all.iter().map(|b| PyBytes::new(py, b)).collect())
+    }
+
+    /// Waits until every rank called it (collective).
+    fn barrier(&mut self) -> PyResult<()> {
+        self.hub.barrier().map_err(|e| errors::backend(e.into()))
+    }
+}

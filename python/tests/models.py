@@ -1,0 +1,158 @@
+"""The models the tests train, their data, and the plain-PyTorch reference they are compared
+with. Nothing here uses collsched."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+VOCAB = 37
+SEQ = 6
+
+
+class Mlp(nn.Module):
+    """An MLP with odd sizes; ``blocks`` are its units."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(7, 13), nn.Linear(13, 11), nn.Linear(11, 9)])
+        self.head = nn.Linear(9, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = torch.tanh(b(x))
+        return self.head(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
+        mask = torch.ones(t, t, dtype=torch.bool).triu(1)
+        att = att.masked_fill(mask, float("-inf")).softmax(dim=-1)
+        return self.proj((att @ v).transpose(1, 2).reshape(b, t, d))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(dim)
+        self.attn = Attention(dim, heads)
+        self.ln2 = nn.LayerNorm(dim)
+        self.fc = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(3 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class Gpt(nn.Module):
+    """A small GPT: token and position embeddings, ``blocks``, a final layer norm, and a head
+    tied to the token embedding."""
+
+    def __init__(self, dim: int = 24, heads: int = 3, layers: int = 2, vocab: int = VOCAB, seq: int = SEQ) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(seq, dim)
+        self.blocks = nn.ModuleList([Block(dim, heads) for _ in range(layers)])
+        self.ln = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.ln(x))
+
+
+def build(name: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
+    torch.manual_seed(seed)
+    model = {"mlp": Mlp, "gpt": Gpt}[name]()
+    return model.to(dtype)
+
+
+def batch(name: str, seed: int, step: int, micro: int, rank: int, dtype: torch.dtype = torch.float32) -> tuple:
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step * 10_007 + micro * 101 + rank)
+    if name == "mlp":
+        return torch.randn(4, 7, generator=g).to(dtype), torch.randn(4, 5, generator=g).to(dtype)
+    idx = torch.randint(0, VOCAB, (3, SEQ + 1), generator=g)
+    return idx[:, :-1], idx[:, 1:]
+
+
+def loss_fn(name: str, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    if name == "mlp":
+        return ((out.float() - target.float()) ** 2).mean()
+    return F.cross_entropy(out.float().reshape(-1, out.shape[-1]), target.reshape(-1))
+
+
+def optimizer(name: str, params: Any) -> torch.optim.Optimizer:
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
+    return torch.optim.SGD(params, lr=0.05)
+
+
+def reference(spec: dict[str, Any], world: int) -> dict[str, Any]:
+    """Plain unsharded PyTorch on one model: every rank's micro-batches, gradients averaged
+    over ranks as DDP and FSDP do (each rank's micro-batch gradients summed in order, in the
+    reduction dtype, then the ranks' sums added in rank order and divided by the world), the
+    same optimizer. Returns the losses (by step, micro-batch, rank) and the parameters after
+    every step."""
+    # The ranks compute with one thread each; so does the reference (a kernel's summation
+    # order can depend on its thread count).
+    torch.set_num_threads(1)
+    name, dtype = spec["model"], spec.get("dtype", torch.float32)
+    rdtype = spec.get("reduce_dtype") or dtype
+    model = build(name, spec.get("seed", 0), dtype)
+    params = dict(model.named_parameters())
+    opt = optimizer(spec.get("opt", "adamw"), model.parameters())
+    losses, after = [], []
+    for step in range(spec["steps"]):
+        frozen = spec.get("frozen", {}).get(step, [])
+        for n, p in params.items():
+            p.requires_grad_(not any(n.startswith(f) for f in frozen))
+        live = {n: p for n, p in params.items() if p.requires_grad}
+        acc = [dict.fromkeys(live) for _ in range(world)]
+        step_losses = []
+        for micro in range(spec.get("micro", 1)):
+            row = []
+            for r in range(world):
+                x, y = batch(name, spec.get("seed", 0), step, micro, r, dtype)
+                loss = loss_fn(name, model(x), y)
+                grads = torch.autograd.grad(loss, list(live.values()), allow_unused=True)
+                for n, g in zip(live, grads):
+                    g = torch.zeros_like(live[n]) if g is None else g
+                    g = g.to(rdtype)
+                    acc[r][n] = g if acc[r][n] is None else acc[r][n] + g
+                row.append(loss.item())
+            step_losses.append(row)
+        # Hybrid sharding (HSDP) reduces in two stages: within each group of G consecutive
+        # ranks, then the group sums across groups.
+        strategy = spec.get("strategy", "even")
+        group = int(strategy.split(":")[1]) if strategy.startswith("hybrid:") else world
+        for n, p in live.items():
+            total = None
+            for first in range(0, world, group):
+                part = acc[first][n]
+                for r in range(first + 1, first + group):
+                    part = part + acc[r][n]
+                total = part if total is None else total + part
+            p.grad = (total / world).to(dtype)
+        opt.step()
+        opt.zero_grad()
+        losses.append(step_losses)
+        after.append({n: p.detach().clone() for n, p in params.items()})
+    return {"losses": losses, "params": after}

@@ -1,0 +1,38 @@
+"""collsched.torch.fully_shard against plain unsharded PyTorch: losses and full parameters
+after every step, at 2, 3 and 4 ranks, every strategy, f32 and bf16."""
+
+from __future__ import annotations
+
+import models
+import parity
+import pytest
+import torch
+import workers
+from ranks import run
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_mlp_odd_sizes_even(world):
+    spec = {"model": "mlp", "steps": 3, "strategy": "even", "bucket_mb": 0.0005}
+    runs = run(workers.train, world, spec)
+    parity.check(runs, models.reference(spec, world))
+
+
+@pytest.mark.parametrize("strategy", ["even", "flat", "greedy", "hybrid:2"])
+def test_gpt_every_strategy_at_4_ranks(strategy):
+    spec = {"model": "gpt", "steps": 3, "strategy": strategy, "bucket_mb": 0.002}
+    runs = run(workers.train, 4, spec)
+    parity.check(runs, models.reference(spec, 4))
+
+
+def test_bf16_parameters_reduced_in_f32():
+    spec = {
+        "model": "gpt",
+        "steps": 3,
+        "dtype": torch.bfloat16,
+        "reduce_dtype": torch.float32,
+        "opt": "sgd",
+        "bucket_mb": 0.002,
+    }
+    runs = run(workers.train, 2, spec)
+    parity.check(runs, models.reference(spec, 2), torch.bfloat16)
