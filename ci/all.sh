@@ -10,6 +10,7 @@ step fmt
 step house
 step clippy
 step test
+step python
 for extra in doc ptx fuzz; do
   [ -f "ci/$extra.sh" ] && step "$extra"
 done
@@ -20,3 +21,6 @@ run=$(sed -nE 's/.* ([0-9]+) tests? run: ([0-9]+) passed.*/\2/p' <<<"$summary")
 skipped=$(sed -nE 's/.* ([0-9]+) skipped.*/\1/p' <<<"$summary")
 failed=$(sed -nE 's/.* ([0-9]+) failed.*/\1/p' <<<"$summary")
 echo "tests: ${run:-0} passed, ${failed:-0} failed, ${skipped:-0} skipped"
+# pytest's closing line, e.g. '12 passed, 1 skipped in 80.1s'.
+pyline=$(grep -E "^[0-9]+ (passed|failed)|^=+ .*(passed|failed)" "${CARGO_TARGET_DIR:-target}/ci-pytest.log" | tail -n 1 || true)
+echo "python tests: ${pyline:-none}"

@@ -8,3 +8,5 @@ export COLLSCHED_NVRTC_LIB="$COLLSCHED_CUDA_WHEELS/nvidia/cuda_nvrtc/lib"
 export COLLSCHED_CUDA_INCLUDE="$COLLSCHED_CUDA_WHEELS/nvidia/cuda_runtime/include"
 export COLLSCHED_PTXAS="$COLLSCHED_CUDA_WHEELS/nvidia/cuda_nvcc/bin/ptxas"
 export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
+# The Python virtual environment (torch, maturin, pytest, ruff): made by ci/python.sh, reused.
+export COLLSCHED_VENV="${COLLSCHED_VENV:-$COLLSCHED_CI_CACHE/venv}"

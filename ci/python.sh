@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The Python package: lint (ruff), build and install it (maturin, release) into a virtual
+# environment that has torch, then run its tests (pytest). The environment is made once and
+# reused ($COLLSCHED_VENV); torch from PyPI is the CUDA build (about 5 GB with its wheels).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source ci/env.sh
+venv="$COLLSCHED_VENV"
+if [ ! -x "$venv/bin/python" ]; then
+  echo "ci/python: python3 -m venv $venv"
+  mkdir -p "$(dirname "$venv")"
+  python3 -m venv "$venv"
+fi
+py="$venv/bin/python"
+# maturin's build hooks run the maturin executable from PATH.
+export PATH="$venv/bin:$PATH"
+if ! "$py" -c "import torch, maturin, pytest, ruff" >/dev/null 2>&1; then
+  echo "ci/python: pip install torch maturin pytest ruff into $venv"
+  "$py" -m pip install -q --disable-pip-version-check --upgrade pip
+  "$py" -m pip install -q --disable-pip-version-check 'torch==2.15.*' 'maturin>=1.9,<2' 'pytest>=8' 'ruff>=0.6'
+fi
+(cd python && "$venv/bin/ruff" check . && "$venv/bin/ruff" format --check .)
+echo "ci/python: pip install ./python (maturin, release)"
+"$py" -m pip install -q --disable-pip-version-check --no-build-isolation --force-reinstall --no-deps ./python
+log="${CARGO_TARGET_DIR:-target}/ci-pytest.log"
+mkdir -p "$(dirname "$log")"
+# From the repository root: the installed package is imported, not python/collsched.
+"$venv/bin/pytest" -q -rs -p no:cacheprovider python/tests 2>&1 | tee "$log"
+exit "${PIPESTATUS[0]}"
