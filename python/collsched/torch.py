@@ -57,6 +57,7 @@ __all__ = [
     "fully_shard",
     "full_parameters",
     "init",
+    "live_bytes",
     "plan",
     "stats",
     "world",
@@ -623,8 +624,8 @@ def fully_shard(
     above units re-plans them all as one model (the root's knobs apply). Afterwards
     ``module.named_parameters()`` yields the same names, each a 1-D ``Parameter`` over this
     rank's elements; after a synchronized backward each has ``.grad`` (the mean over ranks).
-    A second call on a sharded module returns it unchanged (two trainers on one model share
-    it).
+    A second call on a sharded module (a unit or the root) returns it unchanged: two trainers
+    wrapping one model share its sharding.
 
     Knobs: ``strategy`` ``"even"`` (every parameter cut in ``world`` pieces), ``"flat"``
     (buckets cut in equal pieces), ``"greedy"`` (whole parameters per rank), ``"hybrid:G"``
@@ -638,7 +639,8 @@ def fully_shard(
     """
     if not isinstance(module, nn.Module):
         raise CollschedError(f"fully_shard: expected a torch.nn.Module, got {type(module).__name__}")
-    if module.__dict__.get("_collsched_state") is not None and module.__dict__["_collsched_state"].root is module:
+    if module.__dict__.get("_collsched_state") is not None:
+        # Already sharded (a unit or a root): a second trainer's wrapping reuses it.
         return module
     if prefetch not in ("trace", "none"):
         raise CollschedError(
@@ -699,3 +701,8 @@ def plan(module: nn.Module) -> dict[str, Any]:
     """The plan of ``module``'s sharded model (the structure ``collsched plan --json``
     prints: buckets, each rank's shard segments, ops)."""
     return json.loads(_root_state(module).model.plan)
+
+
+def live_bytes(module: nn.Module) -> int:
+    """Gathered bytes held on this rank for ``module``'s sharded model (0 between passes)."""
+    return int(_root_state(module).train.live_bytes)

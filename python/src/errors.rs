@@ -9,19 +9,19 @@ use pyo3::exceptions::PyRuntimeError;
 use pyo3::PyErr;
 
 create_exception!(
-    _native,
+    collsched,
     CollschedError,
     PyRuntimeError,
     "An error of collsched; the message names the rank, parameter, bucket and op."
 );
 create_exception!(
-    _native,
+    collsched,
     PeerError,
     CollschedError,
     "Another rank failed, died or did not answer in time; the message names it."
 );
 create_exception!(
-    _native,
+    collsched,
     MismatchError,
     CollschedError,
     "Ranks disagree: different plans, or different collectives at the same point."

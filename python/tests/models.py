@@ -110,7 +110,7 @@ def reference(spec: dict[str, Any], world: int) -> dict[str, Any]:
     over ranks as DDP and FSDP do (each rank's micro-batch gradients summed in order, in the
     reduction dtype, then the ranks' sums added in rank order and divided by the world), the
     same optimizer. Returns the losses (by step, micro-batch, rank) and the parameters after
-    every step."""
+    every step (and, with ``eval_between``, every rank's evaluation losses)."""
     # The ranks compute with one thread each; so does the reference (a kernel's summation
     # order can depend on its thread count).
     torch.set_num_threads(1)
@@ -119,7 +119,7 @@ def reference(spec: dict[str, Any], world: int) -> dict[str, Any]:
     model = build(name, spec.get("seed", 0), dtype)
     params = dict(model.named_parameters())
     opt = optimizer(spec.get("opt", "adamw"), model.parameters())
-    losses, after = [], []
+    losses, after, evals = [], [], [[] for _ in range(world)]
     for step in range(spec["steps"]):
         frozen = spec.get("frozen", {}).get(step, [])
         for n, p in params.items():
@@ -139,6 +139,11 @@ def reference(spec: dict[str, Any], world: int) -> dict[str, Any]:
                     acc[r][n] = g if acc[r][n] is None else acc[r][n] + g
                 row.append(loss.item())
             step_losses.append(row)
+            if spec.get("eval_between") and micro + 1 < spec.get("micro", 1):
+                with torch.no_grad():
+                    for r in range(world):
+                        ex, ey = batch(name, 99, step, 0, r, dtype)
+                        evals[r].append(loss_fn(name, model(ex), ey).item())
         # Hybrid sharding (HSDP) reduces in two stages: within each group of G consecutive
         # ranks, then the group sums across groups.
         strategy = spec.get("strategy", "even")
@@ -155,4 +160,4 @@ def reference(spec: dict[str, Any], world: int) -> dict[str, Any]:
         opt.zero_grad()
         losses.append(step_losses)
         after.append({n: p.detach().clone() for n, p in params.items()})
-    return {"losses": losses, "params": after}
+    return {"losses": losses, "params": after, "evals": evals}

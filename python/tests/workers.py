@@ -30,6 +30,13 @@ def train(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
 
     name, dtype = spec["model"], spec.get("dtype", torch.float32)
     model = shard(models.build(name, spec.get("seed", 0), dtype), spec)
+    if spec.get("validate_first"):
+        # A validation trainer wraps the model and evaluates; a fitting trainer wraps it again.
+        with torch.no_grad():
+            x, y = models.batch(name, 98, 0, 0, rank, dtype)
+            models.loss_fn(name, model(x), y)
+        again = shard(model, spec)
+        assert again is model, "a second fully_shard of the root returned another module"
     opt = models.optimizer(spec.get("opt", "adamw"), model.parameters())
     losses, after, stats, evals = [], [], [], []
     micro_n = spec.get("micro", 1)
@@ -56,3 +63,89 @@ def train(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
         after.append(snapshot(cst.full_parameters(model)))
     plan = cst.plan(model)
     return {"losses": losses, "params": after, "stats": stats, "evals": evals, "plan": plan}
+
+
+def gradcache(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """GradCache-style steps: representations of every chunk without grad, the loss's
+    gradient with respect to them, then each chunk's forward again and backward of that
+    gradient, under no_sync for all chunks but the last."""
+    import collsched.torch as cst
+
+    name = spec["model"]
+    model = shard(models.build(name, spec.get("seed", 0)), spec)
+    opt = models.optimizer(spec.get("opt", "adamw"), model.parameters())
+    chunks = spec["micro"]
+    after, stats = [], []
+    for step in range(spec["steps"]):
+        batches = [models.batch(name, spec.get("seed", 0), step, c, rank) for c in range(chunks)]
+        with torch.no_grad():
+            reps = [model(x) for x, _ in batches]
+        reps = [r.detach().requires_grad_(True) for r in reps]
+        loss = sum(models.loss_fn(name, r, y) for r, (_, y) in zip(reps, batches))
+        grads = torch.autograd.grad(loss, reps)
+        step_stats = []
+        for c, ((x, _), g) in enumerate(zip(batches, grads)):
+            model.set_requires_gradient_sync(c + 1 == chunks)
+            model(x).backward(g)
+            step_stats.append(cst.stats(model))
+        stats.append(step_stats)
+        opt.step()
+        opt.zero_grad()
+        after.append(snapshot(cst.full_parameters(model)))
+    return {"params": after, "stats": stats, "plan": cst.plan(model)}
+
+
+def forward_only(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """Training steps with, between them, a validation pass, a forward whose output is
+    dropped, and a forward that raises in its second block; returns what `train` does, plus
+    the gathered bytes still live after each step and each validation pass."""
+    import collsched.torch as cst
+
+    name = spec["model"]
+    model = shard(models.build(name, spec.get("seed", 0)), spec)
+    opt = models.optimizer(spec.get("opt", "adamw"), model.parameters())
+    boom = {"armed": False}
+
+    def maybe_raise(module: torch.nn.Module, args: Any) -> None:
+        if boom["armed"]:
+            raise ValueError("injected failure in blocks.1")
+
+    model.blocks[1].register_forward_pre_hook(maybe_raise)
+    losses, after, live = [], [], []
+    for step in range(spec["steps"]):
+        x, y = models.batch(name, spec.get("seed", 0), step, 0, rank)
+        loss = models.loss_fn(name, model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append([loss.item()])
+        # After a step (which followed a dropped and a failed forward from step 1 on).
+        live.append(cst.live_bytes(model))
+        after.append(snapshot(cst.full_parameters(model)))
+        with torch.no_grad():
+            model(x)
+        live.append(cst.live_bytes(model))
+        model(x)  # output dropped: no backward
+        boom["armed"] = True
+        try:
+            model(x)
+            raise AssertionError("the injected failure did not propagate")
+        except ValueError as e:
+            assert "injected failure" in str(e)
+        boom["armed"] = False
+    return {"losses": losses, "params": after, "live": live}
+
+
+def raise_in_forward(rank: int, world: int, spec: dict[str, Any]) -> None:
+    """Rank 1 raises in its forward of step 1 (and its process ends); the others go on."""
+    name = spec["model"]
+    model = shard(models.build(name, 0), spec)
+
+    def fail(module: torch.nn.Module, args: Any) -> None:
+        raise ValueError(f"rank {rank} failed in its forward")
+
+    for step in range(3):
+        if step == 1 and rank == 1:
+            model.blocks[1].register_forward_pre_hook(fail)
+        x, y = models.batch(name, 0, step, 0, rank)
+        models.loss_fn(name, model(x), y).backward()

@@ -1,0 +1,131 @@
+"""The scenarios engine users hit, one named test each, against plain PyTorch."""
+
+from __future__ import annotations
+
+import re
+
+import models
+import parity
+import pytest
+import torch
+import workers
+from ranks import run, run_all
+
+
+def grad_buckets(plan: dict) -> int:
+    return sum(1 for b in plan["buckets"] if b["kind"] == "grad")
+
+
+def gather_buckets(plan: dict) -> int:
+    return sum(1 for b in plan["buckets"] if b["kind"] == "gather")
+
+
+@pytest.mark.parametrize("world", [2, 5])
+def test_freeze_a_block_then_unfreeze_with_accumulation_fairscale_369(world):
+    # blocks.0 frozen for steps 2, 3, 4 (set after step 1, cleared at step 5), two
+    # micro-batches a step: nothing of the change is lost, gradients go where they should.
+    frozen = {s: ["blocks.0."] for s in (2, 3, 4)}
+    spec = {"model": "gpt", "steps": 6, "micro": 2, "frozen": frozen, "bucket_mb": 0.002}
+    runs = run(workers.train, world, spec)
+    parity.check(runs, models.reference(spec, world))
+
+
+def test_gradcache_chunked_backward_reduces_once_per_bucket_deepspeed_no_sync():
+    spec = {"model": "gpt", "steps": 3, "micro": 3, "bucket_mb": 0.002}
+    runs = run(workers.gradcache, 2, spec)
+    # Reference: the same chunked steps in plain PyTorch.
+    torch.set_num_threads(1)
+    model = models.build("gpt")
+    params = dict(model.named_parameters())
+    opt = models.optimizer("adamw", model.parameters())
+    ref_after = []
+    for step in range(spec["steps"]):
+        acc = [dict.fromkeys(params) for _ in range(2)]
+        for r in range(2):
+            batches = [models.batch("gpt", 0, step, c, r) for c in range(spec["micro"])]
+            with torch.no_grad():
+                reps = [model(x) for x, _ in batches]
+            reps = [x.detach().requires_grad_(True) for x in reps]
+            loss = sum(models.loss_fn("gpt", z, y) for z, (_, y) in zip(reps, batches))
+            grads = torch.autograd.grad(loss, reps)
+            for (x, _), g in zip(batches, grads):
+                pg = torch.autograd.grad(model(x), list(params.values()), g)
+                for n, v in zip(params, pg):
+                    acc[r][n] = v if acc[r][n] is None else acc[r][n] + v
+        for n, p in params.items():
+            p.grad = (acc[0][n] + acc[1][n]) / 2
+        opt.step()
+        opt.zero_grad()
+        ref_after.append({n: p.detach().clone() for n, p in params.items()})
+    for rank, r in enumerate(runs):
+        n_grad = grad_buckets(r["plan"])
+        assert n_grad > 1
+        for step, per_chunk in enumerate(r["stats"]):
+            assert len(per_chunk) == spec["micro"]
+            for c, st in enumerate(per_chunk[:-1]):
+                assert st["reduce_scatters"] == 0, f"rank {rank} step {step} chunk {c}: {st}"
+                assert st["accumulated_grads"] > 0
+            assert per_chunk[-1]["reduce_scatters"] == n_grad, f"rank {rank} step {step}: {per_chunk[-1]}"
+        for step, want in enumerate(ref_after):
+            for n, w in want.items():
+                torch.testing.assert_close(torch.tensor(r["params"][step][n]), w.flatten(), rtol=1e-6, atol=1e-7)
+
+
+def test_validate_then_fit_two_wrappings_and_evaluation_between_micro_batches_lightning_17523():
+    spec = {"model": "gpt", "steps": 3, "micro": 2, "validate_first": True, "eval_between": True, "bucket_mb": 0.002}
+    runs = run(workers.train, 2, spec)
+    ref = models.reference(spec, 2)
+    parity.check(runs, ref)
+    for rank, r in enumerate(runs):
+        assert len(r["evals"]) == len(ref["evals"][rank]) == spec["steps"]
+        torch.testing.assert_close(torch.tensor(r["evals"]), torch.tensor(ref["evals"][rank]), rtol=1e-6, atol=1e-7)
+
+
+def test_one_all_gather_per_bucket_per_pass_and_prefetch_hits_bf16_deepspeed_1453():
+    spec = {
+        "model": "gpt",
+        "steps": 4,
+        "dtype": torch.bfloat16,
+        "reduce_dtype": torch.float32,
+        "opt": "sgd",
+        "bucket_mb": 0.002,
+    }
+    runs = run(workers.train, 2, spec)
+    parity.check(runs, models.reference(spec, 2), torch.bfloat16)
+    for rank, r in enumerate(runs):
+        n = gather_buckets(r["plan"])
+        assert n > 2
+        for step, st in enumerate(r["stats"]):
+            # One gather per bucket in the forward, one in the backward.
+            assert st["all_gathers"] == 2 * n, f"rank {rank} step {step}: {st['all_gathers']} gathers, {n} buckets"
+            if step > 0:
+                assert st["prefetch_hits"] > 0, f"rank {rank} step {step}: no prefetch hit: {st}"
+                assert st["prefetch_misses"] < st["prefetch_hits"]
+            assert st["peak_gathered_bytes"] > 0
+            assert st["reduce_scatters"] == grad_buckets(r["plan"])
+
+
+def test_forward_only_passes_leave_nothing_in_flight():
+    spec = {"model": "gpt", "steps": 3, "bucket_mb": 0.002}
+    runs = run(workers.forward_only, 2, spec)
+    parity.check(runs, models.reference(spec, 2))
+    for r in runs:
+        assert r["live"] == [0] * (2 * spec["steps"])
+
+
+def test_a_rank_that_raises_in_its_forward_is_named_by_the_others():
+    out = run_all(workers.raise_in_forward, 3, {"model": "gpt", "bucket_mb": 0.002}, timeout=120)
+    ok1, text1 = out[1]
+    assert not ok1 and "rank 1 failed in its forward" in text1
+    for r in (0, 2):
+        ok, text = out[r]
+        assert not ok, f"rank {r} finished although rank 1 failed"
+        first = text.splitlines()[0]
+        assert "collsched" in first and "Error" in first, first
+        assert re.search(r"ranks? \[?1\b", text), text
+
+
+def test_init_through_torch_distributed():
+    spec = {"model": "mlp", "steps": 2, "bucket_mb": 0.0005}
+    runs = run(workers.train, 2, spec, init="torch")
+    parity.check(runs, models.reference(spec, 2))
