@@ -360,14 +360,14 @@ class _State:
 
     def _unit_forward(self, unit: _Unit, call: Any, args: Any, kwargs: Any) -> Any:
         t0 = time.perf_counter()
-        self._fetch(unit, self.engine, swap=True)
-        self.host_s += time.perf_counter() - t0
+        native = self._fetch(unit, self.engine, swap=True)
+        self.host_s += time.perf_counter() - t0 - native
         try:
             return call(*args, **kwargs)
         finally:
             t1 = time.perf_counter()
-            self._release(unit, swap=True)
-            self.host_s += time.perf_counter() - t1
+            native = self._release(unit, swap=True)
+            self.host_s += time.perf_counter() - t1 - native
             self.host_units += 1
 
     def unit_forward(self, module: nn.Module, call: Any, args: Any, kwargs: Any) -> Any:
@@ -379,10 +379,13 @@ class _State:
             return self.forward(module, lambda *a, **k: self._unit_forward(unit, call, a, k), args, kwargs)
         return self._unit_forward(unit, call, args, kwargs)
 
-    def _fetch(self, unit: _Unit, engine: Any, swap: bool) -> None:
+    def _fetch(self, unit: _Unit, engine: Any, swap: bool) -> float:
+        """Fetches ``unit`` on ``engine``; returns the seconds spent in the library."""
         if unit.fetched is not None:
-            return
+            return 0.0
+        t0 = time.perf_counter()
         regions = engine.fetch(unit.ids)
+        native = time.perf_counter() - t0
         unit.fetched = engine
         for pid, region in zip(unit.ids, regions):
             p = self.params[pid]
@@ -394,11 +397,13 @@ class _State:
         if swap:
             for m, name, pid in unit.slots:
                 m._parameters[name] = self.params[pid].full
+        return native
 
-    def _release(self, unit: _Unit, swap: bool) -> None:
+    def _release(self, unit: _Unit, swap: bool) -> float:
+        """Releases ``unit``; returns the seconds spent in the library."""
         engine = unit.fetched
         if engine is None:
-            return
+            return 0.0
         if swap:
             for m, name, pid in unit.slots:
                 m._parameters[name] = self.params[pid].shard
@@ -408,7 +413,9 @@ class _State:
             p.full.data = p.placeholder
         unit.fetched = None
         unit.bwd = False
+        t0 = time.perf_counter()
         engine.release(unit.ids)
+        return time.perf_counter() - t0
 
     def _abort(self, engine: Any) -> None:
         """An exception in a forward: release what the pass fetched; an evaluation pass's
@@ -466,10 +473,10 @@ class _State:
         unit = self.units[p.unit]
         if unit.fetched is None:
             t0 = time.perf_counter()
-            self._fetch(unit, self.train, swap=False)
+            native = self._fetch(unit, self.train, swap=False)
             unit.bwd = True
             unit.grads_left = sum(1 for q in unit.trainable if q not in self.got)
-            self.host_s += time.perf_counter() - t0
+            self.host_s += time.perf_counter() - t0 - native
         base = p.full.data
         if x.dtype != base.dtype:
             base = base.view(x.dtype)
@@ -497,14 +504,16 @@ class _State:
                 return
             if not g.is_contiguous() or g.dtype != p.dtype:
                 g = g.contiguous().to(p.dtype)
+            t1 = time.perf_counter()
             self.train.grad_ready(p.pid, g.data_ptr(), g.numel() * g.element_size())
+            native = time.perf_counter() - t1
             self.got.add(p.pid)
             unit = self.units[p.unit]
             if unit.bwd:
                 unit.grads_left -= 1
                 if unit.grads_left <= 0:
-                    self._release(unit, swap=False)
-            self.host_s += time.perf_counter() - t0
+                    native += self._release(unit, swap=False)
+            self.host_s += time.perf_counter() - t0 - native
 
         return hook
 
@@ -685,8 +694,9 @@ def _root_state(module: nn.Module) -> _State:
 def stats(module: nn.Module) -> dict[str, Any]:
     """The last training step's counters of ``module``'s sharded model: ``all_gathers``,
     ``reduce_scatters``, ``gathered_bytes``, ``reduced_bytes``, ``prefetch_hits``,
-    ``prefetch_misses``, ``wait_ms``, ``peak_gathered_bytes``, ``host_us_per_unit`` (time
-    this package's hooks spent per unit forward), and more."""
+    ``prefetch_misses``, ``wait_ms``, ``peak_gathered_bytes``, ``host_us_per_unit`` (Python
+    time of this package's hooks, calls into the library excluded, per unit forward, for the
+    forward and backward of the step), and more."""
     return dict(_root_state(module).last)
 
 

@@ -1,0 +1,243 @@
+"""collsched.torch.fully_shard against PyTorch FSDP2 (fully_shard on gloo), in one run.
+
+    torchrun --nproc-per-node 2 python/benchmarks/vs_fsdp2.py [--dim 512 --blocks 8 ...]
+
+Both train the same GPT-like model (by default about 25M parameters, 8 blocks) from the same
+initial values on the same data for the same steps (AdamW), each block a unit and the model
+the root; each implementation runs in processes of its own that every torchrun rank starts
+(a gloo group on a file store). Printed per implementation: median step time (the slowest
+rank's), peak RSS per rank (VmHWM of its process), bytes all-gathered and reduce-scattered per
+step (full-size buffers: collsched's counters; FSDP2's collectives counted by wrapping
+torch.distributed's), collsched's host time per unit and peak gathered bytes, every step's
+loss, and the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+class Gpt(nn.Module):
+    def __init__(self, vocab: int, dim: int, heads: int, blocks: int, seq: int) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(seq, dim)
+        self.blocks = nn.ModuleList(
+            nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.0, batch_first=True, norm_first=True)
+            for _ in range(blocks)
+        )
+        self.ln = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq), persistent=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        x = self.tok(idx) + self.pos(torch.arange(t))
+        for b in self.blocks:
+            x = b(x, src_mask=self.mask[:t, :t], is_causal=True)
+        return self.head(self.ln(x))
+
+
+def peak_rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+class CommCounter:
+    """Counts the bytes of FSDP2's all-gathers and reduce-scatters (full-size side)."""
+
+    def __init__(self) -> None:
+        self.gathered = 0
+        self.reduced = 0
+        ag, rs = dist.all_gather_single, dist.reduce_scatter_single
+
+        def all_gather_single(output_tensor: torch.Tensor, input_tensor: torch.Tensor, *a: Any, **k: Any) -> Any:
+            self.gathered += output_tensor.numel() * output_tensor.element_size()
+            return ag(output_tensor, input_tensor, *a, **k)
+
+        def reduce_scatter_single(*a: Any, **k: Any) -> Any:
+            inp = k.get("input", a[1] if len(a) > 1 else None)
+            self.reduced += inp.numel() * inp.element_size()
+            return rs(*a, **k)
+
+        dist.all_gather_single = all_gather_single
+        dist.reduce_scatter_single = reduce_scatter_single
+
+
+def batch(args: argparse.Namespace, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    idx = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
+    return idx[:, :-1], idx[:, 1:]
+
+
+def train(args: argparse.Namespace, model: nn.Module, rank: int) -> dict[str, Any]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    times, losses = [], []
+    for step in range(args.warmup + args.steps):
+        x, y = batch(args, step, rank)
+        dist.barrier()
+        t0 = time.perf_counter()
+        out = model(x)
+        loss = nn.functional.cross_entropy(out.reshape(-1, args.vocab), y.reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        elapsed = time.perf_counter() - t0
+        if step >= args.warmup:
+            times.append(elapsed)
+        losses.append(loss.item())
+    return {"median_s": statistics.median(times), "losses": losses}
+
+
+def run_collsched(args: argparse.Namespace, rank: int) -> dict[str, Any]:
+    import collsched.torch as cst
+
+    cst.init()
+    torch.manual_seed(args.seed)
+    model = Gpt(args.vocab, args.dim, args.heads, args.blocks, args.seq)
+    for b in model.blocks:
+        cst.fully_shard(b)
+    cst.fully_shard(model, bucket_mb=args.bucket_mb)
+    out = train(args, model, rank)
+    st = cst.stats(model)
+    out.update(
+        gathered=st["gathered_bytes"],
+        reduced=st["reduced_bytes"],
+        host_us=st["host_us_per_unit"],
+        hits=st["prefetch_hits"],
+        misses=st["prefetch_misses"],
+        peak_gathered=st["peak_gathered_bytes"],
+    )
+    return out
+
+
+def run_fsdp2(args: argparse.Namespace, rank: int, counter: CommCounter) -> dict[str, Any]:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(args.seed)
+    model = Gpt(args.vocab, args.dim, args.heads, args.blocks, args.seq)
+    for b in model.blocks:
+        fully_shard(b)
+    fully_shard(model)
+    # gloo's AVG reduce-scatter can silently sum (pytorch#162338): reduce with SUM, divide after.
+    model.set_force_sum_reduction_for_comms(True)
+    g0, r0 = counter.gathered, counter.reduced
+    out = train(args, model, rank)
+    total = args.warmup + args.steps
+    out.update(gathered=(counter.gathered - g0) // total, reduced=(counter.reduced - r0) // total)
+    return out
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--dim", type=int, default=512)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--blocks", type=int, default=8)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--bucket-mb", type=float, default=64.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--impl", choices=["collsched", "fsdp2"], help=argparse.SUPPRESS)
+    return p.parse_args()
+
+
+def child(args: argparse.Namespace) -> None:
+    """One implementation on this rank, in a process of its own (its peak RSS is its own)."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = os.environ["COLLSCHED_BENCH_STORE"]
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    if args.impl == "collsched":
+        out = run_collsched(args, rank)
+    else:
+        out = run_fsdp2(args, rank, CommCounter())
+    out["rss"] = peak_rss_mib()
+    dist.barrier()
+    dist.destroy_process_group()
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def main() -> None:
+    args = parse()
+    if args.impl:
+        child(args)
+        return
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tmp = [tempfile.mkdtemp(prefix="collsched-bench-") if rank == 0 else None]
+    dist.broadcast_object_list(tmp, src=0)
+    results: dict[str, dict[str, Any]] = {}
+    for name in ("fsdp2", "collsched"):
+        env = dict(os.environ, COLLSCHED_BENCH_STORE=os.path.join(tmp[0], name))
+        proc = subprocess.run(
+            [sys.executable, __file__, *sys.argv[1:], "--impl", name], env=env, capture_output=True, text=True
+        )
+        lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+        if proc.returncode != 0 or not lines:
+            raise SystemExit(f"rank {rank}: the {name} run failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+        mine = json.loads(lines[-1][len("RESULT ") :])
+        every = [None] * world
+        dist.all_gather_object(every, mine)
+        results[name] = {
+            "median_s": max(r["median_s"] for r in every),
+            "rss_all": [r["rss"] for r in every],
+            **{k: v for k, v in every[0].items() if k not in ("median_s", "rss")},
+        }
+    if rank == 0:
+        shutil.rmtree(tmp[0], ignore_errors=True)
+        report(args, world, results)
+    dist.destroy_process_group()
+
+
+def report(args: argparse.Namespace, world: int, results: dict[str, dict[str, Any]]) -> None:
+    n = sum(p.numel() for p in Gpt(args.vocab, args.dim, args.heads, args.blocks, args.seq).parameters())
+    print(
+        f"model: {n / 1e6:.1f}M parameters, {args.blocks} blocks, dim {args.dim}; {world} ranks; "
+        f"batch {args.batch}x{args.seq}; {args.steps} timed steps after {args.warmup}; "
+        f"torch {torch.__version__}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}; "
+        "each implementation in processes of its own"
+    )
+    for name in ("fsdp2", "collsched"):
+        r = results[name]
+        extra = (
+            f"  host {r['host_us']:.0f} us/unit, prefetch hits {r['hits']} misses {r['misses']}, "
+            f"peak gathered {r['peak_gathered'] / 2**20:.1f} MiB"
+            if name == "collsched"
+            else ""
+        )
+        rss = " ".join(f"{x:.0f}" for x in r["rss_all"])
+        print(
+            f"{name:10} median step {r['median_s'] * 1e3:8.1f} ms  peak RSS/rank MiB [{rss}]  "
+            f"all-gathered {r['gathered'] / 2**20:7.1f} MiB/step  reduce-scattered "
+            f"{r['reduced'] / 2**20:7.1f} MiB/step{extra}"
+        )
+    for name in ("fsdp2", "collsched"):
+        print(f"{name:10} losses " + " ".join(f"{x:.5f}" for x in results[name]["losses"]))
+    diff = max(abs(a - b) for a, b in zip(results["fsdp2"]["losses"], results["collsched"]["losses"]))
+    c, f = results["collsched"], results["fsdp2"]
+    print(
+        f"ratio collsched/fsdp2: step time {c['median_s'] / f['median_s']:.2f}x, "
+        f"peak RSS {max(c['rss_all']) / max(f['rss_all']):.2f}x; largest loss difference {diff:.2e}"
+    )
+
+
+if __name__ == "__main__":
+    main()
