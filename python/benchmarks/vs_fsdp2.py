@@ -113,7 +113,13 @@ def run_collsched(args: argparse.Namespace, rank: int) -> dict[str, Any]:
     model = Gpt(args.vocab, args.dim, args.heads, args.blocks, args.seq)
     for b in model.blocks:
         cst.fully_shard(b)
-    cst.fully_shard(model, bucket_mb=args.bucket_mb)
+    cst.fully_shard(
+        model,
+        strategy=args.strategy,
+        bucket_mb=args.bucket_mb,
+        prefetch_mb=args.prefetch_mb,
+        max_inflight=args.max_inflight,
+    )
     out = train(args, model, rank)
     st = cst.stats(model)
     out.update(
@@ -154,7 +160,10 @@ def parse() -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--bucket-mb", type=float, default=64.0)
+    p.add_argument("--strategy", default="even", help="collsched's sharding strategy")
+    p.add_argument("--bucket-mb", type=float, default=64.0, help="collsched's bucket cap")
+    p.add_argument("--prefetch-mb", type=float, default=None, help="collsched's prefetch budget")
+    p.add_argument("--max-inflight", type=int, default=None, help="collsched's buckets ahead")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--impl", choices=["collsched", "fsdp2"], help=argparse.SUPPRESS)
     return p.parse_args()

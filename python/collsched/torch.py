@@ -640,7 +640,9 @@ def fully_shard(
     (buckets cut in equal pieces), ``"greedy"`` (whole parameters per rank), ``"hybrid:G"``
     (even within groups of G ranks, replicated across); ``bucket_mb`` (64) caps a bucket's
     bytes; ``prefetch`` ``"trace"`` (record the first step's fetch order, gather along it ahead)
-    or ``"none"``; ``prefetch_mb`` (2048) and ``max_inflight`` (16) bound what is gathered ahead;
+    or ``"none"``; ``prefetch_mb`` (``None``: ``bucket_mb``) bounds the bytes gathered ahead
+    beyond the next bucket and ``max_inflight`` (2) the buckets gathered ahead, so that about one
+    unit is in flight while one computes, as FSDP2 does;
     ``reduce_dtype`` (``None``: the parameter's; or ``torch.float32``, ...) is the dtype
     gradients are reduced in; ``auto_refresh_trainable`` (True) picks up ``requires_grad``
     changes at each step boundary; ``sync_module_states`` (False) starts every rank from rank
@@ -663,8 +665,8 @@ def fully_shard(
         "strategy": strategy,
         "bucket_mb": bucket_mb,
         "prefetch": prefetch,
-        "prefetch_bytes": None if prefetch_mb is None else int(prefetch_mb * (1 << 20)),
-        "max_inflight": max_inflight,
+        "prefetch_bytes": int((bucket_mb if prefetch_mb is None else prefetch_mb) * (1 << 20)),
+        "max_inflight": 2 if max_inflight is None else max_inflight,
         "reduce_dtype": reduce_dtype,
         "auto_refresh_trainable": auto_refresh_trainable,
         "sync_module_states": sync_module_states,

@@ -37,8 +37,9 @@ struct PendingGather<B: Backend> {
 pub(crate) struct Gathered<B: Backend> {
     /// The launch that gathered it.
     pub(crate) id: LaunchId,
-    /// The gathered buffer (views of contiguous parameters point into it).
-    pub(crate) buffer: B::Buffer,
+    /// The gathered buffer, which views point into; `None` for an unpacked bucket (every view
+    /// is in `unpacked`), whose gathered buffer went back to the pool after the unpack.
+    pub(crate) buffer: Option<B::Buffer>,
     /// The unpacked copy of the other parameters, if the bucket has any.
     pub(crate) unpacked: Option<B::Buffer>,
     /// The unpack's event when it runs on a stream (device backends): the compute stream
@@ -49,7 +50,7 @@ pub(crate) struct Gathered<B: Backend> {
 impl<B: Backend> Gathered<B> {
     fn buffers(self) -> SmallVec<[B::Buffer; 2]> {
         let mut v = SmallVec::new();
-        v.push(self.buffer);
+        v.extend(self.buffer);
         v.extend(self.unpacked);
         v
     }
@@ -322,6 +323,15 @@ impl<B: Backend> GatherSide<B> {
                     source,
                 });
             }
+        };
+        // Every parameter of an unpacked bucket is in the unpacked buffer: the gathered one is
+        // free once the unpack read it.
+        let buffer = match unpacked {
+            Some(_) => {
+                be.free(buffer, ready.as_ref());
+                None
+            }
+            None => Some(buffer),
         };
         if let Some(old) = self.held[g].replace(Gathered { id, buffer, unpacked, ready }) {
             // A gather of the bucket that was never freed (a driver bug): nothing views it.

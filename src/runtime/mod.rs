@@ -33,9 +33,11 @@
 //! # Views and engine events
 //! `fetch` returns [`Views`]: each parameter is a byte range of a backend buffer, either the
 //! gathered buffer itself (parameters that are one contiguous run of it: Flat, Greedy,
-//! single-owner buckets; zero copies after the collective) or an unpacked buffer (EvenSplit,
-//! Hybrid) filled once from the gathered buffer by the backend's `unpack`, taken from the pool
-//! with the gathered buffer, freed with it and counted with it by the scheduler. Host backends
+//! single-owner buckets; zero copies after the collective) or, for a bucket with any parameter
+//! that is not (EvenSplit, Hybrid), an unpacked buffer holding every parameter of the bucket,
+//! filled once from the gathered buffer by the backend's `unpack`, taken from the pool with the
+//! gathered buffer, which goes back to the pool as soon as the unpack is done; the scheduler
+//! counts both (the peak while unpacking). Host backends
 //! read them as slices (`bytes`, `f32`); device backends get the buffer and range (`buffer`)
 //! or a host copy (`copy_to_host`, `read_f32`).
 //!

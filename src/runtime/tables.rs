@@ -87,7 +87,8 @@ pub(crate) struct GatherTable {
     /// parameters that are not one contiguous run of the gathered buffer (one after the
     /// other, in bucket order). Empty for Flat, Greedy and single-owner buckets.
     pub(crate) copy_out: Vec<CopySegment>,
-    /// Bytes of the unpacked buffer (0: every view points into the gathered buffer).
+    /// Bytes of the unpacked buffer (0: every view points into the gathered buffer; otherwise
+    /// every view points into the unpacked one).
     pub(crate) unpacked_bytes: usize,
 }
 
@@ -162,6 +163,9 @@ impl GatherTables {
                 }
                 _ => (CollDesc::all_gather(group, elem, b.shard_numel()), true),
             };
+            // A bucket with any parameter that is not one run of the gathered buffer is unpacked
+            // whole: its gathered buffer is then freed as soon as the unpack is done.
+            let unpack_all = b.unpacked_numel() > 0;
             let mut base = 0usize;
             for (i, (&p, &numel)) in b.params().iter().zip(b.param_numels()).enumerate() {
                 let lo = shard_runs.len() as u32;
@@ -174,8 +178,8 @@ impl GatherTables {
                 }
                 let hi = shard_runs.len() as u32;
                 let (at, unpacked) = match b.contiguous_offset(i) {
-                    Some(at) => (at, false),
-                    None => (base, true),
+                    Some(at) if !unpack_all => (at, false),
+                    _ => (base, true),
                 };
                 params[p.index()] = ParamSlot {
                     gather: g,

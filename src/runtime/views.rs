@@ -20,14 +20,17 @@ use crate::backend::{Backend, BackendEvent};
 /// - of the **gathered buffer itself** when the parameter is one contiguous run of it (Flat
 ///   and Greedy layouts, single-owner buckets, any layout on a group of one): nothing is
 ///   copied after the collective;
-/// - of an **unpacked buffer** otherwise (EvenSplit and Hybrid: every shard holds a chunk of
-///   every parameter, so the chunks of one parameter lie a shard apart, as in FSDP2, which
-///   copies out too). The driver unpacks such parameters once, straight from the gathered
-///   buffer (the kernels' `copy_out` on the backend: no host staging), into a buffer taken
-///   from the backend's pool with the gathered one and freed with it; the scheduler counts
-///   both in its budgets and in live and peak gathered bytes.
+/// - of an **unpacked buffer** when any parameter of the bucket is not (EvenSplit and Hybrid:
+///   every shard holds a chunk of every parameter, so the chunks of one parameter lie a shard
+///   apart, as in FSDP2, which copies out too). The driver unpacks every parameter of such a
+///   bucket once, straight from the gathered buffer (the kernels' `copy_out` on the backend:
+///   no host staging), into a buffer taken from the backend's pool with the gathered one; the
+///   gathered buffer goes back to the pool as soon as the unpack is done (after its event on a
+///   device), so a held bucket takes the memory of its parameters only. The scheduler counts
+///   both buffers in its budgets and in live and peak gathered bytes (the peak while
+///   unpacking).
 ///
-/// Both buffers exist only while the bucket is gathered (from its gather to the `Free` after
+/// The buffers exist only while the bucket is gathered (from its gather to the `Free` after
 /// its last release): nothing of the model's full size is kept across steps.
 ///
 /// Host backends (the local one) read the bytes directly ([`Views::bytes`], [`Views::f32`]); device
@@ -78,8 +81,8 @@ impl<B: Backend> Views<'_, B> {
             ),
         };
         let held = self.st.gather().gathered(slot.gather, current).ok_or_else(not_gathered)?;
-        let buffer =
-            if slot.unpacked { held.unpacked.as_ref().ok_or_else(not_gathered)? } else { &held.buffer };
+        let buffer = if slot.unpacked { held.unpacked.as_ref() } else { held.buffer.as_ref() }
+            .ok_or_else(not_gathered)?;
         let es = slot.elem_size;
         Ok((held, buffer, slot.base * es..(slot.base + slot.numel) * es))
     }

@@ -317,11 +317,15 @@ impl Bucket {
         run.filter(|&(seen, _, _)| seen == numel).map(|(_, _, start)| start)
     }
 
-    /// Elements of the parameters that are not one contiguous run of the gathered buffer
-    /// ([`Bucket::contiguous_offset`] is `None`): what a driver unpacks (copies out) to hand
-    /// out contiguous views. 0 for Flat, Greedy and single-owner buckets.
+    /// Elements a driver unpacks (copies out of the gathered buffer) to hand out contiguous
+    /// views: every parameter's when any parameter is not one contiguous run of the gathered
+    /// buffer ([`Bucket::contiguous_offset`] is `None`), so that the gathered buffer can be
+    /// freed as soon as it is unpacked; 0 otherwise (Flat, Greedy and single-owner buckets).
     pub fn unpacked_numel(&self) -> usize {
-        (0..self.params.len()).filter(|&i| self.contiguous_offset(i).is_none()).map(|i| self.numels[i]).sum()
+        if (0..self.params.len()).all(|i| self.contiguous_offset(i).is_some()) {
+            return 0;
+        }
+        self.numels.iter().sum()
     }
 
     /// Offset in the gathered buffer of the shard of group position `q`.
