@@ -66,6 +66,7 @@ __all__ = [
 _WORLD: Any = None
 _TO_TORCH = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 _FROM_TORCH = {v: k for k, v in _TO_TORCH.items()}
+_DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2}
 
 
 def init(backend: str = "shm") -> Any:
@@ -129,13 +130,14 @@ class _Param:
     """One parameter of a sharded model: its shard (registered in the modules), the full-size
     parameter forward and backward use, and where it lives."""
 
-    __slots__ = ("pid", "name", "shape", "dtype", "shard", "full", "placeholder", "unit")
+    __slots__ = ("pid", "name", "shape", "dtype", "numel", "shard", "full", "placeholder", "unit")
 
     def __init__(self, pid: int, name: str, shape: torch.Size, dtype: torch.dtype) -> None:
         self.pid = pid
         self.name = name
         self.shape = shape
         self.dtype = dtype
+        self.numel = shape.numel()
         # Right shape, one element of memory, reads as zeros: what the full parameter holds
         # while it is not gathered (autograd checks shapes, never reads it).
         self.placeholder = torch.zeros(1, dtype=dtype).expand(shape) if len(shape) else torch.zeros((), dtype=dtype)
@@ -273,7 +275,10 @@ class _State:
         self.model = _native.Model(w, text, init, self.opts["strategy"], float(self.opts["bucket_mb"]), 256, "module")
         del full, init
         o = self.opts
-        engine_args = (o["prefetch"], o["prefetch_bytes"], o["max_inflight"], None, o["reduce_dtype"])
+        ahead_bytes, ahead_buckets = self._one_unit_ahead()
+        prefetch_bytes = ahead_bytes if o["prefetch_bytes"] is None else o["prefetch_bytes"]
+        max_inflight = ahead_buckets if o["max_inflight"] is None else o["max_inflight"]
+        engine_args = (o["prefetch"], prefetch_bytes, max_inflight, None, o["reduce_dtype"])
         self.train = self.model.engine(*engine_args)
         self.eval = self.model.engine(*engine_args)
         for old in old_states.values():
@@ -291,6 +296,24 @@ class _State:
         for u in self.units:
             u.trainable = [pid for pid in u.ids if self.params[pid].shard.requires_grad]
         self.mask = [bool(p.shard.requires_grad) for p in self.params]
+
+    def _one_unit_ahead(self) -> tuple[int, int]:
+        """The default prefetch budget: about one unit ahead, as FSDP2 prefetches one module
+        (bytes beyond the first bucket ahead, and buckets ahead, of the largest unit)."""
+        plan = json.loads(self.model.plan)
+        by_name = {p.name: p for p in self.params}
+        per_unit: dict[int, list[int]] = {}
+        for b in plan["buckets"]:
+            if b["kind"] != "gather" or not b["params"]:
+                continue
+            unit = by_name[b["params"][0]].unit
+            size = _DTYPE_BYTES[b["dtype"]] * sum(by_name[n].numel for n in b["params"])
+            # The gathered buffer and, for split parameters, the unpacked copy.
+            per_unit.setdefault(unit, []).append(2 * size)
+        if not per_unit:
+            return 0, 1
+        largest = max(per_unit.values(), key=sum)
+        return sum(largest) - max(largest), max(len(v) for v in per_unit.values()) + 1
 
     def _full_values(self, values: list[nn.Parameter], old_states: dict[int, _State]) -> list[torch.Tensor]:
         gathered: dict[int, dict[int, torch.Tensor]] = {k: st.gather_all() for k, st in old_states.items()}
@@ -640,9 +663,10 @@ def fully_shard(
     (buckets cut in equal pieces), ``"greedy"`` (whole parameters per rank), ``"hybrid:G"``
     (even within groups of G ranks, replicated across); ``bucket_mb`` (64) caps a bucket's
     bytes; ``prefetch`` ``"trace"`` (record the first step's fetch order, gather along it ahead)
-    or ``"none"``; ``prefetch_mb`` (``None``: ``bucket_mb``) bounds the bytes gathered ahead
-    beyond the next bucket and ``max_inflight`` (2) the buckets gathered ahead, so that about one
-    unit is in flight while one computes, as FSDP2 does;
+    or ``"none"``; ``prefetch_mb`` bounds the bytes gathered ahead beyond the next bucket and
+    ``max_inflight`` the buckets gathered ahead (``None``: about one unit ahead while one
+    computes, as FSDP2 prefetches one module: the largest unit's bytes and its buckets plus
+    one);
     ``reduce_dtype`` (``None``: the parameter's; or ``torch.float32``, ...) is the dtype
     gradients are reduced in; ``auto_refresh_trainable`` (True) picks up ``requires_grad``
     changes at each step boundary; ``sync_module_states`` (False) starts every rank from rank
@@ -665,8 +689,8 @@ def fully_shard(
         "strategy": strategy,
         "bucket_mb": bucket_mb,
         "prefetch": prefetch,
-        "prefetch_bytes": int((bucket_mb if prefetch_mb is None else prefetch_mb) * (1 << 20)),
-        "max_inflight": 2 if max_inflight is None else max_inflight,
+        "prefetch_bytes": None if prefetch_mb is None else int(prefetch_mb * (1 << 20)),
+        "max_inflight": max_inflight,
         "reduce_dtype": reduce_dtype,
         "auto_refresh_trainable": auto_refresh_trainable,
         "sync_module_states": sync_module_states,
