@@ -3,10 +3,11 @@ after every step, at 2, 3 and 4 ranks, every strategy, f32 and bf16."""
 
 from __future__ import annotations
 
-import models
-import parity
 import pytest
 import torch
+
+import models
+import parity
 import workers
 from ranks import run
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import re
 
-import models
-import parity
 import pytest
 import torch
+
+import models
+import parity
 import workers
 from ranks import run, run_all
 

@@ -5,15 +5,17 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-import models
 import torch
+
+import models
 
 
 def shard(model: torch.nn.Module, spec: dict[str, Any]) -> torch.nn.Module:
     import collsched.torch as cst
 
     cst.init()
-    opts = {k: spec[k] for k in ("strategy", "bucket_mb", "prefetch", "reduce_dtype") if k in spec}
+    keys = ("strategy", "bucket_mb", "prefetch", "reduce_dtype", "auto_refresh_trainable")
+    opts = {k: spec[k] for k in keys if k in spec}
     for b in model.blocks:
         cst.fully_shard(b, **opts)
     return cst.fully_shard(model, **opts)
@@ -44,6 +46,8 @@ def train(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
         frozen = spec.get("frozen", {}).get(step, [])
         for n, p in model.named_parameters():
             p.requires_grad_(not any(n.startswith(f) for f in frozen))
+        if spec.get("auto_refresh_trainable") is False:
+            model.refresh_trainable()
         row = []
         for micro in range(micro_n):
             x, y = models.batch(name, spec.get("seed", 0), step, micro, rank, dtype)
@@ -149,3 +153,41 @@ def raise_in_forward(rank: int, world: int, spec: dict[str, Any]) -> None:
             model.blocks[1].register_forward_pre_hook(fail)
         x, y = models.batch(name, 0, step, 0, rank)
         models.loss_fn(name, model(x), y).backward()
+
+
+def shard_views(rank: int, world: int) -> dict[str, Any]:
+    """The shards after fully_shard: their sizes, and a write to one seen by the next gather."""
+    import collsched.torch as cst
+
+    model = shard(models.build("mlp"), {"bucket_mb": 0.0005})
+    sizes = {n: (p.dim(), p.numel()) for n, p in model.named_parameters()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(float(rank + 1))
+    return {"sizes": sizes, "full": snapshot(cst.full_parameters(model)), "plan": cst.plan(model)}
+
+
+def bad_fully_shard(rank: int, world: int, case: str) -> str:
+    """``fully_shard`` on bad input; returns the error's class and message."""
+    import collsched.torch as cst
+
+    cst.init()
+    try:
+        if case == "int":
+            m = torch.nn.Linear(3, 2)
+            m.register_parameter("count", torch.nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False))
+            cst.fully_shard(m)
+        elif case == "no_params":
+            cst.fully_shard(torch.nn.ReLU())
+        elif case == "prefetch":
+            cst.fully_shard(torch.nn.Linear(3, 2), prefetch="sometimes")
+        elif case == "strategy":
+            cst.fully_shard(torch.nn.Linear(3, 2), strategy="hybrid:0")
+        elif case == "root_then_block":
+            m = models.build("mlp")
+            cst.fully_shard(m)
+            inner = torch.nn.Sequential(m.blocks[0])
+            cst.fully_shard(inner)
+    except Exception as e:
+        return f"{type(e).__module__}.{type(e).__name__}: {e}"
+    return "no error"

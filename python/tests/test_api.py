@@ -1,0 +1,156 @@
+"""The package's surface: plans, errors, shards, trainability by hand, the example."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import collsched
+
+import models
+import parity
+import workers
+from ranks import run
+
+REPO = Path(__file__).resolve().parents[2]
+PARAMS = [
+    {"name": "emb", "shape": [37, 24], "dtype": "f32"},
+    {"name": "w", "shape": [24, 13], "dtype": "bf16", "trainable": False},
+    {"name": "b", "shape": [13], "dtype": "f32"},
+]
+
+
+def covered(plan: dict, world: int) -> dict[str, list[int]]:
+    """How many times each element of each parameter is held by some rank's gather shard."""
+    numel = {p["name"]: p["numel"] for p in plan["params"]}
+    seen = {n: [0] * k for n, k in numel.items()}
+    for b in plan["buckets"]:
+        if b["kind"] != "gather":
+            continue
+        assert len(b["shards"]) == world
+        for shard in b["shards"]:
+            for s in shard["segments"]:
+                for i in range(s["param_offset"], s["param_offset"] + s["numel"]):
+                    seen[s["param"]][i] += 1
+    return seen
+
+
+@pytest.mark.parametrize("strategy", ["even", "flat", "greedy"])
+def test_plan_shards_every_element_once(strategy):
+    plan = collsched.plan(PARAMS, 3, strategy=strategy, bucket_mb=0.001)
+    assert plan["world"] == 3 and plan["strategy"] == strategy and len(plan["fingerprint"]) == 16
+    assert [p["name"] for p in plan["params"]] == ["emb", "w", "b"]
+    assert [p["numel"] for p in plan["params"]] == [37 * 24, 24 * 13, 13]
+    for name, counts in covered(plan, 3).items():
+        assert counts and all(c == 1 for c in counts), f"{strategy}: {name} held {set(counts)} times"
+
+
+def test_plan_of_a_module_and_hybrid_replicas():
+    plan = collsched.plan(models.build("mlp"), 4, strategy="hybrid:2")
+    for counts in covered(plan, 4).values():
+        assert all(c == 2 for c in counts)  # two replica groups
+
+
+def cli() -> str | None:
+    for p in (os.environ.get("COLLSCHED_BIN"), REPO / "target/debug/collsched", REPO / "target/release/collsched"):
+        if p and Path(p).is_file():
+            return str(p)
+    return shutil.which("collsched")
+
+
+def test_plan_is_what_the_cli_prints(tmp_path):
+    exe = cli()
+    if exe is None:
+        pytest.skip("no collsched binary (cargo build) to compare with")
+    f = tmp_path / "params.json"
+    f.write_text(json.dumps({"params": PARAMS}))
+    out = subprocess.run(
+        [exe, "plan", "--params", str(f), "--world", "3", "--strategy", "flat", "--bucket-mb", "0.001", "--json"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    assert collsched.plan(PARAMS, 3, strategy="flat", bucket_mb=0.001) == json.loads(out)
+
+
+@pytest.mark.parametrize(
+    "params, world, kw, words",
+    [
+        ([{"name": "z", "shape": [4, 0], "dtype": "f32"}], 2, {}, ["z"]),
+        ([("a", [3], "f32"), ("a", [3], "f32")], 2, {}, ["a"]),
+        (PARAMS, 2, {"strategy": "diagonal"}, ["diagonal"]),
+        (PARAMS, 0, {}, ["world"]),
+        ([("q", [3], "complex64")], 2, {}, ["complex64"]),
+        (PARAMS, 2, {"bucket_mb": -1}, ["bucket_mb"]),
+    ],
+)
+def test_plan_errors_name_what_is_wrong(params, world, kw, words):
+    with pytest.raises(collsched.CollschedError) as e:
+        collsched.plan(params, world, **kw)
+    for w in words:
+        assert w in str(e.value), str(e.value)
+
+
+def test_shards_are_one_dimensional_views_the_gathers_read():
+    runs = run(workers.shard_views, 2)
+    plan = runs[0]["plan"]
+    held = {r: {} for r in range(2)}
+    for b in plan["buckets"]:
+        if b["kind"] == "gather":
+            for shard in b["shards"]:
+                for s in shard["segments"]:
+                    held[shard["rank"]].setdefault(s["param"], []).append((s["param_offset"], s["numel"]))
+    ref = dict(models.build("mlp").named_parameters())
+    for rank, r in enumerate(runs):
+        for name, (dim, numel) in r["sizes"].items():
+            assert dim == 1 and numel == sum(n for _, n in held[rank].get(name, [])), name
+    # Each rank added rank + 1 to its own elements: the gathered values show exactly that.
+    for name, p in ref.items():
+        want = p.detach().flatten().clone()
+        for rank in range(2):
+            for off, n in held[rank].get(name, []):
+                want[off : off + n] += rank + 1
+        for r in runs:
+            torch.testing.assert_close(torch.tensor(r["full"][name]), want, rtol=0, atol=0)
+
+
+def test_trainability_refreshed_by_hand():
+    frozen = {s: ["blocks.1."] for s in (1, 2)}
+    spec = {"model": "mlp", "steps": 4, "frozen": frozen, "auto_refresh_trainable": False, "bucket_mb": 0.0005}
+    runs = run(workers.train, 2, spec)
+    parity.check(runs, models.reference(spec, 2))
+
+
+@pytest.mark.parametrize(
+    "case, words",
+    [
+        ("int", ["count", "int64"]),
+        ("no_params", ["no parameters"]),
+        ("prefetch", ["sometimes"]),
+        ("strategy", ["hybrid:0"]),
+        ("root_then_block", ["0.weight", "blocks first"]),
+    ],
+)
+def test_fully_shard_errors_name_the_parameter_or_knob(case, words):
+    (text,) = run(workers.bad_fully_shard, 1, case)
+    assert text.startswith("collsched.CollschedError"), text
+    for w in words:
+        assert w in text, text
+
+
+def test_the_example_trains_under_torchrun():
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "0"]
+    cmd += [str(REPO / "python/examples/train.py"), "--steps", "10", "--layers", "2", "--dim", "64"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO)
+    assert p.returncode == 0, p.stderr[-3000:]
+    losses = [float(line.split("validation loss")[1]) for line in p.stdout.splitlines() if "validation loss" in line]
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses))), p.stdout
+    assert losses[-1] < losses[0], p.stdout
+    assert "reduce-scatters" in p.stdout
