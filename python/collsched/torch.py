@@ -130,7 +130,7 @@ class _Param:
     """One parameter of a sharded model: its shard (registered in the modules), the full-size
     parameter forward and backward use, and where it lives."""
 
-    __slots__ = ("pid", "name", "shape", "dtype", "numel", "shard", "full", "placeholder", "unit")
+    __slots__ = ("pid", "name", "shape", "dtype", "numel", "shard", "full", "placeholder", "unit", "ptr")
 
     def __init__(self, pid: int, name: str, shape: torch.Size, dtype: torch.dtype) -> None:
         self.pid = pid
@@ -144,18 +144,21 @@ class _Param:
         self.shard: nn.Parameter = nn.Parameter(torch.empty(0, dtype=dtype))
         self.full: nn.Parameter = nn.Parameter(self.placeholder, requires_grad=False)
         self.unit = 0
+        # Address of the gathered buffer the full parameter views (0: not gathered).
+        self.ptr = 0
 
 
 class _Unit:
     """A module given to ``fully_shard``: the parameters its forward uses (its own and those
     of submodules that are not units themselves), fetched together."""
 
-    __slots__ = ("module", "slots", "ids", "fetched", "bwd", "grads_left", "trainable")
+    __slots__ = ("module", "slots", "ids", "params", "fetched", "bwd", "grads_left", "trainable")
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
         self.slots: list[tuple[nn.Module, str, int]] = []
         self.ids: list[int] = []
+        self.params: list[_Param] = []
         self.fetched: Any = None
         self.bwd = False
         self.grads_left = 0
@@ -257,6 +260,7 @@ class _State:
             for _, _, pid in unit.slots:
                 seen[pid] = None
             unit.ids = list(seen)
+            unit.params = [self.params[pid] for pid in unit.ids]
         full = self._full_values(values, old_states)
         if self.opts["sync_module_states"]:
             full = self._from_rank0(full)
@@ -410,13 +414,15 @@ class _State:
         regions = engine.fetch(unit.ids)
         native = time.perf_counter() - t0
         unit.fetched = engine
-        for pid, region in zip(unit.ids, regions):
-            p = self.params[pid]
+        live = self.live
+        for p, region in zip(unit.params, regions):
             view = torch.frombuffer(region, dtype=p.dtype).view(p.shape)
-            self.live[view.untyped_storage().data_ptr()] = pid
-            p.full.data = view
-            if p.full.requires_grad != p.shard.requires_grad:
-                p.full.requires_grad_(p.shard.requires_grad)
+            p.ptr = view.data_ptr()
+            live[p.ptr] = p.pid
+            full = p.full
+            full.data = view
+            if full.requires_grad != p.shard.requires_grad:
+                full.requires_grad_(p.shard.requires_grad)
         if swap:
             for m, name, pid in unit.slots:
                 m._parameters[name] = self.params[pid].full
@@ -430,9 +436,10 @@ class _State:
         if swap:
             for m, name, pid in unit.slots:
                 m._parameters[name] = self.params[pid].shard
-        for pid in unit.ids:
-            p = self.params[pid]
-            self.live.pop(p.full.untyped_storage().data_ptr(), None)
+        live = self.live
+        for p in unit.params:
+            live.pop(p.ptr, None)
+            p.ptr = 0
             p.full.data = p.placeholder
         unit.fetched = None
         unit.bwd = False
@@ -482,16 +489,20 @@ class _State:
     # ---- saved tensors -----------------------------------------------------------------
 
     def _pack(self, t: torch.Tensor) -> Any:
-        if self.live and t.device.type == "cpu" and t.layout == torch.strided:
-            pid = self.live.get(t.untyped_storage().data_ptr())
-            if pid is not None:
-                return _Saved(pid, t)
-        return t
+        if not self.live:
+            return t
+        try:
+            ptr = t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):  # sparse, nested: never a view of ours
+            return t
+        pid = self.live.get(ptr)
+        return t if pid is None else _Saved(pid, t)
 
     def _unpack(self, x: Any) -> torch.Tensor:
         if type(x) is not _Saved:
             return x
-        self._begin_backward()
+        if not self.queued:
+            self._begin_backward()
         p = self.params[x.pid]
         unit = self.units[p.unit]
         if unit.fetched is None:
@@ -518,19 +529,22 @@ class _State:
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _grad_hook(self, p: _Param) -> Any:
+        pid, dtype, clock = p.pid, p.dtype, time.perf_counter
+
         def hook(full: torch.Tensor) -> None:
-            t0 = time.perf_counter()
-            self._begin_backward()
+            t0 = clock()
+            if not self.queued:
+                self._begin_backward()
             g = full.grad
             full.grad = None
-            if g is None or not self.mask[p.pid]:
+            if g is None or not self.mask[pid]:
                 return
-            if not g.is_contiguous() or g.dtype != p.dtype:
-                g = g.contiguous().to(p.dtype)
-            t1 = time.perf_counter()
-            self.train.grad_ready(p.pid, g.data_ptr(), g.numel() * g.element_size())
-            native = time.perf_counter() - t1
-            self.got.add(p.pid)
+            if g.dtype != dtype or not g.is_contiguous():
+                g = g.contiguous().to(dtype)
+            t1 = clock()
+            self.train.grad_ready(pid, g.data_ptr(), g.nbytes)
+            native = clock() - t1
+            self.got.add(pid)
             unit = self.units[p.unit]
             if unit.bwd:
                 unit.grads_left -= 1
@@ -670,7 +684,7 @@ def fully_shard(
     ``reduce_dtype`` (``None``: the parameter's; or ``torch.float32``, ...) is the dtype
     gradients are reduced in; ``auto_refresh_trainable`` (True) picks up ``requires_grad``
     changes at each step boundary; ``sync_module_states`` (False) starts every rank from rank
-    0's values.
+    0's values (give it to the units' calls too: a unit's shards are cut when it is sharded).
     """
     if not isinstance(module, nn.Module):
         raise CollschedError(f"fully_shard: expected a torch.nn.Module, got {type(module).__name__}")

@@ -154,3 +154,14 @@ def test_the_example_trains_under_torchrun():
     assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses))), p.stdout
     assert losses[-1] < losses[0], p.stdout
     assert "reduce-scatters" in p.stdout
+
+
+def test_sync_module_states_starts_every_rank_from_rank_0():
+    runs = run(workers.sync_states, 3)
+    want = {n: p.detach().flatten() for n, p in models.build("mlp", seed=0).named_parameters()}
+    other = {n: p.detach().flatten() for n, p in models.build("mlp", seed=1).named_parameters()}
+    for r in runs:
+        assert sorted(r) == sorted(want)
+        for n, w in want.items():
+            assert not torch.equal(w, other[n])
+            torch.testing.assert_close(torch.tensor(r[n]), w, rtol=0, atol=0)

@@ -191,3 +191,15 @@ def bad_fully_shard(rank: int, world: int, case: str) -> str:
     except Exception as e:
         return f"{type(e).__module__}.{type(e).__name__}: {e}"
     return "no error"
+
+
+def sync_states(rank: int, world: int) -> dict[str, list]:
+    """Every rank starts from different values; sync_module_states makes them rank 0's."""
+    import collsched.torch as cst
+
+    cst.init()
+    model = models.build("mlp", seed=rank)
+    for b in model.blocks:
+        cst.fully_shard(b, sync_module_states=True)
+    cst.fully_shard(model, sync_module_states=True, bucket_mb=0.0005)
+    return snapshot(cst.full_parameters(model))
