@@ -13,8 +13,9 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ._native import CollschedError, MismatchError, PeerError, plan_json
+from ._native import bench as _bench
 
-__all__ = ["CollschedError", "MismatchError", "PeerError", "params_json", "plan"]
+__all__ = ["CollschedError", "MismatchError", "PeerError", "bench", "params_json", "plan"]
 
 _DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 
@@ -75,3 +76,12 @@ def plan(
         raise CollschedError(f"plan: world must be a positive number of ranks, got {world!r}")
     text = plan_json(params_json(params), world, strategy, float(bucket_mb), align, bucket_by)
     return json.loads(text)
+
+
+def bench(op: str, ranks: int, **kw: Any) -> list[dict]:
+    """Measures a collective over ``ranks`` threads of this process (the local backend), as
+    ``collsched bench`` does; one dict per size (``bytes``, ``time_us``, ``algbw``, ``busbw``,
+    ``wrong`` with ``check=True``, ``memcpy``: this machine's single-thread copy in GB/s).
+    Keywords: ``min_bytes``, ``max_bytes`` (32 MiB each), ``factor`` (2), ``dtype`` (``"f32"``),
+    ``iters`` (20), ``warmup`` (5), ``check`` (False), ``coalesce`` (1)."""
+    return _bench(op, ranks, **kw)

@@ -1,9 +1,10 @@
 //! `collsched._native`: the Python bindings of collsched, behind the `collsched` package
-//! (`python/collsched/`). Plans ([`plan::plan_json`]), a rank of the `shm` backend
+//! (`python/collsched/`). Plans ([`plan::plan_json`]), the collective bench ([`bench::bench`]), a rank of the `shm` backend
 //! ([`world::World`]), a sharded model and its engines ([`model::Model`],
 //! [`model::Engine`]), and library memory exported to torch without copies
 //! ([`region::Region`], the crate's only `unsafe`).
 
+mod bench;
 mod errors;
 mod model;
 mod plan;
@@ -20,6 +21,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("PeerError", py.get_type::<errors::PeerError>())?;
     m.add("MismatchError", py.get_type::<errors::MismatchError>())?;
     m.add_function(wrap_pyfunction!(plan::plan_json, m)?)?;
+    m.add_function(wrap_pyfunction!(bench::bench, m)?)?;
     m.add_class::<world::World>()?;
     m.add_class::<model::Model>()?;
     m.add_class::<model::Engine>()?;

@@ -165,3 +165,12 @@ def test_sync_module_states_starts_every_rank_from_rank_0():
         for n, w in want.items():
             assert not torch.equal(w, other[n])
             torch.testing.assert_close(torch.tensor(r[n]), w, rtol=0, atol=0)
+
+
+def test_bench_measures_and_checks_a_collective():
+    rows = collsched.bench("reduce_scatter", 2, min_bytes=1 << 16, max_bytes=1 << 18, factor=4, iters=3, check=True)
+    assert [r["bytes"] for r in rows] == [1 << 16, 1 << 18]
+    for r in rows:
+        assert r["wrong"] == 0 and r["time_us"] > 0 and r["busbw"] > 0 and r["memcpy"] > 0
+    with pytest.raises(collsched.CollschedError, match="broadcast"):
+        collsched.bench("broadcast", 2)
