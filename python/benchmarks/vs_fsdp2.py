@@ -6,10 +6,11 @@ Both train the same GPT-like model (by default about 25M parameters, 8 blocks) f
 initial values on the same data for the same steps (AdamW), each block a unit and the model
 the root; each implementation runs in processes of its own that every torchrun rank starts
 (a gloo group on a file store). Printed per implementation: median step time (the slowest
-rank's), peak RSS per rank (VmHWM of its process), bytes all-gathered and reduce-scattered per
-step (full-size buffers: collsched's counters; FSDP2's collectives counted by wrapping
-torch.distributed's), collsched's host time per unit and peak gathered bytes, every step's
-loss, and the ratios.
+rank's); peak RSS per rank (VmHWM of its process: shared pages count whole in every process
+that touched them) and PSS at the end of the run (shared pages shared out); bytes
+all-gathered and reduce-scattered per step (full-size buffers: collsched's counters; FSDP2's
+collectives counted by wrapping torch.distributed's); collsched's host time per unit and
+peak gathered bytes; every step's loss; the ratios.
 """
 
 from __future__ import annotations
@@ -55,6 +56,16 @@ def peak_rss_mib() -> float:
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def pss_mib() -> float:
+    """Proportional set size now: shared pages (collsched's buffers, which every rank maps and
+    touches) count a share per process instead of whole in each, as RSS counts them."""
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Pss:"):
                 return int(line.split()[1]) / 1024
     return float("nan")
 
@@ -179,6 +190,7 @@ def child(args: argparse.Namespace) -> None:
     else:
         out = run_fsdp2(args, rank, CommCounter())
     out["rss"] = peak_rss_mib()
+    out["pss"] = pss_mib()
     dist.barrier()
     dist.destroy_process_group()
     print("RESULT " + json.dumps(out), flush=True)
@@ -208,7 +220,8 @@ def main() -> None:
         results[name] = {
             "median_s": max(r["median_s"] for r in every),
             "rss_all": [r["rss"] for r in every],
-            **{k: v for k, v in every[0].items() if k not in ("median_s", "rss")},
+            "pss_all": [r["pss"] for r in every],
+            **{k: v for k, v in every[0].items() if k not in ("median_s", "rss", "pss")},
         }
     if rank == 0:
         shutil.rmtree(tmp[0], ignore_errors=True)
@@ -233,8 +246,10 @@ def report(args: argparse.Namespace, world: int, results: dict[str, dict[str, An
             else ""
         )
         rss = " ".join(f"{x:.0f}" for x in r["rss_all"])
+        pss = " ".join(f"{x:.0f}" for x in r["pss_all"])
         print(
             f"{name:10} median step {r['median_s'] * 1e3:8.1f} ms  peak RSS/rank MiB [{rss}]  "
+            f"PSS at the end/rank MiB [{pss}]  "
             f"all-gathered {r['gathered'] / 2**20:7.1f} MiB/step  reduce-scattered "
             f"{r['reduced'] / 2**20:7.1f} MiB/step{extra}"
         )

@@ -133,8 +133,20 @@ impl BackendBuffer for LocalBuffer {
     }
 }
 
+/// Sizes up to this are pooled by their exact (aligned) size.
+const EXACT_CLASSES: usize = 1 << 20;
+
+/// The capacity a request of `bytes` gets: its size rounded up to [`BUFFER_ALIGN`], and above
+/// [`EXACT_CLASSES`] further up to one of 8 steps per power of two (at most 12.5% more), so
+/// that buffers of nearly equal sizes (a bucket's gathered buffer, its unpacked copy, the
+/// gradient bucket beside it) share one free list instead of each keeping its own.
 fn class_of(bytes: usize) -> usize {
-    bytes.div_ceil(BUFFER_ALIGN) * BUFFER_ALIGN
+    let aligned = bytes.div_ceil(BUFFER_ALIGN).saturating_mul(BUFFER_ALIGN);
+    if aligned <= EXACT_CLASSES {
+        return aligned;
+    }
+    let step = (1usize << (usize::BITS - 1 - aligned.leading_zeros())) / 8;
+    aligned.div_ceil(step).saturating_mul(step)
 }
 
 #[derive(Default)]
@@ -252,5 +264,29 @@ impl Pool {
 
     pub(super) fn allocations(&self) -> u64 {
         self.lock().allocations
+    }
+}
+
+#[cfg(test)]
+mod class_tests {
+    use super::{class_of, BUFFER_ALIGN, EXACT_CLASSES};
+
+    #[test]
+    fn classes_cover_the_request_waste_at_most_an_eighth_and_group_near_sizes() {
+        let mut last = 0;
+        for bytes in (1..64 << 20).step_by(4093) {
+            let c = class_of(bytes);
+            assert!(c >= bytes && c % BUFFER_ALIGN == 0, "{bytes} -> {c}");
+            assert!(c >= last, "classes must not shrink as requests grow: {bytes} -> {c} after {last}");
+            if bytes > EXACT_CLASSES {
+                assert!(c as f64 <= bytes as f64 * 1.125 + BUFFER_ALIGN as f64, "{bytes} -> {c}");
+            } else {
+                assert!(c < bytes + BUFFER_ALIGN);
+            }
+            last = c;
+        }
+        // A 12.6 MB gathered buffer with padding and the 12.6 MB copy of its parameters.
+        assert_eq!(class_of(12_600_000), class_of(12_603_392));
+        assert_eq!(class_of(usize::MAX / 2), usize::MAX / 2 / BUFFER_ALIGN * BUFFER_ALIGN + BUFFER_ALIGN);
     }
 }
