@@ -1,8 +1,8 @@
 //! `collsched._native`: the Python bindings of collsched, behind the `collsched` package
-//! (`python/collsched/`). Plans ([`plan::plan_json`]), the collective bench ([`bench::bench`]), a rank of the `shm` backend
-//! ([`world::World`]), a sharded model and its engines ([`model::Model`],
-//! [`model::Engine`]), and library memory exported to torch without copies
-//! ([`region::Region`], the crate's only `unsafe`).
+//! (`python/collsched/`). Plans (`plan::plan_json`), the collective bench (`bench::bench`), a
+//! rank of the `shm` backend (`world::World`), a sharded model and its engines
+//! (`model::Model`, `model::Engine`), and library memory exported to torch without copies
+//! (`region::Region`, the crate's only `unsafe`).
 
 mod bench;
 mod errors;

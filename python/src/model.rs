@@ -3,10 +3,10 @@
 
 use collsched::backend::local::LocalRank;
 use collsched::backend::Backend;
-use collsched::buckets::{DType, ParamId};
+use collsched::buckets::{BucketId, DType, ParamId};
 use collsched::kernels::ElemType;
 use collsched::runtime::StepStats;
-use collsched::schedule::{GradReduce, PolicyKind, SchedulerConfig};
+use collsched::schedule::{Explicit, GradReduce, PolicyKind, SchedulerConfig};
 use collsched::{Coordinator, ModelState};
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyDict};
@@ -158,6 +158,27 @@ impl Engine {
             out.push(Region::new(self.model.clone_ref(py), b.as_ptr(), b.len()));
         }
         Ok(out)
+    }
+
+    /// The backward pass of this step begins (a policy with backward rules switches to them).
+    fn begin_backward(&mut self) {
+        self.coord.begin_backward();
+    }
+
+    /// Replaces the prefetch policy by explicit rules: `forward` and `backward` are
+    /// `(bucket, [buckets])` pairs, "after this gather bucket is fetched, prefetch those"; each
+    /// rule fires once per pass of a step.
+    fn set_explicit(&mut self, forward: Vec<(u32, Vec<u32>)>, backward: Vec<(u32, Vec<u32>)>) {
+        let mut e = Explicit::default();
+        e.once_per_step(true);
+        let ids = |v: &[u32]| v.iter().map(|&b| BucketId(b)).collect::<Vec<_>>();
+        for (b, then) in &forward {
+            e.after(BucketId(*b), &ids(then));
+        }
+        for (b, then) in &backward {
+            e.after_in_backward(BucketId(*b), &ids(then));
+        }
+        self.coord.set_policy(Box::new(e));
     }
 
     /// The engine is done with `params` (their buckets are freed once nobody holds them).

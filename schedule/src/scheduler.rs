@@ -221,6 +221,14 @@ impl Scheduler {
         self.policy = policy;
     }
 
+    /// The engine's backward pass of this step begins (an engine event, as deterministic as
+    /// the others): the prefetch policy is told, so that one with backward rules
+    /// ([`Explicit::after_in_backward`](crate::Explicit::after_in_backward)) switches to them.
+    /// Nothing is launched or freed by it.
+    pub fn begin_backward(&mut self) {
+        self.policy.begin_backward();
+    }
+
     /// The prefetch policy.
     pub fn policy(&self) -> &dyn PrefetchPolicy {
         &*self.policy

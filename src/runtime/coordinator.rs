@@ -190,6 +190,12 @@ impl<B: Backend> Coordinator<B> {
         &self.sched
     }
 
+    /// The engine's backward pass of this step begins
+    /// ([`Scheduler::begin_backward`]): a policy with backward rules switches to them.
+    pub fn begin_backward(&mut self) {
+        self.sched.begin_backward();
+    }
+
     /// Replaces the prefetch policy (between steps).
     pub fn set_policy(&mut self, policy: Box<dyn collsched_schedule::PrefetchPolicy>) {
         self.sched.set_policy(policy);

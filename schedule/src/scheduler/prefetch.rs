@@ -52,6 +52,10 @@ pub trait PrefetchPolicy: std::fmt::Debug + Send {
     /// unused prefetches, which gives their budget back. Called after each
     /// [`observe_fetch`](Self::observe_fetch). Default: none.
     fn take_skipped(&mut self, _skipped: &mut dyn FnMut(BucketId)) {}
+    /// The engine's backward pass of this step begins: later fetches of the step are for the
+    /// backward (an engine event; see [`Scheduler::begin_backward`](super::Scheduler::begin_backward)).
+    /// Default: nothing.
+    fn begin_backward(&mut self) {}
     /// The step ended.
     fn end_step(&mut self) {}
 }
@@ -221,15 +225,25 @@ impl PrefetchPolicy for TraceReplay {
 /// e.candidates(&mut |b| { proposed.push(b); Offer::Launched });
 /// assert_eq!(proposed, [BucketId(1), BucketId(2)]);
 /// ```
+///
+/// Rules given with [`after_in_backward`](Explicit::after_in_backward) (FSDP2's
+/// `set_modules_to_backward_prefetch`) replace the forward ones for the fetches after
+/// [`begin_backward`](PrefetchPolicy::begin_backward), until the step ends.
 #[derive(Clone, Debug, Default)]
 pub struct Explicit {
     rules: Vec<SmallVec<[BucketId; 4]>>,
+    /// Rules of the backward pass (empty: the forward rules apply throughout).
+    backward: Vec<SmallVec<[BucketId; 4]>>,
+    /// Whether this step's backward began.
+    in_backward: bool,
     current: Option<BucketId>,
     next: usize,
     /// See [`Explicit::once_per_step`].
     once: bool,
-    /// With `once`: the buckets whose rule fired this step (by bucket index).
+    /// With `once`: the buckets whose rule fired this step (by bucket index), in the forward
+    /// and in the backward.
     fired: Vec<bool>,
+    fired_backward: Vec<bool>,
 }
 
 impl Explicit {
@@ -243,9 +257,50 @@ impl Explicit {
         self
     }
 
+    /// In the backward pass, after `bucket` is fetched, prefetch `then` (in order). Once any
+    /// backward rule exists, backward fetches follow the backward rules only.
+    ///
+    /// # Examples
+    /// ```
+    /// use collsched_schedule::buckets::BucketId;
+    /// use collsched_schedule::{Explicit, Offer, PrefetchPolicy};
+    /// let mut e = Explicit::default();
+    /// e.after(BucketId(1), &[BucketId(2)]).after_in_backward(BucketId(1), &[BucketId(0)]);
+    /// e.once_per_step(true);
+    /// let mut proposed = Vec::new();
+    /// e.observe_fetch(BucketId(1)); // forward
+    /// e.candidates(&mut |b| { proposed.push(b); Offer::Launched });
+    /// e.begin_backward();
+    /// e.observe_fetch(BucketId(1)); // backward: its own rule, fired once too
+    /// e.candidates(&mut |b| { proposed.push(b); Offer::Launched });
+    /// e.observe_fetch(BucketId(1));
+    /// e.candidates(&mut |b| { proposed.push(b); Offer::Launched });
+    /// assert_eq!(proposed, [BucketId(2), BucketId(0)]);
+    /// e.end_step(); // the next step starts in its forward
+    /// e.observe_fetch(BucketId(1));
+    /// e.candidates(&mut |b| { proposed.push(b); Offer::Launched });
+    /// assert_eq!(proposed, [BucketId(2), BucketId(0), BucketId(2)]);
+    /// ```
+    pub fn after_in_backward(&mut self, bucket: BucketId, then: &[BucketId]) -> &mut Self {
+        if self.backward.len() <= bucket.index() {
+            self.backward.resize(bucket.index() + 1, SmallVec::new());
+        }
+        self.backward[bucket.index()] = then.iter().copied().collect();
+        self
+    }
+
     /// The rule for `bucket` (empty if none).
     pub fn rule(&self, bucket: BucketId) -> &[BucketId] {
         self.rules.get(bucket.index()).map_or(&[], |r| r.as_slice())
+    }
+
+    /// The rules that apply now.
+    fn table(&self) -> &[SmallVec<[BucketId; 4]>] {
+        if self.in_backward && !self.backward.is_empty() {
+            &self.backward
+        } else {
+            &self.rules
+        }
     }
 
     /// With `once`, a bucket's rule fires at its first fetch of a step only; later fetches of
@@ -287,32 +342,45 @@ impl PrefetchPolicy for Explicit {
         self.next = 0;
         if self.once {
             let i = bucket.index();
-            if self.fired.get(i).copied().unwrap_or(false) {
-                // Fired earlier this step: this fetch proposes nothing.
+            let has_rule = self.table().get(i).is_some_and(|r| !r.is_empty());
+            let backward = self.in_backward && !self.backward.is_empty();
+            let fired = if backward { &mut self.fired_backward } else { &mut self.fired };
+            if fired.get(i).copied().unwrap_or(false) {
+                // Fired earlier this step (in this pass): this fetch proposes nothing.
                 self.current = None;
-            } else if self.rules.get(i).is_some_and(|r| !r.is_empty()) {
-                if self.fired.len() <= i {
-                    self.fired.resize(self.rules.len().max(i + 1), false);
+            } else if has_rule {
+                if fired.len() <= i {
+                    fired.resize(i + 1, false);
                 }
-                self.fired[i] = true;
+                fired[i] = true;
             }
         }
     }
 
     fn candidates(&mut self, offer: &mut dyn FnMut(BucketId) -> Offer) {
         let Some(cur) = self.current else { return };
-        let Some(rule) = self.rules.get(cur.index()) else { return };
-        while let Some(&b) = rule.get(self.next) {
+        let mut next = self.next;
+        let Some(rule) = self.table().get(cur.index()) else { return };
+        while let Some(&b) = rule.get(next) {
             if offer(b) == Offer::Stop {
-                return;
+                break;
             }
-            self.next += 1;
+            next += 1;
         }
+        self.next = next;
+    }
+
+    fn begin_backward(&mut self) {
+        self.in_backward = true;
+        self.current = None;
+        self.next = 0;
     }
 
     fn end_step(&mut self) {
         self.current = None;
         self.next = 0;
+        self.in_backward = false;
         self.fired.fill(false);
+        self.fired_backward.fill(false);
     }
 }
