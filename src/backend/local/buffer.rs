@@ -276,7 +276,7 @@ mod class_tests {
         let mut last = 0;
         for bytes in (1..64 << 20).step_by(4093) {
             let c = class_of(bytes);
-            assert!(c >= bytes && c % BUFFER_ALIGN == 0, "{bytes} -> {c}");
+            assert!(c >= bytes && c.is_multiple_of(BUFFER_ALIGN), "{bytes} -> {c}");
             assert!(c >= last, "classes must not shrink as requests grow: {bytes} -> {c} after {last}");
             if bytes > EXACT_CLASSES {
                 assert!(c as f64 <= bytes as f64 * 1.125 + BUFFER_ALIGN as f64, "{bytes} -> {c}");
