@@ -189,6 +189,9 @@ class _State:
         self.queued = False
         self.got: set[int] = set()
         self.last_eval: dict[str, Any] = {}
+        self.unit_buckets: list[list[int]] = []
+        self.fwd_rules: dict[int, list[int]] = {}
+        self.bwd_rules: dict[int, list[int]] = {}
 
     # ---- building ----------------------------------------------------------------------
 
@@ -282,9 +285,13 @@ class _State:
         ahead_bytes, ahead_buckets = self._one_unit_ahead()
         prefetch_bytes = ahead_bytes if o["prefetch_bytes"] is None else o["prefetch_bytes"]
         max_inflight = ahead_buckets if o["max_inflight"] is None else o["max_inflight"]
-        engine_args = (o["prefetch"], prefetch_bytes, max_inflight, None, o["reduce_dtype"])
+        policy = "none" if o["prefetch"] == "explicit" else o["prefetch"]
+        engine_args = (policy, prefetch_bytes, max_inflight, None, o["reduce_dtype"])
         self.train = self.model.engine(*engine_args)
         self.eval = self.model.engine(*engine_args)
+        self.unit_buckets = self._unit_buckets()
+        if o["prefetch"] == "explicit":
+            self.apply_explicit()
         for old in old_states.values():
             old.retire()
         for p in self.params:
@@ -300,6 +307,52 @@ class _State:
         for u in self.units:
             u.trainable = [pid for pid in u.ids if self.params[pid].shard.requires_grad]
         self.mask = [bool(p.shard.requires_grad) for p in self.params]
+
+    def _unit_buckets(self) -> list[list[int]]:
+        """Each unit's gather buckets (ids): those of every parameter it fetches (a tied
+        parameter's bucket is fetched by every unit that uses it)."""
+        plan = json.loads(self.model.plan)
+        buckets_of: dict[str, list[int]] = {}
+        for b in plan["buckets"]:
+            if b["kind"] == "gather":
+                for n in b["params"]:
+                    buckets_of.setdefault(n, []).append(b["id"])
+        out = []
+        for unit in self.units:
+            ids: dict[int, None] = {}
+            for p in unit.params:
+                ids.update(dict.fromkeys(buckets_of.get(p.name, [])))
+            out.append(list(ids))
+        return out
+
+    def apply_explicit(self) -> None:
+        """Explicit prefetch rules from the units' lists (``set_modules_to_forward_prefetch``,
+        ``set_modules_to_backward_prefetch``); a unit without a list prefetches the next unit
+        in the forward (the first block after the root's own parameters) and the previous one
+        in the backward. Between steps."""
+        n = len(self.units)
+        fwd: dict[int, list[int]] = {u: [u + 1] for u in range(n - 1)}
+        bwd: dict[int, list[int]] = {u: [u - 1] for u in range(2, n)}
+        if n > 1:
+            bwd[0] = [n - 1]
+        fwd.update(self.fwd_rules)
+        bwd.update(self.bwd_rules)
+
+        def rules(table: dict[int, list[int]]) -> list[tuple[int, list[int]]]:
+            out = []
+            for u, then in table.items():
+                targets = [b for v in then for b in self.unit_buckets[v]]
+                out.extend((b, targets) for b in self.unit_buckets[u])
+            return out
+
+        self.train.set_explicit(rules(fwd), rules(bwd))
+        self.eval.set_explicit(rules(fwd), [])
+
+    def unit_index(self, module: nn.Module) -> int:
+        for i, u in enumerate(self.units):
+            if u.module is module:
+                return i
+        raise CollschedError(f"{type(module).__name__} is not a unit of this sharded model: give it to fully_shard")
 
     def _one_unit_ahead(self) -> tuple[int, int]:
         """The default prefetch budget: about one unit ahead, as FSDP2 prefetches one module
@@ -525,6 +578,7 @@ class _State:
             self._step_boundary()
         self.queued = True
         self.phase = "backward"
+        self.train.begin_backward()
         self.train.set_no_sync(not self.sync)
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
@@ -642,6 +696,24 @@ class CollschedModule:
         changed. Done at every step boundary unless ``auto_refresh_trainable=False``."""
         return _state_of(self).refresh_trainable()
 
+    def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
+        """In the forward, once this unit is fetched, gather ``modules`` (units) ahead. Makes
+        the model's prefetch explicit (FSDP2's method of the same name). Between steps."""
+        self._set_prefetch(modules, backward=False)
+
+    def set_modules_to_backward_prefetch(self, modules: list[nn.Module]) -> None:
+        """In the backward, once this unit is fetched, gather ``modules`` (units) ahead. Makes
+        the model's prefetch explicit (FSDP2's method of the same name). Between steps."""
+        self._set_prefetch(modules, backward=True)
+
+    def _set_prefetch(self, modules: list[nn.Module], backward: bool) -> None:
+        state = _root_state(self)  # type: ignore[arg-type]
+        me = state.unit_index(self)  # type: ignore[arg-type]
+        targets = [state.unit_index(m) for m in modules]
+        (state.bwd_rules if backward else state.fwd_rules)[me] = targets
+        state.opts["prefetch"] = "explicit"
+        state.apply_explicit()
+
 
 def _state_of(module: nn.Module) -> _State:
     state = module.__dict__.get("_collsched_state")
@@ -676,8 +748,10 @@ def fully_shard(
     Knobs: ``strategy`` ``"even"`` (every parameter cut in ``world`` pieces), ``"flat"``
     (buckets cut in equal pieces), ``"greedy"`` (whole parameters per rank), ``"hybrid:G"``
     (even within groups of G ranks, replicated across); ``bucket_mb`` (64) caps a bucket's
-    bytes; ``prefetch`` ``"trace"`` (record the first step's fetch order, gather along it ahead)
-    or ``"none"``; ``prefetch_mb`` bounds the bytes gathered ahead beyond the next bucket and
+    bytes; ``prefetch`` ``"trace"`` (record the first step's fetch order, gather along it ahead),
+    ``"explicit"`` (the next unit in the forward, the previous in the backward, or what the
+    units' ``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch`` say) or
+    ``"none"``; ``prefetch_mb`` bounds the bytes gathered ahead beyond the next bucket and
     ``max_inflight`` the buckets gathered ahead (``None``: about one unit ahead while one
     computes, as FSDP2 prefetches one module: the largest unit's bytes and its buckets plus
     one);
@@ -691,9 +765,10 @@ def fully_shard(
     if module.__dict__.get("_collsched_state") is not None:
         # Already sharded (a unit or a root): a second trainer's wrapping reuses it.
         return module
-    if prefetch not in ("trace", "none"):
+    if prefetch not in ("trace", "explicit", "none"):
         raise CollschedError(
-            f"fully_shard: prefetch={prefetch!r}; expected 'trace' (replay the first step's order) or 'none'"
+            f"fully_shard: prefetch={prefetch!r}; expected 'trace' (replay the first step's order), 'explicit' "
+            "(the next unit, or the units' set_modules_to_forward_prefetch lists) or 'none'"
         )
     if reduce_dtype is not None and not isinstance(reduce_dtype, str):
         if reduce_dtype not in _FROM_TORCH:

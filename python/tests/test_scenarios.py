@@ -130,3 +130,14 @@ def test_init_through_torch_distributed():
     spec = {"model": "mlp", "steps": 2, "bucket_mb": 0.0005}
     runs = run(workers.train, 2, spec, init="torch")
     parity.check(runs, models.reference(spec, 2))
+
+
+@pytest.mark.parametrize("lists", [False, True])
+def test_explicit_prefetch_hits_from_the_first_step(lists):
+    spec = {"model": "gpt", "steps": 3, "prefetch": "explicit", "bucket_mb": 0.002, "explicit_lists": lists}
+    runs = run(workers.train, 2, spec)
+    parity.check(runs, models.reference(spec, 2))
+    for r in runs:
+        for step, st in enumerate(r["stats"]):
+            assert st["prefetch_hits"] > 0, f"step {step}: {st}"
+            assert st["all_gathers"] == 2 * gather_buckets(r["plan"])

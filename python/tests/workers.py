@@ -39,6 +39,12 @@ def train(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
             models.loss_fn(name, model(x), y)
         again = shard(model, spec)
         assert again is model, "a second fully_shard of the root returned another module"
+    if spec.get("explicit_lists"):
+        # FSDP2's spelling: each block names the next (forward) and the previous (backward).
+        blocks = list(model.blocks)
+        for a, b in zip(blocks, blocks[1:]):
+            a.set_modules_to_forward_prefetch([b])
+            b.set_modules_to_backward_prefetch([a])
     opt = models.optimizer(spec.get("opt", "adamw"), model.parameters())
     losses, after, stats, evals = [], [], [], []
     micro_n = spec.get("micro", 1)
