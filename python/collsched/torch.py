@@ -130,7 +130,20 @@ class _Param:
     """One parameter of a sharded model: its shard (registered in the modules), the full-size
     parameter forward and backward use, and where it lives."""
 
-    __slots__ = ("pid", "name", "shape", "dtype", "numel", "shard", "full", "placeholder", "unit", "ptr")
+    __slots__ = (
+        "pid",
+        "name",
+        "shape",
+        "dtype",
+        "numel",
+        "shard",
+        "full",
+        "placeholder",
+        "unit",
+        "view",
+        "addr",
+        "bound",
+    )
 
     def __init__(self, pid: int, name: str, shape: torch.Size, dtype: torch.dtype) -> None:
         self.pid = pid
@@ -144,8 +157,12 @@ class _Param:
         self.shard: nn.Parameter = nn.Parameter(torch.empty(0, dtype=dtype))
         self.full: nn.Parameter = nn.Parameter(self.placeholder, requires_grad=False)
         self.unit = 0
-        # Address of the gathered buffer the full parameter views (0: not gathered).
-        self.ptr = 0
+        # The last view of a gathered buffer made for this parameter and its address (buffers
+        # come back from the pool at the same address: the view is reused then), and the
+        # address the full parameter's data views now (0: the placeholder).
+        self.view: torch.Tensor | None = None
+        self.addr = 0
+        self.bound = 0
 
 
 class _Unit:
@@ -464,16 +481,19 @@ class _State:
         if unit.fetched is not None:
             return 0.0
         t0 = time.perf_counter()
-        regions = engine.fetch(unit.ids)
+        regions = engine.fetch(unit.ids, [p.addr for p in unit.params])
         native = time.perf_counter() - t0
         unit.fetched = engine
         live = self.live
         for p, region in zip(unit.params, regions):
-            view = torch.frombuffer(region, dtype=p.dtype).view(p.shape)
-            p.ptr = view.data_ptr()
-            live[p.ptr] = p.pid
+            if region is not None:
+                p.view = torch.frombuffer(region, dtype=p.dtype).view(p.shape)
+                p.addr = region.address
+            live[p.addr] = p.pid
             full = p.full
-            full.data = view
+            if p.bound != p.addr:
+                full.data = p.view
+                p.bound = p.addr
             if full.requires_grad != p.shard.requires_grad:
                 full.requires_grad_(p.shard.requires_grad)
         if swap:
@@ -489,11 +509,12 @@ class _State:
         if swap:
             for m, name, pid in unit.slots:
                 m._parameters[name] = self.params[pid].shard
+        # The full parameters keep viewing the buffers (nothing outside a pass reaches them;
+        # saved tensors are references, see _pack): the next fetch at the same addresses has
+        # nothing to redo.
         live = self.live
         for p in unit.params:
-            live.pop(p.ptr, None)
-            p.ptr = 0
-            p.full.data = p.placeholder
+            live.pop(p.addr, None)
         unit.fetched = None
         unit.bwd = False
         t0 = time.perf_counter()

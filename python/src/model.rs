@@ -149,13 +149,28 @@ fn dtype_name(e: ElemType) -> &'static str {
 impl Engine {
     /// Gathers `params` (whole buckets, prefetching ahead) and returns a region per parameter
     /// with its full value, valid until the parameter is released.
-    fn fetch(&mut self, py: Python<'_>, params: Vec<u32>) -> PyResult<Vec<Region>> {
+    ///
+    /// With `known` (an address per parameter, 0 for none), a parameter whose full value is at
+    /// the address given gets `None` instead of a new region: the caller's view of that
+    /// address is still the parameter (buffers come back from the pool at the same address,
+    /// step after step), and making a new view is the cost this saves.
+    #[pyo3(signature = (params, known=None))]
+    fn fetch(
+        &mut self,
+        py: Python<'_>,
+        params: Vec<u32>,
+        known: Option<Vec<usize>>,
+    ) -> PyResult<Vec<Option<Region>>> {
         let ids = ids(&params);
+        if known.as_ref().is_some_and(|k| k.len() != ids.len()) {
+            return Err(errors::other("fetch: give one known address per parameter"));
+        }
         let views = self.coord.fetch(&ids).map_err(errors::runtime)?;
         let mut out = Vec::with_capacity(ids.len());
-        for &p in &ids {
+        for (i, &p) in ids.iter().enumerate() {
             let b = views.bytes(p).map_err(errors::runtime)?;
-            out.push(Region::new(self.model.clone_ref(py), b.as_ptr(), b.len()));
+            let same = known.as_ref().is_some_and(|k| k[i] == b.as_ptr() as usize && !b.is_empty());
+            out.push((!same).then(|| Region::new(self.model.clone_ref(py), b.as_ptr(), b.len())));
         }
         Ok(out)
     }
