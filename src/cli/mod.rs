@@ -10,6 +10,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 pub mod bench;
+pub mod ckpt;
 pub mod demo;
 pub mod launch;
 pub mod plan;
@@ -38,6 +39,8 @@ pub enum Command {
     Demo(demo::DemoArgs),
     /// Print the machine as the library sees it.
     Topo(topo::TopoArgs),
+    /// Inspect a checkpoint: its index, and every file and piece it names.
+    Ckpt(ckpt::CkptArgs),
 }
 
 /// An error a subcommand reports: printed as one line `error: ...`, exit status 1.
@@ -53,6 +56,7 @@ pub fn main() -> ExitCode {
         Command::Sim(a) => sim::run(a),
         Command::Demo(a) => demo::run(a),
         Command::Topo(a) => topo::run(a),
+        Command::Ckpt(a) => ckpt::run(a),
     };
     match result {
         Ok(code) => code,

@@ -4,6 +4,7 @@
 
 use collsched_kernels::ElemType;
 use collsched_schedule::{PlanDigests, Scheduler};
+use std::time::Duration;
 
 use super::RuntimeError;
 use crate::backend::{Backend, BackendEvent, CollDesc, Collective, RankGroup, Stream};
@@ -18,7 +19,7 @@ pub(crate) fn exchange_fingerprints<B: Backend>(be: &B, sched: &mut Scheduler) -
     let rank = be.rank();
     let mine = sched.digests().clone();
     let header = [mine.fingerprint, mine.buckets.len() as u64];
-    let all = all_gather_words(be, &header)?;
+    let all = all_gather_words(be, &header, "plan fingerprint exchange")?;
     let fps: Vec<u64> = all.chunks(2).map(|c| c[0]).collect();
     if fps.iter().all(|&f| f == mine.fingerprint) {
         return Ok(());
@@ -26,7 +27,7 @@ pub(crate) fn exchange_fingerprints<B: Backend>(be: &B, sched: &mut Scheduler) -
     let longest = all.chunks(2).map(|c| c[1] as usize).max().unwrap_or(0);
     let mut words = mine.buckets.clone();
     words.resize(longest, 0);
-    let digests = all_gather_words(be, &words)?;
+    let digests = all_gather_words(be, &words, "plan fingerprint exchange")?;
     let peers: Vec<(u32, PlanDigests)> = (0..n)
         .filter(|&r| r != rank)
         .map(|r| {
@@ -38,11 +39,16 @@ pub(crate) fn exchange_fingerprints<B: Backend>(be: &B, sched: &mut Scheduler) -
     Ok(sched.check_peers(peers.iter().map(|(r, d)| (*r, d)))?)
 }
 
-/// All-gathers `words` (the same count on every rank) over the world on the compute stream.
-fn all_gather_words<B: Backend>(be: &B, words: &[u64]) -> Result<Vec<u64>, RuntimeError> {
+/// All-gathers `words` (the same count on every rank) over the world on the compute stream;
+/// `op` names the exchange in errors.
+pub(crate) fn all_gather_words<B: Backend>(
+    be: &B,
+    words: &[u64],
+    op: &'static str,
+) -> Result<Vec<u64>, RuntimeError> {
     let rank = be.rank();
     let n = be.world_size();
-    let err = |source| RuntimeError::Backend { rank, op: "plan fingerprint exchange", bucket: None, source };
+    let err = |source| RuntimeError::Backend { rank, op, bucket: None, source };
     let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
     // Words travel as pairs of f32 bit patterns: an all-gather copies them untouched.
     let desc = CollDesc::all_gather(RankGroup::world(n), ElemType::F32, 2 * words.len()).with_tag(0xF1_4E6E);
@@ -58,7 +64,10 @@ fn all_gather_words<B: Backend>(be: &B, words: &[u64]) -> Result<Vec<u64>, Runti
         .launch(Stream::Compute, &[], Collective { desc, input: Some(input), output })
         .map_err(|e| err(e.error))?;
     let _ = flight.event().query();
-    let mut done = flight.wait(be.timeout()).map_err(|e| err(e.into_error()))?;
+    // Longer than the collective's own wait for its members, so that a member that never
+    // comes is reported by the collective, which names it, not by this wait.
+    let patience = be.timeout().saturating_mul(2).saturating_add(Duration::from_secs(1));
+    let mut done = flight.wait(patience).map_err(|e| err(e.into_error()))?;
     let mut host = vec![0u8; bytes.len() * n];
     let r = be.read_to_host(&done[0].output, 0, &mut host);
     for c in done.drain(..) {

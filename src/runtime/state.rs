@@ -462,6 +462,83 @@ impl<B: Backend> ModelState<B> {
         self.shared.lock().gather().in_flight()
     }
 
+    /// Calls `f` with this rank's elements of `param` (`param_offset` and the bytes of its run;
+    /// empty when it holds none), read under the model state's lock.
+    ///
+    /// # Errors
+    /// As [`shard_region`](Self::shard_region).
+    pub fn read_shard<R>(
+        &self,
+        param: ParamId,
+        f: impl FnOnce(usize, &[u8]) -> R,
+    ) -> Result<R, RuntimeError> {
+        let (param_offset, bytes) = self.run_bytes(param)?;
+        let st = self.shared.lock();
+        Ok(f(param_offset, &st.shards[bytes.0].as_bytes()[bytes.1.clone()]))
+    }
+
+    /// Calls `f` with this rank's elements of `param` to overwrite (a checkpoint's load), under
+    /// the model state's lock.
+    ///
+    /// # Errors
+    /// As [`shard_region`](Self::shard_region); [`RuntimeError::Plan`] while a bucket is
+    /// gathered (its copies would keep the old values): release everything and end the step.
+    pub fn write_shard<R>(
+        &self,
+        param: ParamId,
+        f: impl FnOnce(usize, &mut [u8]) -> R,
+    ) -> Result<R, RuntimeError> {
+        let (param_offset, bytes) = self.run_bytes(param)?;
+        let mut st = self.shared.lock();
+        if let Some((bucket, _, users)) = st.registry().gathered().next() {
+            return Err(RuntimeError::Plan {
+                rank: self.rank(),
+                what: format!(
+                    "gather bucket {bucket} is gathered ({users} users) while shards are overwritten; release \
+                     every parameter and end the step first"
+                ),
+            });
+        }
+        Ok(f(param_offset, &mut st.shards[bytes.0].as_bytes_mut()[bytes.1.clone()]))
+    }
+
+    /// This rank's one run of `param`: its first element, and (gather bucket position, byte
+    /// range in that bucket's shard).
+    fn run_bytes(&self, param: ParamId) -> Result<(usize, (usize, std::ops::Range<usize>)), RuntimeError> {
+        let t = &self.shared.tables;
+        let set = self.shared.plan.layout().params();
+        let Some(slot) = t.params.get(param.index()) else {
+            return Err(RuntimeError::Param {
+                rank: t.rank,
+                param: None,
+                what: format!("parameter id {param} is not in the plan ({} parameters)", set.len()),
+            });
+        };
+        let (param_offset, numel, shard_offset) = match t.runs_of(param) {
+            [] => (0, 0, 0),
+            [r] => (r.param_offset, r.numel, r.shard_offset),
+            runs => {
+                return Err(RuntimeError::Param {
+                    rank: t.rank,
+                    param: Some(set.name(param).to_string()),
+                    what: format!(
+                        "its shard on this rank is {} separate runs of its elements; a shard viewed as one \
+                         tensor needs one run per rank (strategies even, flat, greedy, hybrid:G)",
+                        runs.len()
+                    ),
+                });
+            }
+        };
+        let es = slot.elem_size;
+        Ok((param_offset, (slot.gather, shard_offset * es..(shard_offset + numel) * es)))
+    }
+
+    /// All-gathers `words` (the same count on every rank) over the world: the small
+    /// collective agreements of checkpoints. `op` names it in errors.
+    pub(crate) fn all_gather_words(&self, words: &[u64], op: &'static str) -> Result<Vec<u64>, RuntimeError> {
+        super::agreement::all_gather_words(&*self.shared.backend, words, op)
+    }
+
     /// Where this rank's shard of `param` lives, for an engine that keeps its optimizer's
     /// view of the shard in this memory (the Python package's sharded parameters are tensors
     /// over it): the elements `param_offset..param_offset + numel` of the flattened
@@ -477,37 +554,12 @@ impl<B: Backend> ModelState<B> {
     /// [`RuntimeError::Param`] for an id the plan does not have, or a parameter whose shard on
     /// this rank is more than one run of its elements (no strategy of this crate cuts one so).
     pub fn shard_region(&self, param: ParamId) -> Result<ShardRegion, RuntimeError> {
-        let t = &self.shared.tables;
-        let rank = t.rank;
-        let set = self.shared.plan.layout().params();
-        let Some(slot) = t.params.get(param.index()) else {
-            return Err(RuntimeError::Param {
-                rank,
-                param: None,
-                what: format!("parameter id {param} is not in the plan ({} parameters)", set.len()),
-            });
-        };
-        let (param_offset, numel, shard_offset) = match t.runs_of(param) {
-            [] => (0, 0, 0),
-            [r] => (r.param_offset, r.numel, r.shard_offset),
-            runs => {
-                return Err(RuntimeError::Param {
-                    rank,
-                    param: Some(set.name(param).to_string()),
-                    what: format!(
-                        "its shard on this rank is {} separate runs of its elements; a shard viewed as one \
-                         tensor needs one run per rank (strategies even, flat, greedy, hybrid:G)",
-                        runs.len()
-                    ),
-                });
-            }
-        };
-        let g = slot.gather;
-        let es = slot.elem_size;
+        let (param_offset, (g, range)) = self.run_bytes(param)?;
+        let elem = self.shared.tables.gather[g].elem;
+        let numel = range.len() / elem.size();
         let mut st = self.shared.lock();
-        let shard = st.shard_bytes_mut(g);
-        let ptr = shard[shard_offset * es..(shard_offset + numel) * es].as_mut_ptr();
-        Ok(ShardRegion { param_offset, numel, elem: t.gather[g].elem, ptr })
+        let ptr = st.shard_bytes_mut(g)[range].as_mut_ptr();
+        Ok(ShardRegion { param_offset, numel, elem, ptr })
     }
 }
 

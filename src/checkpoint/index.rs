@@ -1,0 +1,102 @@
+//! [`Index`]: what a checkpoint holds and where (`index.json`, written last).
+
+use serde::{Deserialize, Serialize};
+
+/// The `format` of every index this crate writes.
+pub const FORMAT: &str = "collsched-checkpoint-1";
+
+/// The index of a checkpoint directory: written last, so a directory without it is an
+/// incomplete save.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Index {
+    /// [`FORMAT`].
+    pub format: String,
+    /// Ranks that saved it.
+    pub world: u32,
+    /// Their sharding strategy (`even`, `flat`, `greedy`, `hybrid:G`).
+    pub strategy: String,
+    /// Their plan's fingerprint.
+    pub fingerprint: String,
+    /// The training step the caller gave.
+    pub step: u64,
+    /// The data files, in the directory (`rank-R.safetensors`).
+    pub files: Vec<String>,
+    /// Every parameter, in the plan's order.
+    pub params: Vec<IndexParam>,
+}
+
+/// One parameter of an [`Index`] and the pieces that hold it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct IndexParam {
+    /// Its name.
+    pub name: String,
+    /// Its shape.
+    pub shape: Vec<usize>,
+    /// Its dtype (`f32`, `bf16`, `f16`, ...).
+    pub dtype: String,
+    /// Pieces that together hold every element once, in element order.
+    pub pieces: Vec<Piece>,
+}
+
+/// A run of a parameter's elements (flattened) in one data file.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Piece {
+    /// Position of the file in [`Index::files`].
+    pub file: u32,
+    /// The tensor's name in that file (a 1-D tensor of `numel` elements).
+    pub tensor: String,
+    /// First element of the parameter it holds.
+    pub offset: usize,
+    /// Elements.
+    pub numel: usize,
+}
+
+/// The name of the tensor holding `param`'s elements from `offset` on.
+pub fn tensor_name(param: &str, offset: usize) -> String {
+    format!("{param}@{offset}")
+}
+
+impl Index {
+    /// Checks that the pieces of every parameter cover its elements exactly once and name
+    /// files of the index; returns the first problem as text.
+    pub fn check(&self) -> Result<(), String> {
+        if self.format != FORMAT {
+            return Err(format!("format {:?}, expected {FORMAT:?}", self.format));
+        }
+        for p in &self.params {
+            let numel = p
+                .shape
+                .iter()
+                .try_fold(1usize, |a, &d| a.checked_mul(d))
+                .ok_or_else(|| format!("parameter {}: shape {:?} overflows", p.name, p.shape))?;
+            let mut next = 0;
+            for piece in &p.pieces {
+                if piece.file as usize >= self.files.len() {
+                    return Err(format!(
+                        "parameter {}: a piece names file {} of {}",
+                        p.name,
+                        piece.file,
+                        self.files.len()
+                    ));
+                }
+                if piece.offset != next {
+                    return Err(format!(
+                        "parameter {}: elements {next}..{} are in no piece (or in two)",
+                        p.name, piece.offset
+                    ));
+                }
+                next = piece
+                    .offset
+                    .checked_add(piece.numel)
+                    .ok_or_else(|| format!("parameter {}: piece overflows", p.name))?;
+            }
+            if next != numel {
+                return Err(format!("parameter {}: its pieces hold {next} of its {numel} elements", p.name));
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,429 @@
+//! Checkpoints of a sharded model: every rank saves its own shards, in safetensors, and any
+//! layout loads them (another world size, strategy or bucket size).
+//!
+//! A checkpoint is a directory:
+//! - `rank-R.safetensors`: the 1-D pieces rank R held (`name@offset`: the parameter's
+//!   elements from `offset` on), each element saved once (replicas of hybrid sharding save
+//!   nothing the first group holds);
+//! - `index.json` ([`Index`]): world, strategy, fingerprint, step, and for every parameter its
+//!   shape, dtype and pieces. Written last.
+//!
+//! [`save`] is collective: the files go to `PATH.partial`, rank 0 writes the index there and
+//! renames the directory to `PATH` (the previous checkpoint at `PATH` is replaced only then),
+//! so a save that dies midway leaves the previous checkpoint whole and no index in the new one.
+//! Ranks agree after each stage through a small all-gather: a rank that fails is named by all,
+//! one that never calls makes the others fail after the backend's timeout, naming it.
+//! [`load`] reads only the ranges this rank's shards need, checks the index against the model
+//! (names, shapes, dtypes) before changing anything, and agrees with the other ranks before it
+//! writes, so either every rank loads or none does.
+
+mod file;
+mod index;
+
+use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
+
+use collsched_buckets::ParamId;
+use collsched_schedule::{BufferRole, Plan};
+
+pub use index::{tensor_name, Index, IndexParam, Piece, FORMAT};
+
+use crate::backend::Backend;
+use crate::runtime::{ModelState, RuntimeError};
+
+/// An error of a checkpoint: names the path, parameter, rank or stage, and what to do.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CheckpointError {
+    /// A file could not be read or written.
+    #[error("{}: {what}", path.display())]
+    Io {
+        /// The file or directory.
+        path: PathBuf,
+        /// What failed.
+        what: String,
+    },
+    /// A file is not what the index says (truncated, corrupted, another checkpoint's).
+    #[error("{}: {what}; the checkpoint is damaged: load another one", path.display())]
+    Corrupt {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        what: String,
+    },
+    /// No index: the save that made the directory did not finish.
+    #[error(
+        "{}: no index.json: not a checkpoint, or a save that did not finish (the previous checkpoint is kept \
+         whole where it was{})",
+        path.display(),
+        if previous.is_some() { "; one is at PATH.previous" } else { "" }
+    )]
+    Incomplete {
+        /// The directory.
+        path: PathBuf,
+        /// A previous checkpoint left beside it by an interrupted commit.
+        previous: Option<PathBuf>,
+    },
+    /// The checkpoint's parameters are not the model's.
+    #[error("the checkpoint at {} does not fit this model: {}; nothing was loaded", path.display(), what.join("; "))]
+    Mismatch {
+        /// The directory.
+        path: PathBuf,
+        /// Every difference, one per parameter.
+        what: Vec<String>,
+    },
+    /// Other ranks failed at a stage (this rank's part succeeded).
+    #[error("rank {rank}: checkpoint {stage}: ranks {failed:?} failed (their own errors name the cause); {outcome}")]
+    Peers {
+        /// This rank.
+        rank: usize,
+        /// The stage (`save: writing`, `load: reading`, ...).
+        stage: &'static str,
+        /// The ranks that failed.
+        failed: Vec<usize>,
+        /// What was left (`nothing was loaded`, `no index was written`, ...).
+        outcome: &'static str,
+    },
+    /// The runtime failed (a collective of the agreement, a shard access).
+    #[error(transparent)]
+    Runtime(#[from] RuntimeError),
+}
+
+/// The pieces each rank saves: its runs of every parameter, each element once (the first rank
+/// holding a run saves it), by rank.
+fn pieces(plan: &Plan) -> Vec<Vec<(ParamId, usize, usize)>> {
+    let layout = plan.layout();
+    let mut seen = HashSet::new();
+    (0..layout.world())
+        .map(|r| {
+            let mut mine = Vec::new();
+            for b in layout.gather_buckets() {
+                let Some(op) = plan.gather_op(b.id()) else { continue };
+                for run in plan.runs(op, r, BufferRole::Shard) {
+                    if run.numel > 0 && seen.insert((run.param, run.param_offset)) {
+                        mine.push((run.param, run.param_offset, run.numel));
+                    }
+                }
+            }
+            mine
+        })
+        .collect()
+}
+
+fn file_name(rank: usize) -> String {
+    format!("rank-{rank}.safetensors")
+}
+
+fn sibling(path: &Path, suffix: &str) -> PathBuf {
+    let mut name = path.file_name().map(|n| n.to_os_string()).unwrap_or_default();
+    name.push(suffix);
+    path.with_file_name(name)
+}
+
+fn io(path: &Path, what: &str) -> impl FnOnce(std::io::Error) -> CheckpointError {
+    let path = path.to_path_buf();
+    let what = what.to_string();
+    move |e| CheckpointError::Io { path, what: format!("{what}: {e}") }
+}
+
+/// Every rank's outcome of a stage, after which this rank's own error (if any) comes first,
+/// then the others' failures.
+fn agree<B: Backend, T>(
+    state: &ModelState<B>,
+    mine: Result<T, CheckpointError>,
+    stage: &'static str,
+    outcome: &'static str,
+) -> Result<T, CheckpointError> {
+    let all = state.all_gather_words(&[u64::from(mine.is_err())], "checkpoint agreement");
+    let value = mine?;
+    let failed: Vec<usize> = all?.iter().enumerate().filter(|(_, &w)| w != 0).map(|(r, _)| r).collect();
+    if failed.is_empty() {
+        Ok(value)
+    } else {
+        Err(CheckpointError::Peers { rank: state.rank(), stage, failed, outcome })
+    }
+}
+
+/// Saves the model's shards to the directory `path` (collective: every rank calls it, with
+/// nothing gathered). Returns the index written.
+///
+/// # Errors
+/// [`CheckpointError::Io`] naming the file this rank could not write; [`CheckpointError::Peers`]
+/// naming the ranks that failed; a runtime error when the ranks cannot agree (a rank that never
+/// calls makes the others fail after the backend's timeout, naming it). A failed save leaves
+/// `path` as it was (the previous checkpoint, if any) and no index in `PATH.partial`.
+pub fn save<B: Backend>(state: &ModelState<B>, path: &Path, step: u64) -> Result<Index, CheckpointError> {
+    let me = state.rank();
+    let plan = state.plan();
+    let partial = sibling(path, ".partial");
+    let prepared = if me == 0 {
+        match std::fs::remove_dir_all(&partial) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                Err(io(&partial, "removing a stale partial save")(e))
+            }
+            _ => std::fs::create_dir_all(&partial).map_err(io(&partial, "creating")),
+        }
+    } else {
+        Ok(())
+    };
+    agree(state, prepared, "save: preparing the directory", "nothing was written")?;
+    let all = pieces(plan);
+    let written = write_mine(state, &partial, &all[me]);
+    agree(state, written, "save: writing shards", "no index was written; the previous checkpoint is intact")?;
+    let index = index_of(plan, &all, step);
+    let committed = if me == 0 { commit(path, &partial, &index) } else { Ok(()) };
+    agree(state, committed, "save: committing", "the previous checkpoint is intact")?;
+    Ok(index)
+}
+
+fn write_mine<B: Backend>(
+    state: &ModelState<B>,
+    dir: &Path,
+    mine: &[(ParamId, usize, usize)],
+) -> Result<(), CheckpointError> {
+    let set = state.plan().layout().params();
+    let mut data = Vec::with_capacity(mine.len());
+    for &(p, offset, numel) in mine {
+        let bytes = state.read_shard(p, |at, b| (at == offset).then(|| b.to_vec()))?;
+        let dtype = set.specs()[p.index()].dtype;
+        let bytes =
+            bytes.filter(|b| b.len() == numel * dtype.size()).ok_or_else(|| RuntimeError::Internal {
+                rank: state.rank(),
+                what: format!(
+                    "checkpoint: parameter {}: this rank's run is not the plan's piece at {offset}",
+                    set.name(p)
+                ),
+            })?;
+        let st = file::st_dtype(dtype.name()).ok_or_else(|| CheckpointError::Io {
+            path: dir.to_path_buf(),
+            what: format!("parameter {}: dtype {} has no safetensors name", set.name(p), dtype.name()),
+        })?;
+        data.push((tensor_name(set.name(p), offset), st, numel, bytes));
+    }
+    if data.is_empty() {
+        return Ok(());
+    }
+    let views: Vec<(String, file::Piece<'_>)> = data
+        .iter()
+        .map(|(n, st, numel, b)| (n.clone(), file::Piece { dtype: *st, shape: [*numel], data: b }))
+        .collect();
+    file::write(&dir.join(file_name(state.rank())), &views)
+}
+
+fn index_of(plan: &Plan, all: &[Vec<(ParamId, usize, usize)>], step: u64) -> Index {
+    let layout = plan.layout();
+    let set = layout.params();
+    let ranks: Vec<usize> = (0..all.len()).filter(|&r| !all[r].is_empty()).collect();
+    let file_of: HashMap<usize, u32> = ranks.iter().enumerate().map(|(i, &r)| (r, i as u32)).collect();
+    let mut by_param: Vec<Vec<Piece>> = vec![Vec::new(); set.len()];
+    for (r, mine) in all.iter().enumerate() {
+        for &(p, offset, numel) in mine {
+            by_param[p.index()].push(Piece {
+                file: file_of[&r],
+                tensor: tensor_name(set.name(p), offset),
+                offset,
+                numel,
+            });
+        }
+    }
+    let params = set
+        .ids()
+        .zip(by_param)
+        .map(|(p, mut pieces)| {
+            pieces.sort_by_key(|x| x.offset);
+            let spec = &set.specs()[p.index()];
+            IndexParam {
+                name: spec.name.clone(),
+                shape: spec.shape.to_vec(),
+                dtype: spec.dtype.name().to_string(),
+                pieces,
+            }
+        })
+        .collect();
+    Index {
+        format: FORMAT.to_string(),
+        world: layout.world(),
+        strategy: layout.sharding().to_string(),
+        fingerprint: plan.fingerprint().to_string(),
+        step,
+        files: ranks.iter().map(|&r| file_name(r)).collect(),
+        params,
+    }
+}
+
+/// Rank 0: the index into the partial directory, then the directory into place.
+fn commit(path: &Path, partial: &Path, index: &Index) -> Result<(), CheckpointError> {
+    let tmp = partial.join("index.json.tmp");
+    let text = serde_json::to_vec_pretty(index)
+        .map_err(|e| CheckpointError::Io { path: tmp.clone(), what: e.to_string() })?;
+    std::fs::write(&tmp, text).map_err(io(&tmp, "writing"))?;
+    std::fs::File::open(&tmp).and_then(|f| f.sync_all()).map_err(io(&tmp, "syncing"))?;
+    std::fs::rename(&tmp, partial.join("index.json"))
+        .map_err(io(partial, "renaming the index into place"))?;
+    std::fs::File::open(partial).and_then(|d| d.sync_all()).map_err(io(partial, "syncing"))?;
+    let previous = sibling(path, ".previous");
+    if path.exists() {
+        let _ = std::fs::remove_dir_all(&previous);
+        std::fs::rename(path, &previous).map_err(io(path, "moving the previous checkpoint aside"))?;
+    }
+    std::fs::rename(partial, path).map_err(io(path, "renaming the new checkpoint into place"))?;
+    if previous.exists() {
+        std::fs::remove_dir_all(&previous).map_err(io(&previous, "removing the previous checkpoint"))?;
+    }
+    Ok(())
+}
+
+/// Reads and checks the index of the checkpoint at `path`.
+///
+/// # Errors
+/// [`CheckpointError::Incomplete`] without an index; [`CheckpointError::Corrupt`] for an index
+/// that does not parse or whose pieces do not cover every element once.
+pub fn read_index(path: &Path) -> Result<Index, CheckpointError> {
+    let at = path.join("index.json");
+    let text = match std::fs::read(&at) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let previous = sibling(path, ".previous");
+            return Err(CheckpointError::Incomplete {
+                path: path.to_path_buf(),
+                previous: previous.exists().then_some(previous),
+            });
+        }
+        Err(e) => return Err(io(&at, "reading")(e)),
+    };
+    let index: Index = serde_json::from_slice(&text)
+        .map_err(|e| CheckpointError::Corrupt { path: at.clone(), what: e.to_string() })?;
+    index.check().map_err(|what| CheckpointError::Corrupt { path: at, what })?;
+    Ok(index)
+}
+
+/// Loads the checkpoint at `path` into the model's shards, whatever layout saved it
+/// (collective: every rank calls it, with nothing gathered). Returns its index.
+///
+/// # Errors
+/// [`CheckpointError::Mismatch`] listing every parameter missing, extra, or of another shape or
+/// dtype; [`CheckpointError::Incomplete`], [`CheckpointError::Corrupt`] naming the file;
+/// [`CheckpointError::Peers`] when another rank could not read its part. On any error no
+/// rank's shards changed.
+pub fn load<B: Backend>(state: &ModelState<B>, path: &Path) -> Result<Index, CheckpointError> {
+    let read = read_index(path).and_then(|index| {
+        check_fits(state, path, &index)?;
+        let data = read_mine(state, path, &index)?;
+        Ok((index, data))
+    });
+    let (index, data) = agree(state, read, "load: reading", "nothing was loaded")?;
+    for (p, bytes) in &data {
+        state.write_shard(*p, |_, dst| dst.copy_from_slice(bytes))?;
+    }
+    Ok(index)
+}
+
+fn check_fits<B: Backend>(state: &ModelState<B>, path: &Path, index: &Index) -> Result<(), CheckpointError> {
+    let set = state.plan().layout().params();
+    let saved: HashMap<&str, &IndexParam> = index.params.iter().map(|p| (p.name.as_str(), p)).collect();
+    let mut what = Vec::new();
+    for p in set.ids() {
+        let spec = &set.specs()[p.index()];
+        match saved.get(spec.name.as_str()) {
+            None => what.push(format!("parameter {} is not in the checkpoint", spec.name)),
+            Some(s) if s.shape != spec.shape.to_vec() || s.dtype != spec.dtype.name() => what.push(format!(
+                "parameter {}: the model has {:?} {}, the checkpoint {:?} {}",
+                spec.name,
+                spec.shape.to_vec(),
+                spec.dtype.name(),
+                s.shape,
+                s.dtype
+            )),
+            Some(_) => {}
+        }
+    }
+    let mine: HashSet<&str> = set.specs().iter().map(|s| s.name.as_str()).collect();
+    for p in &index.params {
+        if !mine.contains(p.name.as_str()) {
+            what.push(format!("the checkpoint's parameter {} is not in the model", p.name));
+        }
+    }
+    if what.is_empty() {
+        Ok(())
+    } else {
+        Err(CheckpointError::Mismatch { path: path.to_path_buf(), what })
+    }
+}
+
+/// This rank's shard bytes of every parameter, read from the pieces that overlap them.
+fn read_mine<B: Backend>(
+    state: &ModelState<B>,
+    path: &Path,
+    index: &Index,
+) -> Result<Vec<(ParamId, Vec<u8>)>, CheckpointError> {
+    let set = state.plan().layout().params();
+    let saved: HashMap<&str, &IndexParam> = index.params.iter().map(|p| (p.name.as_str(), p)).collect();
+    let mut readers: HashMap<u32, file::Reader> = HashMap::new();
+    let mut out = Vec::new();
+    for p in set.ids() {
+        let spec = &set.specs()[p.index()];
+        let (from, len) = state.read_shard(p, |at, b| (at, b.len()))?;
+        if len == 0 {
+            continue;
+        }
+        let size = spec.dtype.size();
+        let (lo, hi) = (from, from + len / size);
+        let st = file::st_dtype(spec.dtype.name()).ok_or_else(|| CheckpointError::Io {
+            path: path.to_path_buf(),
+            what: format!("parameter {}: dtype {} has no safetensors name", spec.name, spec.dtype.name()),
+        })?;
+        let mut bytes = vec![0u8; len];
+        for piece in &saved[spec.name.as_str()].pieces {
+            let (a, b) = (piece.offset.max(lo), (piece.offset + piece.numel).min(hi));
+            if a >= b {
+                continue;
+            }
+            let reader = match readers.entry(piece.file) {
+                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    e.insert(file::Reader::open(&path.join(&index.files[piece.file as usize]))?)
+                }
+            };
+            let dst = &mut bytes[(a - lo) * size..(b - lo) * size];
+            reader.read(&piece.tensor, (st, size), piece.numel, a - piece.offset, dst)?;
+        }
+        out.push((p, bytes));
+    }
+    Ok(out)
+}
+
+/// What `collsched ckpt inspect` checks: the index, and every piece it names present in its
+/// file with its size. Returns the index and the bytes of each file's pieces.
+///
+/// # Errors
+/// As [`read_index`]; [`CheckpointError::Corrupt`] naming the file and tensor that is missing,
+/// truncated or of another size.
+pub fn inspect(path: &Path) -> Result<(Index, Vec<u64>), CheckpointError> {
+    let index = read_index(path)?;
+    let mut sizes = vec![0u64; index.files.len()];
+    let readers: Vec<file::Reader> =
+        index.files.iter().map(|f| file::Reader::open(&path.join(f))).collect::<Result<_, _>>()?;
+    let lens: Vec<HashMap<&str, usize>> = readers.iter().map(|r| r.tensors().collect()).collect();
+    for p in &index.params {
+        let size = p.dtype.parse::<collsched_buckets::DType>().map(|d| d.size()).unwrap_or(1);
+        for piece in &p.pieces {
+            let f = piece.file as usize;
+            match lens[f].get(piece.tensor.as_str()) {
+                Some(&n) if n == piece.numel * size => sizes[f] += n as u64,
+                found => {
+                    return Err(CheckpointError::Corrupt {
+                        path: path.join(&index.files[f]),
+                        what: format!(
+                            "tensor {} of parameter {}: {} bytes expected, {}",
+                            piece.tensor,
+                            p.name,
+                            piece.numel * size,
+                            found.map_or("missing".to_string(), |n| format!("{n} found"))
+                        ),
+                    })
+                }
+            }
+        }
+    }
+    Ok((index, sizes))
+}

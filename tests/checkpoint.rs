@@ -1,0 +1,265 @@
+//! Checkpoints: saved at one layout, loaded into others; refused when they do not fit, are
+//! incomplete or damaged; a save some rank never enters fails on the others, naming it.
+//! Expected values are computed here from the parameters' definitions, not read back through
+//! the library.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use collsched::backend::local::{LocalConfig, LocalWorld};
+use collsched::buckets::{Boundary, DType, ParamId, Sharding};
+use collsched::checkpoint::{self, CheckpointError};
+use collsched::schedule::{plan_from_json, Plan, SchedulerConfig};
+use collsched::ModelState;
+
+const PARAMS: &str = r#"{"params": [
+    {"name": "emb", "shape": [37, 24], "dtype": "f32"},
+    {"name": "w1", "shape": [24, 13], "dtype": "bf16"},
+    {"name": "b1", "shape": [13], "dtype": "f32"},
+    {"name": "w2", "shape": [13, 7], "dtype": "f32", "trainable": false},
+    {"name": "b2", "shape": [7], "dtype": "f16"}
+]}"#;
+
+fn plan(json: &str, strategy: &str, world: u32, bucket: usize) -> Plan {
+    let s: Sharding = strategy.parse().expect("strategy");
+    plan_from_json(json, s, world, bucket, 256, Boundary::Size).expect("plan")
+}
+
+/// Element `i` of parameter `k`, version `v`: distinct, exact in bf16 and f16.
+fn value(k: usize, i: usize, v: u32) -> f32 {
+    (((k * 131 + i * 7) % 97) as f32 - 48.0) / 4.0 + v as f32
+}
+
+fn encode(dtype: DType, xs: impl Iterator<Item = f32>) -> Vec<u8> {
+    match dtype {
+        DType::F32 => xs.flat_map(f32::to_le_bytes).collect(),
+        DType::BF16 => xs.flat_map(|x| half::bf16::from_f32(x).to_le_bytes()).collect(),
+        DType::F16 => xs.flat_map(|x| half::f16::from_f32(x).to_le_bytes()).collect(),
+        other => panic!("no test values for {other}"),
+    }
+}
+
+/// Every parameter's full value, version `v`, by id.
+fn full(plan: &Plan, v: u32) -> Vec<Vec<u8>> {
+    let set = plan.layout().params();
+    set.ids()
+        .map(|p| encode(set.specs()[p.index()].dtype, (0..set.numel(p)).map(|i| value(p.index(), i, v))))
+        .collect()
+}
+
+/// Runs `f` on every rank of a model state built with `plan` and values `v`.
+fn on_ranks<T: Send>(
+    plan: &Plan,
+    v: u32,
+    timeout: Duration,
+    f: impl Fn(&ModelState<collsched::backend::local::LocalRank>) -> T + Sync,
+) -> Vec<T> {
+    let world = plan.layout().world() as usize;
+    let config = LocalConfig { timeout, ..LocalConfig::default() };
+    let w = LocalWorld::with_config(world, config).expect("world");
+    let init = full(plan, v);
+    w.run(|rank| {
+        let bufs: Vec<&[u8]> = init.iter().map(Vec::as_slice).collect();
+        let state = ModelState::new(Arc::new(rank), plan, &bufs).expect("model state");
+        f(&state)
+    })
+    .expect("run")
+    .into_iter()
+    .map(|r| r.expect("rank thread"))
+    .collect()
+}
+
+/// Every parameter's full value as the model state now gathers it.
+fn gathered(state: &ModelState<collsched::backend::local::LocalRank>) -> Vec<Vec<u8>> {
+    let mut c = state.coordinator(SchedulerConfig::default()).expect("coordinator");
+    let n = state.plan().layout().params().len() as u32;
+    let ids: Vec<ParamId> = (0..n).map(ParamId).collect();
+    let out = {
+        let v = c.fetch(&ids).expect("fetch");
+        ids.iter().map(|&p| v.bytes(p).expect("view").to_vec()).collect()
+    };
+    c.release(&ids).expect("release");
+    c.end_step().expect("end step");
+    out
+}
+
+fn tmp(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("collsched-ckpt-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).expect("temp dir");
+    d
+}
+
+/// Saves version 1 of the model at 4 ranks, even, small buckets.
+fn save_v1(dir: &Path) -> checkpoint::Index {
+    let saved = plan(PARAMS, "even", 4, 1024);
+    let out = on_ranks(&saved, 1, Duration::from_secs(60), |s| checkpoint::save(s, dir, 7));
+    let mut indexes: Vec<_> = out.into_iter().map(|r| r.expect("save")).collect();
+    let first = indexes.remove(0);
+    assert!(indexes.iter().all(|i| *i == first), "ranks returned different indexes");
+    first
+}
+
+#[test]
+fn saved_at_4_even_loads_at_2_greedy_3_flat_4_hybrid_and_other_buckets() {
+    let root = tmp("layouts");
+    let ckpt = root.join("step7");
+    let index = save_v1(&ckpt);
+    assert_eq!((index.world, index.strategy.as_str(), index.step), (4, "even", 7));
+    assert!(ckpt.join("index.json").is_file() && !root.join("step7.partial").exists());
+    for (strategy, world, bucket) in
+        [("greedy", 2, 4096), ("flat", 3, 1 << 20), ("hybrid:2", 4, 2048), ("even", 1, 512)]
+    {
+        let p = plan(PARAMS, strategy, world, bucket);
+        let want = full(&p, 1);
+        let got = on_ranks(&p, 0, Duration::from_secs(60), |s| {
+            let before = gathered(s);
+            let index = checkpoint::load(s, &ckpt).expect("load");
+            (before, index.step, gathered(s))
+        });
+        for (r, (before, step, after)) in got.into_iter().enumerate() {
+            assert_eq!(step, 7);
+            assert_eq!(before, full(&p, 0), "{strategy} rank {r}: the model did not start from version 0");
+            assert_eq!(after.len(), want.len());
+            for (k, (a, w)) in after.iter().zip(&want).enumerate() {
+                assert_eq!(a, w, "{strategy} at {world} ranks, rank {r}: parameter {k} differs after load");
+            }
+        }
+    }
+    std::fs::remove_dir_all(&root).ok();
+}
+
+#[test]
+fn a_second_save_replaces_the_first_and_leaves_nothing_beside_it() {
+    let root = tmp("replace");
+    let ckpt = root.join("latest");
+    save_v1(&ckpt);
+    let p = plan(PARAMS, "flat", 2, 4096);
+    let out = on_ranks(&p, 2, Duration::from_secs(60), |s| checkpoint::save(s, &ckpt, 8).map(|i| i.step));
+    assert!(out.iter().all(|r| matches!(r, Ok(8))));
+    let mut names: Vec<String> = std::fs::read_dir(&root)
+        .expect("ls")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["latest"]);
+    let index = checkpoint::read_index(&ckpt).expect("index");
+    assert_eq!((index.world, index.step), (2, 8));
+    let back = on_ranks(&p, 0, Duration::from_secs(60), |s| {
+        checkpoint::load(s, &ckpt).expect("load");
+        gathered(s)
+    });
+    assert!(back.iter().all(|g| *g == full(&p, 2)));
+    std::fs::remove_dir_all(&root).ok();
+}
+
+#[test]
+fn a_model_that_does_not_fit_is_refused_naming_every_difference_and_nothing_changes() {
+    let root = tmp("mismatch");
+    let ckpt = root.join("c");
+    save_v1(&ckpt);
+    let other = PARAMS.replace(r#""name": "b1", "shape": [13]"#, r#""name": "b1", "shape": [14]"#).replace(
+        r#"{"name": "b2", "shape": [7], "dtype": "f16"}"#,
+        r#"{"name": "bias2", "shape": [7], "dtype": "f16"}"#,
+    );
+    let p = plan(&other, "even", 2, 4096);
+    let got =
+        on_ranks(&p, 0, Duration::from_secs(60), |s| (checkpoint::load(s, &ckpt).map(|_| ()), gathered(s)));
+    for (r, (res, after)) in got.into_iter().enumerate() {
+        let msg = match res {
+            Err(e @ CheckpointError::Mismatch { .. }) => e.to_string(),
+            other => panic!("rank {r}: expected a mismatch, got {other:?}"),
+        };
+        for word in
+            ["b1", "[14]", "bias2 is not in the checkpoint", "b2 is not in the model", "nothing was loaded"]
+        {
+            assert!(msg.contains(word), "rank {r}: {msg:?} lacks {word:?}");
+        }
+        assert_eq!(after, full(&p, 0), "rank {r}: shards changed although the load was refused");
+    }
+    std::fs::remove_dir_all(&root).ok();
+}
+
+#[test]
+fn incomplete_and_damaged_checkpoints_are_refused_naming_the_file() {
+    let root = tmp("damaged");
+    let ckpt = root.join("c");
+    save_v1(&ckpt);
+    let p = plan(PARAMS, "greedy", 2, 4096);
+    // A file cut short: every rank refuses (the one reading it names it, the other names it).
+    let victim = ckpt.join("rank-1.safetensors");
+    let bytes = std::fs::read(&victim).expect("read");
+    std::fs::write(&victim, &bytes[..bytes.len() - 10]).expect("truncate");
+    let got =
+        on_ranks(&p, 0, Duration::from_secs(60), |s| (checkpoint::load(s, &ckpt).map(|_| ()), gathered(s)));
+    let mut named = false;
+    for (r, (res, after)) in got.into_iter().enumerate() {
+        let msg = res.expect_err("a truncated checkpoint loaded").to_string();
+        named |= msg.contains("rank-1.safetensors") && msg.contains("truncated");
+        assert!(msg.contains("rank-1.safetensors") || msg.contains("failed"), "rank {r}: {msg}");
+        assert_eq!(after, full(&p, 0), "rank {r}: shards changed although the load failed");
+    }
+    assert!(named, "no rank named the truncated file");
+    let inspected = checkpoint::inspect(&ckpt).expect_err("inspect passed a truncated file").to_string();
+    assert!(inspected.contains("rank-1.safetensors"), "{inspected}");
+    // No index: a save that did not finish.
+    std::fs::remove_file(ckpt.join("index.json")).expect("rm index");
+    let e = checkpoint::read_index(&ckpt).expect_err("an incomplete checkpoint was read");
+    assert!(
+        matches!(e, CheckpointError::Incomplete { .. }) && e.to_string().contains("did not finish"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&root).ok();
+}
+
+#[test]
+fn a_save_that_only_rank_0_enters_fails_naming_the_others_and_writes_no_index() {
+    let root = tmp("alone");
+    let ckpt = root.join("c");
+    let p = plan(PARAMS, "even", 3, 4096);
+    let got = on_ranks(&p, 0, Duration::from_millis(1500), |s| {
+        if s.rank() == 0 {
+            Some(checkpoint::save(s, &ckpt, 1).map(|_| ()))
+        } else {
+            // Alive, busy elsewhere (AllenNLP's hang: its own barrier), past the timeout.
+            std::thread::sleep(Duration::from_millis(3000));
+            None
+        }
+    });
+    let msg = got[0].as_ref().expect("rank 0 result").as_ref().expect_err("rank 0 saved alone").to_string();
+    assert!(msg.contains("checkpoint agreement") && msg.contains("[1, 2]"), "{msg}");
+    assert!(!ckpt.exists(), "a checkpoint appeared although the save failed");
+    assert!(!root.join("c.partial").join("index.json").exists());
+    std::fs::remove_dir_all(&root).ok();
+}
+
+#[test]
+fn inspect_reports_the_index_and_the_cli_prints_it() {
+    let root = tmp("inspect");
+    let ckpt = root.join("c");
+    let index = save_v1(&ckpt);
+    let (got, sizes) = checkpoint::inspect(&ckpt).expect("inspect");
+    assert_eq!(got, index);
+    let want: u64 = full(&plan(PARAMS, "even", 1, 4096), 0).iter().map(|b| b.len() as u64).sum();
+    assert_eq!(sizes.iter().sum::<u64>(), want, "every element once");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_collsched"))
+        .args(["ckpt", "inspect"])
+        .arg(&ckpt)
+        .output()
+        .expect("run collsched");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text} {}", String::from_utf8_lossy(&out.stderr));
+    for word in ["world 4", "even", "step 7", "emb", "[37, 24]", "rank-0.safetensors"] {
+        assert!(text.contains(word), "{text:?} lacks {word:?}");
+    }
+    std::fs::remove_file(ckpt.join("index.json")).expect("rm index");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_collsched"))
+        .args(["ckpt", "inspect"])
+        .arg(&ckpt)
+        .output()
+        .expect("run collsched");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("index.json"));
+    std::fs::remove_dir_all(&root).ok();
+}
