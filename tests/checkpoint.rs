@@ -263,3 +263,71 @@ fn inspect_reports_the_index_and_the_cli_prints_it() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("index.json"));
     std::fs::remove_dir_all(&root).ok();
 }
+
+#[test]
+fn per_parameter_states_and_metadata_follow_the_elements_into_another_layout() {
+    let root = tmp("states");
+    let ckpt = root.join("c");
+    let saved = plan(PARAMS, "even", 4, 1024);
+    let set = saved.layout().params().clone();
+    // State "m": element i of parameter k is value(k, i, 5) in f32, on every rank.
+    on_ranks(&saved, 1, Duration::from_secs(60), |s| {
+        let extras: Vec<checkpoint::ExtraState> = set
+            .ids()
+            .map(|p| {
+                let (from, len) = s.read_shard(p, |at, b| (at, b.len())).expect("shard");
+                let n = len / set.specs()[p.index()].dtype.size();
+                let data = encode(DType::F32, (from..from + n).map(|i| value(p.index(), i, 5)));
+                checkpoint::ExtraState { name: "m".into(), param: p, dtype: DType::F32, data }
+            })
+            .collect();
+        let meta = serde_json::json!({"lr": 0.5});
+        checkpoint::save_with(s, &ckpt, 3, &extras, meta).expect("save")
+    });
+    let index = checkpoint::read_index(&ckpt).expect("index");
+    assert_eq!(index.meta["lr"], 0.5);
+    assert_eq!(index.extras.len(), set.len());
+    let p = plan(PARAMS, "greedy", 2, 4096);
+    let got = on_ranks(&p, 0, Duration::from_secs(60), |s| {
+        let wanted: Vec<(ParamId, String)> = s
+            .plan()
+            .layout()
+            .params()
+            .ids()
+            .flat_map(|q| [(q, "m".to_string()), (q, "none".to_string())])
+            .collect();
+        let (_, states) = checkpoint::load_with(s, &ckpt, &wanted).expect("load");
+        let runs: Vec<(usize, usize)> = s
+            .plan()
+            .layout()
+            .params()
+            .ids()
+            .map(|q| {
+                s.read_shard(q, |at, b| {
+                    (at, b.len() / s.plan().layout().params().specs()[q.index()].dtype.size())
+                })
+                .expect("run")
+            })
+            .collect();
+        (states, runs)
+    });
+    for (r, (states, runs)) in got.into_iter().enumerate() {
+        assert_eq!(states.len(), 2 * runs.len());
+        for (k, &(from, n)) in runs.iter().enumerate() {
+            let m = &states[2 * k];
+            if n == 0 {
+                continue;
+            }
+            let (dtype, bytes) =
+                m.as_ref().unwrap_or_else(|| panic!("rank {r}: state m of parameter {k} missing"));
+            assert_eq!(*dtype, DType::F32);
+            assert_eq!(
+                *bytes,
+                encode(DType::F32, (from..from + n).map(|i| value(k, i, 5))),
+                "rank {r} parameter {k}"
+            );
+            assert!(states[2 * k + 1].is_none(), "rank {r}: a state never saved was found");
+        }
+    }
+    std::fs::remove_dir_all(&root).ok();
+}

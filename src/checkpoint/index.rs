@@ -24,6 +24,14 @@ pub struct Index {
     pub files: Vec<String>,
     /// Every parameter, in the plan's order.
     pub params: Vec<IndexParam>,
+    /// Per-parameter states saved beside the parameters (an optimizer's moments), each named
+    /// `param#state`, with the parameter's shape and pieces; they may cover only some elements
+    /// (ranks without the state saved none).
+    #[serde(default)]
+    pub extras: Vec<IndexParam>,
+    /// What the caller gave to keep with the checkpoint (optimizer hyperparameters, counters).
+    #[serde(default)]
+    pub meta: serde_json::Value,
 }
 
 /// One parameter of an [`Index`] and the pieces that hold it.
@@ -60,42 +68,52 @@ pub fn tensor_name(param: &str, offset: usize) -> String {
 }
 
 impl Index {
-    /// Checks that the pieces of every parameter cover its elements exactly once and name
-    /// files of the index; returns the first problem as text.
+    /// Checks that the pieces of every parameter cover its elements exactly once (those of an
+    /// extra state at most once) and name files of the index; returns the first problem.
     pub fn check(&self) -> Result<(), String> {
         if self.format != FORMAT {
             return Err(format!("format {:?}, expected {FORMAT:?}", self.format));
         }
         for p in &self.params {
-            let numel = p
-                .shape
-                .iter()
-                .try_fold(1usize, |a, &d| a.checked_mul(d))
-                .ok_or_else(|| format!("parameter {}: shape {:?} overflows", p.name, p.shape))?;
-            let mut next = 0;
-            for piece in &p.pieces {
-                if piece.file as usize >= self.files.len() {
-                    return Err(format!(
-                        "parameter {}: a piece names file {} of {}",
-                        p.name,
-                        piece.file,
-                        self.files.len()
-                    ));
-                }
-                if piece.offset != next {
-                    return Err(format!(
-                        "parameter {}: elements {next}..{} are in no piece (or in two)",
-                        p.name, piece.offset
-                    ));
-                }
-                next = piece
-                    .offset
-                    .checked_add(piece.numel)
-                    .ok_or_else(|| format!("parameter {}: piece overflows", p.name))?;
+            p.check_pieces(self.files.len(), true)?;
+        }
+        for p in &self.extras {
+            p.check_pieces(self.files.len(), false)?;
+        }
+        Ok(())
+    }
+}
+
+impl IndexParam {
+    /// Elements of the parameter, if its shape does not overflow.
+    pub fn numel(&self) -> Option<usize> {
+        self.shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d))
+    }
+
+    /// Pieces in element order, inside the parameter, in files of the index; with `whole`,
+    /// covering every element.
+    fn check_pieces(&self, files: usize, whole: bool) -> Result<(), String> {
+        let name = &self.name;
+        let numel =
+            self.numel().ok_or_else(|| format!("parameter {name}: shape {:?} overflows", self.shape))?;
+        let mut next = 0;
+        for piece in &self.pieces {
+            if piece.file as usize >= files {
+                return Err(format!("parameter {name}: a piece names file {} of {files}", piece.file));
             }
-            if next != numel {
-                return Err(format!("parameter {}: its pieces hold {next} of its {numel} elements", p.name));
+            if piece.offset < next || (whole && piece.offset != next) {
+                return Err(format!(
+                    "parameter {name}: elements {next}..{} are in no piece (or in two)",
+                    piece.offset
+                ));
             }
+            next = piece
+                .offset
+                .checked_add(piece.numel)
+                .ok_or_else(|| format!("parameter {name}: piece overflows"))?;
+        }
+        if next > numel || (whole && next != numel) {
+            return Err(format!("parameter {name}: its pieces hold {next} of its {numel} elements"));
         }
         Ok(())
     }

@@ -144,8 +144,23 @@ fn agree<B: Backend, T>(
     }
 }
 
+/// A per-parameter state this rank saves beside its shard of the parameter (an optimizer's
+/// moment): `data` holds the state of exactly this rank's elements of `param`, in `dtype`.
+#[derive(Clone, Debug)]
+pub struct ExtraState {
+    /// The state's name (`exp_avg`); saved as `param#name`.
+    pub name: String,
+    /// The parameter it belongs to.
+    pub param: ParamId,
+    /// Its element type.
+    pub dtype: collsched_buckets::DType,
+    /// Its bytes: one element per element of this rank's run of the parameter.
+    pub data: Vec<u8>,
+}
+
 /// Saves the model's shards to the directory `path` (collective: every rank calls it, with
-/// nothing gathered). Returns the index written.
+/// nothing gathered). Returns the index written. [`save_with`] also saves per-parameter
+/// states and the caller's metadata.
 ///
 /// # Errors
 /// [`CheckpointError::Io`] naming the file this rank could not write; [`CheckpointError::Peers`]
@@ -153,6 +168,23 @@ fn agree<B: Backend, T>(
 /// calls makes the others fail after the backend's timeout, naming it). A failed save leaves
 /// `path` as it was (the previous checkpoint, if any) and no index in `PATH.partial`.
 pub fn save<B: Backend>(state: &ModelState<B>, path: &Path, step: u64) -> Result<Index, CheckpointError> {
+    save_with(state, path, step, &[], serde_json::Value::Null)
+}
+
+/// [`save`], with this rank's per-parameter states (`extras`: each rank gives the states of its
+/// own elements; a state only some ranks have covers only their elements) and `meta` (kept as
+/// given by rank 0, in the index).
+///
+/// # Errors
+/// As [`save`]; [`CheckpointError::Mismatch`] for a state whose size is not this rank's
+/// elements of its parameter.
+pub fn save_with<B: Backend>(
+    state: &ModelState<B>,
+    path: &Path,
+    step: u64,
+    extras: &[ExtraState],
+    meta: serde_json::Value,
+) -> Result<Index, CheckpointError> {
     let me = state.rank();
     let plan = state.plan();
     let partial = sibling(path, ".partial");
@@ -168,21 +200,60 @@ pub fn save<B: Backend>(state: &ModelState<B>, path: &Path, step: u64) -> Result
     };
     agree(state, prepared, "save: preparing the directory", "nothing was written")?;
     let all = pieces(plan);
-    let written = write_mine(state, &partial, &all[me]);
-    agree(state, written, "save: writing shards", "no index was written; the previous checkpoint is intact")?;
-    let index = index_of(plan, &all, step);
+    let written = write_mine(state, &partial, &all[me], extras);
+    let wrote = agree(
+        state,
+        written,
+        "save: writing shards",
+        "no index was written; the previous checkpoint is intact",
+    )?;
+    // Which states each rank wrote (rank 0 indexes them).
+    let wrote = all_gather_bytes(state, &serde_json::to_vec(&wrote).unwrap_or_default())?;
+    let wrote: Vec<Vec<(u32, String, String)>> =
+        wrote.iter().map(|b| serde_json::from_slice(b).unwrap_or_default()).collect();
+    let mut index = index_of(plan, &all, step, &wrote);
+    index.meta = meta;
     let committed = if me == 0 { commit(path, &partial, &index) } else { Ok(()) };
     agree(state, committed, "save: committing", "the previous checkpoint is intact")?;
     Ok(index)
 }
 
+/// This rank's file: its pieces of the parameters and of their states. Returns the states
+/// written, as (parameter index, state, dtype).
 fn write_mine<B: Backend>(
     state: &ModelState<B>,
     dir: &Path,
     mine: &[(ParamId, usize, usize)],
-) -> Result<(), CheckpointError> {
+    extras: &[ExtraState],
+) -> Result<Vec<(u32, String, String)>, CheckpointError> {
     let set = state.plan().layout().params();
     let mut data = Vec::with_capacity(mine.len());
+    let mut wrote = Vec::new();
+    for e in extras {
+        let Some(&(p, offset, numel)) = mine.iter().find(|m| m.0 == e.param) else {
+            // Another rank saves these elements (a replica of hybrid sharding), or none exist.
+            continue;
+        };
+        let name = set.name(p);
+        if e.data.len() != numel * e.dtype.size() || e.name.is_empty() || e.name.contains(['#', '@']) {
+            return Err(CheckpointError::Mismatch {
+                path: dir.to_path_buf(),
+                what: vec![format!(
+                    "state {:?} of parameter {name}: {} bytes for this rank's {numel} elements of {} (give a name \
+                     without '#' or '@', one element per element)",
+                    e.name,
+                    e.data.len(),
+                    e.dtype
+                )],
+            });
+        }
+        let st = file::st_dtype(e.dtype.name()).ok_or_else(|| CheckpointError::Io {
+            path: dir.to_path_buf(),
+            what: format!("state {} of {name}: dtype {} has no safetensors name", e.name, e.dtype.name()),
+        })?;
+        data.push((tensor_name(&format!("{name}#{}", e.name), offset), st, numel, e.data.clone()));
+        wrote.push((p.0, e.name.clone(), e.dtype.name().to_string()));
+    }
     for &(p, offset, numel) in mine {
         let bytes = state.read_shard(p, |at, b| (at == offset).then(|| b.to_vec()))?;
         let dtype = set.specs()[p.index()].dtype;
@@ -201,16 +272,46 @@ fn write_mine<B: Backend>(
         data.push((tensor_name(set.name(p), offset), st, numel, bytes));
     }
     if data.is_empty() {
-        return Ok(());
+        return Ok(wrote);
     }
     let views: Vec<(String, file::Piece<'_>)> = data
         .iter()
         .map(|(n, st, numel, b)| (n.clone(), file::Piece { dtype: *st, shape: [*numel], data: b }))
         .collect();
-    file::write(&dir.join(file_name(state.rank())), &views)
+    file::write(&dir.join(file_name(state.rank())), &views)?;
+    Ok(wrote)
 }
 
-fn index_of(plan: &Plan, all: &[Vec<(ParamId, usize, usize)>], step: u64) -> Index {
+/// Every rank's `bytes` (any length), by rank.
+fn all_gather_bytes<B: Backend>(
+    state: &ModelState<B>,
+    bytes: &[u8],
+) -> Result<Vec<Vec<u8>>, CheckpointError> {
+    let lens = state.all_gather_words(&[bytes.len() as u64], "checkpoint agreement")?;
+    let words = lens.iter().map(|&l| (l as usize).div_ceil(8)).max().unwrap_or(0);
+    let mut mine = vec![0u64; words];
+    for (i, c) in bytes.chunks(8).enumerate() {
+        let mut w = [0u8; 8];
+        w[..c.len()].copy_from_slice(c);
+        mine[i] = u64::from_le_bytes(w);
+    }
+    let all = state.all_gather_words(&mine, "checkpoint agreement")?;
+    Ok(lens
+        .iter()
+        .enumerate()
+        .map(|(r, &l)| {
+            let b: Vec<u8> = all[r * words..(r + 1) * words].iter().flat_map(|w| w.to_le_bytes()).collect();
+            b[..(l as usize).min(b.len())].to_vec()
+        })
+        .collect())
+}
+
+fn index_of(
+    plan: &Plan,
+    all: &[Vec<(ParamId, usize, usize)>],
+    step: u64,
+    wrote: &[Vec<(u32, String, String)>],
+) -> Index {
     let layout = plan.layout();
     let set = layout.params();
     let ranks: Vec<usize> = (0..all.len()).filter(|&r| !all[r].is_empty()).collect();
@@ -240,6 +341,25 @@ fn index_of(plan: &Plan, all: &[Vec<(ParamId, usize, usize)>], step: u64) -> Ind
             }
         })
         .collect();
+    // States: (parameter, name) -> dtype and pieces, from the ranks that wrote them.
+    let mut extras: std::collections::BTreeMap<(u32, String), (String, Vec<Piece>)> = Default::default();
+    for (r, list) in wrote.iter().enumerate() {
+        for (p, name, dtype) in list {
+            let Some(&(_, offset, numel)) = all[r].iter().find(|m| m.0 .0 == *p) else { continue };
+            let Some(&file) = file_of.get(&r) else { continue };
+            let pname = set.name(ParamId(*p));
+            let e = extras.entry((*p, name.clone())).or_insert_with(|| (dtype.clone(), Vec::new()));
+            e.1.push(Piece { file, tensor: tensor_name(&format!("{pname}#{name}"), offset), offset, numel });
+        }
+    }
+    let extras = extras
+        .into_iter()
+        .map(|((p, name), (dtype, mut pieces))| {
+            pieces.sort_by_key(|x| x.offset);
+            let spec = &set.specs()[p as usize];
+            IndexParam { name: format!("{}#{name}", spec.name), shape: spec.shape.to_vec(), dtype, pieces }
+        })
+        .collect();
     Index {
         format: FORMAT.to_string(),
         world: layout.world(),
@@ -248,6 +368,8 @@ fn index_of(plan: &Plan, all: &[Vec<(ParamId, usize, usize)>], step: u64) -> Ind
         step,
         files: ranks.iter().map(|&r| file_name(r)).collect(),
         params,
+        extras,
+        meta: serde_json::Value::Null,
     }
 }
 
@@ -306,16 +428,78 @@ pub fn read_index(path: &Path) -> Result<Index, CheckpointError> {
 /// [`CheckpointError::Peers`] when another rank could not read its part. On any error no
 /// rank's shards changed.
 pub fn load<B: Backend>(state: &ModelState<B>, path: &Path) -> Result<Index, CheckpointError> {
+    load_with(state, path, &[]).map(|(index, _)| index)
+}
+
+/// A per-parameter state as [`load_with`] reads it: its dtype and this rank's elements.
+pub type LoadedState = Option<(collsched_buckets::DType, Vec<u8>)>;
+
+/// [`load`], also reading the states `wanted` (parameter, state name) for this rank's elements
+/// of each parameter: `None` where the checkpoint does not hold the state for every one of
+/// them (a state the saving ranks did not have).
+///
+/// # Errors
+/// As [`load`].
+pub fn load_with<B: Backend>(
+    state: &ModelState<B>,
+    path: &Path,
+    wanted: &[(ParamId, String)],
+) -> Result<(Index, Vec<LoadedState>), CheckpointError> {
     let read = read_index(path).and_then(|index| {
         check_fits(state, path, &index)?;
-        let data = read_mine(state, path, &index)?;
-        Ok((index, data))
+        let (data, extras) = {
+            let mut files = Files { dir: path, index: &index, readers: HashMap::new() };
+            (read_mine(state, &mut files)?, read_states(state, &mut files, wanted)?)
+        };
+        Ok((index, data, extras))
     });
-    let (index, data) = agree(state, read, "load: reading", "nothing was loaded")?;
+    let (index, data, extras) = agree(state, read, "load: reading", "nothing was loaded")?;
     for (p, bytes) in &data {
         state.write_shard(*p, |_, dst| dst.copy_from_slice(bytes))?;
     }
-    Ok(index)
+    Ok((index, extras))
+}
+
+/// The data files of a checkpoint, opened as pieces are read.
+struct Files<'a> {
+    dir: &'a Path,
+    index: &'a Index,
+    readers: HashMap<u32, file::Reader>,
+}
+
+impl Files<'_> {
+    /// Elements `lo..hi` of `saved` (elements of `size` bytes), or `None` if its pieces do not
+    /// hold them all.
+    fn range(
+        &mut self,
+        saved: &IndexParam,
+        lo: usize,
+        hi: usize,
+        size: usize,
+    ) -> Result<Option<Vec<u8>>, CheckpointError> {
+        let st = file::st_dtype(&saved.dtype).ok_or_else(|| CheckpointError::Corrupt {
+            path: self.dir.join("index.json"),
+            what: format!("{}: unknown dtype {}", saved.name, saved.dtype),
+        })?;
+        let mut bytes = vec![0u8; (hi - lo) * size];
+        let mut covered = 0;
+        for piece in &saved.pieces {
+            let (a, b) = (piece.offset.max(lo), (piece.offset + piece.numel).min(hi));
+            if a >= b {
+                continue;
+            }
+            let reader = match self.readers.entry(piece.file) {
+                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    e.insert(file::Reader::open(&self.dir.join(&self.index.files[piece.file as usize]))?)
+                }
+            };
+            let dst = &mut bytes[(a - lo) * size..(b - lo) * size];
+            reader.read(&piece.tensor, (st, size), piece.numel, a - piece.offset, dst)?;
+            covered += b - a;
+        }
+        Ok((covered == hi - lo).then_some(bytes))
+    }
 }
 
 fn check_fits<B: Backend>(state: &ModelState<B>, path: &Path, index: &Index) -> Result<(), CheckpointError> {
@@ -353,12 +537,10 @@ fn check_fits<B: Backend>(state: &ModelState<B>, path: &Path, index: &Index) -> 
 /// This rank's shard bytes of every parameter, read from the pieces that overlap them.
 fn read_mine<B: Backend>(
     state: &ModelState<B>,
-    path: &Path,
-    index: &Index,
+    files: &mut Files<'_>,
 ) -> Result<Vec<(ParamId, Vec<u8>)>, CheckpointError> {
     let set = state.plan().layout().params();
-    let saved: HashMap<&str, &IndexParam> = index.params.iter().map(|p| (p.name.as_str(), p)).collect();
-    let mut readers: HashMap<u32, file::Reader> = HashMap::new();
+    let saved: HashMap<&str, &IndexParam> = files.index.params.iter().map(|p| (p.name.as_str(), p)).collect();
     let mut out = Vec::new();
     for p in set.ids() {
         let spec = &set.specs()[p.index()];
@@ -367,27 +549,52 @@ fn read_mine<B: Backend>(
             continue;
         }
         let size = spec.dtype.size();
-        let (lo, hi) = (from, from + len / size);
-        let st = file::st_dtype(spec.dtype.name()).ok_or_else(|| CheckpointError::Io {
-            path: path.to_path_buf(),
-            what: format!("parameter {}: dtype {} has no safetensors name", spec.name, spec.dtype.name()),
-        })?;
-        let mut bytes = vec![0u8; len];
-        for piece in &saved[spec.name.as_str()].pieces {
-            let (a, b) = (piece.offset.max(lo), (piece.offset + piece.numel).min(hi));
-            if a >= b {
-                continue;
-            }
-            let reader = match readers.entry(piece.file) {
-                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-                std::collections::hash_map::Entry::Vacant(e) => {
-                    e.insert(file::Reader::open(&path.join(&index.files[piece.file as usize]))?)
+        let bytes =
+            files.range(saved[spec.name.as_str()], from, from + len / size, size)?.ok_or_else(|| {
+                CheckpointError::Corrupt {
+                    path: files.dir.join("index.json"),
+                    what: format!(
+                        "parameter {}: its pieces do not hold elements {from}..{}",
+                        spec.name,
+                        from + len / size
+                    ),
                 }
-            };
-            let dst = &mut bytes[(a - lo) * size..(b - lo) * size];
-            reader.read(&piece.tensor, (st, size), piece.numel, a - piece.offset, dst)?;
-        }
+            })?;
         out.push((p, bytes));
+    }
+    Ok(out)
+}
+
+/// The states `wanted` of this rank's elements of their parameters.
+fn read_states<B: Backend>(
+    state: &ModelState<B>,
+    files: &mut Files<'_>,
+    wanted: &[(ParamId, String)],
+) -> Result<Vec<LoadedState>, CheckpointError> {
+    let set = state.plan().layout().params();
+    let index = files.index;
+    let mut out = Vec::with_capacity(wanted.len());
+    for (p, name) in wanted {
+        let Some(spec) = set.specs().get(p.index()) else {
+            return Err(RuntimeError::Param {
+                rank: state.rank(),
+                param: None,
+                what: format!("parameter id {p} is not in the plan"),
+            }
+            .into());
+        };
+        let full = format!("{}#{name}", spec.name);
+        let Some(saved) = index.extras.iter().find(|e| e.name == full) else {
+            out.push(None);
+            continue;
+        };
+        let Ok(dtype) = saved.dtype.parse::<collsched_buckets::DType>() else {
+            out.push(None);
+            continue;
+        };
+        let (from, len) = state.read_shard(*p, |at, b| (at, b.len()))?;
+        let numel = len / spec.dtype.size();
+        out.push(files.range(saved, from, from + numel, dtype.size())?.map(|b| (dtype, b)));
     }
     Ok(out)
 }
