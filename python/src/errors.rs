@@ -37,6 +37,15 @@ pub fn runtime(e: RuntimeError) -> PyErr {
     }
 }
 
+/// A checkpoint error as the matching exception (a runtime error inside as its own class).
+pub fn checkpoint(e: collsched::checkpoint::CheckpointError) -> PyErr {
+    match e {
+        collsched::checkpoint::CheckpointError::Runtime(r) => runtime(r),
+        e @ collsched::checkpoint::CheckpointError::Peers { .. } => PeerError::new_err(e.to_string()),
+        other => CollschedError::new_err(other.to_string()),
+    }
+}
+
 /// A backend error as the matching exception.
 pub fn backend(e: BackendError) -> PyErr {
     let msg = e.to_string();

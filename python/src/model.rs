@@ -7,7 +7,7 @@ use collsched::buckets::{BucketId, DType, ParamId};
 use collsched::kernels::ElemType;
 use collsched::runtime::StepStats;
 use collsched::schedule::{Explicit, GradReduce, PolicyKind, SchedulerConfig};
-use collsched::{Coordinator, ModelState};
+use collsched::{checkpoint, Coordinator, ModelState};
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyDict};
 
@@ -79,6 +79,49 @@ impl Model {
         Ok((region, r.param_offset, r.numel))
     }
 
+    /// Saves the shards to the checkpoint directory `path` (collective; between steps), with
+    /// per-parameter states `extras` (`(name, param id, dtype, address, bytes)`: this rank's
+    /// elements of a contiguous CPU tensor held during the call) and `meta` (JSON text, kept
+    /// in the index). Returns the index as JSON text.
+    #[pyo3(signature = (path, step, extras, meta))]
+    fn save(
+        &self,
+        path: std::path::PathBuf,
+        step: u64,
+        extras: Vec<(String, u32, String, usize, usize)>,
+        meta: &str,
+    ) -> PyResult<String> {
+        let meta: serde_json::Value = serde_json::from_str(meta).map_err(errors::other)?;
+        let mut states = Vec::with_capacity(extras.len());
+        for (name, id, dtype, addr, len) in extras {
+            let dtype: DType = dtype.parse().map_err(|e| errors::other(format!("state {name}: {e}")))?;
+            // SAFETY: `tensor_bytes`' contract: the Python caller passes a contiguous CPU
+            // tensor it holds for the duration of this call; the bytes are copied here.
+            let data = unsafe { tensor_bytes(addr, len) }.to_vec();
+            states.push(checkpoint::ExtraState { name, param: ParamId(id), dtype, data });
+        }
+        let index =
+            checkpoint::save_with(&self.state, &path, step, &states, meta).map_err(errors::checkpoint)?;
+        serde_json::to_string(&index).map_err(errors::other)
+    }
+
+    /// Loads the checkpoint at `path` into the shards (collective; between steps), whatever
+    /// layout saved it, and reads the states `wanted` (`(param id, name)`) of this rank's
+    /// elements: `(index JSON, [(dtype, bytes) or None])`.
+    fn load<'py>(
+        &self,
+        py: Python<'py>,
+        path: std::path::PathBuf,
+        wanted: Vec<(u32, String)>,
+    ) -> PyResult<LoadedStates<'py>> {
+        let wanted: Vec<(ParamId, String)> = wanted.into_iter().map(|(p, n)| (ParamId(p), n)).collect();
+        let (index, states) =
+            checkpoint::load_with(&self.state, &path, &wanted).map_err(errors::checkpoint)?;
+        let states =
+            states.into_iter().map(|s| s.map(|(d, b)| (d.name(), PyByteArray::new(py, &b)))).collect();
+        Ok((serde_json::to_string(&index).map_err(errors::other)?, states))
+    }
+
     /// A coordinator on this model (collective: exchanges the plan fingerprint).
     ///
     /// `policy`: "trace" (record the first step's fetch order, prefetch along it) or "none";
@@ -129,6 +172,9 @@ pub struct Engine {
     /// The model (owner of every region handed out).
     model: Py<PyAny>,
 }
+
+/// A loaded checkpoint: its index (JSON) and the states asked for (dtype, bytes).
+type LoadedStates<'py> = (String, Vec<Option<(&'static str, Bound<'py, PyByteArray>)>>);
 
 /// A reduced gradient shard: parameter id, first element, bytes, reduction dtype.
 type GradShard<'py> = (u32, usize, Bound<'py, PyByteArray>, &'static str);

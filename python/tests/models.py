@@ -110,7 +110,8 @@ def reference(spec: dict[str, Any], world: int) -> dict[str, Any]:
     over ranks as DDP and FSDP do (each rank's micro-batch gradients summed in order, in the
     reduction dtype, then the ranks' sums added in rank order and divided by the world), the
     same optimizer. Returns the losses (by step, micro-batch, rank) and the parameters after
-    every step (and, with ``eval_between``, every rank's evaluation losses)."""
+    every step (and, with ``eval_between``, every rank's evaluation losses). ``worlds`` gives
+    each step's world, for a run that changes its world size at a checkpoint."""
     # The ranks compute with one thread each; so does the reference (a kernel's summation
     # order can depend on its thread count).
     torch.set_num_threads(1)
@@ -120,7 +121,9 @@ def reference(spec: dict[str, Any], world: int) -> dict[str, Any]:
     params = dict(model.named_parameters())
     opt = optimizer(spec.get("opt", "adamw"), model.parameters())
     losses, after, evals = [], [], [[] for _ in range(world)]
+    worlds = spec.get("worlds", [world] * spec["steps"])
     for step in range(spec["steps"]):
+        world = worlds[step]
         frozen = spec.get("frozen", {}).get(step, [])
         for n, p in params.items():
             p.requires_grad_(not any(n.startswith(f) for f in frozen))

@@ -209,3 +209,32 @@ def sync_states(rank: int, world: int) -> dict[str, list]:
         cst.fully_shard(b, sync_module_states=True)
     cst.fully_shard(model, sync_module_states=True, bucket_mb=0.0005)
     return snapshot(cst.full_parameters(model))
+
+
+def checkpointed(rank: int, world: int, spec: dict[str, Any], path: str, phase: str) -> dict[str, Any]:
+    """``save``: train steps ``[0, split)`` and save; ``load``: a model from other values,
+    load, train steps ``[split, steps)``. Returns losses and parameters after each step."""
+    import collsched.torch as cst
+
+    name = spec["model"]
+    dtype = spec.get("dtype", torch.float32)
+    seed = spec.get("seed", 0) if phase == "save" else 12345
+    model = shard(models.build(name, seed, dtype), spec)
+    opt = models.optimizer(spec.get("opt", "adamw"), model.parameters())
+    split = spec["split"]
+    steps = range(0, split) if phase == "save" else range(split, spec["steps"])
+    if phase == "load":
+        index = cst.load_checkpoint(model, opt, path)
+        assert index["step"] == split and index["world"] == spec["save_world"], index
+    losses, after = [], []
+    for step in steps:
+        x, y = models.batch(name, spec.get("seed", 0), step, 0, rank, dtype)
+        loss = models.loss_fn(name, model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append([loss.item()])
+        after.append(snapshot(cst.full_parameters(model)))
+    if phase == "save":
+        cst.save_checkpoint(model, opt, path, step=split)
+    return {"losses": losses, "params": after}
