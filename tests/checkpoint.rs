@@ -331,3 +331,25 @@ fn per_parameter_states_and_metadata_follow_the_elements_into_another_layout() {
     }
     std::fs::remove_dir_all(&root).ok();
 }
+
+#[test]
+fn save_full_writes_one_safetensors_file_of_the_full_parameters() {
+    let root = tmp("full");
+    let file = root.join("model.safetensors");
+    let p = plan(PARAMS, "flat", 3, 1024);
+    let out = on_ranks(&p, 4, Duration::from_secs(60), |s| checkpoint::save_full(s, &file));
+    assert!(out.iter().all(Result::is_ok), "{out:?}");
+    let bytes = std::fs::read(&file).expect("read");
+    let st = safetensors::SafeTensors::deserialize(&bytes).expect("a safetensors file");
+    let set = p.layout().params();
+    let want = full(&p, 4);
+    assert_eq!(st.len(), set.len());
+    for q in set.ids() {
+        let spec = &set.specs()[q.index()];
+        let t = st.tensor(&spec.name).expect("tensor");
+        assert_eq!(t.shape(), spec.shape.to_vec().as_slice(), "{}", spec.name);
+        assert_eq!(t.data(), want[q.index()].as_slice(), "{}", spec.name);
+    }
+    assert!(!root.join("model.safetensors.tmp").exists());
+    std::fs::remove_dir_all(&root).ok();
+}

@@ -56,6 +56,8 @@ __all__ = [
     "CollschedError",
     "fully_shard",
     "full_parameters",
+    "full_state_dict",
+    "save_full",
     "load_checkpoint",
     "save_checkpoint",
     "init",
@@ -944,3 +946,33 @@ def load_checkpoint(module: nn.Module, optimizer: torch.optim.Optimizer | None, 
             else:
                 optimizer.state[p.shard][k] = v["value"]
     return index
+
+
+def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's full value by name (copies; tied parameters once), gathered one unit
+    at a time, so the memory beyond the result is one unit's gathered buffers. Collective:
+    every rank calls it, between steps."""
+    state = _root_state(module)
+    _between_steps(state, "full_state_dict")
+    out: dict[str, torch.Tensor] = {}
+    for unit in state.units:
+        ids = [p.pid for p in unit.params if p.name not in out]
+        if not ids:
+            continue
+        regions = state.eval.fetch(ids)
+        for pid, region in zip(ids, regions):
+            p = state.params[pid]
+            out[p.name] = torch.frombuffer(region, dtype=p.dtype).view(p.shape).clone()
+        state.eval.release(ids)
+        state.eval.end_step()
+    return {p.name: out[p.name] for p in state.params}
+
+
+def save_full(module: nn.Module, path: Any) -> None:
+    """Writes every parameter's full value to one safetensors file at ``path``, which plain
+    PyTorch loads into the unsharded model (``safetensors.torch.load_file`` then
+    ``load_state_dict``; tied parameters appear once, under their first name). Gathers one
+    bucket at a time; rank 0 writes. Collective: every rank calls it, between steps."""
+    state = _root_state(module)
+    _between_steps(state, "save_full")
+    state.model.save_full(str(path))

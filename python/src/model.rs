@@ -122,6 +122,12 @@ impl Model {
         Ok((serde_json::to_string(&index).map_err(errors::other)?, states))
     }
 
+    /// Writes every parameter's full value to one safetensors file at `path`, gathering a
+    /// bucket at a time (collective; between steps; rank 0 writes).
+    fn save_full(&self, path: std::path::PathBuf) -> PyResult<()> {
+        checkpoint::save_full(&self.state, &path).map_err(errors::checkpoint)
+    }
+
     /// A coordinator on this model (collective: exchanges the plan fingerprint).
     ///
     /// `policy`: "trace" (record the first step's fetch order, prefetch along it) or "none";

@@ -190,3 +190,19 @@ def test_checkpoint_saved_at_4_continues_in_another_layout(tmp_path, dtype, load
     ref = models.reference({**save, "worlds": [4, 4, load_world, load_world]}, 4)
     parity.check(first, {"params": ref["params"][:2], "losses": [row for row in ref["losses"][:2]]}, dtype)
     parity.check(later, {"params": ref["params"][2:], "losses": ref["losses"][2:]}, dtype)
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+def test_save_full_loads_into_plain_pytorch(tmp_path, name):
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    path = str(tmp_path / "model.safetensors")
+    runs = run(workers.export_full, 3, {"model": name, "strategy": "flat", "bucket_mb": 0.002}, path)
+    plain = models.build(name, seed=7)
+    missing, unexpected = plain.load_state_dict(safetensors_torch.load_file(path), strict=False)
+    assert not unexpected
+    assert missing in ([], ["head.weight"])  # the tied head is the embedding
+    ref = models.reference({"model": name, "steps": 2}, 3)["params"][-1]
+    for n, p in plain.named_parameters():
+        torch.testing.assert_close(p.detach().flatten(), ref[n].flatten(), rtol=1e-6, atol=1e-7)
+        for r in runs:
+            torch.testing.assert_close(torch.tensor(r[n]), ref[n].flatten(), rtol=1e-6, atol=1e-7)

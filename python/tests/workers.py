@@ -238,3 +238,20 @@ def checkpointed(rank: int, world: int, spec: dict[str, Any], path: str, phase: 
     if phase == "save":
         cst.save_checkpoint(model, opt, path, step=split)
     return {"losses": losses, "params": after}
+
+
+def export_full(rank: int, world: int, spec: dict[str, Any], path: str) -> dict[str, list]:
+    """Trains two steps, then writes the full parameters with save_full; returns them as
+    full_state_dict gathers them."""
+    import collsched.torch as cst
+
+    name = spec["model"]
+    model = shard(models.build(name), spec)
+    opt = models.optimizer("adamw", model.parameters())
+    for step in range(2):
+        x, y = models.batch(name, 0, step, 0, rank)
+        models.loss_fn(name, model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    cst.save_full(model, path)
+    return snapshot(cst.full_state_dict(model))
