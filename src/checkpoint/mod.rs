@@ -665,7 +665,7 @@ pub fn save_full<B: Backend>(state: &ModelState<B>, path: &Path) -> Result<(), C
     }
     let mut text = serde_json::to_vec(&serde_json::Value::Object(header)).unwrap_or_default();
     // The data starts 8-aligned, as the format's writers keep it.
-    while (text.len() + 8) % 8 != 0 {
+    while !text.len().is_multiple_of(8) {
         text.push(b' ');
     }
     let tmp = sibling(path, ".tmp");
