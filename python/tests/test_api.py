@@ -17,7 +17,7 @@ import collsched
 import models
 import parity
 import workers
-from ranks import run
+from ranks import run, run_all
 
 REPO = Path(__file__).resolve().parents[2]
 PARAMS = [
@@ -206,3 +206,19 @@ def test_save_full_loads_into_plain_pytorch(tmp_path, name):
         torch.testing.assert_close(p.detach().flatten(), ref[n].flatten(), rtol=1e-6, atol=1e-7)
         for r in runs:
             torch.testing.assert_close(torch.tensor(r[n]), ref[n].flatten(), rtol=1e-6, atol=1e-7)
+
+
+def test_a_rank_killed_during_save_leaves_the_previous_checkpoint_loadable(tmp_path):
+    good, bad = str(tmp_path / "good"), str(tmp_path / "bad")
+    spec = {"model": "mlp", "steps": 3, "split": 1, "save_world": 2, "bucket_mb": 0.0005}
+    run(workers.checkpointed, 2, spec, good, "save")
+    out = run_all(workers.killed_during_save, 2, spec, good, bad, timeout=120)
+    ok0, text0 = out[0]
+    assert ok0 and text0.startswith("collsched.PeerError") and "1" in text0, text0
+    assert not out[1][0] and "exit code -9" in out[1][1]
+    # The interrupted checkpoint is refused as incomplete on every rank; the previous one loads.
+    for text in run(workers.load_fails, 2, spec, bad):
+        assert text.startswith("collsched.CollschedError") and "did not finish" in text, text
+    later = run(workers.checkpointed, 2, spec, good, "load")
+    ref = models.reference({**spec, "worlds": [2, 2, 2]}, 2)
+    parity.check(later, {"params": ref["params"][1:], "losses": ref["losses"][1:]})

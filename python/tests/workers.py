@@ -255,3 +255,39 @@ def export_full(rank: int, world: int, spec: dict[str, Any], path: str) -> dict[
         opt.zero_grad()
     cst.save_full(model, path)
     return snapshot(cst.full_state_dict(model))
+
+
+def killed_during_save(rank: int, world: int, spec: dict[str, Any], good: str, bad: str) -> str:
+    """Loads ``good``, trains a step, then saves to ``bad``, where rank 1 is killed (SIGKILL)
+    as the save begins; returns rank 0's error."""
+    import os
+    import signal
+
+    import collsched.torch as cst
+
+    name = spec["model"]
+    model = shard(models.build(name, 99), spec)
+    opt = models.optimizer("adamw", model.parameters())
+    cst.load_checkpoint(model, opt, good)
+    x, y = models.batch(name, 0, spec["split"], 0, rank)
+    models.loss_fn(name, model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        cst.save_checkpoint(model, opt, bad, step=spec["split"] + 1)
+    except Exception as e:
+        return f"{type(e).__module__}.{type(e).__name__}: {e}"
+    return "saved"
+
+
+def load_fails(rank: int, world: int, spec: dict[str, Any], path: str) -> str:
+    import collsched.torch as cst
+
+    model = shard(models.build(spec["model"], 99), spec)
+    try:
+        cst.load_checkpoint(model, None, path)
+    except Exception as e:
+        return f"{type(e).__module__}.{type(e).__name__}: {e}"
+    return "loaded"

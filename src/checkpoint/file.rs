@@ -1,14 +1,14 @@
-//! The data files: safetensors written with the `safetensors` crate, read piece by piece
-//! (each rank reads only the byte ranges it needs).
+//! The data files, in the safetensors format (the `safetensors` crate's `Dtype` names the
+//! element types; its reader reads them): written streaming, straight from the shards, and read
+//! piece by piece (each rank reads only the byte ranges it needs).
 
-use std::borrow::Cow;
 use std::collections::HashMap;
 use std::fs::File;
-use std::io::Read;
+use std::io::{Read, Write};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use safetensors::tensor::{Dtype, View};
+use safetensors::tensor::Dtype;
 use serde::Deserialize;
 
 use super::CheckpointError;
@@ -28,43 +28,63 @@ pub(crate) fn st_dtype(dtype: &str) -> Option<Dtype> {
     })
 }
 
-/// A 1-D tensor to write: borrowed bytes.
-pub(crate) struct Piece<'a> {
+/// One 1-D tensor of a file to write: its name, dtype, elements and bytes.
+pub(crate) struct Entry {
+    pub(crate) name: String,
     pub(crate) dtype: Dtype,
-    pub(crate) shape: [usize; 1],
-    pub(crate) data: &'a [u8],
+    pub(crate) numel: usize,
+    /// Its length in bytes (the caller's `fill` writes them, given the entry's position).
+    pub(crate) bytes: usize,
 }
 
-impl View for &Piece<'_> {
-    fn dtype(&self) -> Dtype {
-        self.dtype
-    }
-    fn shape(&self) -> &[usize] {
-        &self.shape
-    }
-    fn data(&self) -> Cow<'_, [u8]> {
-        Cow::Borrowed(self.data)
-    }
-    fn data_len(&self) -> usize {
-        self.data.len()
-    }
-}
-
-/// Writes `pieces` to `path` (through a temporary name, synced, then renamed).
-pub(crate) fn write(path: &Path, pieces: &[(String, Piece<'_>)]) -> Result<(), CheckpointError> {
+/// Writes a safetensors file of `entries` to `path` (through a temporary name, synced, then
+/// renamed): the header, then each entry's bytes as `fill(i, file)` writes them, streamed
+/// straight from where they are (no copy of the whole file in memory).
+pub(crate) fn write(
+    path: &Path,
+    entries: &[Entry],
+    fill: &mut dyn FnMut(usize, &mut dyn Write) -> Result<(), CheckpointError>,
+) -> Result<(), CheckpointError> {
     let tmp = path.with_extension("safetensors.tmp");
     let io = |what: &str, e: std::io::Error| CheckpointError::Io {
         path: tmp.clone(),
         what: format!("{what}: {e}"),
     };
-    safetensors::serialize_to_file(pieces.iter().map(|(n, p)| (n.as_str(), p)), None, &tmp)
-        .map_err(|e| CheckpointError::Io { path: tmp.clone(), what: format!("writing: {e}") })?;
-    File::open(&tmp).and_then(|f| f.sync_all()).map_err(|e| io("syncing", e))?;
+    let mut header = serde_json::Map::new();
+    let mut at = 0usize;
+    for e in entries {
+        header.insert(
+            e.name.clone(),
+            serde_json::json!({"dtype": format!("{:?}", e.dtype), "shape": [e.numel], "data_offsets": [at, at + e.bytes]}),
+        );
+        at += e.bytes;
+    }
+    let mut text = serde_json::to_vec(&serde_json::Value::Object(header)).unwrap_or_default();
+    // The data starts 8-aligned, as the format's writers keep it.
+    while !text.len().is_multiple_of(8) {
+        text.push(b' ');
+    }
+    let written = (|| {
+        let mut f =
+            std::io::BufWriter::with_capacity(1 << 20, File::create(&tmp).map_err(|e| io("creating", e))?);
+        f.write_all(&(text.len() as u64).to_le_bytes())
+            .and_then(|()| f.write_all(&text))
+            .map_err(|e| io("writing", e))?;
+        for i in 0..entries.len() {
+            fill(i, &mut f)?;
+        }
+        let f = f.into_inner().map_err(|e| io("writing", e.into_error()))?;
+        f.sync_all().map_err(|e| io("syncing", e))
+    })();
+    if let Err(e) = written {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
+    }
     std::fs::rename(&tmp, path).map_err(|e| io("renaming into place", e))
 }
 
 #[derive(Deserialize)]
-struct Entry {
+struct HeaderEntry {
     dtype: String,
     shape: Vec<usize>,
     data_offsets: [usize; 2],
@@ -76,7 +96,7 @@ pub(crate) struct Reader {
     file: File,
     /// Start of the data section.
     base: u64,
-    tensors: HashMap<String, Entry>,
+    tensors: HashMap<String, HeaderEntry>,
 }
 
 /// The largest header a file may have (as the format's reference reader allows).
@@ -100,7 +120,7 @@ impl Reader {
         let mut tensors: HashMap<String, serde_json::Value> =
             serde_json::from_slice(&header).map_err(|e| bad(format!("header is not JSON: {e}")))?;
         tensors.remove("__metadata__");
-        let tensors: HashMap<String, Entry> = tensors
+        let tensors: HashMap<String, HeaderEntry> = tensors
             .into_iter()
             .map(|(k, v)| serde_json::from_value(v).map(|e| (k, e)))
             .collect::<Result<_, _>>()
@@ -128,6 +148,30 @@ impl Reader {
         from: usize,
         out: &mut [u8],
     ) -> Result<(), CheckpointError> {
+        let e = self.entry(name, dtype, size, numel)?;
+        let bad = |what: String| CheckpointError::Corrupt { path: self.path.clone(), what };
+        let at = self.base + (e.data_offsets[0] + from * size) as u64;
+        self.file.read_exact_at(out, at).map_err(|err| bad(format!("reading tensor {name}: {err}")))
+    }
+
+    /// Checks that 1-D tensor `name` is there as the index says (`dtype` of `size`-byte
+    /// elements, `numel` of them), without reading it.
+    pub(crate) fn check(
+        &self,
+        name: &str,
+        (dtype, size): (Dtype, usize),
+        numel: usize,
+    ) -> Result<(), CheckpointError> {
+        self.entry(name, dtype, size, numel).map(|_| ())
+    }
+
+    fn entry(
+        &self,
+        name: &str,
+        dtype: Dtype,
+        size: usize,
+        numel: usize,
+    ) -> Result<&HeaderEntry, CheckpointError> {
         let bad = |what: String| CheckpointError::Corrupt { path: self.path.clone(), what };
         let e =
             self.tensors.get(name).ok_or_else(|| bad(format!("no tensor {name} (the index names it)")))?;
@@ -140,8 +184,7 @@ impl Reader {
                 e.dtype, e.shape
             )));
         }
-        let at = self.base + (e.data_offsets[0] + from * size) as u64;
-        self.file.read_exact_at(out, at).map_err(|err| bad(format!("reading tensor {name}: {err}")))
+        Ok(e)
     }
 
     /// Every tensor's name and byte length, for `collsched ckpt inspect`.

@@ -13,9 +13,11 @@
 //! so a save that dies midway leaves the previous checkpoint whole and no index in the new one.
 //! Ranks agree after each stage through a small all-gather: a rank that fails is named by all,
 //! one that never calls makes the others fail after the backend's timeout, naming it.
-//! [`load`] reads only the ranges this rank's shards need, checks the index against the model
-//! (names, shapes, dtypes) before changing anything, and agrees with the other ranks before it
-//! writes, so either every rank loads or none does.
+//! [`load`] reads only the ranges this rank's shards need, straight into them, after checking
+//! the index against the model (names, shapes, dtypes) and every file's header against the
+//! index, and after every rank agreed that its checks passed: a checkpoint that does not fit or
+//! is damaged changes nothing anywhere (only a read that fails after those checks, a disk
+//! error, leaves the shards partly loaded; the error says so by naming the file).
 
 mod file;
 mod full;
@@ -229,8 +231,35 @@ fn write_mine<B: Backend>(
     extras: &[ExtraState],
 ) -> Result<Vec<(u32, String, String)>, CheckpointError> {
     let set = state.plan().layout().params();
-    let mut data = Vec::with_capacity(mine.len());
+    let mut entries = Vec::with_capacity(mine.len() + extras.len());
+    // What each entry's bytes are: a parameter's run (read from the shard while writing) or a
+    // state the caller gave.
+    let mut sources: Vec<Result<ParamId, &[u8]>> = Vec::with_capacity(entries.capacity());
     let mut wrote = Vec::new();
+    let st_of = |dtype: collsched_buckets::DType, what: &str| {
+        file::st_dtype(dtype.name()).ok_or_else(|| CheckpointError::Io {
+            path: dir.to_path_buf(),
+            what: format!("{what}: dtype {} has no safetensors name", dtype.name()),
+        })
+    };
+    for &(p, offset, numel) in mine {
+        let dtype = set.specs()[p.index()].dtype;
+        let bytes = numel * dtype.size();
+        let (at, len) = state.read_shard(p, |at, b| (at, b.len()))?;
+        if at != offset || len != bytes {
+            return Err(RuntimeError::Internal {
+                rank: state.rank(),
+                what: format!(
+                    "checkpoint: parameter {}: this rank's run is not the plan's piece at {offset}",
+                    set.name(p)
+                ),
+            }
+            .into());
+        }
+        let dtype = st_of(dtype, &format!("parameter {}", set.name(p)))?;
+        entries.push(file::Entry { name: tensor_name(set.name(p), offset), dtype, numel, bytes });
+        sources.push(Ok(p));
+    }
     for e in extras {
         let Some(&(p, offset, numel)) = mine.iter().find(|m| m.0 == e.param) else {
             // Another rank saves these elements (a replica of hybrid sharding), or none exist.
@@ -249,38 +278,22 @@ fn write_mine<B: Backend>(
                 )],
             });
         }
-        let st = file::st_dtype(e.dtype.name()).ok_or_else(|| CheckpointError::Io {
-            path: dir.to_path_buf(),
-            what: format!("state {} of {name}: dtype {} has no safetensors name", e.name, e.dtype.name()),
-        })?;
-        data.push((tensor_name(&format!("{name}#{}", e.name), offset), st, numel, e.data.clone()));
+        let dtype = st_of(e.dtype, &format!("state {} of {name}", e.name))?;
+        let tensor = tensor_name(&format!("{name}#{}", e.name), offset);
+        entries.push(file::Entry { name: tensor, dtype, numel, bytes: e.data.len() });
+        sources.push(Err(&e.data));
         wrote.push((p.0, e.name.clone(), e.dtype.name().to_string()));
     }
-    for &(p, offset, numel) in mine {
-        let bytes = state.read_shard(p, |at, b| (at == offset).then(|| b.to_vec()))?;
-        let dtype = set.specs()[p.index()].dtype;
-        let bytes =
-            bytes.filter(|b| b.len() == numel * dtype.size()).ok_or_else(|| RuntimeError::Internal {
-                rank: state.rank(),
-                what: format!(
-                    "checkpoint: parameter {}: this rank's run is not the plan's piece at {offset}",
-                    set.name(p)
-                ),
-            })?;
-        let st = file::st_dtype(dtype.name()).ok_or_else(|| CheckpointError::Io {
-            path: dir.to_path_buf(),
-            what: format!("parameter {}: dtype {} has no safetensors name", set.name(p), dtype.name()),
-        })?;
-        data.push((tensor_name(set.name(p), offset), st, numel, bytes));
-    }
-    if data.is_empty() {
+    if entries.is_empty() {
         return Ok(wrote);
     }
-    let views: Vec<(String, file::Piece<'_>)> = data
-        .iter()
-        .map(|(n, st, numel, b)| (n.clone(), file::Piece { dtype: *st, shape: [*numel], data: b }))
-        .collect();
-    file::write(&dir.join(file_name(state.rank())), &views)?;
+    let path = dir.join(file_name(state.rank()));
+    let io_err =
+        |e: std::io::Error| CheckpointError::Io { path: path.clone(), what: format!("writing: {e}") };
+    file::write(&path, &entries, &mut |i, out| match sources[i] {
+        Ok(p) => state.read_shard(p, |_, b| out.write_all(b))?.map_err(io_err),
+        Err(bytes) => out.write_all(bytes).map_err(io_err),
+    })?;
     Ok(wrote)
 }
 
@@ -427,8 +440,9 @@ pub fn read_index(path: &Path) -> Result<Index, CheckpointError> {
 /// # Errors
 /// [`CheckpointError::Mismatch`] listing every parameter missing, extra, or of another shape or
 /// dtype; [`CheckpointError::Incomplete`], [`CheckpointError::Corrupt`] naming the file;
-/// [`CheckpointError::Peers`] when another rank could not read its part. On any error no
-/// rank's shards changed.
+/// [`CheckpointError::Peers`] when another rank could not read its part. Those errors come
+/// before any shard changes; a disk error while reading after them leaves this rank's shards
+/// partly loaded (the error names the file): load again.
 pub fn load<B: Backend>(state: &ModelState<B>, path: &Path) -> Result<Index, CheckpointError> {
     load_with(state, path, &[]).map(|(index, _)| index)
 }
@@ -447,17 +461,32 @@ pub fn load_with<B: Backend>(
     path: &Path,
     wanted: &[(ParamId, String)],
 ) -> Result<(Index, Vec<LoadedState>), CheckpointError> {
-    let read = read_index(path).and_then(|index| {
+    let mut slot = None;
+    let checked = (|| {
+        let index = read_index(path)?;
         check_fits(state, path, &index)?;
-        let (data, extras) = {
+        let checked = {
             let mut files = Files { dir: path, index: &index, readers: HashMap::new() };
-            (read_mine(state, &mut files)?, read_states(state, &mut files, wanted)?)
+            (check_mine(state, &mut files)?, read_states(state, &mut files, wanted)?)
         };
-        Ok((index, data, extras))
-    });
-    let (index, data, extras) = agree(state, read, "load: reading", "nothing was loaded")?;
-    for (p, bytes) in &data {
-        state.write_shard(*p, |_, dst| dst.copy_from_slice(bytes))?;
+        slot = Some(index);
+        Ok(checked)
+    })();
+    let (mine, extras) = agree(state, checked, "load: reading", "nothing was loaded")?;
+    let index = slot.ok_or_else(|| RuntimeError::Internal {
+        rank: state.rank(),
+        what: "checkpoint load: the index vanished after it was checked".into(),
+    })?;
+    // Every file and piece was checked on every rank: read straight into the shards.
+    let mut files = Files { dir: path, index: &index, readers: HashMap::new() };
+    let saved: HashMap<&str, &IndexParam> = index.params.iter().map(|p| (p.name.as_str(), p)).collect();
+    let set = state.plan().layout().params();
+    for (p, from, numel) in mine {
+        let spec = &set.specs()[p.index()];
+        let size = spec.dtype.size();
+        state.write_shard(p, |_, dst| {
+            files.fill(saved[spec.name.as_str()], from, from + numel, size, Some(dst))
+        })??;
     }
     Ok((index, extras))
 }
@@ -479,11 +508,25 @@ impl Files<'_> {
         hi: usize,
         size: usize,
     ) -> Result<Option<Vec<u8>>, CheckpointError> {
+        let mut bytes = vec![0u8; (hi - lo) * size];
+        let covered = self.fill(saved, lo, hi, size, Some(&mut bytes))?;
+        Ok((covered == hi - lo).then_some(bytes))
+    }
+
+    /// Reads elements `lo..hi` of `saved` into `out` (or, without `out`, only checks that the
+    /// files hold them as the index says); returns how many of them the pieces hold.
+    fn fill(
+        &mut self,
+        saved: &IndexParam,
+        lo: usize,
+        hi: usize,
+        size: usize,
+        mut out: Option<&mut [u8]>,
+    ) -> Result<usize, CheckpointError> {
         let st = file::st_dtype(&saved.dtype).ok_or_else(|| CheckpointError::Corrupt {
             path: self.dir.join("index.json"),
             what: format!("{}: unknown dtype {}", saved.name, saved.dtype),
         })?;
-        let mut bytes = vec![0u8; (hi - lo) * size];
         let mut covered = 0;
         for piece in &saved.pieces {
             let (a, b) = (piece.offset.max(lo), (piece.offset + piece.numel).min(hi));
@@ -496,11 +539,16 @@ impl Files<'_> {
                     e.insert(file::Reader::open(&self.dir.join(&self.index.files[piece.file as usize]))?)
                 }
             };
-            let dst = &mut bytes[(a - lo) * size..(b - lo) * size];
-            reader.read(&piece.tensor, (st, size), piece.numel, a - piece.offset, dst)?;
+            match out.as_deref_mut() {
+                Some(out) => {
+                    let dst = &mut out[(a - lo) * size..(b - lo) * size];
+                    reader.read(&piece.tensor, (st, size), piece.numel, a - piece.offset, dst)?;
+                }
+                None => reader.check(&piece.tensor, (st, size), piece.numel)?,
+            }
             covered += b - a;
         }
-        Ok((covered == hi - lo).then_some(bytes))
+        Ok(covered)
     }
 }
 
@@ -536,33 +584,33 @@ fn check_fits<B: Backend>(state: &ModelState<B>, path: &Path, index: &Index) -> 
     }
 }
 
-/// This rank's shard bytes of every parameter, read from the pieces that overlap them.
-fn read_mine<B: Backend>(
+/// This rank's run of every parameter (id, first element, elements), checked to be held by
+/// the checkpoint's files as its index says.
+fn check_mine<B: Backend>(
     state: &ModelState<B>,
     files: &mut Files<'_>,
-) -> Result<Vec<(ParamId, Vec<u8>)>, CheckpointError> {
+) -> Result<Vec<(ParamId, usize, usize)>, CheckpointError> {
     let set = state.plan().layout().params();
     let saved: HashMap<&str, &IndexParam> = files.index.params.iter().map(|p| (p.name.as_str(), p)).collect();
     let mut out = Vec::new();
     for p in set.ids() {
         let spec = &set.specs()[p.index()];
         let (from, len) = state.read_shard(p, |at, b| (at, b.len()))?;
-        if len == 0 {
+        let numel = len / spec.dtype.size();
+        if numel == 0 {
             continue;
         }
-        let size = spec.dtype.size();
-        let bytes =
-            files.range(saved[spec.name.as_str()], from, from + len / size, size)?.ok_or_else(|| {
-                CheckpointError::Corrupt {
-                    path: files.dir.join("index.json"),
-                    what: format!(
-                        "parameter {}: its pieces do not hold elements {from}..{}",
-                        spec.name,
-                        from + len / size
-                    ),
-                }
-            })?;
-        out.push((p, bytes));
+        if files.fill(saved[spec.name.as_str()], from, from + numel, spec.dtype.size(), None)? != numel {
+            return Err(CheckpointError::Corrupt {
+                path: files.dir.join("index.json"),
+                what: format!(
+                    "parameter {}: its pieces do not hold elements {from}..{}",
+                    spec.name,
+                    from + numel
+                ),
+            });
+        }
+        out.push((p, from, numel));
     }
     Ok(out)
 }

@@ -1,0 +1,105 @@
+"""Checkpoint save and load speed against plain sequential file I/O of the same bytes.
+
+    torchrun --nproc-per-node 2 python/benchmarks/checkpoint_io.py [--gib 1 --dir /tmp]
+
+A model of about ``--gib`` GiB of f32 parameters (square Linear layers) is sharded over the
+ranks; ``save_checkpoint`` then ``load_checkpoint`` run ``--repeat`` times. In the same run
+every rank writes (with fsync) and reads back a file of its own share of the bytes, as ``dd``
+would: that is the bound. Printed: GB/s of each (the slowest rank's time, all ranks' bytes)
+and the ratios. The files stay in the page cache between write and read, for both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import collsched.torch as cst
+
+
+def slowest(seconds: float) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def timed(f) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    f()
+    return slowest(time.perf_counter() - t0)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gib", type=float, default=1.0, help="model size in GiB of f32 parameters")
+    p.add_argument("--dim", type=int, default=4096, help="side of each square layer")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--dir", default=tempfile.gettempdir(), help="where the files go")
+    args = p.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cst.init()
+    layers = max(1, round(args.gib * 2**30 / (4 * args.dim * args.dim)))
+    model = nn.Sequential(*(nn.Linear(args.dim, args.dim, bias=False) for _ in range(layers)))
+    for layer in model:
+        cst.fully_shard(layer)
+    cst.fully_shard(model)
+    total = layers * args.dim * args.dim * 4  # the model's bytes: what a save writes in all
+    opt = None
+    root = [tempfile.mkdtemp(prefix="collsched-ckpt-bench-", dir=args.dir) if rank == 0 else None]
+    dist.broadcast_object_list(root, src=0)
+    path = os.path.join(root[0], "ckpt")
+    saves, loads = [], []
+    for _ in range(args.repeat):
+        saves.append(timed(lambda: cst.save_checkpoint(model, opt, path)))
+        loads.append(timed(lambda: cst.load_checkpoint(model, opt, path)))
+    # The bound: each rank writes and reads its share, sequentially, with fsync.
+    share = total // world
+    block = bytes(1 << 24)
+    mine = os.path.join(root[0], f"plain-{rank}")
+
+    def write() -> None:
+        with open(mine, "wb") as f:
+            left = share
+            while left > 0:
+                n = min(left, len(block))
+                f.write(block[:n])
+                left -= n
+            f.flush()
+            os.fsync(f.fileno())
+
+    def read() -> None:
+        with open(mine, "rb") as f:
+            while f.readinto(bytearray(1 << 24)):
+                pass
+
+    writes, reads = [], []
+    for _ in range(args.repeat):
+        writes.append(timed(write))
+        reads.append(timed(read))
+    if rank == 0:
+        gb = total / 1e9
+        sv, ld, wr, rd = (statistics.median(x) for x in (saves, loads, writes, reads))
+        print(f"{world} ranks, {layers} layers of {args.dim}x{args.dim} f32: {gb:.2f} GB in all, in {args.dir}")
+        print(
+            f"save_checkpoint {gb / sv:6.2f} GB/s   sequential write+fsync {gb / wr:6.2f} GB/s   ratio {wr / sv:.2f}x"
+        )
+        print(
+            f"load_checkpoint {gb / ld:6.2f} GB/s   sequential read        {gb / rd:6.2f} GB/s   ratio {rd / ld:.2f}x"
+        )
+        shutil.rmtree(root[0], ignore_errors=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
