@@ -149,7 +149,7 @@ def reference(spec: dict[str, Any], world: int) -> dict[str, Any]:
                         evals[r].append(loss_fn(name, model(ex), ey).item())
         # Hybrid sharding (HSDP) reduces in two stages: within each group of G consecutive
         # ranks, then the group sums across groups.
-        strategy = spec.get("strategy", "even")
+        strategy = spec.get("strategies", [spec.get("strategy", "even")] * spec["steps"])[step]
         group = int(strategy.split(":")[1]) if strategy.startswith("hybrid:") else world
         for n, p in live.items():
             total = None

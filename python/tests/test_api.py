@@ -178,7 +178,12 @@ def test_bench_measures_and_checks_a_collective():
 
 @pytest.mark.parametrize(
     "dtype, load_world, load_strategy",
-    [(torch.float32, 2, "greedy"), (torch.float32, 3, "flat"), (torch.bfloat16, 2, "hybrid:2")],
+    [
+        (torch.float32, 2, "greedy"),
+        (torch.float32, 3, "flat"),
+        (torch.float32, 4, "hybrid:2"),
+        (torch.bfloat16, 2, "hybrid:2"),
+    ],
 )
 def test_checkpoint_saved_at_4_continues_in_another_layout(tmp_path, dtype, load_world, load_strategy):
     path = str(tmp_path / "ckpt")
@@ -187,7 +192,8 @@ def test_checkpoint_saved_at_4_continues_in_another_layout(tmp_path, dtype, load
         save.update(opt="sgd", reduce_dtype=torch.float32)
     first = run(workers.checkpointed, 4, {**save, "strategy": "even"}, path, "save")
     later = run(workers.checkpointed, load_world, {**save, "strategy": load_strategy}, path, "load")
-    ref = models.reference({**save, "worlds": [4, 4, load_world, load_world]}, 4)
+    strategies = ["even", "even", load_strategy, load_strategy]
+    ref = models.reference({**save, "worlds": [4, 4, load_world, load_world], "strategies": strategies}, 4)
     parity.check(first, {"params": ref["params"][:2], "losses": [row for row in ref["losses"][:2]]}, dtype)
     parity.check(later, {"params": ref["params"][2:], "losses": ref["losses"][2:]}, dtype)
 
