@@ -18,6 +18,7 @@ pub mod bootstrap;
 pub mod checkpoint;
 pub mod cli;
 pub mod demo;
+pub mod progress;
 pub mod runtime;
 pub mod sim;
 pub mod units;

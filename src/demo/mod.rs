@@ -139,7 +139,9 @@ pub fn reference_run(cfg: &DemoConfig) -> RunRecord {
     let model = &cfg.model;
     let mut params = model.init(cfg.seed);
     let mut steps = Vec::with_capacity(cfg.steps);
+    let mut progress = crate::progress::Progress::new("demo (reference)", cfg.steps as u64);
     for step in 0..cfg.steps {
+        progress.tick(step as u64);
         // accumulated[rank][param]
         let mut accumulated: Vec<Vec<Vec<f32>>> = Vec::with_capacity(cfg.world);
         let mut loss_sum = 0f32;

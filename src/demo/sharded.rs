@@ -379,7 +379,11 @@ fn run_rank<B: Backend>(
     let mut evals = Vec::new();
     let mut cost = Vec::with_capacity(cfg.steps);
     let lr = cfg.lr;
+    let mut progress = (r == 0).then(|| crate::progress::Progress::new("demo (sharded)", cfg.steps as u64));
     for step in 0..cfg.steps {
+        if let Some(p) = progress.as_mut() {
+            p.tick(step as u64);
+        }
         let mask: Vec<bool> = (0..n).map(|k| cfg.trainable(k, step)).collect();
         if mask != mask_now {
             train.refresh_trainable(&mask)?;
