@@ -270,8 +270,11 @@ fn sizes_and_factor_have_nccl_tests_defaults() {
 #[test]
 fn a_hundred_shm_runs_leave_nothing_behind() {
     let tag = format!("collsched-test-{}", std::process::id());
-    // Zombies of other jobs on the machine (a container whose init does not reap) are not ours.
-    let before = ours(&tag);
+    // Orphans of our runs (ranks whose launcher did not wait for them) become this process's
+    // children, so that their zombies are told apart from other tests' processes by parent.
+    // SAFETY: prctl(PR_SET_CHILD_SUBREAPER) takes integer arguments and touches no memory of ours.
+    let rc = unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
+    assert_eq!(rc, 0, "prctl(PR_SET_CHILD_SUBREAPER)");
     for i in 0..100 {
         let out = Command::new(env!("CARGO_BIN_EXE_collsched"))
             .args(["bench", "--op", "all_reduce", "--ranks", "2", "-b", "4K", "-e", "4K", "--iters", "1"])
@@ -281,8 +284,7 @@ fn a_hundred_shm_runs_leave_nothing_behind() {
             .expect("run collsched");
         assert!(out.status.success(), "run {i}: {}", String::from_utf8_lossy(&out.stderr));
     }
-    let left: Vec<String> = ours(&tag).into_iter().filter(|p| !before.contains(p)).collect();
-    assert_eq!(left, Vec::<String>::new(), "processes left");
+    assert_eq!(ours(&tag), Vec::<String>::new(), "processes left");
     let shm: Vec<String> = std::fs::read_dir("/dev/shm")
         .map(|d| d.filter_map(Result::ok).map(|e| e.file_name().to_string_lossy().into_owned()).collect())
         .unwrap_or_default();
@@ -393,9 +395,10 @@ fn a_request_larger_than_the_machine_is_refused() {
     }
 }
 
-/// Processes carrying `tag` in their environment, and collsched zombies (whose environment
-/// can no longer be read), by pid.
+/// Processes carrying `tag` in their environment, and zombies whose parent is this process
+/// (orphaned ranks, reparented here; a zombie's environment can no longer be read), by pid.
 fn ours(tag: &str) -> Vec<String> {
+    let me = std::process::id().to_string();
     std::fs::read_dir("/proc")
         .expect("/proc")
         .filter_map(Result::ok)
@@ -403,8 +406,11 @@ fn ours(tag: &str) -> Vec<String> {
         .filter(|e| {
             let env = std::fs::read(e.path().join("environ")).unwrap_or_default();
             let stat = std::fs::read_to_string(e.path().join("stat")).unwrap_or_default();
-            env.windows(tag.len()).any(|w| w == tag.as_bytes())
-                || (stat.contains(") Z ") && stat.contains("collsched"))
+            // stat: "pid (comm) state ppid ...": the fields after the command's closing paren.
+            let after = stat.rsplit_once(") ").map_or("", |(_, rest)| rest);
+            let mut fields = after.split_whitespace();
+            let (state, ppid) = (fields.next().unwrap_or(""), fields.next().unwrap_or(""));
+            env.windows(tag.len()).any(|w| w == tag.as_bytes()) || (state == "Z" && ppid == me)
         })
         .map(|e| e.file_name().to_string_lossy().into_owned())
         .collect()
