@@ -29,11 +29,26 @@ fn err_line(args: &[&str]) -> String {
     String::from_utf8(out.stderr).unwrap()
 }
 
-/// A scratch directory for this test.
-fn scratch(test: &str) -> PathBuf {
+/// A scratch directory for this test, removed when the test ends (passed or failed).
+struct Scratch(PathBuf);
+
+impl std::ops::Deref for Scratch {
+    type Target = std::path::Path;
+    fn deref(&self) -> &std::path::Path {
+        &self.0
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn scratch(test: &str) -> Scratch {
     let dir = std::env::temp_dir().join(format!("collsched-cli-sim-{}-{test}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    dir
+    Scratch(dir)
 }
 
 /// A small workload file (a generator config), so the tests run in milliseconds.

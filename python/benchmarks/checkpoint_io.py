@@ -5,8 +5,9 @@
 A model of about ``--gib`` GiB of f32 parameters (square Linear layers) is sharded over the
 ranks; ``save_checkpoint`` then ``load_checkpoint`` run ``--repeat`` times. In the same run
 every rank writes (with fsync) and reads back a file of its own share of the bytes, as ``dd``
-would: that is the bound. Printed: GB/s of each (the slowest rank's time, all ranks' bytes)
-and the ratios. The files stay in the page cache between write and read, for both.
+would: that is the bound. Every save and every plain write goes to a new directory or file.
+Printed: GB/s of each (the slowest rank's time, all ranks' bytes) and the ratios. The files
+stay in the page cache between write and read, for both.
 """
 
 from __future__ import annotations
@@ -57,15 +58,19 @@ def main() -> None:
     opt = None
     root = [tempfile.mkdtemp(prefix="collsched-ckpt-bench-", dir=args.dir) if rank == 0 else None]
     dist.broadcast_object_list(root, src=0)
-    path = os.path.join(root[0], "ckpt")
     saves, loads = [], []
-    for _ in range(args.repeat):
-        saves.append(timed(lambda: cst.save_checkpoint(model, opt, path)))
-        loads.append(timed(lambda: cst.load_checkpoint(model, opt, path)))
+    for i in range(args.repeat):
+        # A fresh directory each time, as the plain writes below go to fresh files.
+        path = os.path.join(root[0], f"ckpt-{i}")
+        saves.append(timed(lambda path=path: cst.save_checkpoint(model, opt, path)))
+        loads.append(timed(lambda path=path: cst.load_checkpoint(model, opt, path)))
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
     # The bound: each rank writes and reads its share, sequentially, with fsync.
     share = total // world
     block = bytes(1 << 24)
-    mine = os.path.join(root[0], f"plain-{rank}")
+    mine = ""
 
     def write() -> None:
         with open(mine, "wb") as f:
@@ -83,9 +88,11 @@ def main() -> None:
                 pass
 
     writes, reads = [], []
-    for _ in range(args.repeat):
+    for i in range(args.repeat):
+        mine = os.path.join(root[0], f"plain-{rank}-{i}")
         writes.append(timed(write))
         reads.append(timed(read))
+        os.remove(mine)
     if rank == 0:
         gb = total / 1e9
         sv, ld, wr, rd = (statistics.median(x) for x in (saves, loads, writes, reads))

@@ -949,16 +949,17 @@ def load_checkpoint(module: nn.Module, optimizer: torch.optim.Optimizer | None, 
 
 
 def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter's full value by name (copies; tied parameters once), gathered one unit
-    at a time, so the memory beyond the result is one unit's gathered buffers. Collective:
-    every rank calls it, between steps."""
+    """Every parameter's full value by name (copies; tied parameters once), gathered one
+    bucket at a time, so the memory beyond the result is one bucket's gathered buffers.
+    Collective: every rank calls it, between steps."""
     state = _root_state(module)
     _between_steps(state, "full_state_dict")
+    by_name = {p.name: p for p in state.params}
     out: dict[str, torch.Tensor] = {}
-    for unit in state.units:
-        ids = [p.pid for p in unit.params if p.name not in out]
-        if not ids:
+    for b in json.loads(state.model.plan)["buckets"]:
+        if b["kind"] != "gather":
             continue
+        ids = [by_name[n].pid for n in b["params"]]
         regions = state.eval.fetch(ids)
         for pid, region in zip(ids, regions):
             p = state.params[pid]

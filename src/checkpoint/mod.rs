@@ -170,7 +170,7 @@ pub struct ExtraState {
 /// [`CheckpointError::Io`] naming the file this rank could not write; [`CheckpointError::Peers`]
 /// naming the ranks that failed; a runtime error when the ranks cannot agree (a rank that never
 /// calls makes the others fail after the backend's timeout, naming it). A failed save leaves
-/// `path` as it was (the previous checkpoint, if any) and no index in `PATH.partial`.
+/// `path` as it was (the previous checkpoint, if any), and rank 0 removes `PATH.partial`.
 pub fn save<B: Backend>(state: &ModelState<B>, path: &Path, step: u64) -> Result<Index, CheckpointError> {
     save_with(state, path, step, &[], serde_json::Value::Null)
 }
@@ -190,7 +190,6 @@ pub fn save_with<B: Backend>(
     meta: serde_json::Value,
 ) -> Result<Index, CheckpointError> {
     let me = state.rank();
-    let plan = state.plan();
     let partial = sibling(path, ".partial");
     let prepared = if me == 0 {
         match std::fs::remove_dir_all(&partial) {
@@ -202,9 +201,28 @@ pub fn save_with<B: Backend>(
     } else {
         Ok(())
     };
-    agree(state, prepared, "save: preparing the directory", "nothing was written")?;
+    let saved = agree(state, prepared, "save: preparing the directory", "nothing was written")
+        .and_then(|()| save_stages(state, path, &partial, step, extras, meta));
+    if saved.is_err() && me == 0 {
+        // Nothing of a failed save stays on disk (the ranks agreed it failed, or one is gone).
+        let _ = std::fs::remove_dir_all(&partial);
+    }
+    saved
+}
+
+/// [`save_with`] once the partial directory exists: every rank's file, the index, the commit.
+fn save_stages<B: Backend>(
+    state: &ModelState<B>,
+    path: &Path,
+    partial: &Path,
+    step: u64,
+    extras: &[ExtraState],
+    meta: serde_json::Value,
+) -> Result<Index, CheckpointError> {
+    let me = state.rank();
+    let plan = state.plan();
     let all = pieces(plan);
-    let written = write_mine(state, &partial, &all[me], extras);
+    let written = write_mine(state, partial, &all[me], extras);
     let wrote = agree(
         state,
         written,
@@ -217,7 +235,7 @@ pub fn save_with<B: Backend>(
         wrote.iter().map(|b| serde_json::from_slice(b).unwrap_or_default()).collect();
     let mut index = index_of(plan, &all, step, &wrote);
     index.meta = meta;
-    let committed = if me == 0 { commit(path, &partial, &index) } else { Ok(()) };
+    let committed = if me == 0 { commit(path, partial, &index) } else { Ok(()) };
     agree(state, committed, "save: committing", "the previous checkpoint is intact")?;
     Ok(index)
 }

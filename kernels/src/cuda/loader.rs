@@ -372,7 +372,7 @@ mod tests {
 
     #[test]
     fn missing_library_is_an_error_naming_every_candidate() {
-        let dir = std::env::temp_dir().join("collsched-loader-test-empty");
+        let dir = std::env::temp_dir().join(format!("collsched-loader-test-empty-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let knob = dir.to_string_lossy().into_owned();
         // A library name nothing on a machine has: use the NCCL entry but through a file knob
@@ -382,6 +382,7 @@ mod tests {
         assert_eq!(cands[1], dir.join("libnccl.so").to_string_lossy());
         assert_eq!(&cands[2..], &["libnccl.so.2", "libnccl.so"]);
         let err = open_one(&cands[0]).unwrap_err();
+        std::fs::remove_dir_all(&dir).unwrap();
         assert!(!err.is_empty());
     }
 

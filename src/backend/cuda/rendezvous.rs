@@ -250,11 +250,21 @@ impl FileRendezvous {
 mod tests {
     use super::*;
 
-    fn tmp(name: &str) -> PathBuf {
+    /// The id file's path in a scratch directory, and a guard that removes the directory.
+    fn tmp(name: &str) -> (PathBuf, Scratch) {
         let d = std::env::temp_dir().join(format!("collsched-rdv-{}-{name}", std::process::id()));
         let _ = std::fs::remove_dir_all(&d);
         std::fs::create_dir_all(&d).unwrap();
-        d.join("nccl.id")
+        (d.join("nccl.id"), Scratch(d))
+    }
+
+    /// Removes its directory when the test ends.
+    struct Scratch(PathBuf);
+
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
     }
 
     fn some_id(seed: u8) -> UniqueId {
@@ -267,7 +277,7 @@ mod tests {
 
     #[test]
     fn every_rank_gets_rank_zeros_id() {
-        let path = tmp("agree");
+        let (path, _scratch) = tmp("agree");
         let world = 5;
         let want = some_id(7);
         let handles: Vec<_> = (0..world)
@@ -288,7 +298,7 @@ mod tests {
 
     #[test]
     fn a_file_of_another_world_or_run_is_refused_and_times_out() {
-        let path = tmp("stale");
+        let (path, _scratch) = tmp("stale");
         let old =
             FileRendezvous { path: path.clone(), world: 4, run_id: "old".into(), timeout: Duration::ZERO };
         old.publish(&some_id(1)).unwrap();
@@ -306,7 +316,7 @@ mod tests {
 
     #[test]
     fn missing_rank_zero_times_out_with_advice() {
-        let path = tmp("late");
+        let (path, _scratch) = tmp("late");
         let r = FileRendezvous { path, world: 2, run_id: String::new(), timeout: Duration::from_millis(1) };
         let e = r.wait(1).unwrap_err();
         assert!(e.to_string().contains("COLLSCHED_RENDEZVOUS_TIMEOUT_SECS"), "{e}");
