@@ -209,7 +209,7 @@ class _State:
         self.host_units = 0
         self.queued = False
         self.got: set[int] = set()
-        self.last_eval: dict[str, Any] = {}
+        self.gather_buckets: dict[int, tuple[list[str], int]] = {}
         self.unit_buckets: list[list[int]] = []
         self.fwd_rules: dict[int, list[int]] = {}
         self.bwd_rules: dict[int, list[int]] = {}
@@ -303,6 +303,14 @@ class _State:
         self.model = _native.Model(w, text, init, self.opts["strategy"], float(self.opts["bucket_mb"]), 256, "module")
         del full, init
         o = self.opts
+        # The plan's gather buckets, parsed once: id -> (parameter names, bytes of parameters).
+        by_name = {p.name: p for p in self.params}
+        self.gather_buckets = {
+            b["id"]: (b["params"], _DTYPE_BYTES[b["dtype"]] * sum(by_name[n].numel for n in b["params"]))
+            for b in json.loads(self.model.plan)["buckets"]
+            if b["kind"] == "gather"
+        }
+        self.unit_buckets = self._unit_buckets()
         ahead_bytes, ahead_buckets = self._one_unit_ahead()
         prefetch_bytes = ahead_bytes if o["prefetch_bytes"] is None else o["prefetch_bytes"]
         max_inflight = ahead_buckets if o["max_inflight"] is None else o["max_inflight"]
@@ -310,7 +318,6 @@ class _State:
         engine_args = (policy, prefetch_bytes, max_inflight, None, o["reduce_dtype"])
         self.train = self.model.engine(*engine_args)
         self.eval = self.model.engine(*engine_args)
-        self.unit_buckets = self._unit_buckets()
         if o["prefetch"] == "explicit":
             self.apply_explicit()
         for old in old_states.values():
@@ -332,12 +339,10 @@ class _State:
     def _unit_buckets(self) -> list[list[int]]:
         """Each unit's gather buckets (ids): those of every parameter it fetches (a tied
         parameter's bucket is fetched by every unit that uses it)."""
-        plan = json.loads(self.model.plan)
         buckets_of: dict[str, list[int]] = {}
-        for b in plan["buckets"]:
-            if b["kind"] == "gather":
-                for n in b["params"]:
-                    buckets_of.setdefault(n, []).append(b["id"])
+        for bid, (names, _) in self.gather_buckets.items():
+            for n in names:
+                buckets_of.setdefault(n, []).append(bid)
         out = []
         for unit in self.units:
             ids: dict[int, None] = {}
@@ -378,20 +383,12 @@ class _State:
     def _one_unit_ahead(self) -> tuple[int, int]:
         """The default prefetch budget: about one unit ahead, as FSDP2 prefetches one module
         (bytes beyond the first bucket ahead, and buckets ahead, of the largest unit)."""
-        plan = json.loads(self.model.plan)
-        by_name = {p.name: p for p in self.params}
-        per_unit: dict[int, list[int]] = {}
-        for b in plan["buckets"]:
-            if b["kind"] != "gather" or not b["params"]:
-                continue
-            unit = by_name[b["params"][0]].unit
-            size = _DTYPE_BYTES[b["dtype"]] * sum(by_name[n].numel for n in b["params"])
-            # The gathered buffer and, for split parameters, the unpacked copy.
-            per_unit.setdefault(unit, []).append(2 * size)
+        # A bucket held takes its gathered buffer and, for split parameters, the unpacked copy.
+        per_unit = [[2 * self.gather_buckets[b][1] for b in bs] for bs in self.unit_buckets if bs]
         if not per_unit:
             return 0, 1
-        largest = max(per_unit.values(), key=sum)
-        return sum(largest) - max(largest), max(len(v) for v in per_unit.values()) + 1
+        largest = max(per_unit, key=sum)
+        return sum(largest) - max(largest), max(len(v) for v in per_unit) + 1
 
     def _full_values(self, values: list[nn.Parameter], old_states: dict[int, _State]) -> list[torch.Tensor]:
         gathered: dict[int, dict[int, torch.Tensor]] = {k: st.gather_all() for k, st in old_states.items()}
@@ -451,7 +448,7 @@ class _State:
         if outer is not None:
             return out
         if engine is self.eval:
-            self.last_eval = engine.end_step()
+            engine.end_step()
         elif _requires_grad(out):
             self.phase = "forward"
         elif self.phase == "idle":
@@ -956,10 +953,8 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     _between_steps(state, "full_state_dict")
     by_name = {p.name: p for p in state.params}
     out: dict[str, torch.Tensor] = {}
-    for b in json.loads(state.model.plan)["buckets"]:
-        if b["kind"] != "gather":
-            continue
-        ids = [by_name[n].pid for n in b["params"]]
+    for names, _ in state.gather_buckets.values():
+        ids = [by_name[n].pid for n in names]
         regions = state.eval.fetch(ids)
         for pid, region in zip(ids, regions):
             p = state.params[pid]
