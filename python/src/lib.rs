@@ -2,9 +2,11 @@
 //! (`python/collsched/`). Plans (`plan::plan_json`), the collective bench (`bench::bench`), a
 //! rank of the `shm` backend (`world::World`), a sharded model and its engines
 //! (`model::Model`, `model::Engine`), and library memory exported to torch without copies
-//! (`region::Region`, the crate's only `unsafe`).
+//! (`region::Region`, the crate's only `unsafe`), and collectives on torch tensors for the
+//! `"collsched"` torch.distributed backend (`comm::Comm`, `comm::Work`).
 
 mod bench;
+mod comm;
 mod errors;
 mod model;
 mod plan;
@@ -23,6 +25,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(plan::plan_json, m)?)?;
     m.add_function(wrap_pyfunction!(bench::bench, m)?)?;
     m.add_class::<world::World>()?;
+    m.add_class::<comm::Comm>()?;
+    m.add_class::<comm::Work>()?;
     m.add_class::<model::Model>()?;
     m.add_class::<model::Engine>()?;
     m.add_class::<region::Region>()?;

@@ -87,3 +87,17 @@ pub unsafe fn tensor_bytes<'a>(addr: usize, len: usize) -> &'a [u8] {
     // SAFETY: the caller's contract above.
     unsafe { std::slice::from_raw_parts(addr as *const u8, len) }
 }
+
+/// The bytes of a tensor the engine hands over by address, for writing a result into it.
+///
+/// # Safety
+/// `addr..addr+len` must be writable memory of a contiguous CPU tensor that stays alive and
+/// that nothing else reads or writes during the call (torch reads a collective's output only
+/// after its work was waited for, and the Python work object holds the tensor until then).
+pub unsafe fn tensor_bytes_mut<'a>(addr: usize, len: usize) -> &'a mut [u8] {
+    if len == 0 {
+        return &mut [];
+    }
+    // SAFETY: the caller's contract above.
+    unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) }
+}

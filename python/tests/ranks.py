@@ -38,10 +38,13 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, job: str, init: str, s
         import torch
 
         torch.set_num_threads(1)
-        if init == "torch":
+        if init != "env":
             import torch.distributed as dist
 
-            dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+            import collsched.torch  # noqa: F401  (registers the "collsched" backend)
+
+            backend = "gloo" if init == "torch" else init
+            dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
         value = fn(rank, world, *args)
         q.put((rank, True, value))
     except BaseException as e:  # every failure goes back to the test, with its traceback
@@ -56,7 +59,8 @@ def run_all(
     timeout: float = DEFAULT_TIMEOUT,
 ) -> dict[int, tuple[bool, Any]]:
     """Every rank's ``(ok, value or traceback text)``. ``init``: ``"env"`` (torchrun's
-    variables only) or ``"torch"`` (also ``torch.distributed`` on gloo, before ``fn``)."""
+    variables only), ``"torch"`` (also ``torch.distributed`` on gloo, before ``fn``), or a
+    torch.distributed backend's name (``"gloo"``, ``"collsched"``)."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     job = f"pytest-{uuid.uuid4().hex[:12]}"

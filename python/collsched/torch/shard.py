@@ -1,120 +1,23 @@
-"""collsched.torch: shard PyTorch modules the way FSDP2's ``fully_shard`` does, on collsched.
-
-::
-
-    import collsched.torch as cst
-    cst.init()                                  # torchrun's environment, or torch.distributed's
-    for block in model.blocks:
-        cst.fully_shard(block)                  # a unit: its parameters are fetched together
-    cst.fully_shard(model)                      # the root: one plan for the whole model
-    opt = torch.optim.AdamW(model.parameters()) # on this rank's shards
-
-How it works (one rank):
-
-- **Sharding.** Each ``fully_shard`` call builds (or, for a root over already-sharded units,
-  rebuilds) one collsched model over every parameter under the module. Each parameter is
-  replaced in its module by a 1-D ``Parameter`` over this rank's elements of it (the shard,
-  in the library's memory: the optimizer updates it in place and the next gather reads it).
-  Bucket boundaries follow the units.
-- **Forward.** A unit's forward fetches its parameters (their buckets are all-gathered,
-  later ones prefetched along the recorded order) and swaps in full-size parameters whose data
-  are views of the gathered buffers (no copy); after its forward they are released and the
-  shards swapped back. Tensors autograd saves that view gathered parameters are kept as
-  references (``saved_tensors_hooks``), not as memory, and fetched again in backward.
-- **Backward.** A unit is fetched again when autograd first needs one of its saved
-  parameters; each parameter's gradient goes to the library as soon as it is accumulated
-  (``register_post_accumulate_grad_hook``), and gradient buckets are reduce-scattered as they
-  fill; a unit is released when its gradients are in. At the end of the backward, the step
-  ends and each shard's ``.grad`` gets the reduced (mean over ranks) gradient of its elements,
-  added to what is there (``zero_grad`` as usual).
-- **Passes without backward** (``torch.no_grad()``, an output that is dropped, an exception
-  in a forward) leave nothing fetched: evaluation passes run on a second engine of the same
-  model, and an aborted pass releases what it fetched.
-
-Knobs are the arguments of :func:`fully_shard` and :func:`init`; errors are
-:class:`collsched.CollschedError` and its subclasses, with the library's message.
-"""
+"""``fully_shard`` and what it builds: a sharded model per root (``_State``), its units and
+parameters, the hooks that fetch, release and reduce around forward and backward, and the
+module methods FSDP2 users call (``no_sync``, ``set_requires_gradient_sync``, prefetch lists).
+How a pass runs is told in the package's docstring."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import json
-import os
 import time
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-from . import _native, params_json
-from ._native import CollschedError
-
-__all__ = [
-    "CollschedError",
-    "fully_shard",
-    "full_parameters",
-    "full_state_dict",
-    "save_full",
-    "load_checkpoint",
-    "save_checkpoint",
-    "init",
-    "live_bytes",
-    "plan",
-    "stats",
-    "world",
-]
-
-_WORLD: Any = None
-_TO_TORCH = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
-_FROM_TORCH = {v: k for k, v in _TO_TORCH.items()}
-_DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2}
-
-
-def init(backend: str = "shm") -> Any:
-    """Joins this process's job as its rank (collective: every rank calls it). Idempotent.
-
-    When ``torch.distributed`` is initialized, rank and world come from it and the ranks agree
-    on a job key through its store (no second rendezvous, no port); otherwise from the
-    launcher's environment (torchrun's ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, or Open
-    MPI's). ``backend``: ``"shm"`` (processes of one machine, CPU tensors).
-    """
-    global _WORLD
-    if _WORLD is not None:
-        return _WORLD
-    if backend != "shm":
-        raise CollschedError(
-            f"init(backend={backend!r}): this build runs the 'shm' backend (CPU tensors, ranks as processes "
-            "of one machine)"
-        )
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        rank, size = dist.get_rank(), dist.get_world_size()
-        local = os.environ.get("LOCAL_WORLD_SIZE")
-        if local is not None and local.strip().isdigit() and int(local) != size:
-            raise CollschedError(
-                f"init: the shm backend needs every rank on one machine; this job has {size} ranks, "
-                f"{local} on this machine (LOCAL_WORLD_SIZE)"
-            )
-        store = dist.distributed_c10d._get_default_store()
-        key = "collsched/job"
-        if rank == 0:
-            store.set(key, f"torch-{uuid.uuid4().hex}")
-        job = store.get(key).decode()
-        _WORLD = _native.World(rank, size, job)
-    else:
-        _WORLD = _native.World()
-    return _WORLD
-
-
-def world() -> Any:
-    """The world :func:`init` joined (raises if it was not called)."""
-    if _WORLD is None:
-        raise CollschedError("collsched.torch.init() was not called: call it on every rank first")
-    return _WORLD
+from .. import _native, params_json
+from .._native import CollschedError
+from .world import _DTYPE_BYTES, _FROM_TORCH, _TO_TORCH, world
 
 
 class _Saved:
@@ -853,122 +756,3 @@ def plan(module: nn.Module) -> dict[str, Any]:
 def live_bytes(module: nn.Module) -> int:
     """Gathered bytes held on this rank for ``module``'s sharded model (0 between passes)."""
     return int(_root_state(module).train.live_bytes)
-
-
-def _between_steps(state: _State, what: str) -> None:
-    if state.phase != "idle" or any(u.fetched is not None for u in state.units):
-        raise CollschedError(f"{what}: call it between steps (after the optimizer's step), not inside a pass")
-
-
-def save_checkpoint(module: nn.Module, optimizer: torch.optim.Optimizer | None, path: Any, step: int = 0) -> dict:
-    """Saves ``module``'s shards, and ``optimizer``'s state of them, to the directory ``path``
-    (collective: every rank calls it, between steps). Each rank writes only its own elements
-    (safetensors); the index is written last and the directory renamed into place, so an
-    interrupted save leaves the previous checkpoint at ``path`` whole. Tensor states shaped
-    like a shard (Adam's moments) are saved per element; scalar ones (``step``) and the
-    parameter groups' hyperparameters go into the index. Returns the index."""
-    state = _root_state(module)
-    _between_steps(state, "save_checkpoint")
-    keep, extras, scalars = [], [], {}
-    groups: list[dict] = []
-    if optimizer is not None:
-        for p in state.params:
-            st = optimizer.state.get(p.shard) or {}
-            for k, v in st.items():
-                if torch.is_tensor(v) and v.dim() == 1 and v.numel() == p.shard.numel() and v.dtype in _FROM_TORCH:
-                    v = v.detach().contiguous()
-                    keep.append(v)
-                    extras.append((k, p.pid, _FROM_TORCH[v.dtype], v.data_ptr(), v.numel() * v.element_size()))
-                elif torch.is_tensor(v) and v.numel() == 1:
-                    scalars.setdefault(p.name, {})[k] = {
-                        "value": v.item(),
-                        "dtype": str(v.dtype).removeprefix("torch."),
-                    }
-                elif isinstance(v, (int, float)):
-                    scalars.setdefault(p.name, {})[k] = {"value": v}
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    # Scalar states of parameters this rank holds no element of exist on other ranks only.
-    merged: dict[str, Any] = {}
-    for blob in world().all_gather(json.dumps(scalars).encode()):
-        merged.update(json.loads(blob))
-    meta = {"optimizer": {"groups": groups, "scalars": merged}} if optimizer is not None else {}
-    text = state.model.save(str(path), int(step), extras, json.dumps(meta, default=str))
-    del keep
-    return json.loads(text)
-
-
-def load_checkpoint(module: nn.Module, optimizer: torch.optim.Optimizer | None, path: Any) -> dict:
-    """Loads the checkpoint at ``path`` into ``module``'s shards (collective: every rank calls
-    it, between steps), whatever world size, strategy and bucket size saved it: each rank reads
-    only the elements it holds. With ``optimizer``, its state of each shard and its groups'
-    hyperparameters come back too. A checkpoint that does not fit (a parameter missing, extra,
-    of another shape or dtype), is incomplete or damaged raises ``CollschedError`` naming it,
-    and nothing changes. Returns the index."""
-    state = _root_state(module)
-    _between_steps(state, "load_checkpoint")
-    try:
-        with open(os.path.join(str(path), "index.json")) as f:
-            saved = json.load(f)
-    except (OSError, ValueError):
-        saved = {"extras": []}  # the library's load names what is wrong, on every rank
-    names = {e["name"] for e in saved.get("extras", [])}
-    wanted = [
-        (p.pid, n.split("#", 1)[1])
-        for p in state.params
-        if p.shard.numel() > 0
-        for n in names
-        if n.split("#", 1)[0] == p.name
-    ]
-    text, states = state.model.load(str(path), wanted)
-    index = json.loads(text)
-    if optimizer is None:
-        return index
-    meta = (index.get("meta") or {}).get("optimizer") or {}
-    for g, s in zip(optimizer.param_groups, meta.get("groups", [])):
-        for k, v in s.items():
-            if k in g and isinstance(g[k], tuple) and isinstance(v, list):
-                v = tuple(v)
-            g[k] = v
-    for (pid, name), got in zip(wanted, states):
-        if got is not None:
-            dtype, data = got
-            optimizer.state[state.params[pid].shard][name] = torch.frombuffer(data, dtype=_TO_TORCH[dtype])
-    scalars = meta.get("scalars", {})
-    for p in state.params:
-        if p.shard.numel() == 0 or p.shard not in optimizer.state:
-            continue
-        for k, v in scalars.get(p.name, {}).items():
-            if "dtype" in v:
-                optimizer.state[p.shard][k] = torch.tensor(v["value"], dtype=getattr(torch, v["dtype"]))
-            else:
-                optimizer.state[p.shard][k] = v["value"]
-    return index
-
-
-def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter's full value by name (copies; tied parameters once), gathered one
-    bucket at a time, so the memory beyond the result is one bucket's gathered buffers.
-    Collective: every rank calls it, between steps."""
-    state = _root_state(module)
-    _between_steps(state, "full_state_dict")
-    by_name = {p.name: p for p in state.params}
-    out: dict[str, torch.Tensor] = {}
-    for names, _ in state.gather_buckets.values():
-        ids = [by_name[n].pid for n in names]
-        regions = state.eval.fetch(ids)
-        for pid, region in zip(ids, regions):
-            p = state.params[pid]
-            out[p.name] = torch.frombuffer(region, dtype=p.dtype).view(p.shape).clone()
-        state.eval.release(ids)
-        state.eval.end_step()
-    return {p.name: out[p.name] for p in state.params}
-
-
-def save_full(module: nn.Module, path: Any) -> None:
-    """Writes every parameter's full value to one safetensors file at ``path``, which plain
-    PyTorch loads into the unsharded model (``safetensors.torch.load_file`` then
-    ``load_state_dict``; tied parameters appear once, under their first name). Gathers one
-    bucket at a time; rank 0 writes. Collective: every rank calls it, between steps."""
-    state = _root_state(module)
-    _between_steps(state, "save_full")
-    state.model.save_full(str(path))

@@ -1,0 +1,67 @@
+"""collsched.torch: shard PyTorch modules the way FSDP2's ``fully_shard`` does, on collsched.
+
+::
+
+    import collsched.torch as cst
+    cst.init()                                  # torchrun's environment, or torch.distributed's
+    for block in model.blocks:
+        cst.fully_shard(block)                  # a unit: its parameters are fetched together
+    cst.fully_shard(model)                      # the root: one plan for the whole model
+    opt = torch.optim.AdamW(model.parameters()) # on this rank's shards
+
+How it works (one rank):
+
+- **Sharding.** Each ``fully_shard`` call builds (or, for a root over already-sharded units,
+  rebuilds) one collsched model over every parameter under the module. Each parameter is
+  replaced in its module by a 1-D ``Parameter`` over this rank's elements of it (the shard,
+  in the library's memory: the optimizer updates it in place and the next gather reads it).
+  Bucket boundaries follow the units.
+- **Forward.** A unit's forward fetches its parameters (their buckets are all-gathered,
+  later ones prefetched along the recorded order) and swaps in full-size parameters whose data
+  are views of the gathered buffers (no copy); after its forward they are released and the
+  shards swapped back. Tensors autograd saves that view gathered parameters are kept as
+  references (``saved_tensors_hooks``), not as memory, and fetched again in backward.
+- **Backward.** A unit is fetched again when autograd first needs one of its saved
+  parameters; each parameter's gradient goes to the library as soon as it is accumulated
+  (``register_post_accumulate_grad_hook``), and gradient buckets are reduce-scattered as they
+  fill; a unit is released when its gradients are in. At the end of the backward, the step
+  ends and each shard's ``.grad`` gets the reduced (mean over ranks) gradient of its elements,
+  added to what is there (``zero_grad`` as usual).
+- **Passes without backward** (``torch.no_grad()``, an output that is dropped, an exception
+  in a forward) leave nothing fetched: evaluation passes run on a second engine of the same
+  model, and an aborted pass releases what it fetched.
+
+Knobs are the arguments of :func:`fully_shard` and :func:`init`; errors are
+:class:`collsched.CollschedError` and its subclasses, with the library's message.
+
+The ``"collsched"`` torch.distributed backend (``dist.init_process_group("collsched")``), which
+importing this package registers, is :mod:`collsched.torch.distributed`. The files:
+``world.py`` (joining the job), ``shard.py`` (``fully_shard`` and its hooks),
+``checkpoint.py`` (checkpoints), ``distributed.py`` (the process group backend).
+"""
+
+from __future__ import annotations
+
+from .._native import CollschedError
+from . import distributed
+from .checkpoint import full_state_dict, load_checkpoint, save_checkpoint, save_full
+from .shard import CollschedModule, full_parameters, fully_shard, live_bytes, plan, stats
+from .world import init, world
+
+__all__ = [
+    "CollschedError",
+    "CollschedModule",
+    "fully_shard",
+    "full_parameters",
+    "full_state_dict",
+    "save_full",
+    "load_checkpoint",
+    "save_checkpoint",
+    "init",
+    "live_bytes",
+    "plan",
+    "stats",
+    "world",
+]
+
+distributed.register()

@@ -1,0 +1,135 @@
+"""Checkpoints of sharded modules: every rank's shards and optimizer state
+(:func:`save_checkpoint`, :func:`load_checkpoint`, into any world size or strategy), and the
+full parameters for export (:func:`full_state_dict`, :func:`save_full`)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._native import CollschedError
+from .shard import _root_state, _State
+from .world import _FROM_TORCH, _TO_TORCH, world
+
+
+def _between_steps(state: _State, what: str) -> None:
+    if state.phase != "idle" or any(u.fetched is not None for u in state.units):
+        raise CollschedError(f"{what}: call it between steps (after the optimizer's step), not inside a pass")
+
+
+def save_checkpoint(module: nn.Module, optimizer: torch.optim.Optimizer | None, path: Any, step: int = 0) -> dict:
+    """Saves ``module``'s shards, and ``optimizer``'s state of them, to the directory ``path``
+    (collective: every rank calls it, between steps). Each rank writes only its own elements
+    (safetensors); the index is written last and the directory renamed into place, so an
+    interrupted save leaves the previous checkpoint at ``path`` whole. Tensor states shaped
+    like a shard (Adam's moments) are saved per element; scalar ones (``step``) and the
+    parameter groups' hyperparameters go into the index. Returns the index."""
+    state = _root_state(module)
+    _between_steps(state, "save_checkpoint")
+    keep, extras, scalars = [], [], {}
+    groups: list[dict] = []
+    if optimizer is not None:
+        for p in state.params:
+            st = optimizer.state.get(p.shard) or {}
+            for k, v in st.items():
+                if torch.is_tensor(v) and v.dim() == 1 and v.numel() == p.shard.numel() and v.dtype in _FROM_TORCH:
+                    v = v.detach().contiguous()
+                    keep.append(v)
+                    extras.append((k, p.pid, _FROM_TORCH[v.dtype], v.data_ptr(), v.numel() * v.element_size()))
+                elif torch.is_tensor(v) and v.numel() == 1:
+                    scalars.setdefault(p.name, {})[k] = {
+                        "value": v.item(),
+                        "dtype": str(v.dtype).removeprefix("torch."),
+                    }
+                elif isinstance(v, (int, float)):
+                    scalars.setdefault(p.name, {})[k] = {"value": v}
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    # Scalar states of parameters this rank holds no element of exist on other ranks only.
+    merged: dict[str, Any] = {}
+    for blob in world().all_gather(json.dumps(scalars).encode()):
+        merged.update(json.loads(blob))
+    meta = {"optimizer": {"groups": groups, "scalars": merged}} if optimizer is not None else {}
+    text = state.model.save(str(path), int(step), extras, json.dumps(meta, default=str))
+    del keep
+    return json.loads(text)
+
+
+def load_checkpoint(module: nn.Module, optimizer: torch.optim.Optimizer | None, path: Any) -> dict:
+    """Loads the checkpoint at ``path`` into ``module``'s shards (collective: every rank calls
+    it, between steps), whatever world size, strategy and bucket size saved it: each rank reads
+    only the elements it holds. With ``optimizer``, its state of each shard and its groups'
+    hyperparameters come back too. A checkpoint that does not fit (a parameter missing, extra,
+    of another shape or dtype), is incomplete or damaged raises ``CollschedError`` naming it,
+    and nothing changes. Returns the index."""
+    state = _root_state(module)
+    _between_steps(state, "load_checkpoint")
+    try:
+        with open(os.path.join(str(path), "index.json")) as f:
+            saved = json.load(f)
+    except (OSError, ValueError):
+        saved = {"extras": []}  # the library's load names what is wrong, on every rank
+    names = {e["name"] for e in saved.get("extras", [])}
+    wanted = [
+        (p.pid, n.split("#", 1)[1])
+        for p in state.params
+        if p.shard.numel() > 0
+        for n in names
+        if n.split("#", 1)[0] == p.name
+    ]
+    text, states = state.model.load(str(path), wanted)
+    index = json.loads(text)
+    if optimizer is None:
+        return index
+    meta = (index.get("meta") or {}).get("optimizer") or {}
+    for g, s in zip(optimizer.param_groups, meta.get("groups", [])):
+        for k, v in s.items():
+            if k in g and isinstance(g[k], tuple) and isinstance(v, list):
+                v = tuple(v)
+            g[k] = v
+    for (pid, name), got in zip(wanted, states):
+        if got is not None:
+            dtype, data = got
+            optimizer.state[state.params[pid].shard][name] = torch.frombuffer(data, dtype=_TO_TORCH[dtype])
+    scalars = meta.get("scalars", {})
+    for p in state.params:
+        if p.shard.numel() == 0 or p.shard not in optimizer.state:
+            continue
+        for k, v in scalars.get(p.name, {}).items():
+            if "dtype" in v:
+                optimizer.state[p.shard][k] = torch.tensor(v["value"], dtype=getattr(torch, v["dtype"]))
+            else:
+                optimizer.state[p.shard][k] = v["value"]
+    return index
+
+
+def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's full value by name (copies; tied parameters once), gathered one
+    bucket at a time, so the memory beyond the result is one bucket's gathered buffers.
+    Collective: every rank calls it, between steps."""
+    state = _root_state(module)
+    _between_steps(state, "full_state_dict")
+    by_name = {p.name: p for p in state.params}
+    out: dict[str, torch.Tensor] = {}
+    for names, _ in state.gather_buckets.values():
+        ids = [by_name[n].pid for n in names]
+        regions = state.eval.fetch(ids)
+        for pid, region in zip(ids, regions):
+            p = state.params[pid]
+            out[p.name] = torch.frombuffer(region, dtype=p.dtype).view(p.shape).clone()
+        state.eval.release(ids)
+        state.eval.end_step()
+    return {p.name: out[p.name] for p in state.params}
+
+
+def save_full(module: nn.Module, path: Any) -> None:
+    """Writes every parameter's full value to one safetensors file at ``path``, which plain
+    PyTorch loads into the unsharded model (``safetensors.torch.load_file`` then
+    ``load_state_dict``; tied parameters appear once, under their first name). Gathers one
+    bucket at a time; rank 0 writes. Collective: every rank calls it, between steps."""
+    state = _root_state(module)
+    _between_steps(state, "save_full")
+    state.model.save_full(str(path))

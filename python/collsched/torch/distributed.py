@@ -1,0 +1,412 @@
+"""The ``"collsched"`` backend of torch.distributed: any PyTorch program (FSDP2, DDP, plain
+``dist`` calls) on collsched's shared-memory collectives, by changing one string::
+
+    import torch.distributed as dist
+    import collsched.torch                      # registers "collsched" (CPU tensors)
+    dist.init_process_group("collsched")        # under torchrun, as with "gloo"
+
+What it runs, per process group (``dist.new_group`` and device meshes map to rank groups of
+the job):
+
+- ``all_gather_into_tensor``, list ``all_gather``, ``reduce_scatter_tensor``, list
+  ``reduce_scatter``, ``all_reduce``, ``broadcast``, ``barrier``, their coalesced forms, and
+  ``reduce``, ``gather``, ``scatter`` and ``all_to_all_single`` built on them; ``async_op=True``
+  returns a work whose ``wait()`` blocks on the collective's completion, and
+  ``get_future()`` a future completed in the background (DDP's gradient hooks use it).
+- Sum, average (a true average: the sum divided by the group's size, in ``f32``) and
+  ``PREMUL_SUM`` of ``float32``, ``float16`` and ``bfloat16`` run on the library's kernels
+  (accumulated in ``f32``, rounded once). Max, min, product and the bitwise ops, and every
+  reduction of other types (``float64``, integers, ``bool``), gather every member's tensor
+  and reduce locally with torch: exact, at ``n`` times the tensor's memory, for the small
+  tensors they are used on. All-gathers and broadcasts move any type as bytes.
+- Peers can read only memory every process maps, so a launch copies inputs into the rank's
+  shared arena and ``wait()`` copies results out (two copies gloo also makes, without its
+  sockets). Point-to-point ops (``send``, ``recv``) raise torch's "does not support" error,
+  naming them.
+
+Every group's collectives run in launch order on one stream of the rank: ranks of a group
+must issue them in the same order (as with every torch backend); a disagreement is a
+:class:`collsched.MismatchError` on every member, a dead or missing member a
+:class:`collsched.PeerError` (within the backend's timeout, ``COLLSCHED_TIMEOUT_SECS``, for a
+member that never arrives; at once for one that died).
+"""
+
+from __future__ import annotations
+
+import functools
+import queue
+import threading
+import zlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import Backend as _C10dBackend
+from torch._C._distributed_c10d import Work as _C10dWork
+
+from .. import _native
+from .._native import CollschedError
+from . import world as _world
+
+NAME = "collsched"
+
+_KERNEL_TYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+_R = dist.ReduceOp
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    return (t.data_ptr(), t.numel() * t.element_size())
+
+
+def _seconds(timeout: Any) -> float | None:
+    """A torch timeout (``timedelta``; negative: unset) in seconds, or ``None``."""
+    if timeout is None:
+        return None
+    s = timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout)
+    return s if s > 0 else None
+
+
+class _Work(_C10dWork):
+    """One launch: the library's work, the tensors it reads and writes (held until it is
+    waited for: the library copies into them by address), and what runs after the copy-out
+    (a non-contiguous output filled from its contiguous stand-in, a local reduction)."""
+
+    def __init__(
+        self,
+        native: Any,
+        result: list[torch.Tensor],
+        keep: Sequence[Any] = (),
+        after: Sequence[Callable[[], None]] = (),
+    ) -> None:
+        super().__init__()
+        self._native = native
+        self._result = result
+        self._keep: Sequence[Any] | None = keep
+        self._after = after
+        self._lock = threading.Lock()
+        self._done = False
+        self._error: BaseException | None = None
+
+    def _finish(self, seconds: float | None = None) -> None:
+        with self._lock:
+            if not self._done:
+                try:
+                    if self._native is not None:
+                        self._native.wait(seconds)
+                    for f in self._after:
+                        f()
+                except CollschedError as e:
+                    if "not complete after waiting" in str(e):
+                        raise  # still pending: a later wait may succeed
+                    self._error = e
+                except BaseException as e:
+                    self._error = e
+                self._done = True
+                self._keep = None
+            if self._error is not None:
+                raise self._error
+
+    def wait(self, timeout: Any = None) -> bool:
+        self._finish(_seconds(timeout))
+        return True
+
+    def is_completed(self) -> bool:
+        if self._done:
+            return True
+        if self._native is not None and not self._native.is_completed():
+            return False
+        self._finish()
+        return True
+
+    def is_success(self) -> bool:
+        return self.is_completed() and self._error is None
+
+    def exception(self) -> BaseException | None:
+        return self._error
+
+    def result(self) -> list[torch.Tensor]:
+        return self._result
+
+    def get_future(self) -> torch.futures.Future:
+        fut: torch.futures.Future = torch.futures.Future()
+        _completer().put((self, fut))
+        return fut
+
+
+def _complete_futures(q: queue.SimpleQueue) -> None:
+    """The completer's loop: works complete in launch order (one stream per rank), so one
+    thread finishing them in the order their futures were asked for never waits behind a
+    later one."""
+    while True:
+        work, fut = q.get()
+        try:
+            work._finish()
+            fut.set_result(work._result)
+        except BaseException as e:
+            fut.set_exception(e)
+
+
+@functools.lru_cache(maxsize=1)
+def _completer() -> queue.SimpleQueue:
+    q: queue.SimpleQueue = queue.SimpleQueue()
+    threading.Thread(target=_complete_futures, args=(q,), name="collsched-futures", daemon=True).start()
+    return q
+
+
+def _done(result: list[torch.Tensor]) -> _Work:
+    return _Work(None, result)
+
+
+def _contiguous_out(t: torch.Tensor, after: list[Callable[[], None]]) -> torch.Tensor:
+    """``t`` if it is contiguous; else a contiguous stand-in copied into ``t`` after the wait."""
+    if t.is_contiguous():
+        return t
+    tmp = torch.empty_like(t, memory_format=torch.contiguous_format)
+    after.append(lambda: t.copy_(tmp))
+    return tmp
+
+
+def _local_reduce(stacked: torch.Tensor, op: Any, n: int) -> torch.Tensor:
+    """Reduces ``stacked`` (every member's tensor along dim 0) with ``op``, in its type."""
+    dtype = stacked.dtype
+    if op == _R.SUM:
+        out = stacked.any(0) if dtype == torch.bool else stacked.sum(0, dtype=dtype)
+    elif op == _R.AVG:
+        if not (dtype.is_floating_point or dtype.is_complex):
+            raise CollschedError(f"collsched: all_reduce with AVG on {dtype}: an average of integers is not one")
+        out = stacked.sum(0, dtype=dtype) / n
+    elif op == _R.MAX:
+        out = stacked.amax(0)
+    elif op == _R.MIN:
+        out = stacked.amin(0)
+    elif op == _R.PRODUCT:
+        out = stacked.all(0) if dtype == torch.bool else stacked.prod(0, dtype=dtype)
+    elif op in (_R.BAND, _R.BOR, _R.BXOR):
+        if dtype.is_floating_point or dtype.is_complex:
+            raise CollschedError(f"collsched: bitwise reduction on {dtype}; use an integer or bool tensor")
+        f = {_R.BAND: torch.bitwise_and, _R.BOR: torch.bitwise_or, _R.BXOR: torch.bitwise_xor}[op]
+        out = functools.reduce(f, stacked.unbind(0))
+    else:
+        raise CollschedError(f"collsched: reduction {op} is not supported")
+    return out.to(dtype)
+
+
+class _Backend(_C10dBackend):
+    """One process group's backend on this rank: a :class:`collsched._native.Comm` over the
+    group's ranks in the job."""
+
+    def __init__(self, comm: Any, group_rank: int, group_size: int) -> None:
+        super().__init__(group_rank, group_size)
+        self._comm = comm
+        self._ranks: list[int] = list(comm.ranks)
+        self._n = group_size
+
+    def getBackendName(self) -> str:
+        return NAME
+
+    # -- reductions -------------------------------------------------------------------------
+
+    def _kernel_op(self, op: Any, dtype: torch.dtype) -> tuple[str, float] | None:
+        """``(op, pre_divide)`` when the kernels run this reduction, else ``None``."""
+        if dtype not in _KERNEL_TYPES:
+            return None
+        if op == _R.SUM:
+            return ("sum", 1.0)
+        if op == _R.AVG:
+            return ("avg", 1.0)
+        if op == _R.PREMUL_SUM:
+            factor = getattr(op, "factor", None)
+            if not isinstance(factor, (int, float)) or factor == 0:
+                raise CollschedError(
+                    "collsched: PREMUL_SUM with a tensor factor is not supported; give a number "
+                    "(dist._make_nccl_premul_sum(0.5))"
+                )
+            return ("sum", 1.0 / float(factor))
+        return None
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> _Work:
+        return self._all_reduce(tensors, opts.reduceOp)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any) -> _Work:
+        return self._all_reduce(tensors, opts.reduceOp)
+
+    def _all_reduce(self, tensors: list[torch.Tensor], op: Any) -> _Work:
+        dtypes = {t.dtype for t in tensors}
+        kernel = self._kernel_op(op, tensors[0].dtype) if len(dtypes) == 1 else None
+        if kernel is None:
+            for t in tensors:
+                stacked = self._gathered(t)
+                t.copy_(_local_reduce(stacked, op, self._n))
+            return _done(tensors)
+        after: list[Callable[[], None]] = []
+        bufs = [_contiguous_out(t, after) for t in tensors]
+        for b, t in zip(bufs, tensors):
+            if b is not t:
+                b.copy_(t)
+        native = self._comm.all_reduce([_span(b) for b in bufs], _KERNEL_TYPES[tensors[0].dtype], *kernel)
+        return _Work(native, tensors, keep=bufs, after=after)
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> _Work:
+        return self._reduce_scatter([output], [input], opts.reduceOp)
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any):
+        return self._reduce_scatter(outputs, inputs, opts.reduceOp)
+
+    def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any) -> _Work:
+        flat = []
+        for out, parts in zip(outputs, inputs):
+            self._same_sizes("reduce_scatter", out, parts)
+            flat.append(torch.cat([p.reshape(-1) for p in parts]))
+        return self._reduce_scatter(outputs, flat, opts.reduceOp)
+
+    def _reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], op: Any) -> _Work:
+        dtypes = {t.dtype for t in [*outputs, *inputs]}
+        kernel = self._kernel_op(op, outputs[0].dtype) if len(dtypes) == 1 else None
+        if kernel is None:
+            me = self._comm.group_rank
+            for out, inp in zip(outputs, inputs):
+                stacked = self._gathered(inp.reshape(-1)).view(self._n, self._n, -1)[:, me]
+                out.copy_(_local_reduce(stacked, op, self._n).view_as(out))
+            return _done(outputs)
+        after: list[Callable[[], None]] = []
+        outs = [_contiguous_out(o, after) for o in outputs]
+        ins = [i.contiguous() for i in inputs]
+        elem = _KERNEL_TYPES[outputs[0].dtype]
+        native = self._comm.reduce_scatter([_span(o) for o in outs], [_span(i) for i in ins], elem, *kernel)
+        return _Work(native, outputs, keep=[*outs, *ins], after=after)
+
+    # -- data movement ----------------------------------------------------------------------
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> _Work:
+        return self._all_gather([output], [input])
+
+    _allgather_base = all_gather_single
+
+    def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any):
+        return self._all_gather(outputs, inputs)
+
+    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> _Work:
+        flats, after = [], []
+        for outs, inp in zip(outputs, inputs):
+            self._same_sizes("all_gather", inp, outs)
+            flat = torch.empty((self._n, *inp.shape), dtype=inp.dtype)
+            flats.append(flat)
+            after.append(functools.partial(_unstack, flat, outs))
+        work = self._all_gather(flats, inputs)
+        work._after = [*work._after, *after]
+        work._result = [t for outs in outputs for t in outs]
+        return work
+
+    def _all_gather(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> _Work:
+        after: list[Callable[[], None]] = []
+        outs = [_contiguous_out(o, after) for o in outputs]
+        ins = [i.contiguous() for i in inputs]
+        for o, i in zip(outs, ins):
+            if o.dtype != i.dtype:
+                raise CollschedError(f"collsched: all_gather from {i.dtype} into {o.dtype}; give one dtype")
+        native = self._comm.all_gather([_span(o) for o in outs], [_span(i) for i in ins])
+        return _Work(native, outputs, keep=[*outs, *ins], after=after)
+
+    def _gathered(self, t: torch.Tensor) -> torch.Tensor:
+        """Every member's ``t`` stacked along a new first dimension (waited for)."""
+        stacked = torch.empty((self._n, *t.shape), dtype=t.dtype)
+        self._all_gather([stacked], [t]).wait()
+        return stacked
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> _Work:
+        root = self._ranks[opts.rootRank]
+        after: list[Callable[[], None]] = []
+        bufs = [_contiguous_out(t, after) for t in tensors]
+        for b, t in zip(bufs, tensors):
+            if b is not t:
+                b.copy_(t)
+        native = self._comm.broadcast([_span(b) for b in bufs], root)
+        return _Work(native, tensors, keep=bufs, after=after)
+
+    def barrier(self, opts: Any = None) -> _Work:
+        return _Work(self._comm.barrier(), [])
+
+    # -- built on the above -----------------------------------------------------------------
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any) -> _Work:
+        """An all-reduce whose result only the root keeps."""
+        me = self._comm.group_rank
+        copies = tensors if me == opts.rootRank else [t.clone() for t in tensors]
+        work = self._all_reduce(copies, opts.reduceOp)
+        work._result = tensors
+        return work
+
+    def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> _Work:
+        """An all-gather whose result only the root keeps."""
+        if self._comm.group_rank == opts.rootRank:
+            return self.allgather(outputs, inputs, opts)
+        flat = torch.empty((self._n, *inputs[0].shape), dtype=inputs[0].dtype)
+        work = self._all_gather([flat], [inputs[0]])
+        work._result = []
+        return work
+
+    def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any) -> _Work:
+        """The root's list broadcast; each member keeps its part."""
+        out = outputs[0]
+        if self._comm.group_rank == opts.rootRank:
+            self._same_sizes("scatter", out, inputs[0])
+            flat = torch.stack([t.contiguous() for t in inputs[0]])
+        else:
+            flat = torch.empty((self._n, *out.shape), dtype=out.dtype)
+        me = self._comm.group_rank
+        work = _Work(self._comm.broadcast([_span(flat)], self._ranks[opts.rootRank]), outputs, keep=[flat])
+        work._after = [lambda: out.copy_(flat[me])]
+        return work
+
+    def alltoall_base(
+        self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list, input_split_sizes: list, opts: Any
+    ) -> _Work:
+        """Equal splits only: every member's input all-gathered, each keeping its column."""
+        if output_split_sizes or input_split_sizes:
+            raise CollschedError("collsched: all_to_all_single with split sizes is not supported; use equal splits")
+        stacked = self._gathered(input.reshape(-1))
+        me = self._comm.group_rank
+        output.copy_(stacked.view(self._n, self._n, -1)[:, me].reshape(output.shape))
+        return _done([output])
+
+    def _same_sizes(self, what: str, one: torch.Tensor, parts: Sequence[torch.Tensor]) -> None:
+        if len(parts) != self._n or any(p.numel() != one.numel() or p.dtype != one.dtype for p in parts):
+            shapes = [(tuple(p.shape), p.dtype) for p in parts]
+            raise CollschedError(
+                f"collsched: {what} over {self._n} ranks with {len(parts)} tensors {shapes} for "
+                f"{tuple(one.shape)} {one.dtype}; give {self._n} tensors of its size and dtype"
+            )
+
+
+def _unstack(flat: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
+    for q, o in enumerate(outs):
+        o.copy_(flat[q].view_as(o))
+
+
+def _create(opts: Any, backend_options: Any = None) -> _Backend:
+    """torch.distributed's constructor of a ``"collsched"`` group's backend (``extended_api``)."""
+    ranks = list(opts.global_ranks_in_group)
+    if not ranks:
+        # The default group: its ranks are the job's, and it makes (or reuses) the job's world.
+        world = _world.adopt(opts.store, opts.group_rank, opts.group_size)
+        ranks = list(range(opts.group_size))
+    else:
+        world = _world._WORLD
+        if world is None:
+            raise CollschedError(
+                "new_group(backend='collsched'): the job has no collsched world yet; initialize the default group "
+                "with init_process_group('collsched'), or call collsched.torch.init() on every rank first"
+            )
+    tag = zlib.crc32(str(opts.group_id).encode())
+    comm = _native.Comm(world, sorted(ranks), tag, _seconds(opts.timeout))
+    return _Backend(comm, opts.group_rank, opts.group_size)
+
+
+def register() -> None:
+    """Registers ``"collsched"`` with torch.distributed (CPU tensors). Idempotent; importing
+    ``collsched.torch`` does it."""
+    if NAME not in dist.Backend.backend_list:
+        dist.Backend.register_backend(NAME, _create, extended_api=True, devices=["cpu"])

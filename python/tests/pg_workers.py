@@ -1,0 +1,167 @@
+"""What each rank runs in the tests of the ``"collsched"`` torch.distributed backend: every op
+beside gloo's in one job, unmodified FSDP2 and DDP training loops, and a rank killed
+mid-collective. Importable by the processes the tests start."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import models
+
+DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "f64": torch.float64}
+OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def _data(rank: int, numel: int, dtype: torch.dtype, salt: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * salt + rank)
+    if dtype.is_floating_point:
+        return torch.randn(numel, generator=g).to(dtype)
+    return torch.randint(-50, 50, (numel,), generator=g).to(dtype)
+
+
+def plain(t: torch.Tensor) -> tuple[str, list]:
+    """A tensor as picklable plain values (a tensor sent back from a process that then exits
+    cannot be received: torch shares its memory): its dtype's name and its values, exact."""
+    return (str(t.dtype).removeprefix("torch."), t.flatten().tolist())
+
+
+def every_op(rank: int, world: int, cases: list[tuple[str, str, str, int]]) -> list[dict[str, Any]]:
+    """Each case ``(op, reduction, dtype, numel)`` on the default group ("collsched") and on a
+    gloo group of the same ranks, with every rank's input gathered (through gloo) so the test
+    can compute its own reference. Returns per case: the inputs of every rank, collsched's and
+    gloo's outputs on this rank."""
+    gloo = dist.new_group(backend="gloo")
+    out = []
+    for k, (op, red, dt, numel) in enumerate(cases):
+        dtype = DTYPES[dt]
+        x = _data(rank, numel * (world if op.startswith("reduce_scatter") else 1), dtype, k)
+        everyone = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(everyone, x, group=gloo)
+        results = {}
+        for name, group in (("collsched", None), ("gloo", gloo)):
+            t = x.clone()
+            if op == "all_reduce":
+                dist.all_reduce(t, op=OPS[red], group=group)
+                got = t
+            elif op == "reduce_scatter":
+                got = torch.empty(numel, dtype=dtype)
+                # gloo's AVG reduce-scatter sums (pytorch#162338): it gets SUM, divided here.
+                gloo_avg = name == "gloo" and red == "avg"
+                dist.reduce_scatter_tensor(got, t, op=dist.ReduceOp.SUM if gloo_avg else OPS[red], group=group)
+                if gloo_avg:
+                    got = got / world
+            elif op == "reduce_scatter_list":
+                got = torch.empty(numel, dtype=dtype)
+                dist.reduce_scatter(got, list(t.chunk(world)), op=OPS[red], group=group)
+            elif op == "all_gather":
+                got = torch.empty(numel * world, dtype=dtype)
+                dist.all_gather_into_tensor(got, t, group=group)
+            elif op == "all_gather_list":
+                parts = [torch.empty(numel, dtype=dtype) for _ in range(world)]
+                dist.all_gather(parts, t, group=group)
+                got = torch.cat(parts)
+            elif op == "broadcast":
+                dist.broadcast(t, src=world - 1, group=group)
+                got = t
+            elif op == "all_reduce_async":
+                work = dist.all_reduce(t, op=OPS[red], group=group, async_op=True)
+                assert work is not None
+                work.wait()
+                got = t
+            else:
+                raise ValueError(op)
+            results[name] = plain(got)
+        out.append({"inputs": [plain(e) for e in everyone], **results})
+    dist.barrier()
+    return out
+
+
+def subgroups(rank: int, world: int) -> dict[str, Any]:
+    """Collectives on subgroups and a device mesh's dimensions, beside the world's."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    evens = dist.new_group([r for r in range(world) if r % 2 == 0])
+    odds = dist.new_group([r for r in range(world) if r % 2 == 1])
+    mine = evens if rank % 2 == 0 else odds
+    t = torch.full((4,), float(rank + 1))
+    dist.all_reduce(t, group=mine)
+    w = torch.full((3,), float(rank))
+    dist.all_reduce(w)
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+    tp = torch.full((2,), float(rank))
+    dist.all_reduce(tp, group=mesh.get_group("tp"))
+    dp = torch.full((2,), float(rank))
+    dist.all_reduce(dp, group=mesh.get_group("dp"))
+    return {"sub": t.tolist(), "world": w.tolist(), "tp": tp.tolist(), "dp": dp.tolist()}
+
+
+def fsdp2_train(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """An unmodified FSDP2 loop (torch's ``fully_shard`` per block and on the root, the spec's
+    optimizer, optionally a gradient clip) on whatever backend the job was started with: the losses and the full
+    parameters after every step."""
+    from torch.distributed.fsdp import fully_shard
+
+    name = spec["model"]
+    model = models.build(name, spec.get("seed", 0))
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    opt = models.optimizer(spec.get("opt", "adamw"), model.parameters())
+    losses, after = [], []
+    for step in range(spec["steps"]):
+        x, y = models.batch(name, spec.get("seed", 0), step, 0, rank)
+        loss = models.loss_fn(name, model(x), y)
+        loss.backward()
+        if spec.get("clip"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), spec["clip"])
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        full = {n: p.full_tensor().detach().flatten().tolist() for n, p in model.named_parameters()}
+        after.append(full)
+    return {"losses": losses, "params": after, "backend": dist.get_backend()}
+
+
+def ddp_train(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """An unmodified DDP loop: every rank starts from its own values (DDP broadcasts rank 0's),
+    SGD with momentum; the losses and parameters after every step."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    name = spec["model"]
+    model = models.build(name, spec.get("seed", 0) + rank)  # DDP makes rank 0's the start
+    ddp = DDP(model, bucket_cap_mb=spec.get("bucket_cap_mb", 25))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    losses, after = [], []
+    for step in range(spec["steps"]):
+        x, y = models.batch(name, spec.get("seed", 0), step, 0, rank)
+        loss = models.loss_fn(name, ddp(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        after.append({n: p.detach().flatten().tolist() for n, p in model.named_parameters()})
+    return {"losses": losses, "params": after}
+
+
+def killed_mid_op(rank: int, world: int, numel: int) -> dict[str, Any]:
+    """Every rank launches a large all-reduce; the last rank kills itself while it is in
+    flight. The others return how long their wait took to fail and the error."""
+    x = torch.ones(numel)
+    dist.all_reduce(torch.ones(4))  # everyone is up
+    work = dist.all_reduce(x, async_op=True)
+    if rank == world - 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        work.wait()
+        # A wait can complete when the kill came after this rank's part; the next one cannot.
+        dist.all_reduce(torch.ones(4))
+    except Exception as e:
+        return {"seconds": time.monotonic() - t0, "error": f"{type(e).__module__}.{type(e).__name__}: {e}"}
+    return {"seconds": time.monotonic() - t0, "error": None}

@@ -1,0 +1,165 @@
+"""The ``"collsched"`` torch.distributed backend: every op and dtype against gloo and against a
+reference computed here from every rank's inputs; unmodified FSDP2 and DDP loops on it against
+the same loops on gloo and against plain PyTorch; subgroups and device meshes; a rank killed in
+the middle of a collective."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import models
+import pg_workers
+from ranks import run, run_all
+
+# Tolerances of a sum over a few ranks against one computed in float64 and rounded once: the
+# kernels accumulate in f32 and round once; gloo sums in the type itself (two roundings at 3
+# ranks).
+TOL = {
+    torch.float32: (1e-6, 1e-6),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (1.6e-2, 1.6e-2),
+    torch.float64: (1e-12, 1e-12),
+    torch.int64: (0, 0),
+}
+
+
+def _tensor(plain: tuple[str, list]) -> torch.Tensor:
+    dtype, values = plain
+    return torch.tensor(values, dtype=getattr(torch, dtype))
+
+
+def _reference(op: str, red: str, inputs: list[torch.Tensor], rank: int) -> torch.Tensor:
+    """What ``op`` must give on ``rank``, from every rank's input, in float64 then rounded to
+    the type once (shares no code with either backend)."""
+    world = len(inputs)
+    dtype = inputs[0].dtype
+    if op in ("all_gather", "all_gather_list"):
+        return torch.cat(inputs)
+    if op == "broadcast":
+        return inputs[world - 1]
+    wide = torch.stack([x.double() for x in inputs])
+    if red == "sum":
+        total = wide.sum(0)
+    elif red == "avg":
+        total = wide.sum(0) / world
+    elif red == "max":
+        total = wide.max(0).values
+    else:
+        total = wide.min(0).values
+    if op.startswith("reduce_scatter"):
+        total = total.chunk(world)[rank]
+    return total.to(dtype)
+
+
+CASES = [
+    (op, red, dt, numel)
+    for op in ("all_reduce", "reduce_scatter", "reduce_scatter_list", "all_reduce_async")
+    for red in ("sum", "avg", "max", "min")
+    for dt in ("f32", "f16", "bf16")
+    for numel in (1, 1000)
+] + [
+    ("all_reduce", "sum", "f64", 33),
+    ("all_reduce", "max", "f64", 33),
+    ("all_gather", "", "f32", 257),
+    ("all_gather", "", "bf16", 3),
+    ("all_gather_list", "", "f16", 5),
+    ("broadcast", "", "f32", 4099),
+    ("broadcast", "", "bf16", 1),
+]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_op_and_dtype_against_gloo_and_a_reference(world):
+    runs = run(pg_workers.every_op, world, CASES, init="collsched")
+    assert len(runs) == world
+    for rank, results in enumerate(runs):
+        assert len(results) == len(CASES), f"rank {rank}: {len(results)} results for {len(CASES)} cases"
+        for case, got in zip(CASES, results):
+            op, red, _, _ = case
+            want = _reference(op, red, [_tensor(x) for x in got["inputs"]], rank)
+            mine, gloo = _tensor(got["collsched"]), _tensor(got["gloo"])
+            assert mine.dtype == want.dtype and mine.shape == want.shape, (case, mine.shape, want.shape)
+            assert not torch.isnan(mine).any(), f"rank {rank} {case}: NaN"
+            rtol, atol = TOL[want.dtype]
+            if op in ("all_gather", "all_gather_list", "broadcast") or red in ("max", "min"):
+                assert torch.equal(mine, want), f"rank {rank} {case}: not bit-exact"
+                assert torch.equal(mine, gloo), f"rank {rank} {case}: differs from gloo"
+            else:
+                # One rounding from float64's result; gloo within its own two roundings of ours.
+                torch.testing.assert_close(mine, want, rtol=rtol, atol=atol, msg=lambda m, c=case: f"{c}: {m}")
+                torch.testing.assert_close(mine, gloo, rtol=2 * rtol, atol=2 * atol, msg=lambda m, c=case: f"{c}: {m}")
+
+
+def test_subgroups_and_device_mesh_at_4_ranks():
+    runs = run(pg_workers.subgroups, 4, init="collsched")
+    for rank, got in enumerate(runs):
+        same_parity = [r + 1 for r in range(4) if r % 2 == rank % 2]
+        assert got["sub"] == [float(sum(same_parity))] * 4
+        assert got["world"] == [float(sum(range(4)))] * 3
+        # A (2, 2) mesh: tp pairs consecutive ranks, dp pairs ranks 2 apart.
+        tp = [r for r in range(4) if r // 2 == rank // 2]
+        dp = [r for r in range(4) if r % 2 == rank % 2]
+        assert got["tp"] == [float(sum(tp))] * 2
+        assert got["dp"] == [float(sum(dp))] * 2
+
+
+def _assert_runs_close(a: dict, b: dict, rtol: float, atol: float, what: str) -> None:
+    assert len(a["params"]) == len(b["params"]) > 0, what
+    torch.testing.assert_close(torch.tensor(a["losses"]), torch.tensor(b["losses"]), rtol=rtol, atol=atol)
+    for step, (pa, pb) in enumerate(zip(a["params"], b["params"])):
+        assert sorted(pa) == sorted(pb), f"{what} step {step}: parameter names differ"
+        for n in pa:
+            x, y = torch.tensor(pa[n]), torch.tensor(pb[n])
+            assert x.shape == y.shape and not torch.isnan(x).any(), f"{what} step {step} {n}"
+            torch.testing.assert_close(x, y, rtol=rtol, atol=atol, msg=lambda m, s=step, n=n: f"{what} {s} {n}: {m}")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_unmodified_fsdp2_loop_matches_gloo_and_plain_pytorch(world):
+    # Against gloo: SGD and a gradient clip (the clip's norm is an all-reduce through DTensor's
+    # functional collectives). gloo sums over 3 ranks in another order than rank order, and
+    # Adam would blow the last-bit differences on gradients that are rounding noise (the key
+    # bias's) up to a step of the learning rate; SGD keeps them last-bit.
+    spec = {"model": "gpt", "steps": 4, "clip": 1.0, "opt": "sgd"}
+    mine = run(pg_workers.fsdp2_train, world, spec, init="collsched")
+    gloo = run(pg_workers.fsdp2_train, world, spec, init="gloo")
+    assert mine[0]["backend"] == "collsched" and gloo[0]["backend"] == "gloo"
+    for rank in range(world):
+        _assert_runs_close(mine[rank], gloo[rank], 1e-5, 1e-6, f"rank {rank} collsched vs gloo")
+        assert mine[rank]["params"] == mine[0]["params"], f"rank {rank}'s full parameters differ from rank 0's"
+    # Against plain PyTorch, which sums the ranks' gradients in rank order as collsched does:
+    # AdamW, every step, tight.
+    spec = {"model": "gpt", "steps": 4}
+    ref = models.reference(spec, world)
+    mine = run(pg_workers.fsdp2_train, world, spec, init="collsched")
+    for step in range(4):
+        assert sorted(mine[0]["params"][step]) == sorted(ref["params"][step])
+        for n, w in ref["params"][step].items():
+            got = torch.tensor(mine[0]["params"][step][n])
+            torch.testing.assert_close(got, w.flatten(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_unmodified_ddp_loop_matches_gloo(world):
+    spec = {"model": "mlp", "steps": 4, "bucket_cap_mb": 0.0005}
+    mine = run(pg_workers.ddp_train, world, spec, init="collsched")
+    gloo = run(pg_workers.ddp_train, world, spec, init="gloo")
+    for rank in range(world):
+        _assert_runs_close(mine[rank], gloo[rank], 1e-5, 1e-6, f"rank {rank} collsched vs gloo")
+        # DDP starts every rank from rank 0's values and keeps them equal.
+        assert mine[rank]["params"] == mine[0]["params"], f"rank {rank} diverged from rank 0"
+
+
+def test_a_rank_killed_mid_collective_fails_the_others_within_seconds(monkeypatch):
+    # The backend's timeout is a minute: failing in seconds means the death was seen, not waited out.
+    monkeypatch.setenv("COLLSCHED_TIMEOUT_SECS", "60")
+    out = run_all(pg_workers.killed_mid_op, 3, 8 << 20, init="collsched", timeout=120)
+    assert not out[2][0] and "died" in out[2][1], out[2]
+    for rank in (0, 1):
+        ok, got = out[rank]
+        assert ok, got
+        assert got["error"] is not None, f"rank {rank}: the collective with a dead member succeeded"
+        assert "collsched.PeerError" in got["error"] or "PeerError" in got["error"], got["error"]
+        assert "2" in got["error"], f"rank {rank}: the error does not name rank 2: {got['error']}"
+        assert got["seconds"] < 20, f"rank {rank}: took {got['seconds']:.1f} s to fail"
