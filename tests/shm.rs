@@ -139,7 +139,88 @@ fn run_child() -> Result<String, String> {
             }
             Ok("no failure seen".into())
         }
+        "borrowed" => borrowed_outputs(&rank).map(|()| "borrowed".into()),
         other => Err(format!("unknown mode {other}")),
+    }
+}
+
+/// `count` f32 values of rank `r`: `r * 1000 + i`.
+fn values(r: usize, count: usize) -> Vec<u8> {
+    (0..count).flat_map(|i| ((r * 1000 + i) as f32).to_le_bytes()).collect()
+}
+
+fn floats(bytes: &[u8]) -> Vec<f32> {
+    bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+}
+
+/// Collectives whose outputs are this process's own heap memory (`LocalBuffer::borrowed`),
+/// written by their owner alone: all-gather, reduce-scatter (large enough that peers would
+/// otherwise take pieces of it), a broadcast's receivers; an all-reduce into such memory is
+/// refused, naming the output.
+fn borrowed_outputs(rank: &LocalRank) -> Result<(), String> {
+    use collsched::backend::local::LocalBuffer;
+    let n = rank.world_size();
+    let me = rank.rank();
+    let group = RankGroup::world(n);
+    let wait = |c: Collective<collsched::backend::local::LocalBuffer>| -> Result<(), String> {
+        let f = rank.launch(Stream::AllGather, &[], c).map_err(|e| e.error.to_string())?;
+        f.wait(Duration::from_secs(60)).map_err(|e| e.into_error().to_string())?;
+        Ok(())
+    };
+    let pooled = |bytes: &[u8]| -> Result<LocalBuffer, String> {
+        let mut b = rank.alloc(bytes.len()).map_err(|e| e.to_string())?;
+        rank.write_from_host(&mut b, 0, bytes).map_err(|e| e.to_string())?;
+        Ok(b)
+    };
+    let borrow = |v: &mut Vec<u8>| {
+        let ptr = std::ptr::NonNull::new(v.as_mut_ptr()).expect("a Vec's pointer");
+        // SAFETY: every Vec given here outlives its collective, which is waited for before the
+        // Vec is read or dropped, and nothing else touches it meanwhile.
+        unsafe { LocalBuffer::borrowed(ptr, v.len()) }
+    };
+
+    let count = 257;
+    let mut gathered = vec![0u8; n * count * 4];
+    let desc = CollDesc::all_gather(group.clone(), ElemType::F32, count);
+    wait(Collective { desc, input: Some(pooled(&values(me, count))?), output: borrow(&mut gathered) })?;
+    let want: Vec<u8> = (0..n).flat_map(|r| values(r, count)).collect();
+    if gathered != want {
+        return Err(format!("all_gather into heap memory: {:?}...", &floats(&gathered)[..4]));
+    }
+
+    // 4 MiB per member: many reduction pieces, none of which a peer may take.
+    let count = 1 << 20;
+    let input: Vec<u8> = (0..n).flat_map(|_| values(me, count)).collect();
+    let mut reduced = vec![0u8; count * 4];
+    let desc = CollDesc::reduce_scatter(group.clone(), ElemType::F32, count);
+    wait(Collective { desc, input: Some(pooled(&input)?), output: borrow(&mut reduced) })?;
+    let sum_r = (0..n).sum::<usize>() as f32;
+    let got = floats(&reduced);
+    if got.len() != count {
+        return Err(format!("reduce_scatter gave {} elements for {count}", got.len()));
+    }
+    if let Some((i, v)) =
+        got.iter().enumerate().find(|&(i, v)| *v != sum_r * 1000.0 + n as f32 * i as f32 || v.is_nan())
+    {
+        return Err(format!("reduce_scatter into heap memory: element {i} is {v}"));
+    }
+
+    let count = 4099;
+    let root = n - 1;
+    let desc = CollDesc::broadcast(group.clone(), ElemType::F32, count, root);
+    let mut received = vec![0u8; count * 4];
+    let output = if me == root { pooled(&values(root, count))? } else { borrow(&mut received) };
+    wait(Collective { desc, input: None, output })?;
+    if me != root && received != values(root, count) {
+        return Err("broadcast into heap memory: wrong data".into());
+    }
+
+    let mut mine = vec![0u8; 64 * 4];
+    let desc = CollDesc::all_reduce(group, ElemType::F32, 64);
+    match wait(Collective { desc, input: Some(pooled(&values(me, 64))?), output: borrow(&mut mine) }) {
+        Ok(()) => Err("an all-reduce into memory peers cannot read ran".into()),
+        Err(e) if e.contains("not from this rank's shared-memory pool") => Ok(()),
+        Err(e) => Err(format!("an all-reduce into heap memory failed with another error: {e}")),
     }
 }
 
@@ -173,6 +254,20 @@ fn every_collective_at_1_2_3_and_5_processes() {
         for (r, line) in out {
             let line = line.unwrap_or_else(|| panic!("world {world}: rank {r} reported nothing"));
             assert_eq!(line, "ok suite", "world {world}: rank {r}");
+        }
+    }
+    assert_eq!(leftovers(), Vec::<String>::new());
+}
+
+#[test]
+fn outputs_in_heap_memory_are_written_by_their_owner_alone() {
+    for world in [2, 3] {
+        let all: Vec<usize> = (0..world).collect();
+        let out = finish(start(&job(&format!("borrowed{world}")), world, &all, 60.0, |_| "borrowed"));
+        assert_eq!(out.len(), world);
+        for (r, line) in out {
+            let line = line.unwrap_or_else(|| panic!("world {world}: rank {r} reported nothing"));
+            assert_eq!(line, "ok borrowed", "world {world}: rank {r}");
         }
     }
     assert_eq!(leftovers(), Vec::<String>::new());

@@ -1,18 +1,22 @@
 //! [`Comm`]: collectives on torch tensors over one rank group of the job (what the
 //! `"collsched"` torch.distributed backend runs), and [`Work`]: one launch of them.
 //!
-//! A tensor crosses as `(address, bytes)` of a contiguous CPU tensor. Peers can read only
-//! memory every process maps (the ranks' arenas), so a launch copies each input into a pool
-//! buffer (on the calling thread), runs the collective there on the group's stream, and
-//! [`Work::wait`] copies the result into the output tensors. The Python caller keeps every
-//! tensor it passed alive until the work is waited for (`collsched.torch._distributed`'s
-//! `_Work` holds them): that is the contract under which the addresses are used.
+//! A tensor crosses as `(address, bytes)` of a contiguous CPU tensor. Peers read a
+//! collective's inputs in place, so an input must be memory every process maps (the rank's
+//! arena): a tensor there (from [`Comm::alloc`], torch's `allocate_tensor`) is used as it is,
+//! any other is copied into a pool buffer on the calling thread. Outputs that only their owner
+//! writes (all-gather, reduce-scatter, a broadcast's receivers) are written straight into the
+//! tensor; an all-reduce's result, which peers read, goes through a pool buffer that
+//! [`Work::wait`] copies out. The [`Work`] holds the Python objects it is given (the tensors)
+//! until the collectives completed, waiting for them if it is dropped first: that is the
+//! contract under which the addresses are used.
 //!
-//! Element types: all-gather and broadcast move bytes, whatever the tensor's type (each
-//! member's part is padded to 4 bytes in the pool buffer and unpadded on the way out);
-//! reduce-scatter and all-reduce reduce `f32`, `f16` or `bf16` with the library's kernels
-//! (sum or average, accumulated in `f32`, rounded once).
+//! Element types: all-gather and broadcast move bytes, whatever the tensor's type (a member's
+//! part that is not a whole number of 4-byte words is padded in a pool buffer and unpadded on
+//! the way out); reduce-scatter and all-reduce reduce `f32`, `f16` or `bf16` with the
+//! library's kernels (sum or average, accumulated in `f32`, rounded once).
 
+use std::ptr::NonNull;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -24,7 +28,7 @@ use collsched::kernels::{copy_piece, ElemType, ReduceOp, Scaling};
 use pyo3::prelude::*;
 
 use crate::errors;
-use crate::region::{tensor_bytes, tensor_bytes_mut};
+use crate::region::{tensor_bytes, tensor_bytes_mut, Region};
 use crate::world::World;
 
 /// The stream a process group's collectives run on: the rank's third stream, so that they
@@ -62,10 +66,17 @@ struct CopyOut {
 }
 
 impl Comm {
-    fn launch(&self, what: String, ops: Vec<(Collective<LocalBuffer>, Option<CopyOut>)>) -> PyResult<Work> {
+    fn launch(
+        &self,
+        what: String,
+        ops: Vec<(Collective<LocalBuffer>, Option<CopyOut>)>,
+        keep: Py<PyAny>,
+    ) -> PyResult<Work> {
         let (ops, outs): (Vec<_>, Vec<_>) = ops.into_iter().unzip();
         match self.backend.launch_group(STREAM, &[], ops) {
-            Ok(flight) => Ok(Work::pending(Arc::clone(&self.backend), flight, outs, what, self.timeout)),
+            Ok(flight) => {
+                Ok(Work::pending(Arc::clone(&self.backend), flight, outs, keep, what, self.timeout))
+            }
             Err(refused) => {
                 for c in refused.ops {
                     release(&self.backend, c);
@@ -87,6 +98,38 @@ impl Comm {
             copy_piece(dst, src, len).map_err(errors::other)?;
         }
         Ok(buf)
+    }
+
+    /// An input: the tensor itself when peers can read it (it lies in this rank's arena) and
+    /// it does not overlap `output` (which this rank writes while peers read the input) other
+    /// than as `output`'s bytes from `in_place` on (an all-gather's own part), else a pool
+    /// buffer holding a copy.
+    fn input(
+        &self,
+        (addr, len): Span,
+        bytes: usize,
+        output: Span,
+        in_place: Option<usize>,
+    ) -> PyResult<LocalBuffer> {
+        let overlaps = addr < output.0.saturating_add(output.1) && output.0 < addr.saturating_add(len);
+        let allowed = in_place.is_some_and(|at| output.0.checked_add(at) == Some(addr));
+        let shared = len > 0 && len == bytes && self.backend.peers_can_read(addr as *const u8, len);
+        if shared && (!overlaps || allowed) {
+            // SAFETY: a contiguous CPU tensor of `len` bytes at `addr` that the returned Work
+            // holds (the Python object given as `keep`) until the collective completed.
+            return Ok(unsafe { borrowed(addr, len) });
+        }
+        self.staged(bytes, Some((addr, len)))
+    }
+
+    /// An output only this rank writes: the tensor itself.
+    fn direct_output(&self, (addr, len): Span) -> PyResult<LocalBuffer> {
+        if len == 0 {
+            return self.staged(0, None);
+        }
+        // SAFETY: as in `input`: the Work holds the tensor until the collective completed, and
+        // torch reads an output only after its work was waited for.
+        Ok(unsafe { borrowed(addr, len) })
     }
 
     fn reduction(&self, op: &str, elem: &str, kind: &str) -> PyResult<(ElemType, ReduceOp)> {
@@ -157,33 +200,44 @@ impl Comm {
     }
 
     /// All-gathers each `inputs[i]` (this member's bytes) into `outputs[i]` (every member's,
-    /// in group order), as one group launch.
-    fn all_gather(&self, outputs: Vec<Span>, inputs: Vec<Span>) -> PyResult<Work> {
+    /// in group order), as one group launch. `keep` (the tensors) is held until the
+    /// collectives completed.
+    fn all_gather(&self, outputs: Vec<Span>, inputs: Vec<Span>, keep: Py<PyAny>) -> PyResult<Work> {
         pairs("all_gather", outputs.len(), inputs.len())?;
         let n = self.group.len();
         let mut ops = Vec::with_capacity(inputs.len());
         for (&(out, out_len), &(inp, in_len)) in outputs.iter().zip(&inputs) {
             self.member_bytes("all_gather", out_len, in_len, n)?;
-            let part = in_len.next_multiple_of(PAD);
+            let part = in_len.next_multiple_of(PAD).max(PAD);
             let desc = CollDesc::all_gather(self.group.clone(), ElemType::F32, part / PAD).with_tag(self.tag);
-            let input = self.staged(part, Some((inp, in_len)))?;
-            let output = self.staged(part * n, None)?;
-            let copy = CopyOut { dst: out, len: in_len, stride: part, parts: n };
-            ops.push((Collective { desc, input: Some(input), output }, Some(copy)));
+            let own = self.group_rank() * in_len;
+            let input = self.input((inp, in_len), part, (out, out_len), Some(own))?;
+            // Whole words: the parts land in place in the tensor; else through a padded buffer.
+            let (output, copy) = if part == in_len {
+                (self.direct_output((out, out_len))?, None)
+            } else {
+                (
+                    self.staged(part * n, None)?,
+                    Some(CopyOut { dst: out, len: in_len, stride: part, parts: n }),
+                )
+            };
+            ops.push((Collective { desc, input: Some(input), output }, copy));
         }
-        self.launch(format!("all_gather of {} tensors on group {}", inputs.len(), self.group), ops)
+        self.launch(format!("all_gather of {} tensors on group {}", inputs.len(), self.group), ops, keep)
     }
 
     /// Reduce-scatters each `inputs[i]` (every member's part, in group order) into
     /// `outputs[i]` (this member's part, reduced) with `op` (`"sum"`, `"avg"`) over `elem`
-    /// (`"f32"`, `"f16"`, `"bf16"`), each input divided by `pre_divide` first.
-    #[pyo3(signature = (outputs, inputs, elem, op, pre_divide=1.0))]
+    /// (`"f32"`, `"f16"`, `"bf16"`), each input divided by `pre_divide` first. `keep` as for
+    /// [`Comm::all_gather`].
+    #[pyo3(signature = (outputs, inputs, elem, op, keep, pre_divide=1.0))]
     fn reduce_scatter(
         &self,
         outputs: Vec<Span>,
         inputs: Vec<Span>,
         elem: &str,
         op: &str,
+        keep: Py<PyAny>,
         pre_divide: f32,
     ) -> PyResult<Work> {
         pairs("reduce_scatter", outputs.len(), inputs.len())?;
@@ -197,18 +251,25 @@ impl Comm {
             let desc = CollDesc::reduce_scatter(self.group.clone(), elem, count)
                 .with_reduce(op, scaling)
                 .with_tag(self.tag);
-            let input = self.staged(in_len, Some((inp, in_len)))?;
-            let output = self.staged(out_len, None)?;
-            let copy = CopyOut { dst: out, len: out_len, stride: out_len, parts: 1 };
-            ops.push((Collective { desc, input: Some(input), output }, Some(copy)));
+            let input = self.input((inp, in_len), in_len, (out, out_len), None)?;
+            let output = self.direct_output((out, out_len))?;
+            ops.push((Collective { desc, input: Some(input), output }, None));
         }
-        self.launch(format!("reduce_scatter of {} tensors on group {}", inputs.len(), self.group), ops)
+        self.launch(format!("reduce_scatter of {} tensors on group {}", inputs.len(), self.group), ops, keep)
     }
 
     /// All-reduces each of `tensors` in place with `op` over `elem` (as
-    /// [`Comm::reduce_scatter`]).
-    #[pyo3(signature = (tensors, elem, op, pre_divide=1.0))]
-    fn all_reduce(&self, tensors: Vec<Span>, elem: &str, op: &str, pre_divide: f32) -> PyResult<Work> {
+    /// [`Comm::reduce_scatter`]). Peers read the result, so it is computed in a pool buffer
+    /// and copied into the tensor by [`Work::wait`].
+    #[pyo3(signature = (tensors, elem, op, keep, pre_divide=1.0))]
+    fn all_reduce(
+        &self,
+        tensors: Vec<Span>,
+        elem: &str,
+        op: &str,
+        keep: Py<PyAny>,
+        pre_divide: f32,
+    ) -> PyResult<Work> {
         let (elem, op) = self.reduction(op, elem, "all_reduce")?;
         let scaling = Scaling { pre_divide, ..Scaling::default() };
         let mut ops = Vec::with_capacity(tensors.len());
@@ -218,16 +279,19 @@ impl Comm {
                 .with_reduce(op, scaling)
                 .with_tag(self.tag);
             let input = self.staged(len, Some((addr, len)))?;
-            let output = self.staged(len, None)?;
-            let copy = CopyOut { dst: addr, len, stride: len, parts: 1 };
-            ops.push((Collective { desc, input: Some(input), output }, Some(copy)));
+            let (output, copy) = if len > 0 && self.backend.peers_can_read(addr as *const u8, len) {
+                (self.direct_output((addr, len))?, None)
+            } else {
+                (self.staged(len, None)?, Some(CopyOut { dst: addr, len, stride: len, parts: 1 }))
+            };
+            ops.push((Collective { desc, input: Some(input), output }, copy));
         }
-        self.launch(format!("all_reduce of {} tensors on group {}", tensors.len(), self.group), ops)
+        self.launch(format!("all_reduce of {} tensors on group {}", tensors.len(), self.group), ops, keep)
     }
 
     /// Broadcasts each of `tensors` from the member `root` (its rank in the job) to the
-    /// others, in place.
-    fn broadcast(&self, tensors: Vec<Span>, root: usize) -> PyResult<Work> {
+    /// others, in place. `keep` as for [`Comm::all_gather`].
+    fn broadcast(&self, tensors: Vec<Span>, root: usize, keep: Py<PyAny>) -> PyResult<Work> {
         if self.group.position(root).is_none() {
             return Err(errors::other(format!(
                 "broadcast on group {}: root {root} is not a member; give the root's rank in the job",
@@ -237,33 +301,60 @@ impl Comm {
         let me = self.backend.rank();
         let mut ops = Vec::with_capacity(tensors.len());
         for &(addr, len) in &tensors {
-            let part = len.next_multiple_of(PAD);
+            let part = len.next_multiple_of(PAD).max(PAD);
             let desc =
                 CollDesc::broadcast(self.group.clone(), ElemType::F32, part / PAD, root).with_tag(self.tag);
-            // The root's data is its output, in place; it has nothing to copy out.
-            let (output, copy) = if me == root {
-                (self.staged(part, Some((addr, len)))?, None)
+            let op = if me == root {
+                // The root's data is its output, in place, where peers read it.
+                let output = self.input((addr, len), part, (0, 0), None)?;
+                (Collective { desc, input: None, output }, None)
+            } else if part == len {
+                (Collective { desc, input: None, output: self.direct_output((addr, len))? }, None)
             } else {
-                (self.staged(part, None)?, Some(CopyOut { dst: addr, len, stride: part, parts: 1 }))
+                let copy = CopyOut { dst: addr, len, stride: part, parts: 1 };
+                (Collective { desc, input: None, output: self.staged(part, None)? }, Some(copy))
             };
-            ops.push((Collective { desc, input: None, output }, copy));
+            ops.push(op);
         }
-        self.launch(
-            format!("broadcast of {} tensors from rank {root} on group {}", tensors.len(), self.group),
-            ops,
-        )
+        let what = format!("broadcast of {} tensors from rank {root} on group {}", tensors.len(), self.group);
+        self.launch(what, ops, keep)
     }
 
     /// A barrier: an all-reduce of one element over the group (ordered with the group's other
     /// collectives, as torch's barrier is).
-    fn barrier(&self) -> PyResult<Work> {
+    fn barrier(&self, py: Python<'_>) -> PyResult<Work> {
         let desc = CollDesc::all_reduce(self.group.clone(), ElemType::F32, 1).with_tag(self.tag);
         let input = self.staged(PAD, None)?;
         let output = self.staged(PAD, None)?;
-        self.launch(
-            format!("barrier on group {}", self.group),
-            vec![(Collective { desc, input: Some(input), output }, None)],
-        )
+        let op = (Collective { desc, input: Some(input), output }, None);
+        self.launch(format!("barrier on group {}", self.group), vec![op], py.None())
+    }
+
+    /// `bytes` of this rank's shared arena, as a [`Region`] (`torch.frombuffer` views it),
+    /// back to the pool when the last view of it is gone. Collectives on tensors there copy
+    /// nothing in: torch's `allocate_tensor` (FSDP2's
+    /// `set_allocate_memory_from_process_group_for_comm`).
+    fn alloc(&self, py: Python<'_>, bytes: usize) -> PyResult<Region> {
+        let buf = self.backend.alloc(bytes.max(PAD)).map_err(errors::backend)?;
+        let addr = buf.as_bytes().as_ptr();
+        let block = Py::new(py, Block { backend: Arc::clone(&self.backend), buf: Mutex::new(Some(buf)) })?;
+        Ok(Region::new(block.into_any(), addr, bytes))
+    }
+}
+
+/// A pool buffer lent to Python (the owner of a [`Region`] from [`Comm::alloc`]): back to the
+/// pool when dropped.
+#[pyclass(module = "collsched._native", frozen)]
+pub struct Block {
+    backend: Arc<LocalRank>,
+    buf: Mutex<Option<LocalBuffer>>,
+}
+
+impl Drop for Block {
+    fn drop(&mut self) {
+        if let Some(buf) = self.buf.lock().unwrap_or_else(PoisonError::into_inner).take() {
+            self.backend.free(buf, None);
+        }
     }
 }
 
@@ -276,7 +367,13 @@ pub struct Work {
 }
 
 enum State {
-    Pending { backend: Arc<LocalRank>, flight: InFlight<LocalRank>, outs: Vec<Option<CopyOut>> },
+    Pending {
+        backend: Arc<LocalRank>,
+        flight: InFlight<LocalRank>,
+        outs: Vec<Option<CopyOut>>,
+        /// The tensors whose memory the collectives use, held until they completed.
+        keep: Py<PyAny>,
+    },
     Done,
     Failed(BackendError),
 }
@@ -286,10 +383,11 @@ impl Work {
         backend: Arc<LocalRank>,
         flight: InFlight<LocalRank>,
         outs: Vec<Option<CopyOut>>,
+        keep: Py<PyAny>,
         what: String,
         timeout: Duration,
     ) -> Work {
-        Work { state: Mutex::new(State::Pending { backend, flight, outs }), what, timeout }
+        Work { state: Mutex::new(State::Pending { backend, flight, outs, keep }), what, timeout }
     }
 
     /// Waits (at most `timeout`), copies the results out and gives the buffers back; the
@@ -302,7 +400,7 @@ impl Work {
                 *state = State::Failed(e.clone());
                 Err(e)
             }
-            State::Pending { backend, flight, outs } => match flight.wait(timeout) {
+            State::Pending { backend, flight, outs, keep } => match flight.wait(timeout) {
                 Ok(ops) => {
                     for (c, copy) in ops.into_iter().zip(outs) {
                         if let Some(copy) = copy {
@@ -313,7 +411,7 @@ impl Work {
                     Ok(())
                 }
                 Err(WaitError::TimedOut { in_flight, waited }) => {
-                    *state = State::Pending { backend, flight: in_flight, outs };
+                    *state = State::Pending { backend, flight: in_flight, outs, keep };
                     Err(BackendError::EventTimeout { waited })
                 }
                 Err(WaitError::Failed { error, ops }) => {
@@ -324,6 +422,27 @@ impl Work {
                     Err(error)
                 }
             },
+        }
+    }
+}
+
+impl Drop for Work {
+    /// Collectives still running may write into the tensors `keep` holds: wait for them
+    /// (bounded by the group's timeout; a failure ends them sooner) before the tensors go, and
+    /// leak the tensors of collectives that did not end rather than free memory they write.
+    fn drop(&mut self) {
+        let state = self.state.get_mut().unwrap_or_else(PoisonError::into_inner);
+        if let State::Pending { flight, keep, .. } = std::mem::replace(state, State::Done) {
+            if let Err(WaitError::TimedOut { in_flight, .. }) = flight.wait(self.timeout) {
+                tracing::warn!(
+                    target: "collsched::coll",
+                    "{}: dropped unwaited and still running after {:?}; its tensors are leaked",
+                    self.what,
+                    self.timeout
+                );
+                std::mem::forget(keep);
+                drop(in_flight);
+            }
         }
     }
 }
@@ -381,6 +500,20 @@ fn copy_out(output: &LocalBuffer, copy: CopyOut) {
         let from = q * copy.stride;
         // Lengths are equal by construction: this cannot fail.
         let _ = copy_piece(&mut dst[q * copy.len..(q + 1) * copy.len], &src[from..from + copy.len], whole);
+    }
+}
+
+/// A pool-less buffer over a tensor's memory.
+///
+/// # Safety
+/// [`LocalBuffer::borrowed`]'s contract: `len` bytes at `addr` (not null) of a live
+/// contiguous tensor, used by nothing else until the collective given the buffer completed.
+unsafe fn borrowed(addr: usize, len: usize) -> LocalBuffer {
+    match NonNull::new(addr as *mut u8) {
+        // SAFETY: the caller's contract.
+        Some(ptr) => unsafe { LocalBuffer::borrowed(ptr, len) },
+        // SAFETY: no bytes at all (a null address is an empty tensor's); callers pass `len > 0`.
+        None => unsafe { LocalBuffer::borrowed(NonNull::dangling(), 0) },
     }
 }
 

@@ -27,6 +27,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<world::World>()?;
     m.add_class::<comm::Comm>()?;
     m.add_class::<comm::Work>()?;
+    m.add_class::<comm::Block>()?;
     m.add_class::<model::Model>()?;
     m.add_class::<model::Engine>()?;
     m.add_class::<region::Region>()?;

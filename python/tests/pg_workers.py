@@ -82,6 +82,58 @@ def every_op(rank: int, world: int, cases: list[tuple[str, str, str, int]]) -> l
     return out
 
 
+def more_ops(rank: int, world: int) -> dict[str, Any]:
+    """The ops built on the others, integer and bool reductions, PREMUL_SUM, a non-contiguous
+    output, a future, and what is refused: every result as plain values."""
+    out: dict[str, Any] = {}
+    x = torch.arange(6, dtype=torch.float32) + 10 * rank
+    t = x.clone()
+    dist.all_reduce(t, op=dist._make_nccl_premul_sum(0.5))
+    out["premul_sum"] = plain(t)
+    t = x.clone()
+    dist.reduce(t, dst=world - 1)
+    out["reduce"] = plain(t)
+    parts = [torch.empty(6) for _ in range(world)] if rank == 0 else None
+    dist.gather(x, parts, dst=0)
+    out["gather"] = plain(torch.cat(parts)) if parts else None
+    got = torch.empty(3)
+    src = [torch.full((3,), 100.0 + q) for q in range(world)] if rank == 1 else None
+    dist.scatter(got, src, src=1)
+    out["scatter"] = plain(got)
+    got = torch.empty(2 * world)
+    dist.all_to_all_single(got, torch.arange(2.0 * world) + 100 * rank)
+    out["all_to_all"] = plain(got)
+    for red in ("sum", "max", "min", "product"):
+        t = torch.tensor([rank + 1, -rank, 7], dtype=torch.int64)
+        dist.all_reduce(t, op=getattr(dist.ReduceOp, red.upper()))
+        out[f"int64_{red}"] = plain(t)
+    b = torch.tensor([rank == 0, False, True])
+    dist.all_reduce(b)
+    out["bool_sum"] = plain(b)
+    # A non-contiguous output (a transposed view) and input.
+    big = torch.zeros(3, world)
+    dist.all_gather_into_tensor(big.t(), torch.full((3,), float(rank)))
+    out["noncontiguous"] = plain(big)
+    fut = dist.all_reduce(torch.full((5,), float(rank)), async_op=True).get_future()
+    out["future"] = plain(fut.wait()[0])
+    try:
+        dist.send(torch.ones(1), dst=(rank + 1) % world)
+        out["send"] = "ran"
+    except Exception as e:
+        out["send"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def mismatched_sizes(rank: int, world: int) -> str:
+    """Rank 0 gathers 4 elements, the others 8: every rank must get an error, none a hang."""
+    n = 4 if rank == 0 else 8
+    try:
+        dist.all_gather_into_tensor(torch.empty(n * world), torch.ones(n))
+        return "ran"
+    except Exception as e:
+        return f"{type(e).__module__}.{type(e).__name__}: {e}"
+
+
 def subgroups(rank: int, world: int) -> dict[str, Any]:
     """Collectives on subgroups and a device mesh's dimensions, beside the world's."""
     from torch.distributed.device_mesh import init_device_mesh

@@ -91,6 +91,40 @@ def test_every_op_and_dtype_against_gloo_and_a_reference(world):
                 torch.testing.assert_close(mine, gloo, rtol=2 * rtol, atol=2 * atol, msg=lambda m, c=case: f"{c}: {m}")
 
 
+def test_ops_built_on_the_others_integers_and_what_is_refused():
+    world = 3
+    runs = run(pg_workers.more_ops, world, init="collsched")
+    xs = [torch.arange(6, dtype=torch.float32) + 10 * r for r in range(world)]
+    total = sum(xs)
+    for rank, got in enumerate(runs):
+        assert torch.equal(_tensor(got["premul_sum"]), total * 0.5)
+        want = total if rank == world - 1 else xs[rank]
+        assert torch.equal(_tensor(got["reduce"]), want), "reduce: the root gets the sum, others keep theirs"
+        if rank == 0:
+            assert torch.equal(_tensor(got["gather"]), torch.cat(xs))
+        assert torch.equal(_tensor(got["scatter"]), torch.full((3,), 100.0 + rank))
+        a2a = torch.cat([(torch.arange(2.0 * world) + 100 * q)[2 * rank : 2 * rank + 2] for q in range(world)])
+        assert torch.equal(_tensor(got["all_to_all"]), a2a)
+        ints = [torch.tensor([q + 1, -q, 7], dtype=torch.int64) for q in range(world)]
+        stacked = torch.stack(ints)
+        assert torch.equal(_tensor(got["int64_sum"]), stacked.sum(0))
+        assert torch.equal(_tensor(got["int64_max"]), stacked.max(0).values)
+        assert torch.equal(_tensor(got["int64_min"]), stacked.min(0).values)
+        assert torch.equal(_tensor(got["int64_product"]), stacked.prod(0))
+        assert torch.equal(_tensor(got["bool_sum"]), torch.tensor([True, False, True]))
+        want = torch.stack([torch.full((3,), float(q)) for q in range(world)]).t()
+        assert torch.equal(_tensor(got["noncontiguous"]).view(3, world), want)
+        assert torch.equal(_tensor(got["future"]), torch.full((5,), float(sum(range(world)))))
+        assert "does not support send" in got["send"], got["send"]
+
+
+def test_ranks_that_disagree_on_a_size_all_get_an_error():
+    out = run(pg_workers.mismatched_sizes, 2, init="collsched", timeout=120)
+    for rank, got in enumerate(out):
+        assert got != "ran", f"rank {rank}: a mismatched all-gather ran"
+        assert "MismatchError" in got and "mismatched" in got, f"rank {rank}: {got}"
+
+
 def test_subgroups_and_device_mesh_at_4_ranks():
     runs = run(pg_workers.subgroups, 4, init="collsched")
     for rank, got in enumerate(runs):

@@ -205,6 +205,22 @@ class _Backend(_C10dBackend):
     def getBackendName(self) -> str:
         return NAME
 
+    # -- memory ------------------------------------------------------------------------------
+
+    def supports_tensor_alloc(self, device: Any) -> bool:
+        return torch.device(device).type == "cpu"
+
+    def allocate_tensor(self, size: int, *, dtype: torch.dtype, device: Any) -> torch.Tensor:
+        """A 1-D tensor of ``size`` elements in this rank's shared arena: collectives on it copy
+        nothing in (FSDP2 asks for its communication buffers here after
+        ``set_allocate_memory_from_process_group_for_comm(True)``)."""
+        if torch.device(device).type != "cpu":
+            raise CollschedError(f"collsched: allocate_tensor on {device}; this backend's memory is the CPU's")
+        nbytes = int(size) * torch.empty((), dtype=dtype).element_size()
+        if nbytes == 0:
+            return torch.empty(0, dtype=dtype)
+        return torch.frombuffer(self._comm.alloc(nbytes), dtype=dtype, count=int(size))
+
     # -- reductions -------------------------------------------------------------------------
 
     def _kernel_op(self, op: Any, dtype: torch.dtype) -> tuple[str, float] | None:
@@ -244,7 +260,8 @@ class _Backend(_C10dBackend):
         for b, t in zip(bufs, tensors):
             if b is not t:
                 b.copy_(t)
-        native = self._comm.all_reduce([_span(b) for b in bufs], _KERNEL_TYPES[tensors[0].dtype], *kernel)
+        elem, (op_name, pre) = _KERNEL_TYPES[tensors[0].dtype], kernel
+        native = self._comm.all_reduce([_span(b) for b in bufs], elem, op_name, bufs, pre)
         return _Work(native, tensors, keep=bufs, after=after)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> _Work:
@@ -275,7 +292,8 @@ class _Backend(_C10dBackend):
         outs = [_contiguous_out(o, after) for o in outputs]
         ins = [i.contiguous() for i in inputs]
         elem = _KERNEL_TYPES[outputs[0].dtype]
-        native = self._comm.reduce_scatter([_span(o) for o in outs], [_span(i) for i in ins], elem, *kernel)
+        spans = ([_span(o) for o in outs], [_span(i) for i in ins])
+        native = self._comm.reduce_scatter(*spans, elem, kernel[0], [*outs, *ins], kernel[1])
         return _Work(native, outputs, keep=[*outs, *ins], after=after)
 
     # -- data movement ----------------------------------------------------------------------
@@ -307,7 +325,7 @@ class _Backend(_C10dBackend):
         for o, i in zip(outs, ins):
             if o.dtype != i.dtype:
                 raise CollschedError(f"collsched: all_gather from {i.dtype} into {o.dtype}; give one dtype")
-        native = self._comm.all_gather([_span(o) for o in outs], [_span(i) for i in ins])
+        native = self._comm.all_gather([_span(o) for o in outs], [_span(i) for i in ins], [*outs, *ins])
         return _Work(native, outputs, keep=[*outs, *ins], after=after)
 
     def _gathered(self, t: torch.Tensor) -> torch.Tensor:
@@ -323,7 +341,7 @@ class _Backend(_C10dBackend):
         for b, t in zip(bufs, tensors):
             if b is not t:
                 b.copy_(t)
-        native = self._comm.broadcast([_span(b) for b in bufs], root)
+        native = self._comm.broadcast([_span(b) for b in bufs], root, bufs)
         return _Work(native, tensors, keep=bufs, after=after)
 
     def barrier(self, opts: Any = None) -> _Work:
@@ -357,11 +375,11 @@ class _Backend(_C10dBackend):
         else:
             flat = torch.empty((self._n, *out.shape), dtype=out.dtype)
         me = self._comm.group_rank
-        work = _Work(self._comm.broadcast([_span(flat)], self._ranks[opts.rootRank]), outputs, keep=[flat])
+        work = _Work(self._comm.broadcast([_span(flat)], self._ranks[opts.rootRank], [flat]), outputs, keep=[flat])
         work._after = [lambda: out.copy_(flat[me])]
         return work
 
-    def alltoall_base(
+    def all_to_all_single(
         self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list, input_split_sizes: list, opts: Any
     ) -> _Work:
         """Equal splits only: every member's input all-gathered, each keeping its column."""

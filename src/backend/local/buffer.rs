@@ -24,6 +24,8 @@ pub(crate) trait HostMemory: Send + Sync + fmt::Debug {
     fn alloc(&self, rank: usize, cap: usize) -> Result<NonNull<u8>, BackendError>;
     /// Takes a block back.
     fn release(&self, ptr: NonNull<u8>, cap: usize);
+    /// Whether `len` bytes at `ptr` lie in this memory (so that peers can read them).
+    fn contains(&self, ptr: *const u8, len: usize) -> bool;
 }
 
 /// Bytes owned through a raw pointer (not a `Box`), so that moving the owner around while
@@ -33,6 +35,8 @@ struct Storage {
     ptr: NonNull<u8>,
     cap: usize,
     memory: Option<Arc<dyn HostMemory>>,
+    /// Memory the caller owns ([`LocalBuffer::borrowed`]): never freed nor pooled here.
+    borrowed: bool,
 }
 
 // SAFETY: `Storage` owns its allocation exclusively, like a `Box<[u8]>`; sending it to another
@@ -56,10 +60,16 @@ impl Storage {
                 ptr: NonNull::<[u8; BUFFER_ALIGN]>::dangling().cast(),
                 cap: 0,
                 memory: None,
+                borrowed: false,
             });
         }
         if let Some(m) = memory {
-            return Ok(Storage { ptr: m.alloc(rank, cap)?, cap, memory: Some(Arc::clone(m)) });
+            return Ok(Storage {
+                ptr: m.alloc(rank, cap)?,
+                cap,
+                memory: Some(Arc::clone(m)),
+                borrowed: false,
+            });
         }
         let layout = Layout::from_size_align(cap, BUFFER_ALIGN).map_err(|e| BackendError::OutOfMemory {
             rank,
@@ -73,12 +83,15 @@ impl Storage {
             bytes: cap,
             what: "the system allocator returned null".into(),
         })?;
-        Ok(Storage { ptr, cap, memory: None })
+        Ok(Storage { ptr, cap, memory: None, borrowed: false })
     }
 }
 
 impl Drop for Storage {
     fn drop(&mut self) {
+        if self.borrowed {
+            return;
+        }
         match &self.memory {
             Some(m) => m.release(self.ptr, self.cap),
             // SAFETY: allocated in `Storage::new` with exactly this layout, freed once.
@@ -104,6 +117,28 @@ impl fmt::Debug for LocalBuffer {
 }
 
 impl LocalBuffer {
+    /// A buffer over `len` bytes at `ptr` that the caller owns: a collective reads or writes
+    /// them in place (a tensor of the engine's, say), and freeing the buffer only forgets it.
+    ///
+    /// Peers read a collective's inputs, so on the `shm` backend an input must lie in this
+    /// rank's arena (memory its pool handed out); an output outside it is written by its
+    /// owner alone, which the launch allows for all-gathers and broadcasts with an input and
+    /// for reduce-scatters, and refuses for all-reduces.
+    ///
+    /// # Safety
+    /// `ptr..ptr + len` must be valid for reads and writes, must not be read or written by
+    /// anyone else while a collective has the buffer, and must stay valid until every
+    /// collective given the buffer completed (not merely until the buffer came back: a
+    /// dropped [`crate::backend::InFlight`] may still run).
+    pub unsafe fn borrowed(ptr: NonNull<u8>, len: usize) -> LocalBuffer {
+        LocalBuffer { storage: Storage { ptr, cap: len, memory: None, borrowed: true }, len }
+    }
+
+    /// Whether the buffer is caller memory ([`LocalBuffer::borrowed`]).
+    pub fn is_borrowed(&self) -> bool {
+        self.storage.borrowed
+    }
+
     /// The bytes.
     pub fn as_bytes(&self) -> &[u8] {
         // SAFETY: `storage` holds `cap >= len` initialized (zeroed at allocation) bytes, aligned,
@@ -157,6 +192,16 @@ struct PoolInner {
     pending: Vec<(LocalEvent, Storage, bool)>,
     /// Fresh allocations so far (for tests and logs).
     allocations: u64,
+}
+
+impl PoolInner {
+    /// Storage whose last use completed: onto its free list, or (the caller's memory,
+    /// [`LocalBuffer::borrowed`]) forgotten.
+    fn keep(&mut self, storage: Storage) {
+        if !storage.borrowed {
+            self.free.entry(storage.cap).or_default().push(storage);
+        }
+    }
 }
 
 /// One rank's buffer pool: exact size classes (rounded up to [`BUFFER_ALIGN`]), deferred frees,
@@ -226,7 +271,7 @@ impl Pool {
                     if let (Err(e), true) = (done, park) {
                         self.park(e);
                     }
-                    inner.free.entry(s.cap).or_default().push(s);
+                    inner.keep(s);
                 }
             }
         }
@@ -257,9 +302,15 @@ impl Pool {
                 if let (Some((_, Err(e))), true) = (other, park) {
                     self.park(e);
                 }
-                inner.free.entry(buffer.storage.cap).or_default().push(buffer.storage);
+                inner.keep(buffer.storage);
             }
         }
+    }
+
+    /// Whether peers of this rank can read `len` bytes at `ptr`: any memory of this process
+    /// when the ranks are its threads, only the pool's memory when they are processes.
+    pub(super) fn peers_can_read(&self, ptr: *const u8, len: usize) -> bool {
+        self.memory.as_ref().is_none_or(|m| m.contains(ptr, len))
     }
 
     pub(super) fn allocations(&self) -> u64 {

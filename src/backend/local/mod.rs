@@ -329,6 +329,14 @@ impl LocalRank {
         Ok(event)
     }
 
+    /// Whether this rank's peers can read `len` bytes at `ptr` in place: any memory of the
+    /// process on the local backend (ranks are its threads), only memory from the rank's pool
+    /// (its shared arena) on the `shm` backend. Inputs of collectives must be such memory
+    /// (see [`LocalBuffer::borrowed`]).
+    pub fn peers_can_read(&self, ptr: *const u8, len: usize) -> bool {
+        self.pool.peers_can_read(ptr, len)
+    }
+
     /// How many buffers this rank's pool allocated fresh (not reused) so far.
     pub fn fresh_allocations(&self) -> u64 {
         self.pool.allocations()
@@ -410,7 +418,8 @@ impl LocalRank {
             }
             let src = c.input.as_ref().map_or(std::ptr::null_mut(), |b| b.as_ptr().cast_mut());
             let dst = c.output.as_mut_ptr();
-            post.push(OpPost { desc: c.desc.clone(), src: RawPtr(src), dst: RawPtr(dst) });
+            // One address space: every member can reach every buffer, borrowed or not.
+            post.push(OpPost { desc: c.desc.clone(), src: RawPtr(src), dst: RawPtr(dst), private: false });
         }
         Ok((group, post))
     }

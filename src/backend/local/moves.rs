@@ -30,6 +30,9 @@ pub(crate) struct OpPost {
     pub src: RawPtr,
     /// The output.
     pub dst: RawPtr,
+    /// The output is the owner's private memory (outside every shared mapping): only its owner
+    /// writes it, so peers do not take its reduction pieces, and it is null in their posts.
+    pub private: bool,
 }
 
 /// Collectives of a group launch held inline (no heap allocation) by a [`Post`].
@@ -85,12 +88,17 @@ pub(crate) fn first_half(me: usize, posts: &[Post]) -> Result<(), BackendError> 
                         continue;
                     }
                     let src = shard_src(&post[i], q * bytes);
+                    let dst = mine.dst.0.wrapping_add(q * bytes);
+                    if q == me && std::ptr::eq(src, dst) {
+                        // The input is this member's part of its own output: already in place.
+                        continue;
+                    }
                     // SAFETY: launch checked that member q's input holds `bytes` bytes (or its
                     // output `n * bytes`), and the posts matched (same count and type); this member's
                     // output holds `n * bytes`. Chunk q of our output is written only by us, and
                     // the source is only read during the collective (module docs, step 3). The
                     // buffers stay alive until every member departed (step 4).
-                    unsafe { copy_bytes(mine.dst.0.add(q * bytes), src, bytes, posts.len() * bytes) };
+                    unsafe { copy_bytes(dst, src, bytes, posts.len() * bytes) };
                 }
             }
             // Shared between the members: `reduce_shared`.
@@ -188,6 +196,10 @@ pub(crate) fn reduce_shared(
     let mut inputs: SmallVec<[&[u8]; 16]> = SmallVec::new();
     for k in 0..n {
         let q = (me + k) % n;
+        if q != me && posts[q].iter().any(|o| o.private) {
+            // Its output is only its own to write: it takes all its pieces itself.
+            continue;
+        }
         loop {
             let u = next(q);
             let Some(p) = Piece::find(&posts[q], n, q, piece_bytes, u) else { break };

@@ -81,6 +81,10 @@ impl HostMemory for Arena {
         })
     }
 
+    fn contains(&self, ptr: *const u8, len: usize) -> bool {
+        self.offset_of(ptr).is_some_and(|off| self.maps[self.rank].ptr_at(off, len).is_some())
+    }
+
     fn release(&self, ptr: NonNull<u8>, cap: usize) {
         if let Some(off) = self.offset_of(ptr.as_ptr()) {
             let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);

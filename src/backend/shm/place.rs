@@ -226,13 +226,39 @@ impl ShmPlace {
             let d = &o.desc;
             let has_src = !o.src.0.is_null();
             let src = if has_src { offset(o.src, "input")? } else { 0 };
-            let dst = offset(o.dst, "output")?;
+            // An output outside the arena (memory of this process alone, `LocalBuffer::borrowed`)
+            // goes by its address, for this process: only collectives whose peers never touch
+            // the output may have one.
+            let (dst, private) = match self.job.arena.offset_of(o.dst.0) {
+                Some(off) => (off as u64, false),
+                None => {
+                    let peers_read_it = match d.kind {
+                        CollectiveKind::AllGather => !has_src,
+                        CollectiveKind::Broadcast => !has_src && d.root == rank,
+                        CollectiveKind::AllReduce => true,
+                        CollectiveKind::ReduceScatter => false,
+                    };
+                    if peers_read_it {
+                        return Err(self.bad(
+                            rank,
+                            op,
+                            "the output buffer is not from this rank's shared-memory pool, and peers read it \
+                             (an all-reduce, or in place); allocate it from the backend",
+                        ));
+                    }
+                    (o.dst.0 as u64, true)
+                }
+            };
             let op_code = match d.op {
                 ReduceOp::Sum => 0,
                 ReduceOp::Avg => 1,
             };
             let words = [
-                kind_code(d.kind) | elem_code(d.elem) << 8 | op_code << 16 | u64::from(has_src) << 24,
+                kind_code(d.kind)
+                    | elem_code(d.elem) << 8
+                    | op_code << 16
+                    | u64::from(has_src) << 24
+                    | u64::from(private) << 25,
                 d.root as u64,
                 d.count as u64,
                 u64::from(d.scaling.pre_divide.to_bits()) | u64::from(d.scaling.post_divide.to_bits()) << 32,
@@ -249,7 +275,7 @@ impl ShmPlace {
     }
 
     /// Collective `i` of the post at word `at`: its description and buffer offsets.
-    fn read_op(&self, at: usize, i: usize) -> Option<(CollDesc, Option<usize>, usize)> {
+    fn read_op(&self, at: usize, i: usize) -> Option<(CollDesc, Option<usize>, usize, bool)> {
         let w = self.w();
         let v = |k: usize| w[at + 2 + i * OP_WORDS + k].load(Ordering::Relaxed);
         let w0 = v(0);
@@ -282,7 +308,7 @@ impl ShmPlace {
             tag: v(4),
         };
         let src = ((w0 >> 24) & 1 == 1).then_some(v(5) as usize);
-        Some((desc, src, v(6) as usize))
+        Some((desc, src, v(6) as usize, (w0 >> 25) & 1 == 1))
     }
 
     fn descs(&self, at: usize) -> Vec<CollDesc> {
@@ -321,7 +347,7 @@ impl ShmPlace {
                         "rank {rank}: the post of rank {owner} in the shared control block is unreadable"
                     ),
                 };
-                let (desc, src, dst) = self.read_op(at, i).ok_or_else(bad)?;
+                let (desc, src, dst, private) = self.read_op(at, i).ok_or_else(bad)?;
                 let es = desc.elem.size();
                 let src = match src {
                     Some(off) => {
@@ -329,8 +355,14 @@ impl ShmPlace {
                     }
                     None => std::ptr::null_mut(),
                 };
-                let dst = self.job.arena.resolve(owner, dst, desc.output_count() * es).ok_or_else(bad)?;
-                post.push(OpPost { desc, src: RawPtr(src), dst: RawPtr(dst) });
+                let dst = match (private, owner == rank) {
+                    // This process's own memory, by its address here.
+                    (true, true) => dst as *mut u8,
+                    // Another process's: never touched here (`OpPost::private`).
+                    (true, false) => std::ptr::null_mut(),
+                    _ => self.job.arena.resolve(owner, dst, desc.output_count() * es).ok_or_else(bad)?,
+                };
+                post.push(OpPost { desc, src: RawPtr(src), dst: RawPtr(dst), private });
             }
         }
         Ok(())

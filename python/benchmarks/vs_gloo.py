@@ -1,0 +1,215 @@
+"""torch.distributed on the "collsched" backend against "gloo", in one run.
+
+    torchrun --nproc-per-node 2 python/benchmarks/vs_gloo.py [--min 4K --max 64M --iters 5]
+
+The default group is "collsched"; a gloo group of the same ranks runs the same calls beside
+it. Part 1: ``all_gather_into_tensor``, ``reduce_scatter_tensor`` and ``all_reduce`` (sum,
+f32) at per-rank sizes from ``--min`` to ``--max`` (factor ``--factor``), each timed as the
+``--iters`` calls back to back after a warm-up (the slowest rank's time per call), beside
+the same on tensors from the backend's ``allocate_tensor`` (in the shared arena: nothing is
+copied in), in nccl-tests' columns:
+``size`` is the whole buffer (the gathered output, the reduce-scatter input), ``busbw`` is
+``algbw x (n-1)/n`` (``x 2(n-1)/n`` for all-reduce); then collsched's busbw over gloo's.
+Part 2: the training step of ``vs_fsdp2.py`` (torch's FSDP2, the same GPT-like model) on a
+device mesh of each group (on "collsched" also with FSDP2's
+``set_allocate_memory_from_process_group_for_comm(True)``), and on torch's "fake" backend,
+whose collectives move nothing: the floor a backend cannot go below. Median step time,
+losses, ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import collsched.torch  # noqa: F401  (registers "collsched")
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import vs_fsdp2  # noqa: E402
+
+UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def size(text: str) -> int:
+    text = text.strip().upper()
+    return int(float(text[:-1]) * UNITS[text[-1]]) if text[-1] in UNITS else int(text)
+
+
+def slowest(seconds: float, gloo: Any) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=gloo)
+    return float(t.item())
+
+
+def time_op(op: str, per_rank: int, group: Any, gloo: Any, args: argparse.Namespace, alloc: bool = False) -> float:
+    """Seconds per call of ``op`` on ``group``: ``--iters`` calls back to back after a barrier
+    (as nccl-tests time them), the slowest rank's. ``alloc``: the tensors come from the
+    group's backend (``allocate_tensor``, what FSDP2 uses after
+    ``set_allocate_memory_from_process_group_for_comm(True)``) instead of ``torch.empty``."""
+    n = dist.get_world_size()
+    elems = per_rank // 4
+    if alloc:
+        backend = (group or dist.group.WORLD)._get_backend(torch.device("cpu"))
+        small = backend.allocate_tensor(elems, dtype=torch.float32, device="cpu").fill_(1.0)
+        big = backend.allocate_tensor(elems * n, dtype=torch.float32, device="cpu").fill_(1.0)
+    else:
+        small, big = torch.ones(elems), torch.ones(elems * n)
+
+    def call() -> None:
+        if op == "all_gather":
+            dist.all_gather_into_tensor(big, small, group=group)
+        elif op == "reduce_scatter":
+            dist.reduce_scatter_tensor(small, big, group=group)
+        else:
+            dist.all_reduce(small, group=group)
+
+    for _ in range(args.warmup):
+        call()
+    dist.barrier(group=gloo)
+    t0 = time.perf_counter()
+    for _ in range(args.iters):
+        call()
+    return slowest((time.perf_counter() - t0) / args.iters, gloo)
+
+
+def collectives(args: argparse.Namespace, gloo: Any) -> None:
+    rank, n = dist.get_rank(), dist.get_world_size()
+    sizes = []
+    s = args.min
+    while s <= args.max:
+        sizes.append(s)
+        s *= args.factor
+    if rank == 0:
+        print(
+            f"# {n} ranks, f32 sum, {args.iters} calls back to back after {args.warmup} warm-up, the slowest rank's "
+            f"time per call; torch {torch.__version__}; memcpy {memcpy_gbs():.1f} GB/s (one thread, 64 MiB)"
+        )
+        print(
+            "# collsched: tensors from torch.empty (copied into the shared arena); +alloc: tensors from the "
+            "backend's allocate_tensor (in the arena: nothing copied in)"
+        )
+        print(
+            f"# {'op':15} {'size':>11} {'count':>10} {'collsched us':>13} {'busbw':>7} {'+alloc us':>10} "
+            f"{'busbw':>7} {'gloo us':>11} {'busbw':>7} {'x gloo':>7} {'+alloc x':>8}"
+        )
+    for op in ("all_gather", "reduce_scatter", "all_reduce"):
+        factor = 2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
+        for per_rank in sizes:
+            whole = per_rank if op == "all_reduce" else per_rank * n
+            mine = time_op(op, per_rank, None, gloo, args)
+            arena = time_op(op, per_rank, None, gloo, args, alloc=True)
+            theirs = time_op(op, per_rank, gloo, gloo, args)
+            if rank == 0:
+                bus = [whole / t / 1e9 * factor for t in (mine, arena, theirs)]
+                print(
+                    f"  {op:15} {whole:11d} {whole // 4:10d} {mine * 1e6:13.1f} {bus[0]:7.2f} {arena * 1e6:10.1f} "
+                    f"{bus[1]:7.2f} {theirs * 1e6:11.1f} {bus[2]:7.2f} {bus[0] / bus[2]:6.1f}x {bus[1] / bus[2]:7.1f}x",
+                    flush=True,
+                )
+
+
+def memcpy_gbs() -> float:
+    a, b = torch.ones(16 << 20), torch.empty(16 << 20)
+    b.copy_(a)
+    t0 = time.perf_counter()
+    for _ in range(5):
+        b.copy_(a)
+    return 5 * a.numel() * 4 / (time.perf_counter() - t0) / 1e9
+
+
+def fsdp2_step(args: argparse.Namespace, group: Any, gloo: Any, alloc: bool = False) -> dict[str, Any]:
+    """vs_fsdp2.py's FSDP2 model and loop on a device mesh of ``group``; ``alloc``: FSDP2 takes
+    its communication buffers from the group's backend."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = DeviceMesh.from_group(group, "cpu")
+    torch.manual_seed(args.seed)
+    model = vs_fsdp2.Gpt(args.vocab, args.dim, args.heads, args.blocks, args.seq)
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if group is gloo:
+        # gloo's AVG reduce-scatter can silently sum (pytorch#162338): vs_fsdp2.py's workaround.
+        model.set_force_sum_reduction_for_comms(True)
+    if alloc:
+        model.set_allocate_memory_from_process_group_for_comm(True)
+    out = vs_fsdp2.train(args, model, dist.get_rank())
+    out["median_s"] = slowest(out["median_s"], gloo)
+    return out
+
+
+def fake_group() -> Any:
+    """torch's "fake" backend (collectives that move nothing), for the step's floor: the same
+    FSDP2 step with communication free. ``None`` where this torch does not ship it."""
+    try:
+        import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake")
+
+        return dist.new_group(backend="fake")
+    except Exception:
+        return None
+
+
+def fsdp2(args: argparse.Namespace, gloo: Any) -> None:
+    args.warmup = 2
+    results = {
+        "gloo": fsdp2_step(args, gloo, gloo),
+        "collsched": fsdp2_step(args, dist.group.WORLD, gloo),
+        "collsched+alloc": fsdp2_step(args, dist.group.WORLD, gloo, alloc=True),
+    }
+    fake = fake_group()
+    if fake is not None:
+        results["no comm (fake)"] = fsdp2_step(args, fake, gloo)
+    if dist.get_rank() != 0:
+        return
+    n = sum(p.numel() for p in vs_fsdp2.Gpt(args.vocab, args.dim, args.heads, args.blocks, args.seq).parameters())
+    print(f"# FSDP2 step: {n / 1e6:.1f}M parameters, {args.blocks} blocks, batch {args.batch}x{args.seq}, AdamW")
+    for name, r in results.items():
+        losses = " ".join(f"{x:.5f}" for x in r["losses"])
+        print(f"  {name:16} median step {r['median_s'] * 1e3:8.1f} ms  losses {losses}")
+    base = results["gloo"]
+    for name in ("collsched", "collsched+alloc"):
+        r = results[name]
+        diff = max(abs(a - b) for a, b in zip(base["losses"], r["losses"]))
+        ratio = r["median_s"] / base["median_s"]
+        print(f"  ratio {name}/gloo: FSDP2 step time {ratio:.2f}x; largest loss difference {diff:.2e}")
+    if fake is not None:
+        floor = results["no comm (fake)"]["median_s"] / base["median_s"]
+        print(f"  floor (communication free) / gloo: {floor:.2f}x")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--min", type=size, default=size("4K"), help="smallest per-rank size (default 4K)")
+    p.add_argument("--max", type=size, default=size("64M"), help="largest per-rank size (default 64M)")
+    p.add_argument("--factor", type=int, default=4)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--no-fsdp2", action="store_true", help="only the collectives")
+    # vs_fsdp2.py's model and loop.
+    p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--dim", type=int, default=512)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--blocks", type=int, default=8)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    dist.init_process_group("collsched")
+    gloo = dist.new_group(backend="gloo")
+    collectives(args, gloo)
+    if not args.no_fsdp2:
+        fsdp2(args, gloo)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
