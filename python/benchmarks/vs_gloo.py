@@ -1,10 +1,10 @@
 """torch.distributed on the "collsched" backend against "gloo", in one run.
 
-    torchrun --nproc-per-node 2 python/benchmarks/vs_gloo.py [--min 4K --max 64M --iters 5]
+    torchrun --nproc-per-node 2 python/benchmarks/vs_gloo.py [--min-size 4K --max-size 64M --iters 10]
 
 The default group is "collsched"; a gloo group of the same ranks runs the same calls beside
 it. Part 1: ``all_gather_into_tensor``, ``reduce_scatter_tensor`` and ``all_reduce`` (sum,
-f32) at per-rank sizes from ``--min`` to ``--max`` (factor ``--factor``), each timed as the
+f32) at per-rank sizes from ``--min-size`` to ``--max-size`` (factor ``--factor``), each timed as the
 ``--iters`` calls back to back after a warm-up (the slowest rank's time per call), beside
 the same on tensors from the backend's ``allocate_tensor`` (in the shared arena: nothing is
 copied in), in nccl-tests' columns:
@@ -20,6 +20,7 @@ losses, ratios.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -81,8 +82,8 @@ def time_op(op: str, per_rank: int, group: Any, gloo: Any, args: argparse.Namesp
 def collectives(args: argparse.Namespace, gloo: Any) -> None:
     rank, n = dist.get_rank(), dist.get_world_size()
     sizes = []
-    s = args.min
-    while s <= args.max:
+    s = args.min_size
+    while s <= args.max_size:
         sizes.append(s)
         s *= args.factor
     if rank == 0:
@@ -186,8 +187,8 @@ def fsdp2(args: argparse.Namespace, gloo: Any) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--min", type=size, default=size("4K"), help="smallest per-rank size (default 4K)")
-    p.add_argument("--max", type=size, default=size("64M"), help="largest per-rank size (default 64M)")
+    p.add_argument("--min-size", type=size, default=size("4K"), help="smallest per-rank size (default 4K)")
+    p.add_argument("--max-size", type=size, default=size("64M"), help="largest per-rank size (default 64M)")
     p.add_argument("--factor", type=int, default=4)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=1)
@@ -209,6 +210,11 @@ def main() -> None:
     if not args.no_fsdp2:
         fsdp2(args, gloo)
     dist.destroy_process_group()
+    # The gloo group must go before the interpreter shuts down: its worker thread frees the
+    # last tensor it reduced, which needs the interpreter (torch 2.15 aborts the process, at
+    # times, when it is gone by then).
+    del gloo
+    gc.collect()
 
 
 if __name__ == "__main__":

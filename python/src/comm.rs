@@ -392,10 +392,14 @@ impl Work {
 
     /// Waits (at most `timeout`), copies the results out and gives the buffers back; the
     /// state becomes `Done` or `Failed`. A timeout leaves it pending.
-    fn finish(&self, timeout: Duration) -> Result<(), BackendError> {
+    ///
+    /// Returns the tensors the work held (`keep`) once it is done: the caller drops them with
+    /// the interpreter attached, so that they go at once (dropped without it, pyo3 defers them
+    /// to its next call into Python).
+    fn finish(&self, timeout: Duration) -> Result<Option<Py<PyAny>>, BackendError> {
         let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         match std::mem::replace(&mut *state, State::Done) {
-            State::Done => Ok(()),
+            State::Done => Ok(None),
             State::Failed(e) => {
                 *state = State::Failed(e.clone());
                 Err(e)
@@ -408,7 +412,7 @@ impl Work {
                         }
                         release(&backend, c);
                     }
-                    Ok(())
+                    Ok(Some(keep))
                 }
                 Err(WaitError::TimedOut { in_flight, waited }) => {
                     *state = State::Pending { backend, flight: in_flight, outs, keep };
@@ -419,6 +423,10 @@ impl Work {
                         release(&backend, c);
                     }
                     *state = State::Failed(error.clone());
+                    // The tensors go with the state's lock released, the interpreter attached
+                    // (the caller's `keep` of a failed work is not needed).
+                    drop(state);
+                    Python::attach(|_| drop(keep));
                     Err(error)
                 }
             },
@@ -458,7 +466,7 @@ impl Work {
             Some(s) if s.is_finite() && s > 0.0 => Duration::from_secs_f64(s.min(1e7)),
             _ => self.timeout,
         };
-        py.detach(|| self.finish(timeout)).map_err(|e| match e {
+        py.detach(|| self.finish(timeout)).map(drop).map_err(|e| match e {
             BackendError::EventTimeout { waited } => errors::PeerError::new_err(format!(
                 "{}: not complete after waiting {waited:?}; a member may not have launched it (every rank \
                  of the group must issue the same collectives in the same order)",

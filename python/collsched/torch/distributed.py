@@ -24,6 +24,11 @@ the job):
   sockets). Point-to-point ops (``send``, ``recv``) raise torch's "does not support" error,
   naming them.
 
+The backend is a Python subclass of torch's C++ ``Backend`` (not of ``ProcessGroup``): torch
+puts it inside a C++ ``ProcessGroup`` for the CPU device, so the dispatcher's collectives
+reach it too (functional collectives, DTensor's ``full_tensor`` and redistribution, FSDP2's
+gradient clipping); no C++ code is needed.
+
 Every group's collectives run in launch order on one stream of the rank: ranks of a group
 must issue them in the same order (as with every torch backend); a disagreement is a
 :class:`collsched.MismatchError` on every member, a dead or missing member a
