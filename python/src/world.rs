@@ -72,6 +72,18 @@ impl World {
         Ok(all.iter().map(|b| PyBytes::new(py, b)).collect())
     }
 
+    /// This rank's flight record (its last collectives: sequence number, op, bucket, group,
+    /// bytes, dtype, stream, state, times) as JSON text, taken because of `reason`; with
+    /// `dir`, also written there as `rank-R.json` for `collsched flight DIR`. Not collective.
+    #[pyo3(signature = (reason="requested", dir=None))]
+    fn flight_record(&self, reason: &str, dir: Option<std::path::PathBuf>) -> PyResult<String> {
+        let dump = self.backend.flight_record(reason);
+        if let Some(dir) = dir {
+            dump.write_to(&dir).map_err(errors::other)?;
+        }
+        serde_json::to_string(&dump).map_err(errors::other)
+    }
+
     /// Waits until every rank called it (collective).
     fn barrier(&mut self) -> PyResult<()> {
         self.hub.barrier().map_err(|e| errors::backend(e.into()))

@@ -125,7 +125,8 @@ def more_ops(rank: int, world: int) -> dict[str, Any]:
 
 
 def mismatched_sizes(rank: int, world: int) -> str:
-    """Rank 0 gathers 4 elements, the others 8: every rank must get an error, none a hang."""
+    """Rank 0 gathers 4 elements, the others 8: every rank must get an error, none a hang (and,
+    with ``COLLSCHED_FLIGHT_RECORDER`` set, writes its flight record)."""
     n = 4 if rank == 0 else 8
     try:
         dist.all_gather_into_tensor(torch.empty(n * world), torch.ones(n))
@@ -217,3 +218,14 @@ def killed_mid_op(rank: int, world: int, numel: int) -> dict[str, Any]:
     except Exception as e:
         return {"seconds": time.monotonic() - t0, "error": f"{type(e).__module__}.{type(e).__name__}: {e}"}
     return {"seconds": time.monotonic() - t0, "error": None}
+
+
+def recorded(rank: int, world: int, path: str) -> dict:
+    """A few collectives, then this rank's flight record, written to ``path``."""
+    import collsched.torch as cst
+
+    t = torch.ones(8)
+    dist.all_reduce(t)
+    dist.all_gather_into_tensor(torch.empty(8 * world), t)
+    dist.barrier()
+    return cst.flight_record(path)

@@ -118,11 +118,49 @@ def test_ops_built_on_the_others_integers_and_what_is_refused():
         assert "does not support send" in got["send"], got["send"]
 
 
-def test_ranks_that_disagree_on_a_size_all_get_an_error():
+def test_ranks_that_disagree_on_a_size_all_get_an_error_and_the_flight_records_say_so(monkeypatch, tmp_path):
+    monkeypatch.setenv("COLLSCHED_FLIGHT_RECORDER", str(tmp_path))
     out = run(pg_workers.mismatched_sizes, 2, init="collsched", timeout=120)
     for rank, got in enumerate(out):
         assert got != "ran", f"rank {rank}: a mismatched all-gather ran"
         assert "MismatchError" in got and "mismatched" in got, f"rank {rank}: {got}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank-0.json", "rank-1.json"]
+    verdict = _flight_verdict(tmp_path)
+    assert verdict.startswith("ranks disagree at collective #0 of group [0, 1] on stream compute"), verdict
+    assert "rank 0 all_gather(" in verdict and "4 x f32" in verdict and "8 x f32" in verdict, verdict
+
+
+def _flight_verdict(path) -> str:
+    """``collsched flight PATH``'s first line (the binary built beside the package, or on PATH)."""
+    import os
+    import shutil
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    exe = next(
+        (p for p in (os.path.join(root, "target", k, "collsched") for k in ("release", "debug")) if os.path.exists(p)),
+        shutil.which("collsched"),
+    )
+    if exe is None:
+        pytest.skip("no collsched binary built (cargo build) to read the flight records with")
+    out = subprocess.run([exe, "flight", str(path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.splitlines()[0]
+
+
+def test_flight_record_on_request_lists_every_collective_in_order(tmp_path):
+    out = run(pg_workers.recorded, 2, str(tmp_path), init="collsched")
+    for rank, rec in enumerate(out):
+        assert rec["rank"] == rank and rec["world"] == 2
+        ops = [(e["op"], e["seq"], e["state"], e["group"]) for e in rec["entries"]]
+        assert ops == [
+            ("all_reduce", 0, "completed", [0, 1]),
+            ("all_gather", 1, "completed", [0, 1]),
+            ("all_reduce", 2, "completed", [0, 1]),
+        ], ops
+        assert all(e["stream"] == "compute" and e["ended_ns"] >= e["started_ns"] > 0 for e in rec["entries"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank-0.json", "rank-1.json"]
+    assert _flight_verdict(tmp_path).startswith("no disagreement, missing collective or failure in 6 recorded")
 
 
 def test_subgroups_and_device_mesh_at_4_ranks():

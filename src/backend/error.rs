@@ -172,6 +172,45 @@ pub enum BackendError {
     },
 }
 
+impl BackendError {
+    /// The variant's name (`"PeerTimeout"`, `"Kernel"`, ...), for records and logs.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            BackendError::InvalidGroup(_) => "InvalidGroup",
+            BackendError::InvalidCollective { .. } => "InvalidCollective",
+            BackendError::PeerTimeout { .. } => "PeerTimeout",
+            BackendError::PeerFailed { .. } => "PeerFailed",
+            BackendError::Mismatch { .. } => "Mismatch",
+            BackendError::Aborted { .. } => "Aborted",
+            BackendError::PeerKernel { .. } => "PeerKernel",
+            BackendError::Kernel { .. } => "Kernel",
+            BackendError::EventTimeout { .. } => "EventTimeout",
+            BackendError::StreamWaitTimeout { .. } => "StreamWaitTimeout",
+            BackendError::OutOfRange { .. } => "OutOfRange",
+            BackendError::OutOfMemory { .. } => "OutOfMemory",
+            BackendError::Shutdown { .. } => "Shutdown",
+            BackendError::Device { .. } => "Device",
+            BackendError::Bootstrap(_) => "Bootstrap",
+            BackendError::InvalidLaunch { .. } => "InvalidLaunch",
+            BackendError::Internal { .. } => "Internal",
+            BackendError::Unsupported { .. } => "Unsupported",
+        }
+    }
+
+    /// Whether this rank failed because of another's failure or absence (a peer that died,
+    /// was late, failed in a shared kernel, or an earlier failure on the channel), rather than
+    /// on its own.
+    pub fn is_peers(&self) -> bool {
+        matches!(
+            self,
+            BackendError::PeerTimeout { .. }
+                | BackendError::PeerFailed { .. }
+                | BackendError::PeerKernel { .. }
+                | BackendError::Aborted { .. }
+        )
+    }
+}
+
 fn op_prefix(op: Option<&CollRef>) -> String {
     op.map_or(String::new(), |op| format!("{op}: "))
 }

@@ -79,6 +79,7 @@ mod chain;
 pub mod cuda;
 mod desc;
 mod error;
+pub mod flight;
 mod inflight;
 pub mod local;
 pub mod shm;

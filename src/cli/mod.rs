@@ -12,6 +12,7 @@ use clap::{Parser, Subcommand};
 pub mod bench;
 pub mod ckpt;
 pub mod demo;
+pub mod flight;
 pub mod launch;
 pub mod plan;
 pub mod sim;
@@ -41,6 +42,8 @@ pub enum Command {
     Topo(topo::TopoArgs),
     /// Inspect a checkpoint: its index, and every file and piece it names.
     Ckpt(ckpt::CkptArgs),
+    /// Read the ranks' flight records and say what went wrong first.
+    Flight(flight::FlightArgs),
 }
 
 /// An error a subcommand reports: printed as one line `error: ...`, exit status 1.
@@ -57,6 +60,7 @@ pub fn main() -> ExitCode {
         Command::Demo(a) => demo::run(a),
         Command::Topo(a) => topo::run(a),
         Command::Ckpt(a) => ckpt::run(a),
+        Command::Flight(a) => flight::run(a),
     };
     match result {
         Ok(code) => code,

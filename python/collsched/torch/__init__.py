@@ -46,11 +46,12 @@ from .._native import CollschedError
 from . import distributed
 from .checkpoint import full_state_dict, load_checkpoint, save_checkpoint, save_full
 from .shard import CollschedModule, full_parameters, fully_shard, live_bytes, plan, stats
-from .world import init, world
+from .world import flight_record, init, world
 
 __all__ = [
     "CollschedError",
     "CollschedModule",
+    "flight_record",
     "fully_shard",
     "full_parameters",
     "full_state_dict",

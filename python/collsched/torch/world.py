@@ -82,3 +82,17 @@ def world() -> Any:
     if _WORLD is None:
         raise CollschedError("collsched.torch.init() was not called: call it on every rank first")
     return _WORLD
+
+
+def flight_record(path: Any = None, reason: str = "requested") -> dict:
+    """This rank's flight record: its last collectives (``COLLSCHED_FLIGHT_ENTRIES``, default
+    2000), each with its sequence number on its (group, stream), op, bucket (tag), group, bytes,
+    dtype, stream, state (launched, started, completed, failed) and times, as a dict. With
+    ``path`` (a directory), also written there as ``rank-R.json``; ``collsched flight PATH``
+    reads every rank's and says what went wrong. Not collective: call it on any rank, any time
+    (a hang's watchdog, an exception handler). ``COLLSCHED_FLIGHT_RECORDER=DIR`` has every rank
+    write its record there by itself when a collective fails."""
+    import json
+
+    text = world().flight_record(reason, None if path is None else os.fspath(path))
+    return json.loads(text)

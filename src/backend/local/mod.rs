@@ -60,6 +60,7 @@ use self::meeting::Meeting;
 use self::moves::{OpPost, Post, RawPtr};
 use self::rendezvous::Channels;
 use self::stream::{HostFn, Queue, Work};
+use crate::backend::flight::{FlightConfig, FlightDump, FlightRecorder};
 use crate::backend::CollectiveKind;
 use crate::backend::{
     Backend, BackendBuffer, BackendError, CollRef, Collective, InFlight, InvalidGroup, LaunchError, OnDrop,
@@ -93,11 +94,19 @@ pub struct LocalConfig {
     /// reducing it, small enough that the members finish within one piece's time of each other.
     /// Default [`DEFAULT_PIECE_BYTES`] (1 MiB); 0 counts as one element.
     pub piece_bytes: usize,
+    /// The flight recorder's knobs (entries kept per rank, where failures write the record).
+    /// Default [`FlightConfig::from_env`].
+    pub flight: FlightConfig,
 }
 
 impl Default for LocalConfig {
     fn default() -> Self {
-        LocalConfig { timeout: DEFAULT_TIMEOUT, spin: DEFAULT_SPIN, piece_bytes: DEFAULT_PIECE_BYTES }
+        LocalConfig {
+            timeout: DEFAULT_TIMEOUT,
+            spin: DEFAULT_SPIN,
+            piece_bytes: DEFAULT_PIECE_BYTES,
+            flight: FlightConfig::from_env(),
+        }
     }
 }
 
@@ -225,6 +234,7 @@ impl LocalWorld {
             pool,
             events: EventPool::new(self.shared.config.spin),
             on_drop,
+            flight: Arc::new(FlightRecorder::new(r, self.shared.n, self.shared.config.flight.clone())),
         })
     }
 
@@ -271,6 +281,7 @@ pub struct LocalRank {
     pool: Arc<Pool>,
     events: EventPool,
     on_drop: OnDrop<LocalRank>,
+    flight: Arc<FlightRecorder>,
 }
 
 impl std::fmt::Debug for LocalRank {
@@ -298,8 +309,9 @@ impl Drop for LocalRank {
 
 impl LocalRank {
     fn queue(&self, stream: Stream) -> &Queue {
-        self.streams[stream.index()]
-            .get_or_init(|| stream::spawn(self.rank, stream, Arc::clone(&self.shared)))
+        self.streams[stream.index()].get_or_init(|| {
+            stream::spawn(self.rank, stream, Arc::clone(&self.shared), Arc::clone(&self.flight))
+        })
     }
 
     fn send(&self, stream: Stream, work: Work) -> Result<(), BackendError> {
@@ -335,6 +347,13 @@ impl LocalRank {
     /// (see [`LocalBuffer::borrowed`]).
     pub fn peers_can_read(&self, ptr: *const u8, len: usize) -> bool {
         self.pool.peers_can_read(ptr, len)
+    }
+
+    /// This rank's flight record as it is now (its last collectives and where each got to),
+    /// taken because of `reason`; [`FlightDump::write_to`] writes it where `collsched flight`
+    /// reads it.
+    pub fn flight_record(&self, reason: &str) -> FlightDump {
+        self.flight.dump(reason)
     }
 
     /// How many buffers this rank's pool allocated fresh (not reused) so far.
@@ -532,14 +551,18 @@ impl Backend for LocalRank {
         };
         tracing::debug!(target: "collsched::coll", rank = self.rank, %stream, first = %ops[0].desc, ops = ops.len(), "launch");
         let event = self.new_event();
+        let bytes = ops.iter().map(|c| c.desc.output_count() * c.desc.elem.size()).sum();
+        let flight = self.flight.launched(stream, &ops[0].desc, ops.len(), bytes);
         let work = Work::Coll {
             group,
             first: ops[0].desc.clone(),
             post,
             after: after.iter().cloned().collect(),
             event: event.clone(),
+            flight,
         };
         if let Err(error) = self.send(stream, work) {
+            self.flight.ended(flight, &Err(error.clone()));
             return Err(LaunchError { error, ops });
         }
         Ok(InFlight::new(ops, event, Arc::clone(&self.on_drop)))

@@ -14,6 +14,7 @@ use super::meeting::Place;
 use super::moves::Post;
 use super::rendezvous::{Arrival, Caller};
 use super::WorldShared;
+use crate::backend::flight::FlightRecorder;
 use crate::backend::{BackendError, BackendEvent, CollDesc, CollRef, RankGroup, Stream};
 
 /// Host work enqueued on a stream.
@@ -30,6 +31,8 @@ pub(super) enum Work {
         post: Post,
         after: SmallVec<[LocalEvent; 4]>,
         event: LocalEvent,
+        /// Its flight recorder entry.
+        flight: u64,
     },
     /// Complete an event when reached.
     Record(LocalEvent),
@@ -137,13 +140,18 @@ impl Drop for GoneOnDrop {
 
 /// Starts the thread of (`rank`, `stream`) and returns its queue. If the thread cannot be
 /// started, the queue is gone at once (launches then fail with `Shutdown`).
-pub(super) fn spawn(rank: usize, stream: Stream, shared: Arc<WorldShared>) -> Arc<Queue> {
+pub(super) fn spawn(
+    rank: usize,
+    stream: Stream,
+    shared: Arc<WorldShared>,
+    flight: Arc<FlightRecorder>,
+) -> Arc<Queue> {
     let queue = Arc::new(Queue::new());
     let rx = Arc::clone(&queue);
     let name = format!("collsched-r{rank}-{stream}");
     let started = std::thread::Builder::new().name(name).spawn(move || {
         let _gone = GoneOnDrop(Arc::clone(&rx));
-        StreamThread { rank, stream, shared, poison: None, places: HashMap::new() }.run(&rx)
+        StreamThread { rank, stream, shared, flight, poison: None, places: HashMap::new() }.run(&rx)
     });
     if let Err(e) = started {
         tracing::error!(target: "collsched::init", rank, %stream, error = %e, "cannot start stream thread");
@@ -156,6 +164,7 @@ struct StreamThread {
     rank: usize,
     stream: Stream,
     shared: Arc<WorldShared>,
+    flight: Arc<FlightRecorder>,
     /// The first failure on this stream: every later item fails with it (CUDA's sticky errors).
     poison: Option<BackendError>,
     /// Channels used so far and the next sequence number on each.
@@ -211,7 +220,8 @@ impl StreamThread {
                 }
                 event.complete(result);
             }
-            Work::Coll { group, first, post, after, event } => {
+            Work::Coll { group, first, post, after, event, flight } => {
+                self.flight.started(flight);
                 let shared = Arc::clone(&self.shared);
                 let spin = group.len() <= shared.cores;
                 let entry = self
@@ -235,6 +245,7 @@ impl StreamThread {
                 if let Err(e) = &result {
                     self.fail(e.clone());
                 }
+                self.flight.ended(flight, &result);
                 event.complete(result);
             }
         }

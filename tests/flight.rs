@@ -1,0 +1,154 @@
+//! The flight recorder end to end: ranks of a local world that disagree on a collective, or
+//! one that never launches what its peers did, write their records on the failure
+//! (`FlightConfig::dir`), and `collsched flight DIR` says what went wrong in its first line.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use collsched::backend::flight::verdict::{analyze, Finding};
+use collsched::backend::flight::FlightConfig;
+use collsched::backend::local::{LocalConfig, LocalRank, LocalWorld};
+use collsched::backend::{Backend, CollDesc, Collective, RankGroup, Stream};
+use collsched::kernels::ElemType;
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("collsched-flight-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+fn world(n: usize, dir: &Path, timeout: Duration) -> LocalWorld {
+    let flight = FlightConfig { entries: 64, dir: Some(dir.to_path_buf()) };
+    LocalWorld::with_config(n, LocalConfig { timeout, flight, ..LocalConfig::default() }).expect("world")
+}
+
+/// An all-gather (tag 1) of 8 f32 a member on `stream`; its outcome.
+fn gather(rank: &LocalRank, tag: u64) -> Result<(), String> {
+    let n = rank.world_size();
+    let desc = CollDesc::all_gather(RankGroup::world(n), ElemType::F32, 8).with_tag(tag);
+    let c = Collective {
+        desc,
+        input: Some(rank.alloc(32).expect("alloc")),
+        output: rank.alloc(32 * n).expect("alloc"),
+    };
+    let f = rank.launch(Stream::AllGather, &[], c).map_err(|e| e.error.to_string())?;
+    f.wait(Duration::from_secs(30)).map(drop).map_err(|e| e.into_error().to_string())
+}
+
+fn cli_verdict(dir: &Path) -> String {
+    let out =
+        Command::new(env!("CARGO_BIN_EXE_collsched")).arg("flight").arg(dir).output().expect("run collsched");
+    assert!(out.status.success(), "collsched flight failed: {}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8(out.stdout).expect("utf-8");
+    assert!(text.contains("rank 0 (pid"), "no per-rank summary: {text}");
+    text.lines().next().expect("a verdict line").to_string()
+}
+
+#[test]
+fn a_collective_the_ranks_disagree_on_is_named_with_what_each_launched() {
+    let dir = scratch("mismatch");
+    let w = world(3, &dir, Duration::from_secs(20));
+    let out = w
+        .run(|rank| {
+            gather(&rank, 1)?;
+            if rank.rank() == 1 {
+                // Rank 1 reduce-scatters where the others all-gather.
+                let desc = CollDesc::reduce_scatter(RankGroup::world(3), ElemType::F32, 8).with_tag(2);
+                let c = Collective {
+                    desc,
+                    input: Some(rank.alloc(96).expect("alloc")),
+                    output: rank.alloc(32).expect("alloc"),
+                };
+                let f = rank.launch(Stream::AllGather, &[], c).map_err(|e| e.error.to_string())?;
+                return f.wait(Duration::from_secs(30)).map(drop).map_err(|e| e.into_error().to_string());
+            }
+            gather(&rank, 2)
+        })
+        .expect("ranks");
+    for (r, o) in out.into_iter().enumerate() {
+        let e = o.expect("no panic").expect_err("a mismatched collective failed");
+        assert!(e.contains("mismatched"), "rank {r}: {e}");
+    }
+    let dumps = collsched::cli::flight::read_dir(&dir).expect("three records");
+    assert_eq!(dumps.len(), 3);
+    let v = analyze(&dumps);
+    match &v.finding {
+        Finding::Disagree { seq, group, stream, launched } => {
+            assert_eq!((*seq, group.as_slice(), stream.as_str()), (1, &[0, 1, 2][..], "all_gather"), "{v}");
+            let ops: Vec<(usize, bool)> =
+                launched.iter().map(|(r, w)| (*r, w.starts_with("reduce_scatter"))).collect();
+            assert_eq!(ops, [(0, false), (1, true), (2, false)], "{v}");
+        }
+        other => panic!("expected a disagreement, got {other:?}"),
+    }
+    let line = cli_verdict(&dir);
+    assert!(
+        line.starts_with("ranks disagree at collective #1 of group [0, 1, 2] on stream all_gather"),
+        "{line}"
+    );
+    assert!(line.contains("rank 1 reduce_scatter(tag 2, 8 x f32, sum)"), "{line}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_rank_that_never_launches_a_collective_is_named() {
+    let dir = scratch("missing");
+    let w = world(3, &dir, Duration::from_millis(500));
+    let out = w
+        .run(|rank| {
+            gather(&rank, 1)?;
+            gather(&rank, 2)?;
+            if rank.rank() == 2 {
+                // Rank 2 stops after two (its peers launch a third and wait for it in vain) and
+                // writes its record on request, as an engine would on a timeout of its own.
+                rank.flight_record("stopped early").write_to(&dir).map_err(|e| e.to_string())?;
+                return Ok(());
+            }
+            gather(&rank, 3)
+        })
+        .expect("ranks");
+    let out: Vec<_> = out.into_iter().map(|o| o.expect("no panic")).collect();
+    assert!(out[2].is_ok(), "{:?}", out[2]);
+    for r in [0, 1] {
+        let e = out[r].as_ref().expect_err("waited for a rank that never came");
+        assert!(e.contains("[2]"), "rank {r}: {e}");
+    }
+    let dumps = collsched::cli::flight::read_dir(&dir).expect("three records");
+    let v = analyze(&dumps);
+    match &v.finding {
+        Finding::NeverLaunched { seq, missing, launched_by, what, .. } => {
+            assert_eq!(*seq, 2, "{v}");
+            assert_eq!(missing.as_slice(), &[(2, Some(1))], "{v}");
+            assert_eq!(launched_by.as_slice(), &[0, 1], "{v}");
+            assert!(what.starts_with("all_gather(tag 3, 8 x f32)"), "{v}");
+        }
+        other => panic!("expected a collective never launched, got {other:?}"),
+    }
+    let line = cli_verdict(&dir);
+    assert!(
+        line.starts_with("ranks [2] never launched collective #2 of group [0, 1, 2] on stream all_gather"),
+        "{line}"
+    );
+    assert!(line.contains("rank 2 last launched #1"), "{line}");
+    // Without rank 2's record (a rank killed before it could write one): named as such.
+    std::fs::remove_file(dir.join("rank-2.json")).expect("remove");
+    let line = cli_verdict(&dir);
+    assert!(line.ends_with("no record from ranks [2] (dead before writing one, or never started)"), "{line}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_directory_without_records_is_an_error_naming_it() {
+    let dir = scratch("empty");
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    std::fs::write(dir.join("rank-0.json"), "{ not json").expect("write");
+    let out = Command::new(env!("CARGO_BIN_EXE_collsched")).arg("flight").arg(&dir).output().expect("run");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("rank-0.json: not a collsched flight record"), "{err}");
+    std::fs::remove_file(dir.join("rank-0.json")).expect("remove");
+    let out = Command::new(env!("CARGO_BIN_EXE_collsched")).arg("flight").arg(&dir).output().expect("run");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no flight records"), "{out:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
