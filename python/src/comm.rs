@@ -467,11 +467,18 @@ impl Work {
             _ => self.timeout,
         };
         py.detach(|| self.finish(timeout)).map(drop).map_err(|e| match e {
-            BackendError::EventTimeout { waited } => errors::PeerError::new_err(format!(
-                "{}: not complete after waiting {waited:?}; a member may not have launched it (every rank \
-                 of the group must issue the same collectives in the same order)",
-                self.what
-            )),
+            BackendError::EventTimeout { waited } => {
+                let msg = format!(
+                    "{}: not complete after waiting {waited:?}; a member may not have launched it (every rank \
+                     of the group must issue the same collectives in the same order)",
+                    self.what
+                );
+                let state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+                if let State::Pending { backend, .. } = &*state {
+                    backend.write_flight_record(&msg);
+                }
+                errors::PeerError::new_err(msg)
+            }
             other => errors::backend(other),
         })
     }

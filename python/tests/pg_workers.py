@@ -220,6 +220,26 @@ def killed_mid_op(rank: int, world: int, numel: int) -> dict[str, Any]:
     return {"seconds": time.monotonic() - t0, "error": None}
 
 
+def one_rank_skips(rank: int, world: int, path: str) -> str:
+    """Both ranks all-reduce once; then rank 0 all-reduces again, waiting 2 s, while rank 1
+    launches nothing and writes its flight record to ``path`` on request. Rank 0 returns its
+    error (its own record is written there by the timeout, ``COLLSCHED_FLIGHT_RECORDER``)."""
+    import datetime
+
+    import collsched.torch as cst
+
+    dist.all_reduce(torch.ones(4))
+    if rank == 1:
+        cst.flight_record(path)
+        time.sleep(4)  # stay up: rank 0 must time out, not see a departure
+        return "skipped"
+    try:
+        dist.all_reduce(torch.ones(4), async_op=True).wait(timeout=datetime.timedelta(seconds=2))
+        return "ran"
+    except Exception as e:
+        return f"{type(e).__module__}.{type(e).__name__}: {e}"
+
+
 def recorded(rank: int, world: int, path: str) -> dict:
     """A few collectives, then this rank's flight record, written to ``path``."""
     import collsched.torch as cst

@@ -163,6 +163,16 @@ def test_flight_record_on_request_lists_every_collective_in_order(tmp_path):
     assert _flight_verdict(tmp_path).startswith("no disagreement, missing collective or failure in 6 recorded")
 
 
+def test_a_rank_that_never_launches_times_its_peer_out_and_the_flight_records_name_it(monkeypatch, tmp_path):
+    monkeypatch.setenv("COLLSCHED_FLIGHT_RECORDER", str(tmp_path))
+    out = run(pg_workers.one_rank_skips, 2, str(tmp_path), init="collsched", timeout=120)
+    assert out[1] == "skipped"
+    assert "PeerError" in out[0] and "not complete after waiting" in out[0], out[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank-0.json", "rank-1.json"]
+    verdict = _flight_verdict(tmp_path)
+    assert verdict.startswith("ranks [1] never launched collective #1 of group [0, 1] on stream compute"), verdict
+
+
 def test_subgroups_and_device_mesh_at_4_ranks():
     runs = run(pg_workers.subgroups, 4, init="collsched")
     for rank, got in enumerate(runs):

@@ -213,9 +213,21 @@ impl FlightRecorder {
                 }
             }
         });
-        if let (Err(err), Some(dir)) = (result, &self.config.dir) {
-            if let Err(io) = self.dump(&err.to_string()).write_to(dir) {
+        if let Err(err) = result {
+            self.write_if_configured(&err.to_string());
+        }
+    }
+
+    /// Writes the record, taken because of `reason`, to [`FlightConfig::dir`] if one is set
+    /// (what a failure does; an engine calls it when a wait of its own times out). Returns the
+    /// file written.
+    pub fn write_if_configured(&self, reason: &str) -> Option<PathBuf> {
+        let dir = self.config.dir.as_ref()?;
+        match self.dump(reason).write_to(dir) {
+            Ok(path) => Some(path),
+            Err(io) => {
                 tracing::warn!(target: "collsched::coll", rank = self.rank, "flight recorder: {io}");
+                None
             }
         }
     }

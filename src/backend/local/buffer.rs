@@ -4,10 +4,11 @@ use std::alloc::{self, Layout};
 use std::collections::HashMap;
 use std::fmt;
 use std::ptr::NonNull;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
 use super::event::LocalEvent;
+use super::sync::{Mutex, MutexGuard};
 use crate::backend::{BackendBuffer, BackendError, BackendEvent};
 
 /// Alignment of every local buffer: a cache line, so vectorized kernels start aligned.
@@ -243,7 +244,7 @@ impl Pool {
         Pool { rank, timeout, inner: Mutex::new(inner), parked: Mutex::new(None), memory }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, PoolInner> {
+    fn lock(&self) -> MutexGuard<'_, PoolInner> {
         self.inner.lock().unwrap_or_else(PoisonError::into_inner)
     }
 

@@ -1,10 +1,11 @@
 //! Events of the local backend: one-shot completion fences shared across threads.
 
 use std::fmt;
-use std::sync::atomic::{AtomicU8, Ordering};
-use std::sync::{Arc, Condvar, Mutex, OnceLock, PoisonError};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 
+use super::sync::{AtomicU8, Condvar, Mutex, SPIN};
 use crate::backend::{BackendError, BackendEvent};
 
 const PENDING: u8 = 0;
@@ -134,7 +135,7 @@ impl BackendEvent for LocalEvent {
             return Ok(());
         }
         let start = Instant::now();
-        let spin_until = start + self.0.spin.min(timeout);
+        let spin_until = start + if SPIN { self.0.spin.min(timeout) } else { Duration::ZERO };
         // Spin politely (yield each round) so the stream threads we wait for can run.
         while Instant::now() < spin_until {
             for _ in 0..16 {

@@ -42,6 +42,10 @@ pub(crate) mod meeting;
 pub(crate) mod moves;
 pub(crate) mod rendezvous;
 mod stream;
+mod sync;
+
+#[cfg(all(test, loom))]
+mod loom_tests;
 
 use std::num::NonZeroUsize;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -354,6 +358,13 @@ impl LocalRank {
     /// reads it.
     pub fn flight_record(&self, reason: &str) -> FlightDump {
         self.flight.dump(reason)
+    }
+
+    /// Writes this rank's flight record where `COLLSCHED_FLIGHT_RECORDER` (the config's
+    /// [`FlightConfig::dir`]) says, if it says, as a failure does: for an engine's own timeout.
+    /// Returns the file written.
+    pub fn write_flight_record(&self, reason: &str) -> Option<std::path::PathBuf> {
+        self.flight.write_if_configured(reason)
     }
 
     /// How many buffers this rank's pool allocated fresh (not reused) so far.

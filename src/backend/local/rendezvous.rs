@@ -25,11 +25,12 @@
 
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, PoisonError};
 use std::time::{Duration, Instant};
 
 use super::moves::{self, Post};
+use super::sync::{AtomicBool, AtomicU64, AtomicUsize, Condvar, Mutex, MutexGuard, SPIN};
 use super::LocalConfig;
 use crate::backend::CollectiveKind;
 use crate::backend::{BackendError, CollRef, RankGroup, Stream};
@@ -218,7 +219,7 @@ impl Channel {
         deadline: Option<Instant>,
         mut ready: impl FnMut(&mut ChanState) -> bool,
     ) -> (MutexGuard<'a, ChanState>, bool) {
-        let spin_until = caller.spin.then(|| Instant::now() + caller.config.spin);
+        let spin_until = (SPIN && caller.spin).then(|| Instant::now() + caller.config.spin);
         loop {
             if ready(&mut g) {
                 return (g, true);

@@ -3,8 +3,8 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, PoisonError};
 
 use crossbeam::utils::Backoff;
 use smallvec::SmallVec;
@@ -13,6 +13,7 @@ use super::event::LocalEvent;
 use super::meeting::Place;
 use super::moves::Post;
 use super::rendezvous::{Arrival, Caller};
+use super::sync::{AtomicUsize, Condvar, Mutex, MutexGuard, SPIN};
 use super::WorldShared;
 use crate::backend::flight::FlightRecorder;
 use crate::backend::{BackendError, BackendEvent, CollDesc, CollRef, RankGroup, Stream};
@@ -63,7 +64,7 @@ struct QueueState {
 }
 
 impl Queue {
-    fn new() -> Self {
+    pub(super) fn new() -> Self {
         let state = QueueState { items: VecDeque::with_capacity(super::PREFILL), ..QueueState::default() };
         Queue { state: Mutex::new(state), cv: Condvar::new(), len: AtomicUsize::new(0) }
     }
@@ -104,9 +105,9 @@ impl Queue {
 
     /// The next item, or `None` once the queue is closed and empty. Spins briefly (as a
     /// channel would) before sleeping, so that back-to-back small launches need no wake-up.
-    fn recv(&self) -> Option<Work> {
+    pub(super) fn recv(&self) -> Option<Work> {
         let backoff = Backoff::new();
-        while self.len.load(Ordering::Acquire) == 0 && !backoff.is_completed() {
+        while SPIN && self.len.load(Ordering::Acquire) == 0 && !backoff.is_completed() {
             backoff.snooze();
         }
         let mut st = self.lock();
