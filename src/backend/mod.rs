@@ -82,6 +82,8 @@ mod error;
 pub mod flight;
 mod inflight;
 pub mod local;
+#[cfg(feature = "mpi")]
+pub mod mpi;
 pub mod shm;
 
 pub use chain::{ChainError, Chained};
@@ -358,5 +360,22 @@ pub trait Backend: Send + Sync {
         I: IntoIterator<Item = Chained<Self::Buffer>>,
     {
         launch_in_stream_order(self, first, stream, next)
+    }
+}
+
+/// A job's small blocking exchange between its processes: the bootstrap
+/// [`Hub`](crate::bootstrap::Hub), or an MPI job's communicator (`backend::mpi::MpiJob`). For
+/// results and rows, not for data.
+pub trait Exchange: Send {
+    /// Every process's `mine` (any length), in rank order; collective over the job.
+    ///
+    /// # Errors
+    /// The exchange failed (a peer gone, the transport broken), named.
+    fn all_gather_bytes(&mut self, mine: &[u8]) -> Result<Vec<Vec<u8>>, BackendError>;
+}
+
+impl Exchange for crate::bootstrap::Hub {
+    fn all_gather_bytes(&mut self, mine: &[u8]) -> Result<Vec<Vec<u8>>, BackendError> {
+        Ok(self.all_gather(mine)?)
     }
 }

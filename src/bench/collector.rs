@@ -4,10 +4,10 @@
 use std::sync::{Condvar, Mutex, PoisonError};
 
 use super::RankRow;
-use crate::bootstrap::Hub;
+use crate::backend::Exchange;
 
 /// How the ranks of a bench hand each other their rows: threads of one process meet in a
-/// [`Collector`], processes through the bootstrap hub ([`HubRows`]).
+/// [`Collector`], processes through the job's exchange ([`ProcessRows`]).
 pub trait RowExchange: Sync {
     /// Hands in `row` for `rank` and waits for every rank; returns all rows in rank order.
     ///
@@ -31,9 +31,9 @@ impl RowExchange for Collector {
 /// Rows exchanged between processes through the job's hub. A rank that fails exits, and the
 /// others' exchange fails naming it (the hub watches the processes).
 #[derive(Debug)]
-pub struct HubRows(pub Mutex<Hub>);
+pub struct ProcessRows<E>(pub Mutex<E>);
 
-impl RowExchange for HubRows {
+impl<E: Exchange> RowExchange for ProcessRows<E> {
     fn exchange(&self, _rank: usize, row: RankRow) -> Result<Vec<RankRow>, String> {
         let mut bytes = Vec::with_capacity(25);
         bytes.extend_from_slice(&row.grouped.to_le_bytes());
@@ -44,7 +44,7 @@ impl RowExchange for HubRows {
             .0
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .all_gather(&bytes)
+            .all_gather_bytes(&bytes)
             .map_err(|e| e.to_string())?;
         all.iter()
             .map(|b| {

@@ -35,7 +35,7 @@ mod collector;
 mod printer;
 mod rank;
 
-pub use collector::{BreakOnPanic, Collector, HubRows, RowExchange};
+pub use collector::{BreakOnPanic, Collector, ProcessRows, RowExchange};
 pub use printer::{memcpy_bandwidth, memcpy_concurrent_bandwidth, Printer};
 pub use rank::{bench_rank, run_rank};
 

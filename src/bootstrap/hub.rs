@@ -71,10 +71,10 @@ impl Liveness {
         (0..self.pids.len()).find(|&r| self.is_dead(r))
     }
 
-    /// Whether rank `r`'s process has exited (never blocks; `false` for this process and for a
-    /// rank outside the job).
+    /// Whether rank `r`'s process has exited (never blocks; `false` for this process, for a
+    /// rank outside the job, and for a rank whose pid is 0: on another machine, not watched).
     pub fn is_dead(&self, r: usize) -> bool {
-        if r == self.rank || r >= self.pids.len() {
+        if r == self.rank || r >= self.pids.len() || self.pids[r] == 0 {
             return false;
         }
         match &self.pidfds[r] {

@@ -11,7 +11,7 @@ use crate::backend::local::{LocalConfig, LocalWorld};
 use crate::backend::shm::{self, ShmConfig};
 use crate::bench::{
     first_failure, memcpy_bandwidth, memcpy_concurrent_bandwidth, run_rank, BenchOp, BenchPlan, BenchSpec,
-    Collector, HubRows, Printer, CONCURRENT_MIN_BYTES,
+    Collector, Printer, ProcessRows, CONCURRENT_MIN_BYTES,
 };
 use crate::bootstrap::LaunchEnv;
 use crate::kernels::ElemType;
@@ -47,6 +47,9 @@ pub enum BenchBackend {
     /// Processes of one machine, one per rank, over shared memory: under torchrun or mpirun
     /// each process is a rank; alone, `--ranks N` starts N processes of this program.
     Shm,
+    /// The processes of an MPI job (`mpirun -np N collsched ...`), on one machine or many,
+    /// through MPI (feature `mpi`).
+    Mpi,
 }
 
 /// Flags of `collsched bench`.
@@ -125,6 +128,9 @@ pub fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
             LaunchRole::Rank(env) => run_shm(&args, &env),
         };
     }
+    if args.backend == BenchBackend::Mpi {
+        return run_mpi(&args);
+    }
     let ranks = args.ranks.ok_or("--ranks is required (the number of ranks)")?;
     let plan = BenchPlan::new(&args.spec(ranks))?;
     if let Some(available) = crate::units::memory_available() {
@@ -133,7 +139,7 @@ pub fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
     match args.backend {
         BenchBackend::Local => run_local(&plan),
         BenchBackend::Cuda => run_cuda(&plan),
-        BenchBackend::Shm => unreachable!("handled above"),
+        BenchBackend::Shm | BenchBackend::Mpi => unreachable!("handled above"),
     }
 }
 
@@ -163,10 +169,51 @@ fn run_shm(args: &BenchArgs, env: &LaunchEnv) -> Result<ExitCode, CliError> {
     if env.rank == 0 {
         printer.header();
     }
-    let rows = HubRows(Mutex::new(hub));
+    let rows = ProcessRows(Mutex::new(hub));
     run_rank(&rank, &plan, &rows, &printer)?;
     Ok(if env.rank == 0 { printer.footer() } else { ExitCode::SUCCESS })
 }
+
+/// `--backend mpi`: this process is a rank of the MPI job it was started in; rank 0 measures
+/// the references and prints; the rows travel over MPI.
+#[cfg(feature = "mpi")]
+fn run_mpi(args: &BenchArgs) -> Result<ExitCode, CliError> {
+    use crate::backend::mpi::{self, MpiConfig};
+    let (rank, job) = mpi::join(&MpiConfig::from_env()?)?;
+    let (me, world) = (job.rank(), job.world());
+    if args.ranks.is_some_and(|n| n != world) {
+        return Err(format!(
+            "--ranks {} differs from the MPI job's {world} processes",
+            args.ranks.unwrap_or(0)
+        )
+        .into());
+    }
+    let plan = BenchPlan::new(&args.spec(world))?;
+    if let Some(available) = crate::units::memory_available() {
+        plan.check_memory(available)?;
+    }
+    let printer = if me == 0 { printer_for(&plan, "mpi") } else { Printer::new(&plan, "mpi", 0.0) };
+    if me == 0 {
+        printer.header();
+    }
+    let rows = ProcessRows(Mutex::new(job));
+    let result = run_rank(&rank, &plan, &rows, &printer);
+    // The rank first (its streams finish), then the job (MPI_Finalize).
+    drop(rank);
+    drop(rows);
+    result?;
+    Ok(if me == 0 { printer.footer() } else { ExitCode::SUCCESS })
+}
+
+#[cfg(not(feature = "mpi"))]
+fn run_mpi(_args: &BenchArgs) -> Result<ExitCode, CliError> {
+    Err(NO_MPI.into())
+}
+
+/// What `--backend mpi` says in a build without the feature.
+#[cfg(not(feature = "mpi"))]
+pub(crate) const NO_MPI: &str = "--backend mpi: this collsched was built without the `mpi` feature; rebuild with \
+     `cargo build --release --features mpi` (needs libopenmpi-dev and libclang-dev), and start it with mpirun";
 
 fn run_local(plan: &BenchPlan) -> Result<ExitCode, CliError> {
     let printer = printer_for(plan, "local");

@@ -34,7 +34,7 @@ pub const HYBRID_TOLERANCE: f32 = 1e-4;
 #[derive(Debug, clap::Args)]
 pub struct DemoArgs {
     /// Ranks: threads (`local`), GPUs (`cuda`) or processes (`shm`; under torchrun or mpirun
-    /// the launcher's world size). Default 4.
+    /// the launcher's world size; `mpi`: the MPI job's). Default 4.
     #[arg(long)]
     pub ranks: Option<usize>,
     /// Optimizer steps.
@@ -50,7 +50,8 @@ pub struct DemoArgs {
     #[arg(long, default_value = "trace", value_parser = parse_policy)]
     pub policy: PolicyKind,
     /// Backend: `local` (threads of this process), `shm` (one process per rank; alone it
-    /// starts them) or `cuda` (one GPU per rank, NCCL; needs a build with `--features cuda`).
+    /// starts them), `mpi` (the processes of `mpirun`, on one machine or many; needs a build with
+    /// `--features mpi`) or `cuda` (one GPU per rank, NCCL; needs a build with `--features cuda`).
     #[arg(long, value_enum, default_value = "local")]
     pub backend: BenchBackend,
 }
@@ -79,6 +80,46 @@ fn run_cuda(_: &DemoConfig, _: &ShardedOptions) -> Result<crate::demo::ShardedRu
         .into())
 }
 
+/// This process's rank of an MPI job and the job (feature `mpi`).
+#[cfg(feature = "mpi")]
+type MpiRank = (crate::backend::local::LocalRank, crate::backend::mpi::MpiJob);
+#[cfg(not(feature = "mpi"))]
+type MpiRank = std::convert::Infallible;
+
+/// Joins the MPI job this process was started in: its size, and this rank.
+#[cfg(feature = "mpi")]
+fn join_mpi() -> Result<(usize, MpiRank), CliError> {
+    use crate::backend::mpi::{join, MpiConfig};
+    let (rank, job) = join(&MpiConfig::from_env()?)?;
+    Ok((job.world(), (rank, job)))
+}
+
+#[cfg(not(feature = "mpi"))]
+fn join_mpi() -> Result<(usize, MpiRank), CliError> {
+    Err(super::bench::NO_MPI.into())
+}
+
+/// This rank's part of the demo over MPI; rank 0 gets the record.
+#[cfg(feature = "mpi")]
+fn run_mpi(
+    cfg: &DemoConfig,
+    opts: &ShardedOptions,
+    (rank, mut job): MpiRank,
+) -> Result<Option<crate::demo::ShardedRun>, CliError> {
+    let run = sharded_run_process(cfg, opts, rank, &mut job)?;
+    drop(job);
+    Ok(run)
+}
+
+#[cfg(not(feature = "mpi"))]
+fn run_mpi(
+    _: &DemoConfig,
+    _: &ShardedOptions,
+    never: MpiRank,
+) -> Result<Option<crate::demo::ShardedRun>, CliError> {
+    match never {}
+}
+
 /// Runs `collsched demo`.
 ///
 /// # Errors
@@ -87,6 +128,12 @@ fn run_cuda(_: &DemoConfig, _: &ShardedOptions) -> Result<crate::demo::ShardedRu
 pub fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
     let mut ranks = args.ranks.unwrap_or(4);
     let mut process = None;
+    let mut mpi = None;
+    if args.backend == BenchBackend::Mpi {
+        let (world, joined) = join_mpi()?;
+        ranks = world;
+        mpi = Some(joined);
+    }
     if args.backend == BenchBackend::Shm {
         match launch::role(Some(ranks).filter(|_| args.ranks.is_some() || !launch::launched()))? {
             LaunchRole::Standalone(n) => return launch::standalone(n),
@@ -129,6 +176,10 @@ pub fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
             }
         }
         (BenchBackend::Shm, None) => return Err("collsched demo --backend shm: no rank to run".into()),
+        (BenchBackend::Mpi, _) => match run_mpi(&cfg, &opts, mpi.take().ok_or("no MPI rank to run")?)? {
+            Some(run) => run,
+            None => return Ok(ExitCode::SUCCESS),
+        },
     };
     let t2 = Instant::now();
     println!(

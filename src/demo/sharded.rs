@@ -171,9 +171,9 @@ pub fn sharded_run(cfg: &DemoConfig, opts: &ShardedOptions) -> Result<ShardedRun
     combine(cfg, outcomes, buckets)
 }
 
-/// Runs this process's rank of the demo in a multi-process job (the `shm` backend: `backend`
-/// is this rank, `hub` the job's bootstrap hub). Every rank trains; the losses are gathered
-/// through the hub; rank 0 gets the run's record, the other ranks `None`.
+/// Runs this process's rank of the demo in a multi-process job (the `shm` or `mpi` backend:
+/// `backend` is this rank, `hub` the job's exchange). Every rank trains; the losses are
+/// gathered through the exchange; rank 0 gets the run's record, the other ranks `None`.
 ///
 /// # Errors
 /// This rank's failure, or a peer's seen through the hub.
@@ -181,7 +181,7 @@ pub fn sharded_run_process<B: Backend>(
     cfg: &DemoConfig,
     opts: &ShardedOptions,
     backend: B,
-    hub: &mut crate::bootstrap::Hub,
+    hub: &mut impl crate::backend::Exchange,
 ) -> Result<Option<ShardedRun>, DemoError> {
     let plan = plan(cfg, opts)?;
     let buckets = (plan.layout().gather_buckets().len(), plan.layout().grad_buckets().len());
@@ -189,7 +189,7 @@ pub fn sharded_run_process<B: Backend>(
     let me = backend.rank();
     let mine = run_rank(cfg, opts, &plan, &init, backend)?;
     let bytes: Vec<u8> = mine.losses.iter().flat_map(|l| l.to_le_bytes()).collect();
-    let all = hub.all_gather(&bytes).map_err(BackendError::from)?;
+    let all = hub.all_gather_bytes(&bytes)?;
     if me != 0 {
         return Ok(None);
     }

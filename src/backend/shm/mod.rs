@@ -107,21 +107,27 @@ impl ShmConfig {
                 what: "expected a size of at least 1M (e.g. 8G)".into(),
             })?;
         }
-        if let Some(v) = lookup("COLLSCHED_TIMEOUT_SECS") {
-            c.local.timeout = v
-                .trim()
-                .parse::<f64>()
-                .ok()
-                .filter(|s| s.is_finite() && *s > 0.0 && *s <= 1e7)
-                .map(Duration::from_secs_f64)
-                .ok_or(EnvError {
-                    var: "COLLSCHED_TIMEOUT_SECS",
-                    value: v,
-                    what: "expected seconds".into(),
-                })?;
+        if let Some(t) = timeout_from_lookup(&lookup)? {
+            c.local.timeout = t;
         }
         Ok(c)
     }
+}
+
+/// `COLLSCHED_TIMEOUT_SECS` ([`LocalConfig::timeout`] of the multi-process backends), if set.
+///
+/// # Errors
+/// [`EnvError`] for a value that is not a positive number of seconds.
+pub(crate) fn timeout_from_lookup(
+    lookup: &impl Fn(&str) -> Option<String>,
+) -> Result<Option<Duration>, EnvError> {
+    let Some(v) = lookup("COLLSCHED_TIMEOUT_SECS") else { return Ok(None) };
+    v.trim()
+        .parse::<f64>()
+        .ok()
+        .filter(|s| s.is_finite() && *s > 0.0 && *s <= 1e7)
+        .map(|s| Some(Duration::from_secs_f64(s)))
+        .ok_or(EnvError { var: "COLLSCHED_TIMEOUT_SECS", value: v, what: "expected seconds".into() })
 }
 
 fn io(rank: usize, what: &str) -> impl FnOnce(std::io::Error) -> BackendError + '_ {

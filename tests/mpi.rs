@@ -1,0 +1,278 @@
+//! The mpi backend under Open MPI's `mpirun` (one process per rank; `ci/setup.sh` installs
+//! `openmpi-bin` and `libopenmpi-dev`): the backend-generic collective suite at 1, 2, 3 and 4
+//! processes, a mismatched collective, a failed dependency, a rank that never launches, and a
+//! killed rank. Each job runs this test binary's ignored `child` test as its ranks.
+#![cfg(feature = "mpi")]
+
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+use collsched::backend::local::LocalRank;
+use collsched::backend::mpi::{join, MpiConfig};
+use collsched::backend::{Backend, BackendError, CollDesc, Collective, RankGroup, Stream};
+use collsched::kernels::ElemType;
+
+#[path = "support/collectives.rs"]
+mod collectives;
+
+fn all_reduce(rank: &LocalRank, count: usize) -> Result<(), BackendError> {
+    let n = rank.world_size();
+    let input = rank.alloc(count * 4)?;
+    let output = rank.alloc(count * 4)?;
+    let desc = CollDesc::all_reduce(RankGroup::world(n), ElemType::F32, count);
+    let f = rank
+        .launch(Stream::ReduceScatter, &[], Collective { desc, input: Some(input), output })
+        .map_err(|e| e.error)?;
+    f.wait(Duration::from_secs(120)).map_err(|e| e.into_error())?;
+    Ok(())
+}
+
+fn run_child(rank: &LocalRank, me: usize, mode: &str) -> Result<String, String> {
+    let n = rank.world_size();
+    match mode {
+        "suite" => {
+            let mut wrong = collectives::exercise(rank).map_err(|e| e.to_string())?;
+            wrong.extend(collectives::grouped_launch_and_subgroup(rank).map_err(|e| e.to_string())?);
+            wrong.extend(collectives::random_program(rank).map_err(|e| e.to_string())?);
+            if wrong.is_empty() {
+                Ok("suite".into())
+            } else {
+                Err(format!("wrong results: {wrong:?}"))
+            }
+        }
+        "mismatch" => {
+            let count = 64;
+            let desc = if me == 1 {
+                CollDesc::reduce_scatter(RankGroup::world(n), ElemType::F32, count)
+            } else {
+                CollDesc::all_gather(RankGroup::world(n), ElemType::F32, count)
+            };
+            let input =
+                rank.alloc(if me == 1 { n * count * 4 } else { count * 4 }).map_err(|e| e.to_string())?;
+            let output = rank.alloc(n * count * 4).map_err(|e| e.to_string())?;
+            let f = rank
+                .launch(Stream::AllGather, &[], Collective { desc, input: Some(input), output })
+                .map_err(|e| e.error.to_string())?;
+            match f.wait(Duration::from_secs(60)) {
+                Ok(_) => Ok("a mismatched collective ran".into()),
+                Err(e) => Err(e.into_error().to_string()),
+            }
+        }
+        "failed-dep" => {
+            let mut after = Vec::new();
+            if me == n - 1 {
+                after.push(
+                    rank.enqueue_host(Stream::Compute, || {
+                        Err(BackendError::InvalidLaunch { rank: 0, what: "injected host failure".into() })
+                    })
+                    .map_err(|e| e.to_string())?,
+                );
+            }
+            let input = rank.alloc(64 * 4).map_err(|e| e.to_string())?;
+            let output = rank.alloc(n * 64 * 4).map_err(|e| e.to_string())?;
+            let desc = CollDesc::all_gather(RankGroup::world(n), ElemType::F32, 64);
+            let f = rank
+                .launch(Stream::AllGather, &after, Collective { desc, input: Some(input), output })
+                .map_err(|e| e.error.to_string())?;
+            match f.wait(Duration::from_secs(60)) {
+                Ok(_) => Ok("the collective ran".into()),
+                Err(e) => Err(e.into_error().to_string()),
+            }
+        }
+        "absent" => {
+            // The last rank launches nothing and stays up past its peers' timeout.
+            if me == n - 1 {
+                std::thread::sleep(Duration::from_secs(6));
+                return Ok("absent".into());
+            }
+            all_reduce(rank, 1024).map(|()| "ran".into()).map_err(|e| e.to_string())
+        }
+        "kill" => {
+            if me == n - 1 {
+                std::thread::spawn(|| {
+                    std::thread::sleep(Duration::from_millis(300));
+                    let _ = rustix::process::kill_process(
+                        rustix::process::getpid(),
+                        rustix::process::Signal::KILL,
+                    );
+                });
+            }
+            for _ in 0..10_000 {
+                all_reduce(rank, 1 << 20).map_err(|e| e.to_string())?;
+            }
+            Ok("no failure seen".into())
+        }
+        other => Err(format!("unknown mode {other}")),
+    }
+}
+
+#[test]
+#[ignore = "a rank of the mpi tests' jobs, started by them under mpirun"]
+fn child() {
+    let mode = std::env::var("COLLSCHED_TEST_MODE").unwrap_or_default();
+    let config = MpiConfig::from_env().expect("config");
+    let (rank, job) = match join(&config) {
+        Ok(j) => j,
+        Err(e) => {
+            println!("\nRESULT {} err join: {e}", std::env::var("OMPI_COMM_WORLD_RANK").unwrap_or_default());
+            return;
+        }
+    };
+    let me = job.rank();
+    let line = match run_child(&rank, me, &mode) {
+        Ok(s) => format!("ok {s}"),
+        Err(e) => format!("err {e}"),
+    };
+    println!("\nRESULT {me} {line}");
+    drop(rank);
+    drop(job);
+}
+
+/// Runs `np` ranks in `mode` under mpirun; returns each rank's result line (by rank) and the
+/// whole output.
+fn mpirun(np: usize, mode: &str, timeout_s: u32) -> (Vec<Option<String>>, Output) {
+    let exe = std::env::current_exe().expect("test binary");
+    let out = Command::new("mpirun")
+        .args(["--allow-run-as-root", "--oversubscribe", "-np", &np.to_string()])
+        .args(["-x", "COLLSCHED_TEST_MODE", "-x", "COLLSCHED_TIMEOUT_SECS"])
+        .arg(exe)
+        .args(["child", "--exact", "--ignored", "--nocapture", "--test-threads", "1"])
+        .env("COLLSCHED_TEST_MODE", mode)
+        .env("COLLSCHED_TIMEOUT_SECS", timeout_s.to_string())
+        .output()
+        .expect("mpirun (apt install openmpi-bin libopenmpi-dev, or run ci/setup.sh)");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let mut lines = vec![None; np];
+    for l in text.lines() {
+        if let Some((_, rest)) = l.split_once("RESULT ") {
+            if let Some((r, res)) = rest.split_once(' ') {
+                if let Ok(r) = r.parse::<usize>() {
+                    if r < np {
+                        lines[r] = Some(res.to_string());
+                    }
+                }
+            }
+        }
+    }
+    (lines, out)
+}
+
+fn show(out: &Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
+}
+
+#[test]
+fn every_collective_at_1_2_3_and_4_processes() {
+    for np in [1, 2, 3, 4] {
+        let (lines, out) = mpirun(np, "suite", 60);
+        for (r, l) in lines.iter().enumerate() {
+            assert_eq!(l.as_deref(), Some("ok suite"), "np {np}, rank {r}:\n{}", show(&out));
+        }
+        assert!(out.status.success(), "np {np}:\n{}", show(&out));
+    }
+}
+
+#[test]
+fn a_mismatched_collective_fails_on_every_rank_naming_both() {
+    let t = Instant::now();
+    let (lines, out) = mpirun(3, "mismatch", 60);
+    assert!(t.elapsed() < Duration::from_secs(30), "took {:?}", t.elapsed());
+    for (r, l) in lines.iter().enumerate() {
+        let l = l.as_deref().unwrap_or_else(|| panic!("rank {r} reported nothing:\n{}", show(&out)));
+        assert!(
+            l.starts_with("err") && l.contains("mismatched collectives") && l.contains("reduce_scatter"),
+            "rank {r}: {l}"
+        );
+    }
+}
+
+#[test]
+fn a_failed_dependency_fails_every_rank_naming_it() {
+    let (lines, out) = mpirun(3, "failed-dep", 60);
+    for (r, l) in lines.iter().enumerate() {
+        let l = l.as_deref().unwrap_or_else(|| panic!("rank {r} reported nothing:\n{}", show(&out)));
+        assert!(l.starts_with("err"), "rank {r}: {l}");
+        if r == 2 {
+            assert!(l.contains("injected host failure"), "rank {r}: {l}");
+        } else {
+            assert!(l.contains("[2]") && l.contains("will never arrive"), "rank {r}: {l}");
+        }
+    }
+}
+
+#[test]
+fn a_rank_that_never_launches_is_named_after_the_timeout() {
+    let (lines, out) = mpirun(3, "absent", 2);
+    // The peers end without finalizing MPI (their requests to rank 2 are pending): mpirun ends
+    // the job as failed, rank 2 with it (often before it reports).
+    assert!(!out.status.success());
+    for (r, l) in lines.iter().take(2).enumerate() {
+        let l = l.as_deref().unwrap_or_else(|| panic!("rank {r} reported nothing:\n{}", show(&out)));
+        assert!(l.starts_with("err") && l.contains("ranks [2] did not arrive"), "rank {r}: {l}");
+    }
+}
+
+#[test]
+fn a_killed_rank_is_named_by_its_peers_on_this_machine_within_seconds() {
+    let t = Instant::now();
+    let (lines, out) = mpirun(3, "kill", 120);
+    assert!(t.elapsed() < Duration::from_secs(60), "took {:?}", t.elapsed());
+    // mpirun reports the killed process and ends the job with a failure.
+    assert!(!out.status.success());
+    for (r, l) in lines.iter().take(2).enumerate() {
+        let l = l.as_deref().unwrap_or_else(|| panic!("rank {r} reported nothing:\n{}", show(&out)));
+        assert!(l.starts_with("err") && l.contains("[2]") && l.contains("all_reduce"), "rank {r}: {l}");
+    }
+}
+
+fn collsched_under_mpirun(np: usize, args: &[&str]) -> Output {
+    Command::new("mpirun")
+        .args([
+            "--allow-run-as-root",
+            "--oversubscribe",
+            "-np",
+            &np.to_string(),
+            env!("CARGO_BIN_EXE_collsched"),
+        ])
+        .args(args)
+        .output()
+        .expect("mpirun (apt install openmpi-bin libopenmpi-dev, or run ci/setup.sh)")
+}
+
+/// `mpirun -np 3 collsched bench --backend mpi --check`: every collective, no wrong element.
+#[test]
+fn bench_under_mpirun_checks_every_collective() {
+    for op in ["all_gather", "reduce_scatter", "all_reduce"] {
+        let args = ["bench", "--backend", "mpi", "--op", op, "-b", "1K", "-e", "256K", "-f", "8"];
+        let out =
+            collsched_under_mpirun(3, &[&args[..], &["--iters", "3", "--warmup", "1", "--check"]].concat());
+        let text = show(&out);
+        assert!(out.status.success(), "{op}:\n{text}");
+        assert!(
+            text.contains("(mpi backend)") && text.contains("# out of bounds values : 0 OK"),
+            "{op}:\n{text}"
+        );
+        let rows = text.lines().filter(|l| l.trim_start().starts_with(|c: char| c.is_ascii_digit())).count();
+        assert_eq!(rows, 3, "{op}: about 1K, 8K and 64K:\n{text}");
+    }
+}
+
+/// `mpirun -np N collsched demo --backend mpi`: parity with the unsharded reference, every
+/// strategy, at 1 to 4 processes (exact but for hybrid's two-stage sums).
+#[test]
+fn demo_under_mpirun_keeps_parity_with_every_strategy() {
+    for (np, strategy) in
+        [(1, "even"), (2, "flat"), (3, "greedy"), (4, "even"), (3, "flat"), (4, "greedy"), (4, "hybrid:2")]
+    {
+        let out =
+            collsched_under_mpirun(np, &["demo", "--backend", "mpi", "--steps", "2", "--strategy", strategy]);
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(out.status.success(), "np {np} {strategy}:\n{}", show(&out));
+        let last = text.trim_end().lines().last().unwrap_or_default();
+        assert!(last.starts_with("parity: max |loss difference| = "), "np {np} {strategy}: {last}");
+        if !strategy.starts_with("hybrid") {
+            assert!(last.ends_with("= 0e0 over 2 steps"), "np {np} {strategy}: {last}");
+        }
+        assert_eq!(text.matches("collsched demo:").count(), 1, "only rank 0 reports:\n{text}");
+    }
+}
