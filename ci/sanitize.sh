@@ -14,6 +14,10 @@ export RUSTC_BOOTSTRAP=1
 export RUSTFLAGS="-Zsanitizer=address"
 export ASAN_OPTIONS="detect_leaks=0:halt_on_error=1:abort_on_error=1"
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-target}/asan"
+# Dependencies unoptimized and line tables only: this build is for finding bad accesses, and
+# halves its compile time next to the test profile's optimized dependencies.
+export CARGO_PROFILE_DEV_DEBUG=line-tables-only
+cfg=(--config 'profile.dev.package."*".opt-level=0')
 tests=(local_collectives local_chain local_failures local_streams local_teardown shm flight)
 args=()
 for t in "${tests[@]}"; do args+=(--test "$t"); done
@@ -21,7 +25,7 @@ for t in "${tests[@]}"; do args+=(--test "$t"); done
 log="$CARGO_TARGET_DIR/ci-sanitize.log"
 mkdir -p "$CARGO_TARGET_DIR"
 {
-  cargo test --target "$host" --lib -- backend:: &&
-    cargo test --target "$host" "${args[@]}"
+  cargo test "${cfg[@]}" --target "$host" --lib -- backend:: &&
+    cargo test "${cfg[@]}" --target "$host" "${args[@]}"
 } >"$log" 2>&1 || { tail -n 60 "$log"; echo "ci/sanitize: failed (whole log: $log)"; exit 1; }
 grep -E "^test result:" "$log" | sed 's/^/ci\/sanitize: /'

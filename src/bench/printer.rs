@@ -74,6 +74,9 @@ pub struct Printer {
     memcpy: f64,
     /// Optional second reference: (threads, aggregate bytes/s of that many concurrent copies).
     pub concurrent: Option<(usize, f64)>,
+    /// Optional columns of another implementation of the same collective, measured in the same
+    /// run: its name and its time per size (seconds, `plan.sizes` order; NaN where it has none).
+    pub reference: Option<(&'static str, Vec<f64>)>,
     state: Mutex<PrinterState>,
 }
 
@@ -92,7 +95,14 @@ fn type_name(e: ElemType) -> &'static str {
 impl Printer {
     /// A printer for `plan`, with the memcpy reference (bytes/s).
     pub fn new(plan: &BenchPlan, backend: &'static str, memcpy: f64) -> Self {
-        Printer { plan: plan.clone(), backend, memcpy, concurrent: None, state: Mutex::default() }
+        Printer {
+            plan: plan.clone(),
+            backend,
+            memcpy,
+            concurrent: None,
+            reference: None,
+            state: Mutex::default(),
+        }
     }
 
     /// The lines before the table.
@@ -144,6 +154,11 @@ impl Printer {
             h1 += &format!(" {:>10} {:>9} {:>9}", "sep_time", "sep_algbw", "sep_busbw");
             h2 += &format!(" {:>10} {:>9} {:>9}", "(us)", "(GB/s)", "(GB/s)");
         }
+        if let Some((name, _)) = &self.reference {
+            println!("# ref_*: {name}, the same sizes in the same run; x_ref: its time / this time");
+            h1 += &format!(" {:>10} {:>9} {:>6}", "ref_time", "ref_busbw", "x_ref");
+            h2 += &format!(" {:>10} {:>9} {:>6}", "(us)", "(GB/s)", "");
+        }
         println!("{h1}");
         println!("{h2}");
     }
@@ -173,6 +188,13 @@ impl Printer {
             let ts = rows.iter().filter_map(|r| r.separate).fold(0.0, f64::max);
             let a = size as f64 / ts / 1e9;
             line += &format!(" {:>10.2} {:>9.2} {:>9.2}", ts * 1e6, a, a * p.bus_factor());
+        }
+        let reference = self.reference.as_ref().and_then(|(_, times)| {
+            p.sizes.iter().position(|&s| s == size).and_then(|i| times.get(i)).filter(|r| r.is_finite())
+        });
+        if let Some(&r) = reference {
+            let rb = size as f64 / r / 1e9 * p.bus_factor();
+            line += &format!(" {:>10.2} {:>9.2} {:>6.2}", r * 1e6, rb, r / t);
         }
         println!("{line}");
         let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);

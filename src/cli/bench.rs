@@ -192,7 +192,21 @@ fn run_mpi(args: &BenchArgs) -> Result<ExitCode, CliError> {
     if let Some(available) = crate::units::memory_available() {
         plan.check_memory(available)?;
     }
-    let printer = if me == 0 { printer_for(&plan, "mpi") } else { Printer::new(&plan, "mpi", 0.0) };
+    let mut printer = if me == 0 { printer_for(&plan, "mpi") } else { Printer::new(&plan, "mpi", 0.0) };
+    // MPI's own collective in the same run, where it has one (f32 sums).
+    if plan.elem == ElemType::F32 {
+        let (op, name) = match plan.op {
+            BenchOp::AllGather => (mpi::ReferenceOp::AllGather, "MPI_Allgather (out of place)"),
+            BenchOp::ReduceScatter => (mpi::ReferenceOp::ReduceScatter, "MPI_Reduce_scatter_block (sum)"),
+            BenchOp::AllReduce => (mpi::ReferenceOp::AllReduce, "MPI_Allreduce (sum)"),
+        };
+        let times = plan
+            .sizes
+            .iter()
+            .map(|&bytes| job.time_reference(op, bytes, plan.warmup, plan.iters))
+            .collect::<Result<Vec<f64>, _>>()?;
+        printer.reference = Some((name, times));
+    }
     if me == 0 {
         printer.header();
     }

@@ -48,6 +48,24 @@ fn byte() -> ffi::MPI_Datatype {
     unsafe { ffi::RSMPI_UINT8_T }
 }
 
+/// `MPI_IN_PLACE`, which rsmpi's bindings do not carry: a macro of `mpi.h` whose value each
+/// implementation picks. Known for Open MPI (`(void *) 1`) and the MPICH family (`(void *) -1`);
+/// `None` for another MPI (callers then send a copy instead).
+pub(super) fn in_place() -> Option<*const u8> {
+    static IN_PLACE: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    let v = *IN_PLACE.get_or_init(|| {
+        let version = mpi::environment::library_version().unwrap_or_default();
+        if version.contains("Open MPI") {
+            Some(1)
+        } else if ["MPICH", "MVAPICH", "Intel(R) MPI"].iter().any(|m| version.contains(m)) {
+            Some(usize::MAX)
+        } else {
+            None
+        }
+    });
+    v.map(|p| p as *const u8)
+}
+
 /// A byte count or offset as MPI takes it, or an error naming the limit.
 pub(super) fn count(bytes: usize) -> Result<c_int, MpiError> {
     c_int::try_from(bytes).map_err(|_| MpiError {
@@ -186,11 +204,83 @@ impl Comm {
         Ok(out)
     }
 
+    /// MPI's own blocking `op` on f32 sums (a reference for benchmarks): all-gather of `send`
+    /// into `recv` (`n` times as long), reduce-scatter of `send` into `recv` (`1/n` of it),
+    /// or all-reduce of `send` into `recv` (as long).
+    pub(super) fn reference_f32(
+        &self,
+        op: ReferenceOp,
+        send: &[f32],
+        recv: &mut [f32],
+    ) -> Result<(), MpiError> {
+        let n = self.size()?;
+        let (f, sum) = (
+            // SAFETY: reading constant handles the C shim of rsmpi defines.
+            unsafe { ffi::RSMPI_FLOAT },
+            // SAFETY: as above.
+            unsafe { ffi::RSMPI_SUM },
+        );
+        let bad =
+            |what: &str| MpiError { api: "reference", text: format!("buffer lengths do not fit an {what}") };
+        match op {
+            ReferenceOp::AllGather => {
+                if recv.len() != send.len() * n {
+                    return Err(bad("all-gather"));
+                }
+                let c = count(send.len())?;
+                // SAFETY: `send` holds `c` floats and `recv` `n * c`, distinct, alive through the
+                // blocking call.
+                check("MPI_Allgather", unsafe {
+                    ffi::MPI_Allgather(send.as_ptr().cast(), c, f, recv.as_mut_ptr().cast(), c, f, self.0)
+                })
+            }
+            ReferenceOp::ReduceScatter => {
+                if send.len() != recv.len() * n {
+                    return Err(bad("reduce-scatter"));
+                }
+                let c = count(recv.len())?;
+                // SAFETY: `send` holds `n * c` floats and `recv` `c`, distinct, alive through the
+                // blocking call.
+                check("MPI_Reduce_scatter_block", unsafe {
+                    ffi::MPI_Reduce_scatter_block(
+                        send.as_ptr().cast(),
+                        recv.as_mut_ptr().cast(),
+                        c,
+                        f,
+                        sum,
+                        self.0,
+                    )
+                })
+            }
+            ReferenceOp::AllReduce => {
+                if send.len() != recv.len() {
+                    return Err(bad("all-reduce"));
+                }
+                let c = count(send.len())?;
+                // SAFETY: both hold `c` floats, distinct, alive through the blocking call.
+                check("MPI_Allreduce", unsafe {
+                    ffi::MPI_Allreduce(send.as_ptr().cast(), recv.as_mut_ptr().cast(), c, f, sum, self.0)
+                })
+            }
+        }
+    }
+
     /// A blocking barrier.
     pub(super) fn barrier(&self) -> Result<(), MpiError> {
         // SAFETY: a valid communicator.
         check("MPI_Barrier", unsafe { ffi::MPI_Barrier(self.0) })
     }
+}
+
+/// MPI's own collectives, timed as references.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReferenceOp {
+    /// `MPI_Allgather`.
+    AllGather,
+    /// `MPI_Reduce_scatter_block` (sum).
+    ReduceScatter,
+    /// `MPI_Allreduce` (sum).
+    AllReduce,
 }
 
 /// Requests of started non-blocking calls, in the order started.
@@ -281,6 +371,7 @@ impl Requests {
     }
 
     /// Starts an all-gather: `send` (`bytes`) from every member into `recv` (`n * bytes`).
+    /// `send` may be [`in_place`]'s value (this member's part already in `recv`).
     ///
     /// # Safety
     /// `send` readable and `recv` writable for those sizes, not overlapping, both untouched by

@@ -36,6 +36,8 @@
 mod ffi;
 mod place;
 
+pub use ffi::ReferenceOp;
+
 use std::sync::Arc;
 
 use place::{Job, MpiMeeting};
@@ -125,6 +127,47 @@ impl MpiJob {
         padded.resize(width, 0);
         let all = control.all_gather_blocking(&padded).map_err(err)?;
         Ok(lens.iter().enumerate().map(|(r, &len)| all[r * width..r * width + len].to_vec()).collect())
+    }
+
+    /// MPI's own `op` on f32 (sum) over the job, timed for comparison: `bytes` is the whole
+    /// buffer (an all-gather's output, a reduce-scatter's input, an all-reduce's buffer), run
+    /// `warmup` times untimed then `iters` times; returns the slowest rank's seconds per call
+    /// (every rank gets the same). Collective over the job.
+    ///
+    /// # Errors
+    /// [`BackendError::Device`] naming the MPI call that failed.
+    pub fn time_reference(
+        &self,
+        op: ReferenceOp,
+        bytes: usize,
+        warmup: usize,
+        iters: usize,
+    ) -> Result<f64, BackendError> {
+        let control = self.control()?;
+        let err = |e: ffi::MpiError| BackendError::Device { rank: self.rank, api: e.api, detail: e.text };
+        let n = self.world;
+        let whole = bytes / 4;
+        let (send, recv) = match op {
+            ReferenceOp::AllGather => (whole / n, whole / n * n),
+            ReferenceOp::ReduceScatter => (whole / n * n, whole / n),
+            ReferenceOp::AllReduce => (whole, whole),
+        };
+        let input: Vec<f32> = (0..send).map(|i| (i % 251) as f32).collect();
+        let mut output = vec![0f32; recv];
+        for _ in 0..warmup {
+            control.reference_f32(op, &input, &mut output).map_err(err)?;
+        }
+        control.barrier().map_err(err)?;
+        let t = std::time::Instant::now();
+        for _ in 0..iters.max(1) {
+            control.reference_f32(op, &input, &mut output).map_err(err)?;
+        }
+        let mine = t.elapsed().as_secs_f64() / iters.max(1) as f64;
+        let all = self.all_gather_bytes(&mine.to_le_bytes())?;
+        Ok(all
+            .iter()
+            .filter_map(|b| b.as_slice().try_into().ok().map(f64::from_le_bytes))
+            .fold(0.0, f64::max))
     }
 
     /// A blocking barrier over the job.

@@ -278,6 +278,10 @@ fn chunk(count: usize, n: usize, q: usize) -> (usize, usize) {
     (q * count / n, (q + 1) * count / n)
 }
 
+/// How long a wait keeps testing its requests (yielding between tests) before it naps 50 µs
+/// between them.
+const ACTIVE_POLL: Duration = Duration::from_millis(20);
+
 /// Why a wait ended without its requests done.
 enum Stalled {
     /// Members whose processes on this machine exited.
@@ -309,7 +313,10 @@ impl MpiPlace {
                     return Ok(Err(Stalled::Dead(dead)));
                 }
             }
-            if waited < caller.config.spin.max(Duration::from_micros(200)) {
+            // MPI moves a large message only while someone tests it (Open MPI's shared-memory
+            // transport hands it over in fragments): keep testing through a transfer's
+            // milliseconds, and nap only in long waits for a peer.
+            if waited < ACTIVE_POLL {
                 std::thread::yield_now();
             } else {
                 std::thread::sleep(Duration::from_micros(50));
@@ -521,17 +528,20 @@ unsafe fn start_phase_one(
         CollectiveKind::AllGather => {
             let bytes = d.count * es;
             let own = o.dst.0.wrapping_add(me * bytes);
-            let send: *const u8 = if o.src.0.is_null() || std::ptr::eq(o.src.0, own) {
-                // In place: MPI forbids a send buffer inside the receive buffer; send a copy.
+            let send: *const u8 = if !o.src.0.is_null() && !std::ptr::eq(o.src.0, own) {
+                o.src.0
+            } else if let Some(p) = ffi::in_place() {
+                p
+            } else {
+                // In place, on an MPI whose MPI_IN_PLACE is unknown: send a copy (MPI forbids a
+                // send buffer inside the receive buffer).
                 s.data.clear();
                 // SAFETY: in place, this member's shard sits at `own` in its output (launch
                 // checked the output holds `n * bytes`).
                 s.data.extend_from_slice(unsafe { std::slice::from_raw_parts(own, bytes) });
                 s.data.as_ptr()
-            } else {
-                o.src.0
             };
-            // SAFETY: the caller's contract; `send` is the input or `s.data`.
+            // SAFETY: the caller's contract; `send` is the input, MPI_IN_PLACE or `s.data`.
             unsafe { reqs.all_gather(comm, send, ffi::count(bytes)?, o.dst.0) }
         }
         CollectiveKind::Broadcast => {
