@@ -11,7 +11,7 @@ step house
 step clippy
 step test
 step python
-for extra in doc ptx fuzz loom sanitize; do
+for extra in doc ptx fuzz loom sanitize multihost; do
   [ -f "ci/$extra.sh" ] && step "$extra"
 done
 echo "== ci: all green in $(( $(date +%s) - start ))s"
