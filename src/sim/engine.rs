@@ -246,7 +246,13 @@ impl Simulation {
     /// # Errors
     /// As [`simulate`].
     pub fn run(mut self) -> Result<SimReport, SimError> {
+        // A line on stderr every COLLSCHED_PROGRESS_SECS of wall time (a large world runs for
+        // minutes), by the slowest rank's steps.
+        let steps = self.shared.steps as u64;
+        let mut progress = crate::progress::Progress::new(format!("sim ({} ranks)", self.ranks.len()), steps);
         loop {
+            let done = self.ranks.iter().map(|r| r.step as u64).min().unwrap_or(steps);
+            progress.tick(done.min(steps));
             let mut progressed = false;
             let mut all_done = true;
             for r in 0..self.ranks.len() {
