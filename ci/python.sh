@@ -20,8 +20,10 @@ if ! "$py" -c "import torch, maturin, pytest, ruff, safetensors" >/dev/null 2>&1
   "$py" -m pip install -q --disable-pip-version-check 'torch==2.15.*' 'maturin>=1.9,<2' 'pytest>=8' 'ruff>=0.6' 'safetensors>=0.4'
 fi
 (cd python && "$venv/bin/ruff" check . && "$venv/bin/ruff" format --check .)
-echo "ci/python: pip install ./python (maturin, release)"
-"$py" -m pip install -q --disable-pip-version-check --no-build-isolation --force-reinstall --no-deps ./python
+echo "ci/python: pip install ./python (maturin, release, with the mpi backend)"
+# With the mpi feature (ci/setup.sh installs Open MPI and libclang), so that test_mpi.py runs.
+MATURIN_PEP517_ARGS="--features mpi" \
+  "$py" -m pip install -q --disable-pip-version-check --no-build-isolation --force-reinstall --no-deps ./python
 log="${CARGO_TARGET_DIR:-target}/ci-pytest.log"
 mkdir -p "$(dirname "$log")"
 # From the repository root: the installed package is imported, not python/collsched.

@@ -25,6 +25,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(plan::plan_json, m)?)?;
     m.add_function(wrap_pyfunction!(bench::bench, m)?)?;
     m.add_class::<world::World>()?;
+    m.add("HAS_MPI", world::HAS_MPI)?;
     m.add_class::<comm::Comm>()?;
     m.add_class::<comm::Work>()?;
     m.add_class::<comm::Block>()?;

@@ -1,12 +1,13 @@
-//! [`World`]: this process's rank of a job on the `shm` backend, and the job's hub.
+//! [`World`]: this process's rank of a job on the `shm` backend (and the job's hub), or of an
+//! MPI job on the `mpi` backend (a build with the `mpi` feature).
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use collsched::backend::local::LocalRank;
 use collsched::backend::shm::{join, ShmConfig};
-use collsched::backend::Backend;
-use collsched::bootstrap::{Hub, LaunchEnv};
+use collsched::backend::{Backend, Exchange};
+use collsched::bootstrap::LaunchEnv;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
@@ -17,12 +18,19 @@ use crate::errors;
 /// `World()` reads the launcher's environment (torchrun's `RANK`, `WORLD_SIZE`, `LOCAL_RANK`
 /// or Open MPI's); `World(rank, world, job)` takes them from the caller (an engine that already
 /// knows them from `torch.distributed`, with a job key it agreed on through its store).
-/// Collective: every rank of the job makes its `World`, and they meet.
+/// Collective: every rank of the job makes its `World`, and they meet. `World.mpi()` joins the
+/// MPI job this process was started in instead (`mpirun`; a build with the `mpi` feature).
 #[pyclass(module = "collsched._native", unsendable)]
 pub struct World {
+    /// Dropped before `hub`: the rank's streams finish before the job closes (for MPI, before
+    /// MPI_Finalize).
     pub(crate) backend: Arc<LocalRank>,
-    hub: Hub,
+    /// The job's small exchanges: the bootstrap hub (`shm`) or the MPI job (`mpi`).
+    hub: Box<dyn Exchange>,
 }
+
+/// Whether this build has the `mpi` backend.
+pub(crate) const HAS_MPI: bool = cfg!(feature = "mpi");
 
 #[pymethods]
 impl World {
@@ -51,7 +59,25 @@ impl World {
             };
         let config = ShmConfig::from_env().map_err(errors::other)?;
         let (backend, hub) = join(&env, &config).map_err(errors::backend)?;
-        Ok(World { backend: Arc::new(backend), hub })
+        Ok(World { backend: Arc::new(backend), hub: Box::new(hub) })
+    }
+
+    /// This process's rank of the MPI job it was started in (`mpirun`; collective: every rank
+    /// calls it). MPI is initialized at MPI_THREAD_MULTIPLE unless it already is.
+    #[staticmethod]
+    fn mpi() -> PyResult<World> {
+        #[cfg(feature = "mpi")]
+        {
+            use collsched::backend::mpi::{join, MpiConfig};
+            let config = MpiConfig::from_env().map_err(errors::other)?;
+            let (backend, job) = join(&config).map_err(errors::backend)?;
+            Ok(World { backend: Arc::new(backend), hub: Box::new(job) })
+        }
+        #[cfg(not(feature = "mpi"))]
+        Err(errors::other(
+            "World.mpi(): this collsched package was built without the mpi backend; rebuild it with \
+             MATURIN_PEP517_ARGS='--features mpi' pip install ./python (needs libopenmpi-dev and libclang-dev)",
+        ))
     }
 
     /// This process's rank.
@@ -68,7 +94,7 @@ impl World {
 
     /// Every rank's `data`, by rank (collective; small exchanges: error reports, agreement).
     fn all_gather<'py>(&mut self, py: Python<'py>, data: &[u8]) -> PyResult<Vec<Bound<'py, PyBytes>>> {
-        let all = self.hub.all_gather(data).map_err(|e| errors::backend(e.into()))?;
+        let all = self.hub.all_gather_bytes(data).map_err(errors::backend)?;
         Ok(all.iter().map(|b| PyBytes::new(py, b)).collect())
     }
 
@@ -86,6 +112,6 @@ impl World {
 
     /// Waits until every rank called it (collective).
     fn barrier(&mut self) -> PyResult<()> {
-        self.hub.barrier().map_err(|e| errors::backend(e.into()))
+        self.hub.all_gather_bytes(&[]).map(drop).map_err(errors::backend)
     }
 }

@@ -27,17 +27,37 @@ def init(backend: str = "shm") -> Any:
     on a job key through its store (no second rendezvous, no port); otherwise from the
     launcher's environment (torchrun's ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, or Open
     MPI's). A process group on the ``"collsched"`` backend made the world already: it is
-    reused. ``backend``: ``"shm"`` (processes of one machine, CPU tensors).
+    reused. ``backend``: ``"shm"`` (processes of one machine, CPU tensors) or ``"mpi"`` (the
+    processes of the MPI job ``mpirun`` started, on one machine or many, CPU tensors; a
+    package built with the ``mpi`` feature, ``collsched._native.HAS_MPI``).
     """
     global _WORLD
     if _WORLD is not None:
         return _WORLD
-    if backend != "shm":
+    if backend not in ("shm", "mpi"):
         raise CollschedError(
-            f"init(backend={backend!r}): this build runs the 'shm' backend (CPU tensors, ranks as processes "
-            "of one machine)"
+            f"init(backend={backend!r}): the backends are 'shm' (ranks as processes of one machine) and 'mpi' "
+            "(the processes of an MPI job); both on CPU tensors"
         )
     import torch.distributed as dist
+
+    if backend == "mpi":
+        w = _native.World.mpi()
+        if (
+            dist.is_available()
+            and dist.is_initialized()
+            and (dist.get_rank(), dist.get_world_size())
+            != (
+                w.rank,
+                w.world,
+            )
+        ):
+            raise CollschedError(
+                f"init(backend='mpi'): MPI makes this process rank {w.rank} of {w.world}, torch.distributed "
+                f"rank {dist.get_rank()} of {dist.get_world_size()}: start both from the same mpirun job"
+            )
+        _WORLD = w
+        return _WORLD
 
     if dist.is_available() and dist.is_initialized():
         store = dist.distributed_c10d._get_default_store()
