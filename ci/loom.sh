@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The loom model checks of the local backend's synchronisation (src/backend/local/loom_tests.rs):
 # events, the stream queue, the meeting protocol (arrive, abort, depart) and deferred frees,
-# every interleaving within loom's preemption bound (LOOM_MAX_PREEMPTIONS, unset by default).
+# every interleaving (loom's default: no preemption bound; LOOM_MAX_PREEMPTIONS sets one).
 # `--cfg loom` swaps loom's primitives in (src/backend/local/sync.rs) and rebuilds everything:
 # its own target directory.
 set -euo pipefail

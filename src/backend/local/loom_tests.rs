@@ -251,10 +251,7 @@ fn loom_rendezvous_failed_arrival_aborts_the_other_member() {
 /// every member fails and none moves data.
 #[test]
 fn loom_rendezvous_abort_among_three_arrivals() {
-    let mut builder = loom::model::Builder::new();
-    // Three threads: bound the preemptions to keep the model to seconds.
-    builder.preemption_bound.get_or_insert(2);
-    builder.check(|| {
+    loom::model(|| {
         let mut failed = Member::new(2);
         failed.fail = true;
         let out = meet(vec![Member::new(0), Member::new(1), failed]);
