@@ -240,3 +240,33 @@ impl fmt::Display for CollRef {
         Ok(())
     }
 }
+
+/// A collective kind as the multi-process backends write it (shm's control words, mpi's
+/// headers); [`kind_of`] reads it back.
+pub(crate) fn kind_code(k: CollectiveKind) -> u64 {
+    match k {
+        CollectiveKind::AllGather => 0,
+        CollectiveKind::ReduceScatter => 1,
+        CollectiveKind::AllReduce => 2,
+        CollectiveKind::Broadcast => 3,
+    }
+}
+
+/// The kind [`kind_code`] wrote, if `code` is one.
+pub(crate) fn kind_of(code: u64) -> Option<CollectiveKind> {
+    CollectiveKind::ALL.into_iter().find(|&k| kind_code(k) == code)
+}
+
+/// An element type as the multi-process backends write it; [`elem_of`] reads it back.
+pub(crate) fn elem_code(e: ElemType) -> u64 {
+    match e {
+        ElemType::F32 => 0,
+        ElemType::F16 => 1,
+        ElemType::BF16 => 2,
+    }
+}
+
+/// The element type [`elem_code`] wrote, if `code` is one.
+pub(crate) fn elem_of(code: u64) -> Option<ElemType> {
+    [ElemType::F32, ElemType::F16, ElemType::BF16].into_iter().find(|&e| elem_code(e) == code)
+}

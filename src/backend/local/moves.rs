@@ -41,8 +41,9 @@ pub(crate) const POST_INLINE: usize = 4;
 /// A member's post: its group launch (on the heap only beyond [`POST_INLINE`] collectives).
 pub(crate) type Post = SmallVec<[OpPost; POST_INLINE]>;
 
-/// Element range of chunk `q` of `count` elements split over `n` members.
-fn chunk(count: usize, n: usize, q: usize) -> (usize, usize) {
+/// Element range of chunk `q` of `count` elements split over `n` members (every backend's
+/// all-reduce split).
+pub(crate) fn chunk(count: usize, n: usize, q: usize) -> (usize, usize) {
     (q * count / n, (q + 1) * count / n)
 }
 

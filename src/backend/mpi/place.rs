@@ -28,8 +28,9 @@ use std::time::{Duration, Instant};
 use collsched_kernels::{reduce, ElemType, ReduceOp, Scaling};
 
 use super::ffi::{self, Comm, MpiError, Requests};
+use crate::backend::desc::{elem_code, elem_of, kind_code, kind_of};
 use crate::backend::local::meeting::{Meeting, Place};
-use crate::backend::local::moves::{OpPost, Post};
+use crate::backend::local::moves::{chunk, OpPost, Post};
 use crate::backend::local::rendezvous::{guarded, Arrival, Caller};
 use crate::backend::{BackendError, CollDesc, CollRef, CollectiveKind, RankGroup, Stream};
 use crate::bootstrap::Liveness;
@@ -173,23 +174,6 @@ fn device(rank: usize, op: &CollRef, e: MpiError) -> BackendError {
     BackendError::Device { rank, api: e.api, detail: format!("{op}: {}", e.text) }
 }
 
-fn kind_code(k: CollectiveKind) -> u64 {
-    match k {
-        CollectiveKind::AllGather => 0,
-        CollectiveKind::ReduceScatter => 1,
-        CollectiveKind::AllReduce => 2,
-        CollectiveKind::Broadcast => 3,
-    }
-}
-
-fn elem_code(e: ElemType) -> u64 {
-    match e {
-        ElemType::F32 => 0,
-        ElemType::F16 => 1,
-        ElemType::BF16 => 2,
-    }
-}
-
 /// FNV-1a over what every member must agree on (`CollDesc::matches`, the group aside: the
 /// communicator is the group).
 fn digest(post: &Post) -> u64 {
@@ -242,17 +226,8 @@ fn header(out: &mut Vec<u64>, seq: u64, arrival: &Arrival) {
 
 /// What a header says a member posted, for a mismatch message.
 fn describe(h: &[u64], group: &RankGroup) -> String {
-    let kind = match h[3] {
-        0 => CollectiveKind::AllGather,
-        1 => CollectiveKind::ReduceScatter,
-        2 => CollectiveKind::AllReduce,
-        _ => CollectiveKind::Broadcast,
-    };
-    let elem = match h[5] {
-        0 => ElemType::F32,
-        1 => ElemType::F16,
-        _ => ElemType::BF16,
-    };
+    let kind = kind_of(h[3]).unwrap_or(CollectiveKind::Broadcast);
+    let elem = elem_of(h[5]).unwrap_or(ElemType::BF16);
     let desc = CollDesc {
         kind,
         root: h[4] as usize,
@@ -271,11 +246,6 @@ fn describe(h: &[u64], group: &RankGroup) -> String {
         1 => format!("[{desc}]"),
         n => format!("[{desc} and {} more]", n - 1),
     }
-}
-
-/// Element range of chunk `q` of `count` elements over `n` members (as the other backends).
-fn chunk(count: usize, n: usize, q: usize) -> (usize, usize) {
-    (q * count / n, (q + 1) * count / n)
 }
 
 /// How long a wait keeps testing its requests (yielding between tests) before it naps 50 µs

@@ -25,11 +25,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use collsched_kernels::{ElemType, ReduceOp, Scaling};
+use collsched_kernels::{ReduceOp, Scaling};
 use smallvec::SmallVec;
 
 use super::arena::Arena;
 use super::segment::Segment;
+use crate::backend::desc::{elem_code, elem_of, kind_code, kind_of};
 use crate::backend::local::meeting::{Meeting, Place};
 use crate::backend::local::moves::{self, OpPost, Post, RawPtr};
 use crate::backend::local::rendezvous::{guarded, Arrival, Caller};
@@ -178,23 +179,6 @@ struct ShmPlace {
     scratch: Mutex<Vec<Post>>,
 }
 
-fn kind_code(k: CollectiveKind) -> u64 {
-    match k {
-        CollectiveKind::AllGather => 0,
-        CollectiveKind::ReduceScatter => 1,
-        CollectiveKind::AllReduce => 2,
-        CollectiveKind::Broadcast => 3,
-    }
-}
-
-fn elem_code(e: ElemType) -> u64 {
-    match e {
-        ElemType::F32 => 0,
-        ElemType::F16 => 1,
-        ElemType::BF16 => 2,
-    }
-}
-
 impl ShmPlace {
     fn w(&self) -> &[AtomicU64] {
         self.job.w()
@@ -279,19 +263,8 @@ impl ShmPlace {
         let w = self.w();
         let v = |k: usize| w[at + 2 + i * OP_WORDS + k].load(Ordering::Relaxed);
         let w0 = v(0);
-        let kind = match w0 & 0xff {
-            0 => CollectiveKind::AllGather,
-            1 => CollectiveKind::ReduceScatter,
-            2 => CollectiveKind::AllReduce,
-            3 => CollectiveKind::Broadcast,
-            _ => return None,
-        };
-        let elem = match (w0 >> 8) & 0xff {
-            0 => ElemType::F32,
-            1 => ElemType::F16,
-            2 => ElemType::BF16,
-            _ => return None,
-        };
+        let kind = kind_of(w0 & 0xff)?;
+        let elem = elem_of((w0 >> 8) & 0xff)?;
         let op = if (w0 >> 16) & 0xff == 1 { ReduceOp::Avg } else { ReduceOp::Sum };
         let scaling = Scaling {
             pre_divide: f32::from_bits(v(3) as u32),
