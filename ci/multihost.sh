@@ -2,9 +2,12 @@
 # Two "hosts" on one machine: two network namespaces joined by a veth pair, each with its own
 # address and host name, and an Open MPI job across them over TCP (mpirun's rsh agent enters
 # the other namespace with `ip netns exec`). Runs the demo (parity with the unsharded reference)
-# and checked benches over the link with the mpi backend, then again with `tc netem` delaying
-# the link (where the kernel has netem). Needs root, iproute2 and namespaces: otherwise it says
-# why and skips. MULTIHOST_VERBOSE=1 prints the bench tables.
+# and checked benches over the link with the mpi backend, and checks that the simulator,
+# given the link's latency and bandwidth as measured by the bench, predicts the demo's step time
+# within 2x (the numbers it prints are in benches/README.md); again on a link slowed to 50 Mbit/s
+# by `tc tbf`, and with `tc netem` delaying it (each where the kernel has the queueing
+# discipline). Needs root, iproute2 and namespaces: otherwise it says why and skips.
+# MULTIHOST_VERBOSE=1 prints the bench tables.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source ci/env.sh
@@ -50,9 +53,15 @@ esac
 AGENT
 chmod +x "$work/agent"
 
-# The binary as the test step built it (every feature, so nothing to build after that step).
-cargo build -q --all-features --bin collsched
-exe=$(realpath "${CARGO_TARGET_DIR:-target}/debug/collsched")
+# A release build with the mpi backend (timings feed the simulator's prediction below: a debug
+# build's host costs are not the library's), or MULTIHOST_EXE.
+if [ -z "${MULTIHOST_EXE:-}" ]; then
+  echo "ci/multihost: cargo build --release --features mpi"
+  cargo build -q --release --features mpi --bin collsched
+  exe=$(realpath "${CARGO_TARGET_DIR:-target}/release/collsched")
+else
+  exe=$(realpath "$MULTIHOST_EXE")
+fi
 
 run_across() {
   ip netns exec "$ns0" timeout 300 mpirun --allow-run-as-root --host "$a0:1,$a1:1" -np 2 \
@@ -86,6 +95,60 @@ check_demo greedy
 check_bench all_gather
 check_bench reduce_scatter
 
+# The simulator's prediction of the demo's step time over the link, from the link as a
+# collective sees it: the mpi backend's all-gather at 4 KiB and at 64 KiB (the sizes of the
+# demo's buckets; the bench's default two in flight, as a stream with queued work runs them)
+# gives its latency a and bandwidth B (a 2-rank all-gather of S bytes takes a + S/2B, the cost
+# model's ring), a topology file of two nodes joined by that link, the demo's workload
+# (--workload-out) and its compute rate and host time per collective measured in the same run (--tflops,
+# --host-overhead-us). The demo runs one
+# micro-batch per step without evaluation or freezing: one simulated step.
+predict() {
+  local label="$1" out rows a_us bw step tflops host sim
+  out=$(across bench --backend mpi --op all_gather -b 4K -e 64K -f 16 --iters 40 --warmup 5)
+  rows=$(grep -v '^#' <<<"$out" | awk 'NF >= 8 { print $1, $6 }')
+  read -r a_us bw < <(awk 'NR == 1 { s1 = $1; t1 = $2 } NR == 2 { s2 = $1; t2 = $2 }
+    END { b = (s2 - s1) / 2 / ((t2 - t1) * 1e-6); if (b <= 0 || b > 1e12) b = 1e12
+          a = t1 - s1 / 2 / b * 1e6; if (a < 0) a = 0; printf "%.3f %.6f\n", a, b / 1e9 }' <<<"$rows")
+  cat >"$work/link.json" <<TOPO
+{"format": "collsched-topology", "version": 1, "name": "veth-$label", "source": "ci/multihost.sh",
+ "nodes": 2,
+ "machine": {"packages": 1, "cores": 1, "pus": 1,
+             "numa_nodes": [{"os_index": 0, "memory_bytes": 0, "package": 0}]},
+ "intra_node": {"class": "shared_memory", "bandwidth_gbs": 10.0, "latency_us": 0.5},
+ "inter_node": {"class": "ethernet", "bandwidth_gbs": $bw, "latency_us": $a_us}}
+TOPO
+  out=$(across demo --backend mpi --steps 40 --micro-batches 1 --eval-every 0 --no-freeze \
+    --workload-out "$work/demo.json")
+  grep -q "parity: max |loss difference| = 0e0" <<<"$out" \
+    || { echo "$out"; echo "ci/multihost: demo ($label) across the link lost parity"; exit 1; }
+  step=$(sed -n 's/^step time: \([0-9.]*\) ms.*/\1/p' <<<"$out")
+  tflops=$(sed -n 's/.*sim --tflops \([0-9.e+-]*\);.*/\1/p' <<<"$out")
+  host=$(sed -n 's/.*sim --host-overhead-us \([0-9.e+-]*\)$/\1/p' <<<"$out")
+  sim=$("$exe" sim --workload "$work/demo.json" --world 2 --topo "$work/link.json" --tflops "$tflops" \
+    --host-overhead-us "$host" \
+    --bucket-by size --bucket-mb 0.00390625 --steps 6 --json)
+  sim=$(grep -o '"step_ms":[0-9.e+-]*' <<<"$sim" | cut -d: -f2)
+  # (1000 GB/s: the time did not grow from 4 KiB to 64 KiB; latency is all there is to it.)
+  echo "ci/multihost: $label link as a collective sees it: latency $a_us us, bandwidth $bw GB/s;" \
+    "demo step: measured $step ms, simulated $sim ms" \
+    "(ratio $(awk -v m="$step" -v s="$sim" 'BEGIN { printf "%.2f", s / m }'))"
+  awk -v m="$step" -v s="$sim" 'BEGIN { exit !(m > 0 && s > 0 && s / m > 0.5 && s / m < 2) }' \
+    || { echo "ci/multihost: the simulator's step time is off by more than 2x on the $label link"; exit 1; }
+}
+predict plain
+
+# A slower link where the kernel has a token bucket (tbf): 50 Mbit/s each way, where bandwidth
+# and latency both count in the demo's step.
+if ip netns exec "$ns0" tc qdisc add dev "$dev0" root tbf rate 50mbit burst 2kb latency 200ms 2>/dev/null; then
+  ip netns exec "$ns1" tc qdisc add dev "$dev1" root tbf rate 50mbit burst 2kb latency 200ms
+  predict "50 Mbit/s (tbf)"
+  ip netns exec "$ns0" tc qdisc del dev "$dev0" root
+  ip netns exec "$ns1" tc qdisc del dev "$dev1" root
+else
+  echo "ci/multihost: no rate-limited run: this kernel has no tbf queueing discipline"
+fi
+
 # The same with 2 ms of delay each way on the link, where the kernel has netem.
 if ! ip netns exec "$ns0" tc qdisc add dev "$dev0" root netem delay 2ms 2>/dev/null; then
   echo "ci/multihost: no delayed run: this kernel has no netem queueing discipline (sch_netem)"
@@ -95,3 +158,4 @@ ip netns exec "$ns1" tc qdisc add dev "$dev1" root netem delay 2ms
 echo "ci/multihost: netem: 2 ms each way"
 check_demo even
 check_bench all_gather
+predict "2 ms delay (netem)"

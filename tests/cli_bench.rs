@@ -127,6 +127,53 @@ fn all_gather_two_ranks_checked() {
     );
 }
 
+/// `--inflight 1` times each collective alone, `--inflight 5` keeps five in flight (every set
+/// of buffers checked); 0 and more than the limit are refused naming the flag.
+#[test]
+fn inflight_one_and_many_checked_and_bounds_refused() {
+    for k in ["1", "5"] {
+        let (ok, out, err) = bench(&[
+            "--op",
+            "all_gather",
+            "--ranks",
+            "3",
+            "-b",
+            "3K",
+            "-e",
+            "12K",
+            "-f",
+            "4",
+            "--iters",
+            "7",
+            "--warmup",
+            "2",
+            "--check",
+            "--inflight",
+            k,
+        ]);
+        assert!(ok, "--inflight {k}: {err}");
+        assert!(out.contains(&format!(", {k} in flight, checked")), "{out}");
+        check_table(
+            &out,
+            Expect {
+                ranks: 3,
+                elem: 4,
+                ty: "f32",
+                redop: "none",
+                bus: 2.0 / 3.0,
+                min: 3072,
+                max: 12288,
+                factor: 4,
+            },
+        );
+    }
+    for k in ["0", "65"] {
+        let (ok, _, err) =
+            bench(&["--op", "all_gather", "--ranks", "2", "-b", "1K", "-e", "1K", "--inflight", k]);
+        assert!(!ok && err.contains("--inflight") && !err.contains("panicked"), "--inflight {k}: {err}");
+    }
+}
+
 #[test]
 fn reduce_scatter_three_ranks_bf16_coalesced() {
     let (ok, out, err) = bench(&[

@@ -83,5 +83,6 @@ def bench(op: str, ranks: int, **kw: Any) -> list[dict]:
     ``collsched bench`` does; one dict per size (``bytes``, ``time_us``, ``algbw``, ``busbw``,
     ``wrong`` with ``check=True``, ``memcpy``: this machine's single-thread copy in GB/s).
     Keywords: ``min_bytes``, ``max_bytes`` (32 MiB each), ``factor`` (2), ``dtype`` (``"f32"``),
-    ``iters`` (20), ``warmup`` (5), ``check`` (False), ``coalesce`` (1)."""
+    ``iters`` (20), ``warmup`` (5), ``check`` (False), ``coalesce`` (1), ``inflight`` (2:
+    iterations each rank keeps in flight; 1 times each collective alone)."""
     return _bench(op, ranks, **kw)

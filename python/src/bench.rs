@@ -21,7 +21,7 @@ type Row = (usize, f64, Option<f64>, u64);
 /// definitions), `wrong` (with `check`), `memcpy` (this machine's single-thread copy, GB/s,
 /// at the largest size: what the table compares with), and `sep_time_us` with `coalesce > 1`.
 #[pyfunction]
-#[pyo3(signature = (op, ranks, min_bytes=32<<20, max_bytes=32<<20, factor=2, dtype="f32", iters=20, warmup=5, check=false, coalesce=1))]
+#[pyo3(signature = (op, ranks, min_bytes=32<<20, max_bytes=32<<20, factor=2, dtype="f32", iters=20, warmup=5, check=false, coalesce=1, inflight=2))]
 #[allow(clippy::too_many_arguments)]
 pub fn bench<'py>(
     py: Python<'py>,
@@ -35,6 +35,7 @@ pub fn bench<'py>(
     warmup: usize,
     check: bool,
     coalesce: usize,
+    inflight: usize,
 ) -> PyResult<Vec<Bound<'py, PyDict>>> {
     let op = match op {
         "all_gather" => BenchOp::AllGather,
@@ -56,7 +57,8 @@ pub fn bench<'py>(
             )))
         }
     };
-    let spec = BenchSpec { op, ranks, elem, min_bytes, max_bytes, factor, iters, warmup, check, coalesce };
+    let spec =
+        BenchSpec { op, ranks, elem, min_bytes, max_bytes, factor, iters, warmup, check, coalesce, inflight };
     let plan = BenchPlan::new(&spec).map_err(errors::other)?;
     if let Some(available) = collsched::units::memory_available() {
         plan.check_memory(available).map_err(errors::other)?;

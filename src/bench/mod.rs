@@ -1,8 +1,9 @@
 //! `collsched bench`: collective bandwidth and latency in nccl-tests columns.
 //!
 //! For every size from `-b` to `-e` (multiplied by `-f`), every rank runs `--warmup` untimed and
-//! `--iters` timed iterations of the collective, keeping [`PIPELINE`] iterations in flight (each
-//! on its own set of buffers: a launch owns its buffers until it completes). The time of a size is
+//! `--iters` timed iterations of the collective, keeping `--inflight` iterations in flight (each
+//! on its own set of buffers: a launch owns its buffers until it completes; default
+//! [`DEFAULT_INFLIGHT`]; 1 times each collective alone, its latency). The time of a size is
 //! the slowest rank's average per iteration. Before the table, a reference line gives the
 //! single-thread `memcpy` bandwidth of this machine at the largest size, measured in the same run.
 //!
@@ -49,8 +50,11 @@ pub const CONCURRENT_MIN_BYTES: usize = 16 << 20;
 /// come from), or it is a cache bound that no collective of that size reaches.
 pub const BOUND_MIN_BYTES: usize = 256 << 20;
 
-/// Iterations kept in flight by each rank (each needs its own set of buffers).
-pub const PIPELINE: usize = 2;
+/// Default of `--inflight`: iterations kept in flight by each rank (each needs its own set of
+/// buffers).
+pub const DEFAULT_INFLIGHT: usize = 2;
+/// Most iterations `--inflight` keeps in flight.
+pub const MAX_INFLIGHT: usize = 64;
 
 /// The collective to measure.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -89,6 +93,8 @@ pub struct BenchSpec {
     pub check: bool,
     /// Split each size into this many tensors: one grouped launch against as many separate ones.
     pub coalesce: usize,
+    /// Iterations kept in flight (1 to [`MAX_INFLIGHT`]; [`DEFAULT_INFLIGHT`]).
+    pub inflight: usize,
 }
 
 /// A message naming the setting that is out of range, or a rank's failure.
@@ -127,6 +133,8 @@ pub struct BenchPlan {
     pub check: bool,
     /// Tensors per size.
     pub coalesce: usize,
+    /// Iterations in flight.
+    pub inflight: usize,
 }
 
 impl BenchPlan {
@@ -149,6 +157,9 @@ impl BenchPlan {
         }
         if a.coalesce == 0 {
             return Err("--coalesce must be at least 1".into());
+        }
+        if !(1..=MAX_INFLIGHT).contains(&a.inflight) {
+            return Err(format!("--inflight {} is out of range: give 1 to {MAX_INFLIGHT}", a.inflight).into());
         }
         let elem = a.elem;
         // The smallest unit a size is rounded down to: whole elements per rank and per tensor.
@@ -177,6 +188,7 @@ impl BenchPlan {
             warmup: a.warmup,
             check: a.check,
             coalesce: a.coalesce,
+            inflight: a.inflight,
         })
     }
 
@@ -211,7 +223,7 @@ impl BenchPlan {
     }
 
     /// Bytes the whole bench holds at once at its largest size, over every rank: each rank's
-    /// [`PIPELINE`] sets of buffers (an all-gather's output, a reduce-scatter's input and
+    /// `inflight` sets of buffers (an all-gather's output, a reduce-scatter's input and
     /// output, an all-reduce's input and output) and the two buffers of the memcpy reference.
     pub fn memory_needed(&self) -> usize {
         let size = self.sizes.last().copied().unwrap_or(0);
@@ -220,7 +232,10 @@ impl BenchPlan {
             BenchOp::ReduceScatter => size.saturating_add(size / self.ranks.max(1)),
             BenchOp::AllReduce => size.saturating_mul(2),
         };
-        per_set.saturating_mul(PIPELINE).saturating_mul(self.ranks).saturating_add(size.saturating_mul(2))
+        per_set
+            .saturating_mul(self.inflight)
+            .saturating_mul(self.ranks)
+            .saturating_add(size.saturating_mul(2))
     }
 
     /// Refuses a bench that needs more memory than `available` (the machine's available
@@ -232,11 +247,12 @@ impl BenchPlan {
         let need = self.memory_needed();
         if need > available {
             return Err(format!(
-                "-e/--maxbytes {}: the bench would hold {need} bytes at once ({} ranks x {PIPELINE} buffer sets, and \
+                "-e/--maxbytes {}: the bench would hold {need} bytes at once ({} ranks x {} buffer sets, and \
                  the memcpy reference), more than the {available} bytes of memory available; use a smaller -e or \
-                 fewer ranks",
+                 fewer ranks or --inflight",
                 self.sizes.last().copied().unwrap_or(0),
-                self.ranks
+                self.ranks,
+                self.inflight
             )
             .into());
         }
@@ -301,6 +317,7 @@ mod tests {
                     warmup: 0,
                     check: false,
                     coalesce: 1,
+                    inflight: DEFAULT_INFLIGHT,
                 };
                 // Per rank: (bytes read, bytes written).
                 let per_rank = match op {
@@ -336,11 +353,15 @@ mod tests {
             warmup: 0,
             check: false,
             coalesce: 1,
+            inflight: DEFAULT_INFLIGHT,
         };
         let g = 1usize << 30;
-        assert_eq!(plan(BenchOp::AllGather, 4).memory_needed(), 4 * PIPELINE * g + 2 * g);
-        assert_eq!(plan(BenchOp::ReduceScatter, 4).memory_needed(), 4 * PIPELINE * (g + g / 4) + 2 * g);
-        assert_eq!(plan(BenchOp::AllReduce, 2).memory_needed(), 2 * PIPELINE * 2 * g + 2 * g);
+        assert_eq!(plan(BenchOp::AllGather, 4).memory_needed(), 4 * DEFAULT_INFLIGHT * g + 2 * g);
+        assert_eq!(
+            plan(BenchOp::ReduceScatter, 4).memory_needed(),
+            4 * DEFAULT_INFLIGHT * (g + g / 4) + 2 * g
+        );
+        assert_eq!(plan(BenchOp::AllReduce, 2).memory_needed(), 2 * DEFAULT_INFLIGHT * 2 * g + 2 * g);
         let p = plan(BenchOp::AllGather, 2);
         assert!(p.check_memory(p.memory_needed()).is_ok());
         let e = p.check_memory(p.memory_needed() - 1).unwrap_err();

@@ -5,7 +5,7 @@ use std::process::ExitCode;
 use std::sync::{Mutex, PoisonError};
 use std::time::Instant;
 
-use super::{BenchOp, BenchPlan, RankRow, BOUND_MIN_BYTES, PIPELINE};
+use super::{BenchOp, BenchPlan, RankRow, BOUND_MIN_BYTES};
 use crate::kernels::ElemType;
 
 /// Single-thread `memcpy` bandwidth (bytes copied per second) at `bytes`, best of a few runs.
@@ -120,7 +120,7 @@ impl Printer {
             p.elem.name(),
             p.iters,
             p.warmup,
-            PIPELINE,
+            p.inflight,
             if p.check { ", checked" } else { "" }
         );
         let largest = p.sizes.last().copied().unwrap_or(0).max(4096);

@@ -4,7 +4,7 @@ use std::time::{Duration, Instant};
 
 use half::{bf16, f16};
 
-use super::{BenchOp, BenchPlan, BreakOnPanic, Printer, RankRow, RowExchange, PIPELINE};
+use super::{BenchOp, BenchPlan, BreakOnPanic, Printer, RankRow, RowExchange};
 use crate::backend::{Backend, BackendError, CollDesc, Collective, InFlight, RankGroup, Stream};
 use crate::kernels::ElemType;
 
@@ -157,7 +157,7 @@ fn finish<B: Backend>(flights: Vec<InFlight<B>>, timeout: Duration) -> Result<Op
     Ok(ops)
 }
 
-/// Runs `warmup + iters` iterations with [`PIPELINE`] in flight; returns seconds per timed
+/// Runs `warmup + iters` iterations with `plan.inflight` in flight; returns seconds per timed
 /// iteration and the buffers of the last iteration.
 fn time_iterations<B: Backend>(
     b: &B,
@@ -231,8 +231,8 @@ pub fn bench_rank<B: Backend>(
     let me = b.rank();
     let fail = |e: BackendError| e.to_string();
     for (i, &size) in plan.sizes.iter().enumerate() {
-        let mut sets: Vec<Option<Ops<B>>> = Vec::with_capacity(PIPELINE);
-        for k in 0..PIPELINE {
+        let mut sets: Vec<Option<Ops<B>>> = Vec::with_capacity(plan.inflight);
+        for k in 0..plan.inflight {
             sets.push(Some(make_ops(b, plan, size, k * plan.coalesce).map_err(fail)?));
         }
         let grouped = time_iterations(b, plan, &mut sets, true, collector)?;
@@ -245,7 +245,7 @@ pub fn bench_rank<B: Backend>(
         if plan.check {
             // Every run of iterations starts at set 0: a set ran only if some run had more
             // iterations than its index (`--iters 1 --warmup 1` never touches set 1).
-            let used = plan.iters.max(plan.warmup).min(PIPELINE);
+            let used = plan.iters.max(plan.warmup).min(plan.inflight);
             for ops in sets.iter().take(used).flatten() {
                 wrong += count_wrong(b, plan, ops).map_err(fail)?;
             }

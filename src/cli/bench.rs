@@ -88,6 +88,10 @@ pub struct BenchArgs {
     /// Split each size into T tensors: one grouped launch against T separate launches.
     #[arg(long, default_value_t = 1)]
     pub coalesce: usize,
+    /// Iterations each rank keeps in flight (each on its own buffers); 1 times every collective
+    /// alone (its latency), more overlap one with the next.
+    #[arg(long, default_value_t = crate::bench::DEFAULT_INFLIGHT, value_name = "K")]
+    pub inflight: usize,
 }
 
 impl BenchArgs {
@@ -104,6 +108,7 @@ impl BenchArgs {
             warmup: self.warmup,
             check: self.check,
             coalesce: self.coalesce,
+            inflight: self.inflight,
         }
     }
 }

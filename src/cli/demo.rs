@@ -27,6 +27,9 @@ pub const MAX_RANKS: usize = 256;
 /// Most steps `collsched demo` runs.
 pub const MAX_STEPS: usize = 100_000;
 
+/// Most micro-batches per step `collsched demo` runs.
+pub const MAX_MICRO_BATCHES: usize = 1024;
+
 /// Largest loss difference accepted for `hybrid:G` (absolute; the losses are O(0.1..1)).
 pub const HYBRID_TOLERANCE: f32 = 1e-4;
 
@@ -54,6 +57,22 @@ pub struct DemoArgs {
     /// `--features mpi`) or `cuda` (one GPU per rank, NCCL; needs a build with `--features cuda`).
     #[arg(long, value_enum, default_value = "local")]
     pub backend: BenchBackend,
+    /// Micro-batches per optimizer step; all but the last run under `no_sync` (gradients
+    /// accumulate locally, one reduction per step).
+    #[arg(long, default_value_t = 2, value_name = "M")]
+    pub micro_batches: usize,
+    /// An evaluation pass (forward only, through a second coordinator) after every this many
+    /// steps; 0: never.
+    #[arg(long, default_value_t = 3, value_name = "N")]
+    pub eval_every: usize,
+    /// Train every layer at every step (by default layer 2 is frozen for the middle third of
+    /// the steps, to exercise trainability changes).
+    #[arg(long)]
+    pub no_freeze: bool,
+    /// Write the demo as a simulator workload (`collsched sim --workload FILE`; one simulated
+    /// step is one micro-batch: compare with `--micro-batches 1 --eval-every 0`).
+    #[arg(long, value_name = "FILE.json")]
+    pub workload_out: Option<std::path::PathBuf>,
 }
 
 fn parse_policy(s: &str) -> Result<PolicyKind, String> {
@@ -120,6 +139,42 @@ fn run_mpi(
     match never {}
 }
 
+/// Prints rank 0's mean step time over the steps after the first (which records the prefetch
+/// trace, as `collsched sim` leaves out its first step) in its parts: compute, waits for
+/// collectives, and host time (the rest: scheduling, copies in and out, the update); then what
+/// they make as the simulator's inputs: the compute rate in its FLOP count (`--tflops`) and
+/// the host time per collective launched (`--host-overhead-us`).
+fn print_step_time(cfg: &DemoConfig, cost: &[crate::demo::StepCost]) {
+    let timed = if cost.len() > 1 { &cost[1..] } else { cost };
+    if timed.is_empty() {
+        return;
+    }
+    let n = timed.len() as f64;
+    let wall = timed.iter().map(|c| c.wall.as_secs_f64()).sum::<f64>() / n;
+    let compute = timed.iter().map(|c| c.compute.as_secs_f64()).sum::<f64>() / n;
+    let wait = timed.iter().map(|c| c.wait_time.as_secs_f64()).sum::<f64>() / n;
+    let launches = timed.iter().map(|c| c.collectives as f64).sum::<f64>() / n;
+    let host = (wall - compute - wait).max(0.0);
+    let flops = crate::demo::workload(cfg).model_flops() * cfg.micro_batches as f64;
+    let rate = if compute > 0.0 { flops / compute } else { f64::INFINITY };
+    println!(
+        "step time: {:.3} ms, compute {:.3} ms, waits {:.3} ms, host {:.3} ms (rank 0, mean of {} step(s){})",
+        wall * 1e3,
+        compute * 1e3,
+        wait * 1e3,
+        host * 1e3,
+        timed.len(),
+        if cost.len() > 1 { " after the first" } else { "" },
+    );
+    println!(
+        "as simulator inputs: compute rate {:.3} GFLOP/s = sim --tflops {:.6e}; host {:.1} us per collective launched = sim --host-overhead-us {:.1}",
+        rate / 1e9,
+        rate / 1e12,
+        host / launches.max(1.0) * 1e6,
+        host / launches.max(1.0) * 1e6
+    );
+}
+
 /// Runs `collsched demo`.
 ///
 /// # Errors
@@ -160,7 +215,23 @@ pub fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
         )
         .into());
     }
-    let cfg = DemoConfig::standard(ranks, args.steps, args.seed);
+    if args.micro_batches == 0 || args.micro_batches > MAX_MICRO_BATCHES {
+        return Err(format!(
+            "--micro-batches {} is out of range: give 1 to {MAX_MICRO_BATCHES}",
+            args.micro_batches
+        )
+        .into());
+    }
+    let mut cfg = DemoConfig::standard(ranks, args.steps, args.seed);
+    cfg.micro_batches = args.micro_batches;
+    cfg.eval_every = args.eval_every;
+    if args.no_freeze {
+        cfg.freeze = None;
+    }
+    if let Some(path) = &args.workload_out {
+        std::fs::write(path, crate::demo::workload(&cfg).to_json())
+            .map_err(|e| format!("--workload-out {}: {e}", path.display()))?;
+    }
     let opts = ShardedOptions { sharding: args.strategy, policy: args.policy, ..ShardedOptions::default() };
     let t0 = Instant::now();
     let reference = reference_run(&cfg);
@@ -202,7 +273,7 @@ pub fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
         (t2 - t1).as_secs_f64() * 1e3
     );
     println!(
-        "{:>4}  {:>12} {:>12} {:>10}  {:>10} {:>10}  {:>5} {:>5} {:>5} {:>5} {:>5} {:>9} {:>9}",
+        "{:>4}  {:>12} {:>12} {:>10}  {:>10} {:>10}  {:>5} {:>5} {:>5} {:>5} {:>5} {:>9} {:>9} {:>9} {:>9}",
         "step",
         "ref loss",
         "sharded",
@@ -215,11 +286,13 @@ pub fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
         "hit",
         "miss",
         "peak KiB",
-        "wait ms"
+        "wait ms",
+        "comp ms",
+        "step ms"
     );
     for (i, ((r, s), c)) in reference.steps.iter().zip(&sharded.record.steps).zip(&sharded.cost).enumerate() {
         println!(
-            "{:>4}  {:>12.7} {:>12.7} {:>10.3e}  {:>10} {:>10}  {:>5} {:>5} {:>5} {:>5} {:>5} {:>9.1} {:>9.3}",
+            "{:>4}  {:>12.7} {:>12.7} {:>10.3e}  {:>10} {:>10}  {:>5} {:>5} {:>5} {:>5} {:>5} {:>9.1} {:>9.3} {:>9.3} {:>9.3}",
             i,
             r.loss,
             s.loss,
@@ -232,9 +305,12 @@ pub fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
             c.prefetch_hits,
             c.prefetch_misses,
             c.peak_gathered_bytes as f64 / 1024.0,
-            c.wait_time.as_secs_f64() * 1e3
+            c.wait_time.as_secs_f64() * 1e3,
+            c.compute.as_secs_f64() * 1e3,
+            c.wall.as_secs_f64() * 1e3
         );
     }
+    print_step_time(&cfg, &sharded.cost);
     let (loss_diff, param_diff) = max_differences(&reference, &sharded.record);
     let tolerance = match (args.backend, args.strategy) {
         (BenchBackend::Cuda, _) | (_, Sharding::Hybrid(_)) => HYBRID_TOLERANCE,

@@ -188,11 +188,11 @@ fn write_summary(out: &mut impl Write, r: &SimReport, topo: &Topology, cfg: &Sim
     )?;
     writeln!(
         out,
-        "  layout: {} gather buckets, {} gradient buckets (bucket by {}); compute at {:.1} TFLOPS per rank{}",
+        "  layout: {} gather buckets, {} gradient buckets (bucket by {}); compute at {} TFLOPS per rank{}",
         r.gather_buckets,
         r.grad_buckets,
         r.boundary,
-        cfg.tflops,
+        if cfg.tflops >= 1.0 { format!("{:.1}", cfg.tflops) } else { format!("{:.3e}", cfg.tflops) },
         peak_tflops(topo)
             .map_or(String::new(), |p| format!(" ({:.0}% of {p:.0} peak)", cfg.tflops / p * 100.0))
     )?;

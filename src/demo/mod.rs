@@ -122,6 +122,43 @@ pub fn loss_and_grads(model: &Mlp, params: &[Vec<f32>], x: &[f32], y: &[f32]) ->
     (loss, grads)
 }
 
+/// The demo as a simulator workload (`collsched sim --workload FILE` reads it, written by
+/// `collsched demo --workload-out FILE`): one layer `lL` per MLP layer holding `lL.weight` and
+/// `lL.bias` (f32, trainable, module `lL`), a micro-batch of `cfg.batch` samples per rank, in
+/// the forward and backward orders the demo fetches them. FLOPs follow the simulator's rule
+/// (`2 * batch * in * out` forward for the weight multiply, twice that backward; biases and
+/// `tanh` are not counted). One simulated step is one micro-batch's forward and backward: the
+/// demo's step when it runs with `--micro-batches 1 --eval-every 0`.
+pub fn workload(cfg: &DemoConfig) -> crate::sim::workload::Workload {
+    use crate::sim::workload::{Layer, ParamRecord, Workload};
+    let model = &cfg.model;
+    let mut params = Vec::with_capacity(2 * model.layers());
+    let mut layers = Vec::with_capacity(model.layers());
+    for (l, pair) in model.params().chunks(2).enumerate() {
+        let name = format!("l{l}");
+        for p in pair {
+            params.push(ParamRecord {
+                name: p.name.clone(),
+                shape: p.shape.iter().map(|&d| d as u64).collect(),
+                dtype: "f32".to_owned(),
+                trainable: true,
+                module: Some(name.clone()),
+            });
+        }
+        let forward = 2.0 * cfg.batch as f64 * (model.dims[l] * model.dims[l + 1]) as f64;
+        layers.push(Layer {
+            name,
+            params: pair.iter().map(|p| p.name.clone()).collect(),
+            forward_flops: forward,
+            backward_flops: 2.0 * forward,
+            recompute_flops: 0.0,
+        });
+    }
+    let forward_order: Vec<String> = layers.iter().map(|l| l.name.clone()).collect();
+    let backward_order = forward_order.iter().rev().cloned().collect();
+    Workload { name: "demo-mlp".to_owned(), params, layers, forward_order, backward_order }
+}
+
 /// Evaluation loss on the held-out batch (sample and shard index `u64::MAX`, never trained on),
 /// the same batch at every step so that the numbers are comparable.
 pub fn eval_loss(cfg: &DemoConfig, params: &[Vec<f32>]) -> f32 {
@@ -246,6 +283,28 @@ mod tests {
         let run = reference_run(&cfg);
         assert_eq!(run.params, cfg.model.init(cfg.seed), "no rank computed a gradient");
         assert!(run.steps.iter().all(|s| s.loss.is_nan()), "a mean over zero samples is NaN");
+    }
+
+    /// The workload names every parameter of the model once, with its shape, in layers the
+    /// simulator accepts, and counts the weight multiplies' FLOPs.
+    #[test]
+    fn the_demo_workload_matches_the_model() {
+        let cfg = DemoConfig::standard(2, 4, 1);
+        let w = workload(&cfg);
+        w.validate().expect("a valid workload");
+        let params = cfg.model.params();
+        assert_eq!(w.params.len(), params.len());
+        for (r, p) in w.params.iter().zip(&params) {
+            assert_eq!(r.name, p.name);
+            assert_eq!(r.numel(), p.numel() as u64, "{}", p.name);
+        }
+        assert_eq!(w.layers.len(), cfg.model.layers());
+        let dims = &cfg.model.dims;
+        let macs: usize = dims.windows(2).map(|d| d[0] * d[1]).sum();
+        assert_eq!(w.model_flops(), 6.0 * (cfg.batch * macs) as f64);
+        assert_eq!(w.backward_order.first(), w.forward_order.last());
+        let back = crate::sim::workload::Workload::from_json(&w.to_json()).expect("reads back");
+        assert_eq!(back, w);
     }
 
     #[test]

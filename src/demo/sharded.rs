@@ -14,7 +14,7 @@
 //! major, then rank).
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use collsched_buckets::{DType, LayoutBuilder, LayoutError, ParamId, ParamSet, ParamSpec, Sharding};
 use collsched_schedule::{Plan, PolicyKind, SchedulerConfig};
@@ -72,6 +72,12 @@ pub struct StepCost {
     pub wait_time: Duration,
     /// Highest gathered bytes.
     pub peak_gathered_bytes: u64,
+    /// Wall time of the step on rank 0: its micro-batches, the optimizer update and the
+    /// evaluation pass when the step has one.
+    pub wall: Duration,
+    /// Time of the training micro-batches' layer arithmetic (forward and backward, not the
+    /// evaluation pass): what the simulator's compute stands for.
+    pub compute: Duration,
 }
 
 impl StepCost {
@@ -309,6 +315,7 @@ fn micro_step<B: Backend>(
     mask: &[bool],
     x: &[f32],
     y: &[f32],
+    compute: &mut Duration,
 ) -> Result<f32, RuntimeError> {
     let layers = model.layers();
     let mut caches = Vec::with_capacity(layers);
@@ -317,7 +324,11 @@ fn micro_step<B: Backend>(
         let cache = {
             let v = c.fetch(&[w, b])?;
             let input = caches.last().map_or(x, |c: &super::model::LayerCache| &c.output[..]);
-            model.layer_forward(l, &v.read_f32(w)?, &v.read_f32(b)?, input)
+            let (w, b) = (v.read_f32(w)?, v.read_f32(b)?);
+            let t = Instant::now();
+            let cache = model.layer_forward(l, &w, &b, input);
+            *compute += t.elapsed();
+            cache
         };
         c.release(&[w, b])?;
         caches.push(cache);
@@ -330,7 +341,11 @@ fn micro_step<B: Backend>(
         let mut gb = vec![0f32; no];
         g = {
             let v = c.fetch(&[w, b])?;
-            model.layer_backward(l, &v.read_f32(w)?, &caches[l], &g, &mut gw, &mut gb)
+            let w = v.read_f32(w)?;
+            let t = Instant::now();
+            let g = model.layer_backward(l, &w, &caches[l], &g, &mut gw, &mut gb);
+            *compute += t.elapsed();
+            g
         };
         c.release(&[w, b])?;
         if mask[w.index()] {
@@ -390,15 +405,16 @@ fn run_rank<B: Backend>(
             mask_now = mask;
         }
         let mut step_cost = StepCost::default();
+        let started = Instant::now();
         for micro in 0..m {
             let sample = (step * m + micro) as u64;
             let (x, y) = cfg.model.batch(cfg.seed, sample, r as u64, cfg.batch);
             let (loss, stats) = if micro + 1 < m {
                 let mut g = train.no_sync()?;
-                let loss = micro_step(&mut g, &cfg.model, &mask_now, &x, &y)?;
+                let loss = micro_step(&mut g, &cfg.model, &mask_now, &x, &y, &mut step_cost.compute)?;
                 (loss, g.end_step()?)
             } else {
-                let loss = micro_step(&mut train, &cfg.model, &mask_now, &x, &y)?;
+                let loss = micro_step(&mut train, &cfg.model, &mask_now, &x, &y, &mut step_cost.compute)?;
                 (loss, train.end_step()?)
             };
             step_cost.add(&stats);
@@ -412,6 +428,7 @@ fn run_rank<B: Backend>(
         if cfg.evaluates_after(step) {
             evals.push(eval_pass(&mut eval, cfg)?);
         }
+        step_cost.wall = started.elapsed();
         cost.push(step_cost);
     }
     let ids: Vec<ParamId> = (0..n as u32).map(ParamId).collect();
