@@ -3,10 +3,10 @@
 
 Every `crate::`, `super::` and `self::` path in a crate's non-test sources (use statements,
 brace groups expanded, and paths in code) is an edge from the module that writes it to the
-module that defines what the path names (re-exports followed). An edge between a module and its own ancestor or descendant is
-the module tree itself (a parent re-exports, a child names its parent's types) and is not
-counted; any other edge is lifted to the two sibling modules under their common parent. A cycle
-among siblings is an error: the imports of a crate must run one way.
+module that defines what the path names (re-exports followed). An edge between a module and its
+own ancestor or descendant is the module tree itself (a parent re-exports, a child names its
+parent's types) and is not counted; any other edge is lifted to the two sibling modules under
+their common parent. A cycle among siblings is an error: the imports of a crate must run one way.
 
 Usage: python3 ci/modcycles.py [CRATE_SRC_DIR ...]   (default: every crate of the workspace)
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 
 CRATES = ["src", "buckets/src", "schedule/src", "topo/src", "kernels/src"]
 PATH = re.compile(r"\b(crate|super|self)((?:::\w+)+)")
-USE = re.compile(r"\b(?:pub(?:\([^)]*\))?\s+)?use\s+([^;]+);", re.S)
+USE = re.compile(r"\b(?:pub(?:\([^)]*\))?\s+)?use\s+([^;]+);", re.DOTALL)
 
 
 def module_of(root: Path, file: Path) -> tuple[str, ...]:
@@ -82,7 +82,7 @@ def resolve(here: tuple[str, ...], path: str, is_mod_file: bool) -> tuple[str, .
     return tuple(base + [p.split(" as ")[0] for p in parts if p != "self"])
 
 
-PUB_USE = re.compile(r"\bpub(?:\([^)]*\))?\s+use\s+([^;]+);", re.S)
+PUB_USE = re.compile(r"\bpub(?:\([^)]*\))?\s+use\s+([^;]+);", re.DOTALL)
 
 
 def reexports(root: Path, files: dict) -> dict:
@@ -164,9 +164,7 @@ def check(root: Path) -> list[str]:
                     break
             if len(comp) > 1:
                 names = sorted("::".join(c) for c in comp)
-                pairs = sorted(
-                    f"{'::'.join(a)} -> {'::'.join(b)}" for a in comp for b in edges.get(a, ()) if b in comp
-                )
+                pairs = sorted(f"{'::'.join(a)} -> {'::'.join(b)}" for a in comp for b in edges.get(a, ()) if b in comp)
                 out.append(f"{root}: cycle among {', '.join(names)} ({'; '.join(pairs)})")
 
     for v in list(edges):

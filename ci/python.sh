@@ -20,6 +20,9 @@ if ! "$py" -c "import torch, maturin, pytest, ruff, safetensors" >/dev/null 2>&1
   "$py" -m pip install -q --disable-pip-version-check 'torch==2.15.*' 'maturin>=1.9,<2' 'pytest>=8' 'ruff>=0.6' 'safetensors>=0.4'
 fi
 (cd python && "$venv/bin/ruff" check . && "$venv/bin/ruff" format --check .)
+# The scripts of ci/ under the package's rules.
+"$venv/bin/ruff" check --config python/pyproject.toml ci
+"$venv/bin/ruff" format --config python/pyproject.toml --check ci
 echo "ci/python: pip install ./python (maturin, release, with the mpi backend)"
 # With the mpi feature (ci/setup.sh installs Open MPI and libclang), so that test_mpi.py runs.
 MATURIN_PEP517_ARGS="--features mpi" \
