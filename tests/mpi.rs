@@ -252,8 +252,23 @@ fn bench_under_mpirun_checks_every_collective() {
             text.contains("(mpi backend)") && text.contains("# out of bounds values : 0 OK"),
             "{op}:\n{text}"
         );
-        let rows = text.lines().filter(|l| l.trim_start().starts_with(|c: char| c.is_ascii_digit())).count();
-        assert_eq!(rows, 3, "{op}: about 1K, 8K and 64K:\n{text}");
+        let rows: Vec<&str> =
+            text.lines().filter(|l| l.trim_start().starts_with(|c: char| c.is_ascii_digit())).collect();
+        assert_eq!(rows.len(), 3, "{op}: about 1K, 8K and 64K:\n{text}");
+        // Every process on this machine: MPI's own collective and the shm backend, same sizes,
+        // same run: three columns each after the table's nine (time, busbw, ratio), all finite,
+        // times and ratios > 0 (a busbw of a tiny size prints as 0.00).
+        assert!(
+            text.contains("x_ref") && text.contains("shm_time") && text.contains("x_shm"),
+            "{op}:\n{text}"
+        );
+        for row in rows {
+            let cells: Vec<f64> =
+                row.split_whitespace().skip(9).map(|c| c.parse().unwrap_or(f64::NAN)).collect();
+            assert_eq!(cells.len(), 6, "{op}: {row}");
+            assert!(cells.iter().all(|c| c.is_finite() && *c >= 0.0), "{op}: {row}");
+            assert!([0, 2, 3, 5].iter().all(|&i| cells[i] > 0.0), "{op}: {row}");
+        }
     }
 }
 

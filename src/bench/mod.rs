@@ -37,7 +37,7 @@ mod printer;
 mod rank;
 
 pub use collector::{BreakOnPanic, Collector, ProcessRows, RowExchange};
-pub use printer::{memcpy_bandwidth, memcpy_concurrent_bandwidth, Printer};
+pub use printer::{memcpy_bandwidth, memcpy_concurrent_bandwidth, Printer, Reference};
 pub use rank::{bench_rank, run_rank};
 
 use crate::kernels::ElemType;

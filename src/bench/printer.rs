@@ -74,10 +74,23 @@ pub struct Printer {
     memcpy: f64,
     /// Optional second reference: (threads, aggregate bytes/s of that many concurrent copies).
     pub concurrent: Option<(usize, f64)>,
-    /// Optional columns of another implementation of the same collective, measured in the same
-    /// run: its name and its time per size (seconds, `plan.sizes` order; NaN where it has none).
-    pub reference: Option<(&'static str, Vec<f64>)>,
+    /// Columns of other implementations of the same collective, measured in the same run, in
+    /// the order they are printed.
+    pub references: Vec<Reference>,
     state: Mutex<PrinterState>,
+}
+
+/// Another implementation's times, printed as three columns after the table's own:
+/// `{tag}_time`, `{tag}_busbw` and `x_{tag}` (its time over this one's: above 1, this one is
+/// faster).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Reference {
+    /// The columns' prefix (`ref`, `shm`).
+    pub tag: &'static str,
+    /// What it is, for the line above the table.
+    pub name: String,
+    /// Seconds per iteration at each size (`plan.sizes` order; NaN where it has none).
+    pub times: Vec<f64>,
 }
 
 #[derive(Default)]
@@ -100,7 +113,7 @@ impl Printer {
             backend,
             memcpy,
             concurrent: None,
-            reference: None,
+            references: Vec::new(),
             state: Mutex::default(),
         }
     }
@@ -154,9 +167,15 @@ impl Printer {
             h1 += &format!(" {:>10} {:>9} {:>9}", "sep_time", "sep_algbw", "sep_busbw");
             h2 += &format!(" {:>10} {:>9} {:>9}", "(us)", "(GB/s)", "(GB/s)");
         }
-        if let Some((name, _)) = &self.reference {
-            println!("# ref_*: {name}, the same sizes in the same run; x_ref: its time / this time");
-            h1 += &format!(" {:>10} {:>9} {:>6}", "ref_time", "ref_busbw", "x_ref");
+        for r in &self.references {
+            let tag = r.tag;
+            println!("# {tag}_*: {}, the same sizes in the same run; x_{tag}: its time / this time", r.name);
+            h1 += &format!(
+                " {:>10} {:>9} {:>6}",
+                format!("{tag}_time"),
+                format!("{tag}_busbw"),
+                format!("x_{tag}")
+            );
             h2 += &format!(" {:>10} {:>9} {:>6}", "(us)", "(GB/s)", "");
         }
         println!("{h1}");
@@ -189,12 +208,15 @@ impl Printer {
             let a = size as f64 / ts / 1e9;
             line += &format!(" {:>10.2} {:>9.2} {:>9.2}", ts * 1e6, a, a * p.bus_factor());
         }
-        let reference = self.reference.as_ref().and_then(|(_, times)| {
-            p.sizes.iter().position(|&s| s == size).and_then(|i| times.get(i)).filter(|r| r.is_finite())
-        });
-        if let Some(&r) = reference {
-            let rb = size as f64 / r / 1e9 * p.bus_factor();
-            line += &format!(" {:>10.2} {:>9.2} {:>6.2}", r * 1e6, rb, r / t);
+        let at = p.sizes.iter().position(|&s| s == size);
+        for reference in &self.references {
+            match at.and_then(|i| reference.times.get(i)).filter(|r| r.is_finite()) {
+                Some(&r) => {
+                    let rb = size as f64 / r / 1e9 * p.bus_factor();
+                    line += &format!(" {:>10.2} {:>9.2} {:>6.2}", r * 1e6, rb, r / t);
+                }
+                None => line += &format!(" {:>10} {:>9} {:>6}", "-", "-", "-"),
+            }
         }
         println!("{line}");
         let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
