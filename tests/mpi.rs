@@ -9,76 +9,20 @@ use std::time::{Duration, Instant};
 
 use collsched::backend::local::LocalRank;
 use collsched::backend::mpi::{join, MpiConfig};
-use collsched::backend::{Backend, BackendError, CollDesc, Collective, RankGroup, Stream};
-use collsched::kernels::ElemType;
+use collsched::backend::Backend;
 
 #[path = "support/collectives.rs"]
 mod collectives;
-
-fn all_reduce(rank: &LocalRank, count: usize) -> Result<(), BackendError> {
-    let n = rank.world_size();
-    let input = rank.alloc(count * 4)?;
-    let output = rank.alloc(count * 4)?;
-    let desc = CollDesc::all_reduce(RankGroup::world(n), ElemType::F32, count);
-    let f = rank
-        .launch(Stream::ReduceScatter, &[], Collective { desc, input: Some(input), output })
-        .map_err(|e| e.error)?;
-    f.wait(Duration::from_secs(120)).map_err(|e| e.into_error())?;
-    Ok(())
-}
+#[path = "support/faults.rs"]
+mod faults;
+use faults::{all_reduce, kill_self};
 
 fn run_child(rank: &LocalRank, me: usize, mode: &str) -> Result<String, String> {
     let n = rank.world_size();
     match mode {
-        "suite" => {
-            let mut wrong = collectives::exercise(rank).map_err(|e| e.to_string())?;
-            wrong.extend(collectives::grouped_launch_and_subgroup(rank).map_err(|e| e.to_string())?);
-            wrong.extend(collectives::random_program(rank).map_err(|e| e.to_string())?);
-            if wrong.is_empty() {
-                Ok("suite".into())
-            } else {
-                Err(format!("wrong results: {wrong:?}"))
-            }
-        }
-        "mismatch" => {
-            let count = 64;
-            let desc = if me == 1 {
-                CollDesc::reduce_scatter(RankGroup::world(n), ElemType::F32, count)
-            } else {
-                CollDesc::all_gather(RankGroup::world(n), ElemType::F32, count)
-            };
-            let input =
-                rank.alloc(if me == 1 { n * count * 4 } else { count * 4 }).map_err(|e| e.to_string())?;
-            let output = rank.alloc(n * count * 4).map_err(|e| e.to_string())?;
-            let f = rank
-                .launch(Stream::AllGather, &[], Collective { desc, input: Some(input), output })
-                .map_err(|e| e.error.to_string())?;
-            match f.wait(Duration::from_secs(60)) {
-                Ok(_) => Ok("a mismatched collective ran".into()),
-                Err(e) => Err(e.into_error().to_string()),
-            }
-        }
-        "failed-dep" => {
-            let mut after = Vec::new();
-            if me == n - 1 {
-                after.push(
-                    rank.enqueue_host(Stream::Compute, || {
-                        Err(BackendError::InvalidLaunch { rank: 0, what: "injected host failure".into() })
-                    })
-                    .map_err(|e| e.to_string())?,
-                );
-            }
-            let input = rank.alloc(64 * 4).map_err(|e| e.to_string())?;
-            let output = rank.alloc(n * 64 * 4).map_err(|e| e.to_string())?;
-            let desc = CollDesc::all_gather(RankGroup::world(n), ElemType::F32, 64);
-            let f = rank
-                .launch(Stream::AllGather, &after, Collective { desc, input: Some(input), output })
-                .map_err(|e| e.error.to_string())?;
-            match f.wait(Duration::from_secs(60)) {
-                Ok(_) => Ok("the collective ran".into()),
-                Err(e) => Err(e.into_error().to_string()),
-            }
-        }
+        "suite" => collectives::suite(rank),
+        "mismatch" => faults::mismatch(rank),
+        "failed-dep" => faults::failed_dependency(rank),
         "absent" => {
             // The last rank launches nothing and stays up past its peers' timeout.
             if me == n - 1 {
@@ -91,10 +35,7 @@ fn run_child(rank: &LocalRank, me: usize, mode: &str) -> Result<String, String> 
             if me == n - 1 {
                 std::thread::spawn(|| {
                     std::thread::sleep(Duration::from_millis(300));
-                    let _ = rustix::process::kill_process(
-                        rustix::process::getpid(),
-                        rustix::process::Signal::KILL,
-                    );
+                    kill_self();
                 });
             }
             for _ in 0..10_000 {

@@ -7,32 +7,18 @@ use std::time::{Duration, Instant};
 
 use collsched::backend::local::LocalRank;
 use collsched::backend::shm::{join, ShmConfig};
-use collsched::backend::{Backend, BackendError, CollDesc, Collective, RankGroup, Stream};
+use collsched::backend::{Backend, CollDesc, Collective, RankGroup, Stream};
 use collsched::bootstrap::LaunchEnv;
 use collsched::kernels::ElemType;
 
 #[path = "support/collectives.rs"]
 mod collectives;
+#[path = "support/faults.rs"]
+mod faults;
+use faults::{all_reduce, kill_self};
 #[path = "support/procs.rs"]
 mod procs;
 use procs::{finish, job, start};
-
-fn kill_self() {
-    let _ = rustix::process::kill_process(rustix::process::getpid(), rustix::process::Signal::KILL);
-}
-
-/// One all-reduce of `count` f32 over the world on this rank.
-fn all_reduce(rank: &LocalRank, count: usize) -> Result<(), BackendError> {
-    let n = rank.world_size();
-    let input = rank.alloc(count * 4)?;
-    let output = rank.alloc(count * 4)?;
-    let desc = CollDesc::all_reduce(RankGroup::world(n), ElemType::F32, count);
-    let f = rank
-        .launch(Stream::ReduceScatter, &[], Collective { desc, input: Some(input), output })
-        .map_err(|e| e.error)?;
-    f.wait(Duration::from_secs(120)).map_err(|e| e.into_error())?;
-    Ok(())
-}
 
 fn run_child() -> Result<String, String> {
     let env = LaunchEnv::from_env().map_err(|e| e.to_string())?;
@@ -41,58 +27,9 @@ fn run_child() -> Result<String, String> {
     let (rank, _hub) = join(&env, &config).map_err(|e| e.to_string())?;
     let me = env.rank;
     match mode.as_str() {
-        "suite" => {
-            let mut wrong = collectives::exercise(&rank).map_err(|e| e.to_string())?;
-            wrong.extend(collectives::grouped_launch_and_subgroup(&rank).map_err(|e| e.to_string())?);
-            wrong.extend(collectives::random_program(&rank).map_err(|e| e.to_string())?);
-            if wrong.is_empty() {
-                Ok("suite".into())
-            } else {
-                Err(format!("wrong results: {wrong:?}"))
-            }
-        }
-        "mismatch" => {
-            let n = rank.world_size();
-            let count = 64;
-            let desc = if me == 1 {
-                CollDesc::reduce_scatter(RankGroup::world(n), ElemType::F32, count)
-            } else {
-                CollDesc::all_gather(RankGroup::world(n), ElemType::F32, count)
-            };
-            let input =
-                rank.alloc(if me == 1 { n * count * 4 } else { count * 4 }).map_err(|e| e.to_string())?;
-            let output = rank.alloc(n * count * 4).map_err(|e| e.to_string())?;
-            let f = rank
-                .launch(Stream::AllGather, &[], Collective { desc, input: Some(input), output })
-                .map_err(|e| e.error.to_string())?;
-            match f.wait(Duration::from_secs(60)) {
-                Ok(_) => Ok("a mismatched collective ran".into()),
-                Err(e) => Err(e.into_error().to_string()),
-            }
-        }
-        "failed-dep" => {
-            // The last rank launches behind an event that fails: every rank fails, at once.
-            let n = rank.world_size();
-            let mut after = Vec::new();
-            if me == n - 1 {
-                after.push(
-                    rank.enqueue_host(Stream::Compute, || {
-                        Err(BackendError::InvalidLaunch { rank: 0, what: "injected host failure".into() })
-                    })
-                    .map_err(|e| e.to_string())?,
-                );
-            }
-            let input = rank.alloc(64 * 4).map_err(|e| e.to_string())?;
-            let output = rank.alloc(n * 64 * 4).map_err(|e| e.to_string())?;
-            let desc = CollDesc::all_gather(RankGroup::world(n), ElemType::F32, 64);
-            let f = rank
-                .launch(Stream::AllGather, &after, Collective { desc, input: Some(input), output })
-                .map_err(|e| e.error.to_string())?;
-            match f.wait(Duration::from_secs(60)) {
-                Ok(_) => Ok("the collective ran".into()),
-                Err(e) => Err(e.into_error().to_string()),
-            }
-        }
+        "suite" => collectives::suite(&rank),
+        "mismatch" => faults::mismatch(&rank),
+        "failed-dep" => faults::failed_dependency(&rank),
         "kill-depart" => {
             // The victim is the root of in-place broadcasts: it copies nothing, so it spends
             // its time in the departure barrier, waiting for its peers to copy from it.

@@ -402,3 +402,16 @@ pub fn random_program<B: Backend>(rank: &B) -> Result<Vec<String>, BackendError>
     }
     Ok(wrong)
 }
+
+/// The whole suite on one rank of a multi-process job ([`exercise`],
+/// [`grouped_launch_and_subgroup`], [`random_program`]): `Ok("suite")`, or what was wrong.
+pub fn suite<B: Backend>(rank: &B) -> Result<String, String> {
+    let mut wrong = exercise(rank).map_err(|e| e.to_string())?;
+    wrong.extend(grouped_launch_and_subgroup(rank).map_err(|e| e.to_string())?);
+    wrong.extend(random_program(rank).map_err(|e| e.to_string())?);
+    if wrong.is_empty() {
+        Ok("suite".into())
+    } else {
+        Err(format!("wrong results: {wrong:?}"))
+    }
+}
