@@ -352,21 +352,8 @@ impl MpiPlace {
         match self.wait(reqs, caller).map_err(|e| device(rank, op, e))? {
             Ok(()) => {}
             Err(stalled) => {
-                let pending = reqs.pending();
-                let missing: Vec<usize> = pending.iter().filter_map(|&i| from[i]).collect();
-                let err = match stalled {
-                    Stalled::Dead(dead) => BackendError::PeerFailed {
-                        rank,
-                        op: Box::new(op.clone()),
-                        missing: dead,
-                        reason: "their processes exited".into(),
-                    },
-                    Stalled::Timeout(waited) => {
-                        BackendError::PeerTimeout { rank, op: Box::new(op.clone()), missing, waited }
-                    }
-                };
-                self.break_job(err.to_string());
-                return Err(err);
+                let missing: Vec<usize> = reqs.pending().iter().filter_map(|&i| from[i]).collect();
+                return Err(self.stalled(stalled, rank, op, Some(missing)));
             }
         }
         let failed: Vec<usize> =
@@ -455,27 +442,45 @@ impl MpiPlace {
         let rank = caller.rank;
         match self.wait(reqs, caller).map_err(|e| device(rank, op, e))? {
             Ok(()) => Ok(()),
-            Err(stalled) => {
-                let err = match stalled {
-                    Stalled::Dead(dead) => BackendError::PeerFailed {
-                        rank,
-                        op: Box::new(op.clone()),
-                        missing: dead,
-                        reason: "their processes exited while the data moved".into(),
-                    },
-                    Stalled::Timeout(waited) => BackendError::Device {
-                        rank,
-                        api: "MPI_Testall",
-                        detail: format!(
-                            "{op}: every member posted it, but its transfers did not complete within {waited:?} \
-                             (a peer or the network stalled; raise COLLSCHED_TIMEOUT_SECS if merely slow)"
-                        ),
-                    },
-                };
-                self.break_job(err.to_string());
-                Err(err)
-            }
+            Err(stalled) => Err(self.stalled(stalled, rank, op, None)),
         }
+    }
+
+    /// The error of a wait that stalled, which breaks the job (MPI keeps the buffers): during
+    /// the agreement, naming the members whose headers never came (`missing`); while the data
+    /// moved (`None`), after every member posted it.
+    fn stalled(
+        &self,
+        stalled: Stalled,
+        rank: usize,
+        op: &CollRef,
+        missing: Option<Vec<usize>>,
+    ) -> BackendError {
+        let err = match (stalled, missing) {
+            (Stalled::Dead(dead), missing) => BackendError::PeerFailed {
+                rank,
+                op: Box::new(op.clone()),
+                missing: dead,
+                reason: if missing.is_some() {
+                    "their processes exited".into()
+                } else {
+                    "their processes exited while the data moved".into()
+                },
+            },
+            (Stalled::Timeout(waited), Some(missing)) => {
+                BackendError::PeerTimeout { rank, op: Box::new(op.clone()), missing, waited }
+            }
+            (Stalled::Timeout(waited), None) => BackendError::Device {
+                rank,
+                api: "MPI_Testall",
+                detail: format!(
+                    "{op}: every member posted it, but its transfers did not complete within {waited:?} \
+                     (a peer or the network stalled; raise COLLSCHED_TIMEOUT_SECS if merely slow)"
+                ),
+            },
+        };
+        self.break_job(err.to_string());
+        err
     }
 }
 
