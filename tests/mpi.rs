@@ -113,6 +113,32 @@ fn every_collective_at_1_2_3_and_4_processes() {
     }
 }
 
+/// Waits spin only when every process on the machine has a core for its waiting and its
+/// working thread; `COLLSCHED_SPIN_US` sets the spin, and a malformed one is refused naming it.
+#[test]
+fn waits_spin_only_with_cores_to_spare_or_as_told() {
+    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+    let with = |vars: &'static [(&'static str, &'static str)]| {
+        MpiConfig::from_lookup(move |k| vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string()))
+    };
+    let crowded = with(&[("OMPI_COMM_WORLD_LOCAL_SIZE", "100000")]).expect("config");
+    assert_eq!(crowded.local.spin, Duration::ZERO);
+    let alone = with(&[("OMPI_COMM_WORLD_LOCAL_SIZE", "1")]).expect("config");
+    let default = collsched::backend::local::LocalConfig::default().spin;
+    assert_eq!(alone.local.spin, if cores >= 2 { default } else { Duration::ZERO });
+    let told =
+        with(&[("OMPI_COMM_WORLD_LOCAL_SIZE", "100000"), ("COLLSCHED_SPIN_US", "7.5")]).expect("config");
+    assert_eq!(told.local.spin, Duration::from_nanos(7500));
+    for bad in [
+        &[("COLLSCHED_SPIN_US", "-1")][..],
+        &[("COLLSCHED_SPIN_US", "soon")],
+        &[("COLLSCHED_SPIN_US", "NaN")],
+    ] {
+        let e = with(bad).expect_err("malformed").to_string();
+        assert!(e.contains("COLLSCHED_SPIN_US"), "{e}");
+    }
+}
+
 #[test]
 fn a_mismatched_collective_fails_on_every_rank_naming_both() {
     let t = Instant::now();
