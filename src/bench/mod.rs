@@ -38,7 +38,7 @@ mod rank;
 
 pub use collector::{BreakOnPanic, Collector, ProcessRows, RowExchange};
 pub use printer::{memcpy_bandwidth, memcpy_concurrent_bandwidth, Printer, Reference};
-pub use rank::{bench_rank, run_rank};
+pub use rank::{bench_rank, collect_rank, run_rank};
 
 use crate::kernels::ElemType;
 

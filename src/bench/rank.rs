@@ -1,5 +1,6 @@
 //! One rank's side of the bench: its buffers, timed iterations, and the check of the results.
 
+use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use half::{bf16, f16};
@@ -208,9 +209,40 @@ pub fn run_rank<B: Backend>(
     collector: &dyn RowExchange,
     printer: &Printer,
 ) -> Result<(), String> {
+    guarded(b, plan, collector, &|i, rows: &[RankRow]| printer.row(plan.sizes[i], rows))
+}
+
+/// A rank's whole bench as [`run_rank`] runs it, the rows kept instead of printed: every
+/// size's rows of every rank on rank 0 (empty elsewhere), for a caller that prints them later
+/// beside other measurements.
+///
+/// # Errors
+/// This rank's failure, or another rank's.
+pub fn collect_rank<B: Backend>(
+    b: &B,
+    plan: &BenchPlan,
+    collector: &dyn RowExchange,
+) -> Result<Vec<Vec<RankRow>>, String> {
+    let all = Mutex::new(vec![Vec::new(); plan.sizes.len()]);
+    let record = |i: usize, rows: &[RankRow]| {
+        if let Some(slot) = all.lock().unwrap_or_else(PoisonError::into_inner).get_mut(i) {
+            *slot = rows.to_vec();
+        }
+    };
+    guarded(b, plan, collector, &record)?;
+    Ok(all.into_inner().unwrap_or_else(PoisonError::into_inner))
+}
+
+/// [`bench_rank`] with `collector` broken on a failure or a panic of this rank.
+fn guarded<B: Backend>(
+    b: &B,
+    plan: &BenchPlan,
+    collector: &dyn RowExchange,
+    print: &(dyn Fn(usize, &[RankRow]) + Sync),
+) -> Result<(), String> {
     let r = b.rank();
     let _guard = BreakOnPanic { collector, rank: r };
-    let result = bench_rank(b, plan, collector, &|i, rows: &[RankRow]| printer.row(plan.sizes[i], rows));
+    let result = bench_rank(b, plan, collector, print);
     if let Err(e) = &result {
         collector.break_with(format!("rank {r}: {e}"));
     }

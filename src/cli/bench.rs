@@ -214,7 +214,7 @@ fn run_mpi(args: &BenchArgs) -> Result<ExitCode, CliError> {
         printer.references.push(Reference { tag: "ref", name: name.to_owned(), times });
     }
     let rows = ProcessRows(Mutex::new(job));
-    let result = collect_rows(&rank, &plan, &rows);
+    let result = crate::bench::collect_rank(&rank, &plan, &rows);
     // The rank first (its streams finish), then the job (MPI_Finalize).
     drop(rank);
     drop(rows);
@@ -234,32 +234,6 @@ fn run_mpi(args: &BenchArgs) -> Result<ExitCode, CliError> {
     Ok(printer.footer())
 }
 
-/// Runs `plan` on `rank` and returns every size's rows (on rank 0; empty rows elsewhere); a
-/// failure or a panic breaks `rows`, so no other rank waits for this one.
-#[cfg(feature = "mpi")]
-fn collect_rows<B: crate::backend::Backend>(
-    rank: &B,
-    plan: &BenchPlan,
-    rows: &dyn crate::bench::RowExchange,
-) -> Result<Vec<Vec<crate::bench::RankRow>>, String> {
-    use crate::bench::{bench_rank, BreakOnPanic};
-    let me = rank.rank();
-    let all = Mutex::new(vec![Vec::new(); plan.sizes.len()]);
-    let record = |i: usize, got: &[crate::bench::RankRow]| {
-        if let Some(slot) = all.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get_mut(i) {
-            *slot = got.to_vec();
-        }
-    };
-    let result = {
-        let _guard = BreakOnPanic { collector: rows, rank: me };
-        bench_rank(rank, plan, rows, &record)
-    };
-    if let Err(e) = &result {
-        rows.break_with(format!("rank {me}: {e}"));
-    }
-    result.map(|()| all.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner))
-}
-
 /// With every process of the MPI job on this machine, the same bench (timed, unchecked) over the
 /// `shm` backend by the same processes: each size's slowest rank's seconds per iteration (on
 /// rank 0, which prints). `None` when the job spans machines (or Open MPI does not say).
@@ -272,7 +246,8 @@ fn shm_times(plan: &BenchPlan) -> Result<Option<Vec<f64>>, CliError> {
     let timing = BenchPlan { check: false, ..plan.clone() };
     let (rank, hub) = shm::join(&env, &ShmConfig::from_env()?)?;
     let rows = ProcessRows(Mutex::new(hub));
-    let all = collect_rows(&rank, &timing, &rows).map_err(|e| format!("the shm comparison: {e}"))?;
+    let all =
+        crate::bench::collect_rank(&rank, &timing, &rows).map_err(|e| format!("the shm comparison: {e}"))?;
     Ok(Some(all.iter().map(|r| r.iter().map(|r| r.grouped).fold(f64::NAN, f64::max)).collect()))
 }
 
