@@ -184,6 +184,7 @@ fn run_shm(args: &BenchArgs, env: &LaunchEnv) -> Result<ExitCode, CliError> {
 #[cfg(feature = "mpi")]
 fn run_mpi(args: &BenchArgs) -> Result<ExitCode, CliError> {
     use crate::backend::mpi::{self, MpiConfig};
+    use crate::backend::CollectiveKind;
     use crate::bench::Reference;
     let (rank, job) = mpi::join(&MpiConfig::from_env()?)?;
     let (me, world) = (job.rank(), job.world());
@@ -202,9 +203,9 @@ fn run_mpi(args: &BenchArgs) -> Result<ExitCode, CliError> {
     // MPI's own collective in the same run, where it has one (f32 sums).
     if plan.elem == ElemType::F32 {
         let (op, name) = match plan.op {
-            BenchOp::AllGather => (mpi::ReferenceOp::AllGather, "MPI_Allgather (out of place)"),
-            BenchOp::ReduceScatter => (mpi::ReferenceOp::ReduceScatter, "MPI_Reduce_scatter_block (sum)"),
-            BenchOp::AllReduce => (mpi::ReferenceOp::AllReduce, "MPI_Allreduce (sum)"),
+            BenchOp::AllGather => (CollectiveKind::AllGather, "MPI_Allgather (out of place)"),
+            BenchOp::ReduceScatter => (CollectiveKind::ReduceScatter, "MPI_Reduce_scatter_block (sum)"),
+            BenchOp::AllReduce => (CollectiveKind::AllReduce, "MPI_Allreduce (sum)"),
         };
         let times = plan
             .sizes

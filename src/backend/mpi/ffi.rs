@@ -10,6 +10,8 @@ use std::mem::MaybeUninit;
 
 use mpi::ffi;
 
+use crate::backend::CollectiveKind;
+
 /// A failed MPI call: which, its code, and MPI's text for it.
 #[derive(Clone, Debug)]
 pub(super) struct MpiError {
@@ -206,10 +208,10 @@ impl Comm {
 
     /// MPI's own blocking `op` on f32 sums (a reference for benchmarks): all-gather of `send`
     /// into `recv` (`n` times as long), reduce-scatter of `send` into `recv` (`1/n` of it),
-    /// or all-reduce of `send` into `recv` (as long).
+    /// or all-reduce of `send` into `recv` (as long). A broadcast has no reference: an error.
     pub(super) fn reference_f32(
         &self,
-        op: ReferenceOp,
+        op: CollectiveKind,
         send: &[f32],
         recv: &mut [f32],
     ) -> Result<(), MpiError> {
@@ -223,7 +225,10 @@ impl Comm {
         let bad =
             |what: &str| MpiError { api: "reference", text: format!("buffer lengths do not fit an {what}") };
         match op {
-            ReferenceOp::AllGather => {
+            CollectiveKind::Broadcast => {
+                Err(MpiError { api: "reference", text: "no MPI reference is timed for broadcast".into() })
+            }
+            CollectiveKind::AllGather => {
                 if recv.len() != send.len() * n {
                     return Err(bad("all-gather"));
                 }
@@ -234,7 +239,7 @@ impl Comm {
                     ffi::MPI_Allgather(send.as_ptr().cast(), c, f, recv.as_mut_ptr().cast(), c, f, self.0)
                 })
             }
-            ReferenceOp::ReduceScatter => {
+            CollectiveKind::ReduceScatter => {
                 if send.len() != recv.len() * n {
                     return Err(bad("reduce-scatter"));
                 }
@@ -252,7 +257,7 @@ impl Comm {
                     )
                 })
             }
-            ReferenceOp::AllReduce => {
+            CollectiveKind::AllReduce => {
                 if send.len() != recv.len() {
                     return Err(bad("all-reduce"));
                 }
@@ -270,17 +275,6 @@ impl Comm {
         // SAFETY: a valid communicator.
         check("MPI_Barrier", unsafe { ffi::MPI_Barrier(self.0) })
     }
-}
-
-/// MPI's own collectives, timed as references.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ReferenceOp {
-    /// `MPI_Allgather`.
-    AllGather,
-    /// `MPI_Reduce_scatter_block` (sum).
-    ReduceScatter,
-    /// `MPI_Allreduce` (sum).
-    AllReduce,
 }
 
 /// Requests of started non-blocking calls, in the order started.

@@ -36,14 +36,12 @@
 mod ffi;
 mod place;
 
-pub use ffi::ReferenceOp;
-
 use std::sync::Arc;
 
 use place::{Job, MpiMeeting};
 
 use super::local::{LocalConfig, LocalRank, LocalWorld};
-use super::BackendError;
+use super::{BackendError, CollectiveKind};
 use crate::bootstrap::{EnvError, Liveness};
 
 /// Knobs of the mpi backend.
@@ -166,7 +164,7 @@ impl MpiJob {
     /// [`BackendError::Device`] naming the MPI call that failed.
     pub fn time_reference(
         &self,
-        op: ReferenceOp,
+        op: CollectiveKind,
         bytes: usize,
         warmup: usize,
         iters: usize,
@@ -176,9 +174,9 @@ impl MpiJob {
         let n = self.world;
         let whole = bytes / 4;
         let (send, recv) = match op {
-            ReferenceOp::AllGather => (whole / n, whole / n * n),
-            ReferenceOp::ReduceScatter => (whole / n * n, whole / n),
-            ReferenceOp::AllReduce => (whole, whole),
+            CollectiveKind::AllGather => (whole / n, whole / n * n),
+            CollectiveKind::ReduceScatter => (whole / n * n, whole / n),
+            CollectiveKind::AllReduce | CollectiveKind::Broadcast => (whole, whole),
         };
         let input: Vec<f32> = (0..send).map(|i| (i % 251) as f32).collect();
         let mut output = vec![0f32; recv];
