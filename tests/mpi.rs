@@ -237,6 +237,11 @@ fn bench_under_mpirun_checks_every_collective() {
             assert!([0, 2, 3, 5].iter().all(|&i| cells[i] > 0.0), "{op}: {row}");
         }
     }
+    // `--no-shm-compare`: Open MPI's columns only.
+    let args = ["bench", "--backend", "mpi", "--op", "all_gather", "-b", "8K", "-e", "8K", "--iters", "2"];
+    let out = collsched_under_mpirun(2, &[&args[..], &["--warmup", "1", "--no-shm-compare"]].concat());
+    let text = show(&out);
+    assert!(out.status.success() && text.contains("x_ref") && !text.contains("shm_"), "{text}");
 }
 
 /// `mpirun -np N collsched demo --backend mpi`: parity with the unsharded reference, every

@@ -92,6 +92,11 @@ pub struct BenchArgs {
     /// alone (its latency), more overlap one with the next.
     #[arg(long, default_value_t = crate::bench::DEFAULT_INFLIGHT, value_name = "K")]
     pub inflight: usize,
+    /// With `--backend mpi` and every process on one machine, leave out the comparison with
+    /// `--backend shm` (by default the same processes run the same sizes over shm after the mpi
+    /// part, printed as `shm_*` columns; it doubles the run's time).
+    #[arg(long)]
+    pub no_shm_compare: bool,
 }
 
 impl BenchArgs {
@@ -221,7 +226,7 @@ fn run_mpi(args: &BenchArgs) -> Result<ExitCode, CliError> {
     drop(rows);
     let table = result?;
     // The shm backend after MPI's part: every row is printed once both are measured.
-    if let Some(times) = shm_times(&plan)? {
+    if let Some(times) = if args.no_shm_compare { None } else { shm_times(&plan)? } {
         let name = "--backend shm, the same processes over shared memory".to_owned();
         printer.references.push(Reference { tag: "shm", name, times });
     }
