@@ -95,6 +95,7 @@ fn demo_workload_simulates_the_same_collectives() {
     };
     let (step, compute, waits, host) = (ms("step time: "), ms("compute "), ms("waits "), ms("host "));
     assert!(step > 0.0 && compute > 0.0 && waits >= 0.0 && host >= 0.0, "{line}");
+    assert_eq!(ms("evaluation "), 0.0, "no evaluation asked for: {line}");
     assert!(compute + waits <= step * 1.0001, "{line}");
     let out = Command::new(env!("CARGO_BIN_EXE_collsched"))
         .args(["sim", "--workload", file_arg, "--world", "2", "--topo", "cpu-2socket", "--tflops", "0.003"])

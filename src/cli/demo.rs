@@ -141,7 +141,8 @@ fn run_mpi(
 
 /// Prints rank 0's mean step time over the steps after the first (which records the prefetch
 /// trace, as `collsched sim` leaves out its first step) in its parts: compute, waits for
-/// collectives, and host time (the rest: scheduling, copies in and out, the update); then what
+/// collectives, evaluation passes, and host time (the rest: scheduling, copies in and out, the
+/// update); then what
 /// they make as the simulator's inputs: the compute rate in its FLOP count (`--tflops`) and
 /// the host time per collective launched (`--host-overhead-us`).
 fn print_step_time(cfg: &DemoConfig, cost: &[crate::demo::StepCost]) {
@@ -154,14 +155,16 @@ fn print_step_time(cfg: &DemoConfig, cost: &[crate::demo::StepCost]) {
     let compute = timed.iter().map(|c| c.compute.as_secs_f64()).sum::<f64>() / n;
     let wait = timed.iter().map(|c| c.wait_time.as_secs_f64()).sum::<f64>() / n;
     let launches = timed.iter().map(|c| c.collectives as f64).sum::<f64>() / n;
-    let host = (wall - compute - wait).max(0.0);
+    let eval = timed.iter().map(|c| c.eval.as_secs_f64()).sum::<f64>() / n;
+    let host = (wall - compute - wait - eval).max(0.0);
     let flops = crate::demo::workload(cfg).model_flops() * cfg.micro_batches as f64;
     let rate = if compute > 0.0 { flops / compute } else { f64::INFINITY };
     println!(
-        "step time: {:.3} ms, compute {:.3} ms, waits {:.3} ms, host {:.3} ms (rank 0, mean of {} step(s){})",
+        "step time: {:.3} ms, compute {:.3} ms, waits {:.3} ms, evaluation {:.3} ms, host {:.3} ms (rank 0, mean of {} step(s){})",
         wall * 1e3,
         compute * 1e3,
         wait * 1e3,
+        eval * 1e3,
         host * 1e3,
         timed.len(),
         if cost.len() > 1 { " after the first" } else { "" },

@@ -78,6 +78,8 @@ pub struct StepCost {
     /// Time of the training micro-batches' layer arithmetic (forward and backward, not the
     /// evaluation pass): what the simulator's compute stands for.
     pub compute: Duration,
+    /// Wall time of the step's evaluation pass (zero without one).
+    pub eval: Duration,
 }
 
 impl StepCost {
@@ -426,7 +428,9 @@ fn run_rank<B: Backend>(
             }
         })?;
         if cfg.evaluates_after(step) {
+            let t = Instant::now();
             evals.push(eval_pass(&mut eval, cfg)?);
+            step_cost.eval = t.elapsed();
         }
         step_cost.wall = started.elapsed();
         cost.push(step_cost);
