@@ -1,6 +1,7 @@
 //! Gradient reduction in a dtype other than the parameters' (bf16 or f16 parameters reduced in
 //! f32, f32 parameters reduced in bf16 or f16), against an unsharded reference computed here
-//! that does the same casts and sums in the reduce-scatter's order; refused dtype pairs; and
+//! that does the same casts and sums in the reduce-scatter's order; a parameter without a
+//! gradient reduced as zeros; refused dtype pairs; and
 //! hybrid sharding's cross-group all-reduce chained behind the in-group reduce-scatter in
 //! stream order (launched before the reduce-scatter completed; a failure of the first stage
 //! reported on every rank).
@@ -87,6 +88,17 @@ struct Case {
     sharding: Sharding,
     pre: Option<f64>,
     post: Option<f64>,
+    /// On the last step parameter `MISSING` gets no gradient on any rank (a parameter the
+    /// forward did not use): reduced as zeros, in a gradient buffer an earlier step wrote.
+    missing: bool,
+}
+
+/// The parameter without a gradient on the last step of a `missing` case.
+const MISSING: usize = 3;
+
+/// Whether parameter `k` gets a gradient on `step`.
+fn has_grad(case: &Case, step: usize, k: usize) -> bool {
+    !(case.missing && step == STEPS - 1 && k == MISSING)
 }
 
 impl Case {
@@ -154,7 +166,13 @@ fn reference(case: &Case) -> (Vec<Vec<Vec<f32>>>, Vec<Vec<f32>>) {
             let mut red = vec![0f32; w.len()];
             for (i, out) in red.iter_mut().enumerate() {
                 let contribution = |rank: usize| {
-                    let g = |m: usize| round(p, grad_value(step, m, rank, k, i));
+                    let g = |m: usize| {
+                        if has_grad(case, step, k) {
+                            round(p, grad_value(step, m, rank, k, i))
+                        } else {
+                            0.0
+                        }
+                    };
                     (1..MICRO).fold(round(r, g(0)), |acc, m| round(r, acc + g(m)))
                 };
                 let stage = |group: &[usize], post: f32| {
@@ -207,8 +225,11 @@ fn backward(
     for k in (0..SIZES.len()).rev() {
         let id = ParamId(k as u32);
         c.fetch(&[id])?;
-        let g: Vec<f32> = (0..SIZES[k]).map(|i| grad_value(step, micro, c.model().rank(), k, i)).collect();
-        c.grad_ready(id, &encode(p, &g))?;
+        if has_grad(case, step, k) {
+            let g: Vec<f32> =
+                (0..SIZES[k]).map(|i| grad_value(step, micro, c.model().rank(), k, i)).collect();
+            c.grad_ready(id, &encode(p, &g))?;
+        }
         c.release(&[id])?;
     }
     Ok(())
@@ -309,7 +330,7 @@ fn all_cases(dtype: DType, reduce: DType) {
         for (k, sharding) in strategies(world).into_iter().enumerate() {
             // Alternate the divide factors: the defaults (mean), a pre-divide, both given.
             let (pre, post) = [(None, None), (Some(2.0), None), (Some(4.0), Some(0.75))][(world + k) % 3];
-            check(&Case { dtype, reduce, world, sharding, pre, post });
+            check(&Case { dtype, reduce, world, sharding, pre, post, missing: false });
         }
     }
 }
@@ -340,7 +361,21 @@ fn f32_params_reduced_in_f16_match_their_reference() {
                 sharding,
                 pre: Some(2.0),
                 post: None,
+                missing: false,
             });
+        }
+    }
+}
+
+/// A gradient that never comes is reduced as zeros, though the bucket's gradient buffer comes
+/// from the pool with an earlier step's gradients in it.
+#[test]
+fn a_parameter_without_a_gradient_is_reduced_as_zeros_in_a_reused_buffer() {
+    for (dtype, reduce) in [(DType::F32, DType::F32), (DType::BF16, DType::F32)] {
+        for world in 1..=4 {
+            for sharding in strategies(world) {
+                check(&Case { dtype, reduce, world, sharding, pre: None, post: None, missing: true });
+            }
         }
     }
 }
@@ -354,6 +389,7 @@ fn the_optimizer_gets_the_gradient_in_the_reduction_dtype_and_update_shards_f32_
         sharding: Sharding::EvenSplit,
         pre: None,
         post: None,
+        missing: false,
     };
     let plan = case.plan();
     let init = case.init();
@@ -394,7 +430,15 @@ fn refused_dtype_pairs_name_the_bucket_and_both_dtypes() {
         (DType::F32, DType::F64, "f32, f16 or bf16"),
         (DType::BF16, DType::I8, "f32, f16 or bf16"),
     ] {
-        let case = Case { dtype, reduce, world: 2, sharding: Sharding::EvenSplit, pre: None, post: None };
+        let case = Case {
+            dtype,
+            reduce,
+            world: 2,
+            sharding: Sharding::EvenSplit,
+            pre: None,
+            post: None,
+            missing: false,
+        };
         let plan = case.plan();
         let gather = plan.layout().gather_buckets()[1].id();
         // Only one gather bucket's override is bad: the error names its gradient bucket.
@@ -449,6 +493,7 @@ fn hybrid_case() -> Case {
         sharding: Sharding::Hybrid(2),
         pre: None,
         post: None,
+        missing: false,
     }
 }
 

@@ -3,7 +3,7 @@
 use std::fmt;
 use std::sync::Arc;
 
-use collsched_kernels::{ElemType, ReduceOp, Scaling};
+use collsched_kernels::{CopySegment, ElemType, ReduceOp, Scaling};
 use collsched_topo::CollectiveKind;
 
 use super::Stream;
@@ -104,11 +104,107 @@ pub struct CollDesc {
     pub scaling: Scaling,
     /// Caller's label, normally the bucket id; checked across ranks and named in errors.
     pub tag: u64,
+    /// All-gather only: where each member's shard lands in this member's output, when not
+    /// member after member (see [`GatherUnpack`]). This member's own choice: not compared
+    /// across members. Backends that cannot place pieces refuse it
+    /// ([`Backend::gathers_unpacked`](super::Backend::gathers_unpacked)).
+    pub unpack: Option<Arc<GatherUnpack>>,
+}
+
+/// An all-gather's output layout other than member after member: runs of the gathered order
+/// (the members' shards one after the other, `packed_offset`) placed at `buffer_offset` of the
+/// output, in elements, so that an all-gather of sharded parameters leaves each parameter whole
+/// in one pass instead of a gather and then an unpack (the kernels' `copy_out`). Elements of
+/// the gathered order no run names are not written anywhere.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GatherUnpack {
+    /// The runs, by member (a run never spans two members' shards), each member's ascending.
+    segments: Vec<CopySegment>,
+    /// `segments[by_member[q]..by_member[q + 1]]`: member q's runs.
+    by_member: Vec<usize>,
+    /// Elements per member's shard.
+    count: usize,
+    /// Elements the output must hold.
+    output_count: usize,
+}
+
+impl GatherUnpack {
+    /// The layout placing `segments` (copy-out runs of a gathered buffer of `members` shards of
+    /// `count` elements: `packed_offset` in it, `buffer_offset` in the output; `buffer` 0).
+    ///
+    /// # Errors
+    /// A run that names another buffer or leaves the gathered buffer, or sizes that overflow.
+    pub fn new(segments: &[CopySegment], count: usize, members: usize) -> Result<Self, String> {
+        let total = count.checked_mul(members).ok_or("the gathered size overflows")?;
+        let mut split = Vec::with_capacity(segments.len() + members);
+        let mut output_count = 0usize;
+        for (k, s) in segments.iter().enumerate() {
+            let end = s.packed_offset.checked_add(s.len).filter(|&e| e <= total);
+            let out_end = s.buffer_offset.checked_add(s.len);
+            let (Some(_), Some(out_end)) = (end, out_end) else {
+                return Err(format!("run {k} ({s:?}) leaves a gathered buffer of {total} elements"));
+            };
+            if s.buffer != 0 {
+                return Err(format!("run {k} ({s:?}) names buffer {}; an unpack has one output", s.buffer));
+            }
+            output_count = output_count.max(out_end);
+            // Cut at member boundaries: member q copies its own shard's runs.
+            let mut s = *s;
+            while s.len > 0 {
+                let room = count - s.packed_offset % count;
+                let len = s.len.min(room);
+                split.push(CopySegment { len, ..s });
+                s = CopySegment {
+                    buffer_offset: s.buffer_offset + len,
+                    packed_offset: s.packed_offset + len,
+                    len: s.len - len,
+                    ..s
+                };
+            }
+        }
+        split.sort_unstable_by_key(|s| s.packed_offset);
+        let by_member =
+            (0..=members).map(|q| split.partition_point(|s| s.packed_offset < q * count)).collect();
+        Ok(GatherUnpack { segments: split, by_member, count, output_count })
+    }
+
+    /// Member `q`'s runs (`packed_offset` counts from the start of the gathered order).
+    pub fn member(&self, q: usize) -> &[CopySegment] {
+        match (self.by_member.get(q), self.by_member.get(q + 1)) {
+            (Some(&lo), Some(&hi)) => &self.segments[lo..hi],
+            _ => &[],
+        }
+    }
+
+    /// Members the layout was made for.
+    pub fn members(&self) -> usize {
+        self.by_member.len().saturating_sub(1)
+    }
+
+    /// Elements per member's shard.
+    pub fn count(&self) -> usize {
+        self.count
+    }
+
+    /// Elements the output must hold.
+    pub fn output_count(&self) -> usize {
+        self.output_count
+    }
 }
 
 impl CollDesc {
     fn new(kind: CollectiveKind, group: RankGroup, elem: ElemType, count: usize) -> Self {
-        CollDesc { kind, root: 0, group, elem, count, op: ReduceOp::Sum, scaling: Scaling::default(), tag: 0 }
+        CollDesc {
+            kind,
+            root: 0,
+            group,
+            elem,
+            count,
+            op: ReduceOp::Sum,
+            scaling: Scaling::default(),
+            tag: 0,
+            unpack: None,
+        }
     }
 
     /// An all-gather of `count` elements per member.
@@ -138,6 +234,13 @@ impl CollDesc {
         self
     }
 
+    /// Sets an all-gather's output layout ([`GatherUnpack`]).
+    #[must_use]
+    pub fn with_unpack(mut self, unpack: Arc<GatherUnpack>) -> Self {
+        self.unpack = Some(unpack);
+        self
+    }
+
     /// Sets the reduction and its scaling.
     #[must_use]
     pub fn with_reduce(mut self, op: ReduceOp, scaling: Scaling) -> Self {
@@ -157,6 +260,9 @@ impl CollDesc {
     /// Elements the output must hold.
     pub fn output_count(&self) -> usize {
         match self.kind {
+            CollectiveKind::AllGather if self.unpack.is_some() => {
+                self.unpack.as_ref().map_or(0, |u| u.output_count())
+            }
             CollectiveKind::AllGather => self.count * self.group.len(),
             _ => self.count,
         }
@@ -269,4 +375,45 @@ pub(crate) fn elem_code(e: ElemType) -> u64 {
 /// The element type [`elem_code`] wrote, if `code` is one.
 pub(crate) fn elem_of(code: u64) -> Option<ElemType> {
     [ElemType::F32, ElemType::F16, ElemType::BF16].into_iter().find(|&e| elem_code(e) == code)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn seg(buffer_offset: usize, packed_offset: usize, len: usize) -> CopySegment {
+        CopySegment { buffer: 0, buffer_offset, packed_offset, len }
+    }
+
+    #[test]
+    fn an_unpack_cuts_runs_at_member_boundaries_and_sorts_them_by_member() {
+        // Two members of 4 elements: a run across both shards, and one of member 0's.
+        let u = GatherUnpack::new(&[seg(10, 2, 5), seg(0, 0, 2)], 4, 2).expect("layout");
+        assert_eq!(u.member(0), &[seg(0, 0, 2), seg(10, 2, 2)]);
+        assert_eq!(u.member(1), &[seg(12, 4, 3)]);
+        assert_eq!(u.member(2), &[] as &[CopySegment]);
+        assert_eq!((u.members(), u.count(), u.output_count()), (2, 4, 15));
+    }
+
+    #[test]
+    fn an_unpack_refuses_runs_outside_the_gathered_buffer_or_in_another_buffer() {
+        let out = GatherUnpack::new(&[seg(0, 6, 3)], 4, 2).expect_err("past the end");
+        assert!(out.contains("leaves a gathered buffer of 8 elements"), "{out}");
+        let other =
+            GatherUnpack::new(&[CopySegment { buffer: 1, ..seg(0, 0, 1) }], 4, 2).expect_err("buffer 1");
+        assert!(other.contains("names buffer 1"), "{other}");
+        assert!(GatherUnpack::new(&[seg(0, 0, 1)], usize::MAX, 2).is_err(), "overflow");
+    }
+
+    #[test]
+    fn an_unpacking_all_gather_needs_the_layouts_output() {
+        let u = GatherUnpack::new(&[seg(3, 0, 8)], 4, 2).expect("layout");
+        let d = CollDesc::all_gather(RankGroup::world(2), ElemType::F32, 4);
+        assert_eq!(d.output_count(), 8);
+        assert_eq!(d.clone().with_unpack(Arc::new(u)).output_count(), 11);
+        // The layout is each member's own: it does not take part in matching.
+        let plain = CollDesc::all_gather(RankGroup::world(2), ElemType::F32, 4);
+        let u2 = GatherUnpack::new(&[seg(0, 0, 8)], 4, 2).expect("layout");
+        assert!(plain.matches(&d.with_unpack(Arc::new(u2))));
+    }
 }

@@ -89,7 +89,7 @@ pub mod shm;
 pub use chain::{ChainError, Chained};
 pub use collsched_schedule::Stream;
 pub use collsched_topo::CollectiveKind;
-pub use desc::{CollDesc, CollRef, Collective, InvalidGroup, RankGroup};
+pub use desc::{CollDesc, CollRef, Collective, GatherUnpack, InvalidGroup, RankGroup};
 pub use error::{BackendError, LaunchError};
 pub use inflight::{InFlight, OnDrop, WaitError};
 
@@ -224,6 +224,21 @@ pub trait Backend: Send + Sync {
     fn host_bytes<'a>(&self, buffer: &'a Self::Buffer) -> Option<&'a [u8]> {
         let _ = buffer;
         None
+    }
+
+    /// The bytes of `buffer` to write in place when they are host memory (the local backend;
+    /// the caller owns the buffer, so no stream reads it), `None` for device memory (write it
+    /// with [`Backend::write_from_host`]). The default is `None`.
+    fn host_bytes_mut<'a>(&self, buffer: &'a mut Self::Buffer) -> Option<&'a mut [u8]> {
+        let _ = buffer;
+        None
+    }
+
+    /// Whether an all-gather may carry a [`GatherUnpack`](desc::GatherUnpack) (place each
+    /// member's shard in pieces, leaving parameters whole in one pass). The default is `false`:
+    /// such a launch is refused, and the caller gathers, then unpacks.
+    fn gathers_unpacked(&self) -> bool {
+        false
     }
 
     /// Unpacks runs of `packed` into `dst`: the kernels' `copy_out` with one destination

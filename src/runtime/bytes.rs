@@ -21,6 +21,13 @@ impl Bytes {
         self.len = len;
     }
 
+    /// Sets the length to `len` bytes, keeping what the first `len` held (bytes past the old
+    /// length are zero; allocates only when growing).
+    pub(crate) fn resize(&mut self, len: usize) {
+        self.words.resize(len.div_ceil(8), 0);
+        self.len = len;
+    }
+
     pub(crate) fn as_bytes(&self) -> &[u8] {
         &bytemuck::cast_slice(&self.words)[..self.len]
     }

@@ -3,10 +3,11 @@
 //! What the driver does with each action:
 //! - `Launch` (gather): copy this rank's shard into a pool buffer (copy-in), allocate the
 //!   gathered buffer (and, for a bucket with parameters not contiguous in it, the unpacked
-//!   buffer), launch the bucket's all-gather (or broadcast) as one group on the all-gather
+//!   buffer; on a backend that places pieces, only the unpacked one, which the all-gather fills
+//!   directly), launch the bucket's all-gather (or broadcast) as one group on the all-gather
 //!   stream after the fences.
-//! - `Launch` (reduce): copy the bucket's host gradient buffer (in the reduction dtype) into a
-//!   pool buffer, launch the reduce-scatter (or all-reduce) on the reduce-scatter stream; for
+//! - `Launch` (reduce): zero what no gradient wrote in the bucket's gradient buffer (or copy the
+//!   host staging buffer into it), launch the reduce-scatter (or all-reduce) on the reduce-scatter stream; for
 //!   hybrid sharding the all-reduce across groups is chained right behind it on the same
 //!   stream (`Backend::launch_then`, no host wait).
 //! - `Wait`: host wait (with the backend's timeout) for the launch, then finish it.
@@ -14,9 +15,10 @@
 //!   buffers when it completes), else give the gathered and unpacked buffers back to the pool
 //!   after the fences: the engine events the consumers gave to `release_after` and the
 //!   unpack's event (one pending event: `backend.free(buf, Some(&event))`; several: kept in a
-//!   deferred list until all but one completed). `Free` (gradient): nothing (the host buffer
-//!   is reused).
-//! - `AllocGrad`: zero the bucket's host gradient buffer (reused across steps).
+//!   deferred list until all but one completed). `Free` (gradient): nothing (the gradient buffer
+//!   is the reduce-scatter's input, freed when it completes).
+//! - `AllocGrad`: take the bucket's gradient buffer from the pool, zero its padding (host memory;
+//!   on a device, zero a host staging buffer reused across steps).
 //! - `CopyGradIn`: copy-in of the fresh gradient (cast from the parameters' dtype to the
 //!   reduction dtype per run), the accumulator, or both added, into the gradient buffer.
 //! - `AccumulateGrad`: add into the parameter's full-size accumulator, in the reduction dtype
@@ -149,12 +151,11 @@ impl<B: Backend> Driver<B> {
             },
             Action::AllocGrad { buffer, .. } => {
                 let j = grad_position(cx, buffer.bucket)?;
-                self.reduce.alloc_grad(cx.grad, j);
-                Ok(())
+                self.reduce.alloc_grad(be, cx.grad, j)
             }
             Action::CopyGradIn { param, buffer, source, .. } => {
                 let j = grad_position(cx, buffer.bucket)?;
-                self.reduce.copy_grad_in(cx.grad, cx.st.grads_mut(), j, *param, *source, fresh)
+                self.reduce.copy_grad_in(be, cx.grad, cx.st.grads_mut(), j, *param, *source, fresh)
             }
             Action::AccumulateGrad { param, .. } => {
                 self.reduce.accumulate_grad(cx.grad, cx.st.grads_mut(), *param, fresh)

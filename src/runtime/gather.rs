@@ -11,6 +11,12 @@
 //! with the backend's `unpack` (the kernels' `copy_out`, straight from the gathered buffer: on
 //! the calling thread for host memory, on the all-gather stream for a device, with the compute
 //! stream waiting for it), into the unpacked buffer allocated with the gathered one.
+//!
+//! On a backend that places pieces (`Backend::gathers_unpacked`: the host backends whose
+//! all-gather is `moves.rs`'s), an unpacked bucket skips both the gathered buffer and the
+//! unpack: its all-gather carries the copy-out runs as a `GatherUnpack` and writes each
+//! member's shard straight to where the parameters' full values go, one copy of each byte
+//! instead of two.
 
 use collsched_schedule::{EngineEvent, Fence, Launch, LaunchId};
 use smallvec::SmallVec;
@@ -31,6 +37,8 @@ struct PendingGather<B: Backend> {
     /// The unpacked buffer, allocated with the gathered one (buckets with parameters that are
     /// not contiguous in the gathered buffer).
     unpacked: Option<B::Buffer>,
+    /// The collective's output is the unpacked buffer (it placed the pieces itself).
+    unpacking: bool,
 }
 
 /// A finished gather, kept until its `Free`: what `fetch` hands out views of.
@@ -182,7 +190,9 @@ impl<B: Backend> GatherSide<B> {
 
     /// Launches bucket `g`'s gather `l`: this rank's `shard` into a pool buffer (copy-in), the
     /// gathered buffer (and the unpacked one) from the pool, the bucket's collective as one
-    /// group on the launch's stream after its fences.
+    /// group on the launch's stream after its fences. An unpacked bucket on a backend that
+    /// places pieces gathers straight into its unpacked buffer instead (no gathered buffer, no
+    /// unpack).
     pub(crate) fn launch(
         &mut self,
         be: &B,
@@ -205,17 +215,21 @@ impl<B: Backend> GatherSide<B> {
         } else {
             None
         };
+        let unpacking = t.unpacking.as_ref().filter(|_| input.is_some() && be.gathers_unpacked());
         // The gathered buffer and the unpacked one are taken together (the scheduler counts both).
-        let buffers = be.alloc(t.gathered_bytes).and_then(|out| match t.unpacked_bytes {
-            0 => Ok((out, None)),
-            n => match be.alloc(n) {
-                Ok(u) => Ok((out, Some(u))),
-                Err(e) => {
-                    be.free(out, None);
-                    Err(e)
-                }
-            },
-        });
+        let buffers = match unpacking {
+            Some(_) => be.alloc(t.unpacked_bytes).map(|out| (out, None)),
+            None => be.alloc(t.gathered_bytes).and_then(|out| match t.unpacked_bytes {
+                0 => Ok((out, None)),
+                n => match be.alloc(n) {
+                    Ok(u) => Ok((out, Some(u))),
+                    Err(e) => {
+                        be.free(out, None);
+                        Err(e)
+                    }
+                },
+            }),
+        };
         let (output, unpacked) = match buffers {
             Ok(b) => b,
             Err(e) => {
@@ -226,7 +240,7 @@ impl<B: Backend> GatherSide<B> {
             }
         };
         let mut ops = self.spare.pop().unwrap_or_default();
-        ops.push(Collective { desc: t.desc.clone(), input, output });
+        ops.push(Collective { desc: unpacking.unwrap_or(&t.desc).clone(), input, output });
         let mut events = std::mem::take(&mut self.events);
         events.clear();
         for f in &l.after {
@@ -247,7 +261,7 @@ impl<B: Backend> GatherSide<B> {
         };
         counters.collectives += 1;
         counters.bytes_moved += t.gathered_bytes as u64;
-        self.pending.push(PendingGather { id: l.id, g, flight, unpacked });
+        self.pending.push(PendingGather { id: l.id, g, flight, unpacked, unpacking: unpacking.is_some() });
         Ok(())
     }
 
@@ -269,11 +283,11 @@ impl<B: Backend> GatherSide<B> {
         let p = self.pending.swap_remove(k);
         let g = p.g;
         let t = &tables.gather[g];
-        let mut unpacked = p.unpacked;
+        let (mut unpacked, unpacking) = (p.unpacked, p.unpacking);
         let mut ops = match wait_flight(p.flight, block, be, counters) {
             Ok(ops) => ops,
             Err(Waited::Pending(flight)) => {
-                self.pending.push(PendingGather { id, g, flight, unpacked });
+                self.pending.push(PendingGather { id, g, flight, unpacked, unpacking });
                 return Ok(Finish::Running);
             }
             Err(Waited::Failed(source)) => {
@@ -300,6 +314,16 @@ impl<B: Backend> GatherSide<B> {
                 what: format!("all_gather(bucket {}) returned no buffer", t.id),
             });
         };
+        if unpacking {
+            // The collective left every parameter whole in its output: the unpacked buffer.
+            let held = Gathered { id, buffer: None, unpacked: Some(buffer), ready: None };
+            if let Some(old) = self.held[g].replace(held) {
+                let ready = old.ready.clone().into_iter().collect();
+                self.retire(be, old.buffers(), ready);
+            }
+            done(id)?;
+            return Ok(Finish::Done);
+        }
         let unpack = |u: &mut B::Buffer| -> Result<Option<B::Event>, crate::backend::BackendError> {
             let ready = be.unpack(Stream::AllGather, u, &buffer, &t.copy_out, t.elem.size())?;
             if let Some(e) = &ready {

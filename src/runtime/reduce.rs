@@ -16,7 +16,7 @@ use collsched_schedule::{GradSource, Launch, LaunchId};
 use super::bytes::Bytes;
 use super::flight::{backend_err, free_ops, launch, wait_flight, DriverCounters, Waited};
 use super::gather::Done;
-use super::tables::GradTables;
+use super::tables::{GradTable, GradTables};
 use super::RuntimeError;
 use crate::backend::{Backend, BackendEvent, ChainError, Chained, Collective, InFlight};
 
@@ -61,7 +61,8 @@ impl GradStore {
         self.valid.iter_mut().for_each(|v| *v = false);
     }
 
-    /// The shard buffer of bucket `j` of `tables` to receive a reduction (zeroed, sized),
+    /// The shard buffer of bucket `j` of `tables` to receive a reduction (sized; its old
+    /// bytes are overwritten whole),
     /// switching to `tables` first if the plan changed.
     fn receive(&mut self, tables: &Arc<GradTables>, j: usize) -> &mut [u8] {
         if !self.tables.as_ref().is_some_and(|g| Arc::ptr_eq(g, tables)) {
@@ -73,7 +74,7 @@ impl GradStore {
             self.shards.resize_with(n, Bytes::default);
         }
         self.valid.resize(n, false);
-        self.shards[j].reset_zeroed(tables.grad[j].shard_bytes);
+        self.shards[j].resize(tables.grad[j].shard_bytes);
         self.shards[j].as_bytes_mut()
     }
 }
@@ -91,11 +92,21 @@ struct PendingReduce<B: Backend> {
 
 /// One coordinator's gradient buffers (full size, in the reduction dtype) and reductions in
 /// flight.
+///
+/// A bucket's gradient buffer is the reduce-scatter's input, a backend buffer taken from the
+/// pool at `AllocGrad`: on a backend whose buffers are host memory gradients are cast straight
+/// into it, and only what no gradient wrote is zeroed (the padding at `AllocGrad`, a parameter
+/// whose gradient never came at launch). Elsewhere (device memory) they go into a host
+/// staging buffer, zeroed whole, copied into the backend buffer at launch.
 pub(crate) struct ReduceSide<B: Backend> {
     rank: usize,
     pending: Vec<PendingReduce<B>>,
-    /// Per gradient bucket: the full-size gradient buffer, in the reduction dtype.
+    /// Per gradient bucket: its gradient buffer between `AllocGrad` and the launch.
+    inputs: Vec<Option<B::Buffer>>,
+    /// Per gradient bucket: the host staging buffer, for a backend without host buffers.
     staging: Vec<Bytes>,
+    /// Per parameter: whether its gradient is in its bucket's open gradient buffer.
+    copied: Vec<bool>,
     spare: Vec<Vec<Collective<B::Buffer>>>,
 }
 
@@ -115,7 +126,9 @@ impl<B: Backend> ReduceSide<B> {
         ReduceSide {
             rank,
             pending: Vec::with_capacity(n_grad.max(4)),
+            inputs: Vec::new(),
             staging: Vec::new(),
+            copied: Vec::new(),
             spare: Vec::with_capacity(n_grad.max(4)),
         }
     }
@@ -130,19 +143,69 @@ impl<B: Backend> ReduceSide<B> {
         self.pending.iter().find(|p| p.id == id).map(|p| p.flight.event())
     }
 
-    /// `AllocGrad`: zeroes bucket `j`'s gradient buffer (reused across steps). The scheduler
-    /// sizes it in the bucket's dtype; it holds the reduction dtype.
-    pub(crate) fn alloc_grad(&mut self, tables: &GradTables, j: usize) {
-        if self.staging.len() < tables.grad.len() {
-            self.staging.resize_with(tables.grad.len(), Bytes::default);
+    /// `AllocGrad`: opens bucket `j`'s gradient buffer, in the reduction dtype (the scheduler
+    /// sizes it in the bucket's dtype), with zeros where no gradient goes.
+    pub(crate) fn alloc_grad(&mut self, be: &B, tables: &GradTables, j: usize) -> Result<(), RuntimeError> {
+        let n = tables.grad.len();
+        if self.inputs.len() < n {
+            self.inputs.resize_with(n, || None);
         }
-        self.staging[j].reset_zeroed(tables.grad[j].gathered_bytes);
+        if self.copied.len() < tables.params.len() {
+            self.copied.resize(tables.params.len(), false);
+        }
+        let t = &tables.grad[j];
+        // A buffer a step opened and never launched (its backward raised): back to the pool.
+        if let Some(old) = self.inputs[j].take() {
+            be.free(old, None);
+        }
+        let mut input =
+            be.alloc(t.gathered_bytes).map_err(backend_err(be.rank(), "AllocGrad", Some(t.id)))?;
+        match be.host_bytes_mut(&mut input) {
+            Some(bytes) => {
+                for &(lo, hi) in &t.gaps {
+                    bytes[lo..hi].fill(0);
+                }
+            }
+            None => {
+                if self.staging.len() < n {
+                    self.staging.resize_with(n, Bytes::default);
+                }
+                self.staging[j].reset_zeroed(t.gathered_bytes);
+            }
+        }
+        self.inputs[j] = Some(input);
+        for p in &t.params {
+            self.copied[p.index()] = false;
+        }
+        Ok(())
+    }
+
+    /// Bucket `j`'s open gradient buffer as host bytes: the backend buffer itself, or the
+    /// staging buffer.
+    fn grad_bytes<'a>(
+        be: &B,
+        rank: usize,
+        inputs: &'a mut [Option<B::Buffer>],
+        staging: &'a mut [Bytes],
+        t: &GradTable,
+        j: usize,
+    ) -> Result<&'a mut [u8], RuntimeError> {
+        let input = inputs.get_mut(j).and_then(Option::as_mut).ok_or_else(|| RuntimeError::Internal {
+            rank,
+            what: format!("gradient bucket {}: a gradient copy-in before its AllocGrad", t.id),
+        })?;
+        Ok(match be.host_bytes_mut(input) {
+            Some(bytes) => bytes,
+            None => staging[j].as_bytes_mut(),
+        })
     }
 
     /// `CopyGradIn`: the fresh gradient (cast from the parameters' dtype to the reduction
     /// dtype per run), the accumulator, or both added, into bucket `j`'s gradient buffer.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn copy_grad_in(
         &mut self,
+        be: &B,
         tables: &GradTables,
         store: &mut GradStore,
         j: usize,
@@ -171,8 +234,10 @@ impl<B: Backend> ReduceSide<B> {
                 (store.accumulators[p].as_bytes(), t.elem)
             }
         };
-        copy_in_cast(self.staging[j].as_bytes_mut(), t.elem, src, src_elem, segs)
-            .map_err(|e| kernel_err(rank, param, "copy_in", e))
+        let dst = Self::grad_bytes(be, rank, &mut self.inputs, &mut self.staging, t, j)?;
+        copy_in_cast(dst, t.elem, src, src_elem, segs).map_err(|e| kernel_err(rank, param, "copy_in", e))?;
+        self.copied[p] = true;
+        Ok(())
     }
 
     /// `AccumulateGrad`: adds the fresh gradient into the parameter's full-size accumulator, in
@@ -208,8 +273,9 @@ impl<B: Backend> ReduceSide<B> {
         }
     }
 
-    /// Launches bucket `j`'s reduction `l` on the reduce-scatter stream after `fences`: the
-    /// gradient buffer into a pool buffer, the reduce-scatter (or all-reduce); for hybrid
+    /// Launches bucket `j`'s reduction `l` on the reduce-scatter stream after `fences`: zeros
+    /// where a gradient never came (or the staging buffer copied in), the reduce-scatter (or
+    /// all-reduce) of the gradient buffer; for hybrid
     /// sharding the cross-group all-reduce is chained behind it in stream order (no host
     /// wait), its input the reduce-scatter's output.
     pub(crate) fn launch(
@@ -225,9 +291,32 @@ impl<B: Backend> ReduceSide<B> {
         let t = &tables.grad[j];
         let err = |op| backend_err(rank, op, Some(t.id));
         let first_op = t.stages[0].kind.name();
-        let mut input = be.alloc(t.gathered_bytes).map_err(err(first_op))?;
-        let staged = self.staging.get(j).map_or(&[][..], Bytes::as_bytes);
-        be.write_from_host(&mut input, 0, staged).map_err(err("reduce_scatter copy-in"))?;
+        let mut input =
+            self.inputs.get_mut(j).and_then(Option::take).ok_or_else(|| RuntimeError::Internal {
+                rank,
+                what: format!("gradient bucket {}: launched without an AllocGrad", t.id),
+            })?;
+        match be.host_bytes_mut(&mut input) {
+            Some(bytes) => {
+                for p in &t.params {
+                    if std::mem::take(&mut self.copied[p.index()]) {
+                        continue;
+                    }
+                    let (lo, hi) = tables.params[p.index()].copy_in;
+                    for s in &tables.copy_in[lo as usize..hi as usize] {
+                        let es = t.elem.size();
+                        bytes[s.packed_offset * es..(s.packed_offset + s.len) * es].fill(0);
+                    }
+                }
+            }
+            None => {
+                let staged = self.staging.get(j).map_or(&[][..], Bytes::as_bytes);
+                if let Err(e) = be.write_from_host(&mut input, 0, staged) {
+                    be.free(input, None);
+                    return Err(err("reduce_scatter copy-in")(e));
+                }
+            }
+        }
         let output = be.alloc(t.shard_bytes).map_err(err(first_op))?;
         let mut ops = self.spare.pop().unwrap_or_default();
         ops.push(Collective { desc: t.stages[0].clone(), input: Some(input), output });

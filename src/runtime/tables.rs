@@ -7,12 +7,14 @@
 //! `GatherTables::gather`, `j` a gradient bucket's position in `GradTables::grad`, `p` a
 //! parameter's index; `position(BucketId)` translates a layout's bucket id.
 
+use std::sync::Arc;
+
 use collsched_buckets::{BucketId, DType, ParamId};
 use collsched_kernels::{CopySegment, ElemType, ReduceOp, Scaling};
 use collsched_schedule::{BufferRole, CollectiveKind, Plan, Scheduler};
 
 use super::RuntimeError;
-use crate::backend::{CollDesc, RankGroup};
+use crate::backend::{CollDesc, GatherUnpack, RankGroup};
 
 /// The collective element type of a bucket dtype.
 pub(crate) fn elem_of(dtype: DType, rank: usize, bucket: BucketId) -> Result<ElemType, RuntimeError> {
@@ -90,6 +92,9 @@ pub(crate) struct GatherTable {
     /// Bytes of the unpacked buffer (0: every view points into the gathered buffer; otherwise
     /// every view points into the unpacked one).
     pub(crate) unpacked_bytes: usize,
+    /// For an unpacked all-gather bucket: `desc` with `copy_out` as its output layout, which
+    /// gathers straight into the unpacked buffer on backends that place pieces.
+    pub(crate) unpacking: Option<CollDesc>,
 }
 
 /// Where a parameter lives on this rank.
@@ -193,7 +198,7 @@ impl GatherTables {
                     base += numel;
                 }
             }
-            let copy_out = plan
+            let copy_out: Vec<CopySegment> = plan
                 .runs(op_id, rank as u32, BufferRole::Gathered)
                 .filter(|r| params[r.param.index()].unpacked)
                 .map(|r| CopySegment {
@@ -203,15 +208,26 @@ impl GatherTables {
                     len: r.numel,
                 })
                 .collect();
+            let desc = desc.with_tag(u64::from(b.id().0));
+            let unpacking = match desc.kind {
+                CollectiveKind::AllGather if base > 0 => {
+                    let u = GatherUnpack::new(&copy_out, desc.count, desc.group.len()).map_err(|what| {
+                        RuntimeError::Unsupported { rank, what: format!("gather bucket {}: {what}", b.id()) }
+                    })?;
+                    Some(desc.clone().with_unpack(Arc::new(u)))
+                }
+                _ => None,
+            };
             gather.push(GatherTable {
                 id: b.id(),
                 elem,
                 shard_bytes: b.shard_bytes(),
                 gathered_bytes: b.gathered_bytes(),
-                desc: desc.with_tag(u64::from(b.id().0)),
+                desc,
                 sends,
                 copy_out,
                 unpacked_bytes: base * b.dtype().size(),
+                unpacking,
             });
         }
         Ok(GatherTables { rank, gather, params, shard_runs, by_id })
@@ -249,6 +265,10 @@ pub(crate) struct GradTable {
     /// The collectives, run one after the other (reduce-scatter; for hybrid then the
     /// all-reduce across groups; or one all-reduce).
     pub(crate) stages: Vec<CollDesc>,
+    /// The bucket's parameters (a gradient that never arrives is zeros in the buffer).
+    pub(crate) params: Vec<ParamId>,
+    /// Byte ranges of the gradient buffer no parameter's copy-in covers (padding): zeros.
+    pub(crate) gaps: Vec<(usize, usize)>,
 }
 
 /// Where a trainable parameter's gradient goes on this rank.
@@ -327,6 +347,7 @@ impl GradTables {
                     what: format!("gradient bucket {} has no op in the plan", b.id()),
                 });
             };
+            let bucket_segments = copy_in.len();
             for &p in b.params() {
                 let lo = copy_in.len() as u32;
                 for r in plan.runs(first, rank as u32, BufferRole::Gathered).filter(|r| r.param == p) {
@@ -350,13 +371,17 @@ impl GradTables {
                 params[p.index()] = GradSlot { bucket: j as u32, copy_in: (lo, hi), shard_runs: (slo, shi) };
             }
             let in_reduce = |bytes: usize| bytes / param_elem.size() * elem.size();
+            let gathered_bytes = in_reduce(b.gathered_bytes());
+            let gaps = gaps(&copy_in[bucket_segments..], elem.size(), gathered_bytes);
             grad.push(GradTable {
                 id: b.id(),
                 elem,
                 param_elem,
-                gathered_bytes: in_reduce(b.gathered_bytes()),
+                gathered_bytes,
                 shard_bytes: in_reduce(b.shard_bytes()),
                 stages,
+                params: b.params().to_vec(),
+                gaps,
             });
         }
         Ok(GradTables { grad, params, copy_in, shard_runs, by_id })
@@ -368,5 +393,45 @@ impl GradTables {
             Some(&j) if j != u32::MAX => Some(j as usize),
             _ => None,
         }
+    }
+}
+
+/// The byte ranges of `0..len` that no segment's packed range covers (`segments` count
+/// elements of `elem_size` bytes).
+fn gaps(segments: &[CopySegment], elem_size: usize, len: usize) -> Vec<(usize, usize)> {
+    let mut covered: Vec<(usize, usize)> = segments
+        .iter()
+        .map(|s| (s.packed_offset * elem_size, (s.packed_offset + s.len) * elem_size))
+        .collect();
+    covered.sort_unstable();
+    let mut out = Vec::new();
+    let mut at = 0;
+    for (lo, hi) in covered {
+        if lo > at {
+            out.push((at, lo.min(len)));
+        }
+        at = at.max(hi);
+    }
+    if at < len {
+        out.push((at, len));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn seg(packed_offset: usize, len: usize) -> CopySegment {
+        CopySegment { buffer: 0, buffer_offset: 0, packed_offset, len }
+    }
+
+    #[test]
+    fn gaps_are_the_uncovered_bytes() {
+        assert_eq!(gaps(&[], 4, 12), vec![(0, 12)]);
+        assert_eq!(gaps(&[seg(0, 3)], 4, 12), Vec::<(usize, usize)>::new());
+        // Out of order, touching, overlapping, a hole in the middle and padding at the end.
+        let segs = [seg(5, 2), seg(0, 2), seg(2, 1), seg(1, 1), seg(9, 1)];
+        assert_eq!(gaps(&segs, 2, 24), vec![(6, 10), (14, 18), (20, 24)]);
     }
 }

@@ -3,10 +3,13 @@
 //! backends' tests).
 #![allow(dead_code)]
 
+use std::sync::Arc;
 use std::time::Duration;
 
-use collsched::backend::{Backend, BackendBuffer, BackendError, CollDesc, Collective, RankGroup, Stream};
-use collsched::kernels::{ElemType, ReduceOp, Scaling};
+use collsched::backend::{
+    Backend, BackendBuffer, BackendError, CollDesc, Collective, GatherUnpack, RankGroup, Stream,
+};
+use collsched::kernels::{CopySegment, ElemType, ReduceOp, Scaling};
 use half::{bf16, f16};
 
 pub const SIZES: [usize; 4] = [1, 17, 257, 4099];
@@ -119,6 +122,8 @@ pub fn exercise<B: Backend>(rank: &B) -> Result<Vec<String>, BackendError> {
             )?;
             compare(&format!("all_gather n={n} {count} x {}", ty.name()), ty, &got, &want, &mut wrong);
 
+            unpacking_all_gather(rank, &desc, &shard, &want, &mut wrong)?;
+
             let mut output = rank.alloc(n * count * es)?;
             rank.write_from_host(&mut output, me * count * es, &encode(ty, &shard))?;
             let got = run_one(rank, Stream::AllGather, Collective { desc, input: None, output })?;
@@ -182,6 +187,63 @@ pub fn exercise<B: Backend>(rank: &B) -> Result<Vec<String>, BackendError> {
         }
     }
     Ok(wrong)
+}
+
+/// An all-gather of `desc` (`shard` from this rank; `gathered`: the whole result member
+/// after member) into an unpack layout: runs of 3 elements of the gathered order (some across
+/// two members' shards) placed in reverse order. Checked against `gathered` rearranged here;
+/// a backend that cannot place pieces must refuse the launch.
+fn unpacking_all_gather<B: Backend>(
+    rank: &B,
+    desc: &CollDesc,
+    shard: &[f32],
+    gathered: &[f32],
+    wrong: &mut Vec<String>,
+) -> Result<(), BackendError> {
+    let (n, count, ty) = (desc.group.len(), desc.count, desc.elem);
+    let total = n * count;
+    let mut segments = Vec::new();
+    let mut want = vec![f32::NAN; total];
+    let mut at = 0;
+    for a in (0..total).step_by(3).rev() {
+        let len = 3.min(total - a);
+        segments.push(CopySegment { buffer: 0, buffer_offset: at, packed_offset: a, len });
+        want[at..at + len].copy_from_slice(&gathered[a..a + len]);
+        at += len;
+    }
+    let what = format!("unpacking all_gather n={n} {count} x {}", ty.name());
+    let unpack = match GatherUnpack::new(&segments, count, n) {
+        Ok(u) => Arc::new(u),
+        Err(e) => {
+            wrong.push(format!("{what}: layout refused: {e}"));
+            return Ok(());
+        }
+    };
+    let mut input = rank.alloc(count * ty.size())?;
+    rank.write_from_host(&mut input, 0, &encode(ty, shard))?;
+    let output = rank.alloc(total * ty.size())?;
+    let c = Collective { desc: desc.clone().with_unpack(unpack), input: Some(input), output };
+    if rank.gathers_unpacked() {
+        let got = run_one(rank, Stream::AllGather, c)?;
+        compare(&what, ty, &got, &want, wrong);
+        return Ok(());
+    }
+    match rank.launch(Stream::AllGather, &[], c) {
+        Ok(_) => wrong.push(format!("{what}: launched on a backend that cannot place pieces")),
+        Err(refused) => {
+            let msg = refused.error.to_string();
+            if !matches!(refused.error, BackendError::InvalidCollective { .. }) || !msg.contains("unpack") {
+                wrong.push(format!(
+                    "{what}: refused with {msg}, want an invalid collective naming the unpack"
+                ));
+            }
+            for c in refused.ops {
+                c.input.into_iter().for_each(|b| rank.free(b, None));
+                rank.free(c.output, None);
+            }
+        }
+    }
+    Ok(())
 }
 
 /// A group launch of three all-gathers (three types, odd sizes) over the world on one stream,

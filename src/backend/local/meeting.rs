@@ -17,6 +17,11 @@ pub(crate) trait Meeting: Send + Sync {
     fn departed(&self, rank: usize, stream: Stream);
     /// `rank`'s handle is being dropped while its thread unwinds from a panic.
     fn panicked(&self, rank: usize);
+    /// Whether this place moves all-gathers with `moves.rs` (which places a
+    /// [`GatherUnpack`](crate::backend::GatherUnpack)'s pieces); MPI's own all-gather does not.
+    fn gathers_unpacked(&self) -> bool {
+        true
+    }
 }
 
 /// One (group, stream)'s meeting place.

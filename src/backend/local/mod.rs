@@ -446,6 +446,28 @@ impl LocalRank {
             if let Some(input) = &c.input {
                 need(d.input_count(), "input", input.len())?;
             }
+            if let Some(u) = &d.unpack {
+                let why = if d.kind != CollectiveKind::AllGather {
+                    Some(format!("{} cannot carry an unpack layout (all-gathers only)", d.kind.name()))
+                } else if c.input.is_none() {
+                    Some("an unpacking all-gather needs an input (in place is not supported)".into())
+                } else if u.members() != d.group.len() || u.count() != d.count {
+                    Some(format!(
+                        "the unpack layout was made for {} members of {} elements, the collective has {} of {}",
+                        u.members(),
+                        u.count(),
+                        d.group.len(),
+                        d.count
+                    ))
+                } else if !self.shared.meeting.gathers_unpacked() {
+                    Some("this backend's all-gather cannot place pieces; gather, then unpack".into())
+                } else {
+                    None
+                };
+                if let Some(what) = why {
+                    return Err(bad(what));
+                }
+            }
             let src = c.input.as_ref().map_or(std::ptr::null_mut(), |b| b.as_ptr().cast_mut());
             let dst = c.output.as_mut_ptr();
             // One address space: every member can reach every buffer, borrowed or not.
@@ -515,6 +537,14 @@ impl Backend for LocalRank {
 
     fn host_bytes<'a>(&self, buffer: &'a LocalBuffer) -> Option<&'a [u8]> {
         Some(buffer.as_bytes())
+    }
+
+    fn host_bytes_mut<'a>(&self, buffer: &'a mut LocalBuffer) -> Option<&'a mut [u8]> {
+        Some(buffer.as_bytes_mut())
+    }
+
+    fn gathers_unpacked(&self) -> bool {
+        self.shared.meeting.gathers_unpacked()
     }
 
     /// Copies on the calling thread with the kernels' `copy_out` (both buffers are this

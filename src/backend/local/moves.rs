@@ -82,6 +82,25 @@ pub(crate) fn first_half(me: usize, posts: &[Post]) -> Result<(), BackendError> 
         let d = &mine.desc;
         let es = d.elem.size();
         match d.kind {
+            CollectiveKind::AllGather if d.unpack.is_some() => {
+                let Some(u) = d.unpack.as_deref() else { continue };
+                let bytes = d.count * es;
+                let whole = u.output_count() * es;
+                for (q, post) in posts.iter().enumerate() {
+                    let shard = shard_src(&post[i], q * bytes);
+                    for s in u.member(q) {
+                        let src = shard.wrapping_add((s.packed_offset - q * d.count) * es);
+                        let dst = mine.dst.0.wrapping_add(s.buffer_offset * es);
+                        // SAFETY: launch checked that our input holds `bytes` (an unpacking
+                        // all-gather is never in place) and that our output holds the layout's
+                        // `output_count`, every run of which ends within it; member q's run lies
+                        // within its shard of `bytes` (`GatherUnpack::new` cuts runs at member
+                        // boundaries), which is only read during the collective. Only we write
+                        // our output; the buffers live until every member departed.
+                        unsafe { copy_bytes(dst, src, s.len * es, whole) };
+                    }
+                }
+            }
             CollectiveKind::AllGather => {
                 let bytes = d.count * es;
                 for (q, post) in posts.iter().enumerate() {

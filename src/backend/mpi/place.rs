@@ -111,6 +111,10 @@ impl Meeting for MpiMeeting {
     fn departed(&self, _rank: usize, _stream: Stream) {}
 
     fn panicked(&self, _rank: usize) {}
+
+    fn gathers_unpacked(&self) -> bool {
+        false
+    }
 }
 
 /// Words of a member's header.
@@ -240,6 +244,7 @@ fn describe(h: &[u64], group: &RankGroup) -> String {
             post_divide: f32::from_bits(h[9] as u32),
         },
         tag: h[10],
+        unpack: None,
     };
     match h[1] {
         0 => "nothing".into(),

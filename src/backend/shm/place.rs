@@ -32,9 +32,9 @@ use super::arena::Arena;
 use super::segment::Segment;
 use crate::backend::desc::{elem_code, elem_of, kind_code, kind_of};
 use crate::backend::local::meeting::{Meeting, Place};
-use crate::backend::local::moves::{self, OpPost, Post, RawPtr};
+use crate::backend::local::moves::{self, OpPost, Post, RawPtr, POST_INLINE};
 use crate::backend::local::rendezvous::{guarded, Arrival, Caller};
-use crate::backend::{BackendError, CollDesc, CollRef, CollectiveKind, RankGroup, Stream};
+use crate::backend::{BackendError, CollDesc, CollRef, CollectiveKind, GatherUnpack, RankGroup, Stream};
 use crate::bootstrap::Liveness;
 
 use super::layout::*;
@@ -279,6 +279,7 @@ impl ShmPlace {
             op,
             scaling,
             tag: v(4),
+            unpack: None,
         };
         let src = ((w0 >> 24) & 1 == 1).then_some(v(5) as usize);
         Some((desc, src, v(6) as usize, (w0 >> 25) & 1 == 1))
@@ -305,8 +306,15 @@ impl ShmPlace {
         })
     }
 
-    /// Every member's post as pointers into this process's mappings.
-    fn read_posts(&self, slot: usize, out: &mut Vec<Post>, rank: usize) -> Result<(), BackendError> {
+    /// Every member's post as pointers into this process's mappings; this member's own
+    /// collectives get back their unpack layouts (`unpacks`, by collective, or empty).
+    fn read_posts(
+        &self,
+        slot: usize,
+        out: &mut Vec<Post>,
+        rank: usize,
+        unpacks: &[Option<Arc<GatherUnpack>>],
+    ) -> Result<(), BackendError> {
         let l = &self.job.layout;
         out.resize_with(self.group.len(), SmallVec::new);
         for (q, post) in out.iter_mut().enumerate() {
@@ -320,7 +328,10 @@ impl ShmPlace {
                         "rank {rank}: the post of rank {owner} in the shared control block is unreadable"
                     ),
                 };
-                let (desc, src, dst, private) = self.read_op(at, i).ok_or_else(bad)?;
+                let (mut desc, src, dst, private) = self.read_op(at, i).ok_or_else(bad)?;
+                if owner == rank {
+                    desc.unpack = unpacks.get(i).cloned().flatten();
+                }
                 let es = desc.elem.size();
                 let src = match src {
                     Some(off) => {
@@ -572,6 +583,14 @@ impl Place for ShmPlace {
             }
         }
         let at = l.post(slot, me);
+        // The post in shared memory says what every member agreed on; an all-gather's unpack
+        // layout is this member's alone and stays here.
+        let unpacks: SmallVec<[Option<Arc<GatherUnpack>>; POST_INLINE]> = match &arrival {
+            Arrival::Ops(post) if post.iter().any(|o| o.desc.unpack.is_some()) => {
+                post.iter().map(|o| o.desc.unpack.clone()).collect()
+            }
+            _ => SmallVec::new(),
+        };
         let failure = match arrival {
             Arrival::Failed(e) => Some(e),
             Arrival::Ops(post) => self.write_post(at, &post, rank, op).err(),
@@ -641,7 +660,7 @@ impl Place for ShmPlace {
 
         // 3. Move data.
         let mut posts = self.scratch.lock().unwrap_or_else(PoisonError::into_inner);
-        let mut result = self.read_posts(slot, &mut posts, rank);
+        let mut result = self.read_posts(slot, &mut posts, rank, &unpacks);
         let next = |q: usize| w[l.next(slot) + q].fetch_add(1, Ordering::Relaxed) as usize;
         if result.is_ok() {
             result = guarded(caller, op, || {
