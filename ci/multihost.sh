@@ -109,7 +109,7 @@ check_bench reduce_scatter
 # (--workload-out) and its compute rate and host time per collective measured in the same run (--tflops,
 # --host-overhead-us). The demo runs one
 # micro-batch per step without evaluation or freezing: one simulated step.
-predict() {
+predict_once() {
   local label="$1" out rows a_us bw step tflops host sim
   out=$(across bench --backend mpi --op all_gather -b 4K -e 64K -f 16 --iters 40 --warmup 5)
   rows=$(grep -v '^#' <<<"$out" | awk 'NF >= 8 { print $1, $6 }')
@@ -139,8 +139,17 @@ TOPO
   echo "ci/multihost: $label link as a collective sees it: latency $a_us us, bandwidth $bw GB/s;" \
     "demo step: measured $step ms, simulated $sim ms" \
     "(ratio $(awk -v m="$step" -v s="$sim" 'BEGIN { printf "%.2f", s / m }'))"
-  awk -v m="$step" -v s="$sim" 'BEGIN { exit !(m > 0 && s > 0 && s / m > 0.5 && s / m < 2) }' \
-    || { echo "ci/multihost: the simulator's step time is off by more than 2x on the $label link"; exit 1; }
+  awk -v m="$step" -v s="$sim" 'BEGIN { exit !(m > 0 && s > 0 && s / m > 0.5 && s / m < 2) }'
+}
+# The measurement runs again once when the first is off by more than 2x: the link fit and the
+# demo are timed a second apart, and a burst of other load on the machine between them (seen:
+# a latency-bound 5 ms step measured at 72 ms while a compiler ran) says nothing of the
+# simulator. Two misses fail the job.
+predict() {
+  predict_once "$1" && return 0
+  echo "ci/multihost: off by more than 2x on the $1 link; measuring again"
+  predict_once "$1" \
+    || { echo "ci/multihost: the simulator's step time is off by more than 2x on the $1 link"; exit 1; }
 }
 predict plain
 
