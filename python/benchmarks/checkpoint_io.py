@@ -16,6 +16,7 @@ import argparse
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 
@@ -24,6 +25,9 @@ import torch.distributed as dist
 from torch import nn
 
 import collsched.torch as cst
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from exchange import from_rank0  # noqa: E402
 
 
 def slowest(seconds: float) -> float:
@@ -56,8 +60,7 @@ def main() -> None:
     cst.fully_shard(model)
     total = layers * args.dim * args.dim * 4  # the model's bytes: what a save writes in all
     opt = None
-    root = [tempfile.mkdtemp(prefix="collsched-ckpt-bench-", dir=args.dir) if rank == 0 else None]
-    dist.broadcast_object_list(root, src=0)
+    root = [from_rank0(tempfile.mkdtemp(prefix="collsched-ckpt-bench-", dir=args.dir) if rank == 0 else None)]
     saves, loads = [], []
     for i in range(args.repeat):
         # A fresh directory each time, as the plain writes below go to fresh files.

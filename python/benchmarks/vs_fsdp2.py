@@ -10,7 +10,10 @@ rank's); peak RSS per rank (VmHWM of its process: shared pages count whole in ev
 that touched them) and PSS at the end of the run (shared pages shared out); bytes
 all-gathered and reduce-scattered per step (full-size buffers: collsched's counters; FSDP2's
 collectives counted by wrapping torch.distributed's); collsched's host time per unit and
-peak gathered bytes; every step's loss; the ratios.
+peak gathered bytes; every step's loss; the ratios. A third run trains the model unsharded
+with no communication at all (each rank alone): its forward and backward time plus its
+optimizer time divided by the ranks is the floor under any sharded step on this machine,
+printed beside the two.
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from exchange import all_gather_json, from_rank0  # noqa: E402
 
 
 class Gpt(nn.Module):
@@ -99,7 +105,7 @@ def batch(args: argparse.Namespace, step: int, rank: int) -> tuple[torch.Tensor,
 
 def train(args: argparse.Namespace, model: nn.Module, rank: int) -> dict[str, Any]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    times, losses = [], []
+    times, passes, opts, losses = [], [], [], []
     for step in range(args.warmup + args.steps):
         x, y = batch(args, step, rank)
         dist.barrier()
@@ -107,13 +113,21 @@ def train(args: argparse.Namespace, model: nn.Module, rank: int) -> dict[str, An
         out = model(x)
         loss = nn.functional.cross_entropy(out.reshape(-1, args.vocab), y.reshape(-1))
         loss.backward()
+        t1 = time.perf_counter()
         opt.step()
         opt.zero_grad()
-        elapsed = time.perf_counter() - t0
+        t2 = time.perf_counter()
         if step >= args.warmup:
-            times.append(elapsed)
+            times.append(t2 - t0)
+            passes.append(t1 - t0)
+            opts.append(t2 - t1)
         losses.append(loss.item())
-    return {"median_s": statistics.median(times), "losses": losses}
+    return {
+        "median_s": statistics.median(times),
+        "passes_s": statistics.median(passes),
+        "opt_s": statistics.median(opts),
+        "losses": losses,
+    }
 
 
 def run_collsched(args: argparse.Namespace, rank: int) -> dict[str, Any]:
@@ -142,6 +156,13 @@ def run_collsched(args: argparse.Namespace, rank: int) -> dict[str, Any]:
         peak_gathered=st["peak_gathered_bytes"],
     )
     return out
+
+
+def run_plain(args: argparse.Namespace, rank: int) -> dict[str, Any]:
+    """The model unsharded and alone on each rank: no hooks, no collectives."""
+    torch.manual_seed(args.seed)
+    model = Gpt(args.vocab, args.dim, args.heads, args.blocks, args.seq)
+    return train(args, model, rank)
 
 
 def run_fsdp2(args: argparse.Namespace, rank: int, counter: CommCounter) -> dict[str, Any]:
@@ -176,7 +197,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--prefetch-mb", type=float, default=None, help="collsched's prefetch budget")
     p.add_argument("--max-inflight", type=int, default=None, help="collsched's buckets ahead")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--impl", choices=["collsched", "fsdp2"], help=argparse.SUPPRESS)
+    p.add_argument("--impl", choices=["collsched", "fsdp2", "plain"], help=argparse.SUPPRESS)
     return p.parse_args()
 
 
@@ -187,6 +208,8 @@ def child(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     if args.impl == "collsched":
         out = run_collsched(args, rank)
+    elif args.impl == "plain":
+        out = run_plain(args, rank)
     else:
         out = run_fsdp2(args, rank, CommCounter())
     out["rss"] = peak_rss_mib()
@@ -203,10 +226,9 @@ def main() -> None:
         return
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    tmp = [tempfile.mkdtemp(prefix="collsched-bench-") if rank == 0 else None]
-    dist.broadcast_object_list(tmp, src=0)
+    tmp = [from_rank0(tempfile.mkdtemp(prefix="collsched-bench-") if rank == 0 else None)]
     results: dict[str, dict[str, Any]] = {}
-    for name in ("fsdp2", "collsched"):
+    for name in ("fsdp2", "collsched", "plain"):
         env = dict(os.environ, COLLSCHED_BENCH_STORE=os.path.join(tmp[0], name))
         proc = subprocess.run(
             [sys.executable, __file__, *sys.argv[1:], "--impl", name], env=env, capture_output=True, text=True
@@ -215,10 +237,11 @@ def main() -> None:
         if proc.returncode != 0 or not lines:
             raise SystemExit(f"rank {rank}: the {name} run failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
         mine = json.loads(lines[-1][len("RESULT ") :])
-        every = [None] * world
-        dist.all_gather_object(every, mine)
+        every = all_gather_json(mine)
         results[name] = {
             "median_s": max(r["median_s"] for r in every),
+            "passes_s": max(r["passes_s"] for r in every),
+            "opt_s": max(r["opt_s"] for r in every),
             "rss_all": [r["rss"] for r in every],
             "pss_all": [r["pss"] for r in every],
             **{k: v for k, v in every[0].items() if k not in ("median_s", "rss", "pss")},
@@ -256,10 +279,16 @@ def report(args: argparse.Namespace, world: int, results: dict[str, dict[str, An
     for name in ("fsdp2", "collsched"):
         print(f"{name:10} losses " + " ".join(f"{x:.5f}" for x in results[name]["losses"]))
     diff = max(abs(a - b) for a, b in zip(results["fsdp2"]["losses"], results["collsched"]["losses"]))
-    c, f = results["collsched"], results["fsdp2"]
+    c, f, p = results["collsched"], results["fsdp2"], results["plain"]
+    floor = p["passes_s"] + p["opt_s"] / world
+    print(
+        f"floor      forward+backward {p['passes_s'] * 1e3:.1f} ms + optimizer {p['opt_s'] * 1e3:.1f} ms / {world} "
+        f"ranks = {floor * 1e3:.1f} ms  (the model unsharded on each rank, nothing communicated)"
+    )
     print(
         f"ratio collsched/fsdp2: step time {c['median_s'] / f['median_s']:.2f}x, "
-        f"peak RSS {max(c['rss_all']) / max(f['rss_all']):.2f}x; largest loss difference {diff:.2e}"
+        f"peak RSS {max(c['rss_all']) / max(f['rss_all']):.2f}x; largest loss difference {diff:.2e}; "
+        f"floor/fsdp2 {floor / f['median_s']:.2f}x, collsched/floor {c['median_s'] / floor:.2f}x"
     )
 
 
