@@ -19,6 +19,9 @@ from .. import _native, params_json
 from .._native import CollschedError
 from .world import _DTYPE_BYTES, _FROM_TORCH, _TO_TORCH, world
 
+# Views kept per parameter, by address of the gathered buffer (the oldest goes first).
+_VIEWS_KEPT = 4
+
 
 class _Saved:
     """What a saved tensor that views a gathered parameter becomes: a reference."""
@@ -48,6 +51,7 @@ class _Param:
         "placeholder",
         "unit",
         "view",
+        "views",
         "addr",
         "bound",
     )
@@ -65,9 +69,12 @@ class _Param:
         self.full: nn.Parameter = nn.Parameter(self.placeholder, requires_grad=False)
         self.unit = 0
         # The last view of a gathered buffer made for this parameter and its address (buffers
-        # come back from the pool at the same address: the view is reused then), and the
-        # address the full parameter's data views now (0: the placeholder).
+        # come back from the pool at the same address: the view is reused then), the views
+        # made before by address (the pool hands a unit's buffers out in turns: a few
+        # addresses recur), and the address the full parameter's data views now (0: the
+        # placeholder).
         self.view: torch.Tensor | None = None
+        self.views: dict[int, torch.Tensor] = {}
         self.addr = 0
         self.bound = 0
 
@@ -391,8 +398,15 @@ class _State:
         live = self.live
         for p, region in zip(unit.params, regions):
             if region is not None:
-                p.view = torch.frombuffer(region, dtype=p.dtype).view(p.shape)
-                p.addr = region.address
+                addr = region.address
+                view = p.views.get(addr)
+                if view is None:
+                    view = torch.frombuffer(region, dtype=p.dtype).view(p.shape)
+                    if len(p.views) >= _VIEWS_KEPT:
+                        del p.views[next(iter(p.views))]
+                    p.views[addr] = view
+                p.view = view
+                p.addr = addr
             live[p.addr] = p.pid
             full = p.full
             if p.bound != p.addr:
