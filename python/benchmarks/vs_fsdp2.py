@@ -9,8 +9,8 @@ the root; each implementation runs in processes of its own that every torchrun r
 rank's); peak RSS per rank (VmHWM of its process: shared pages count whole in every process
 that touched them) and PSS at the end of the run (shared pages shared out); bytes
 all-gathered and reduce-scattered per step (full-size buffers: collsched's counters; FSDP2's
-collectives counted by wrapping torch.distributed's); collsched's host time per unit and
-peak gathered bytes; every step's loss; the ratios. A third run trains the model unsharded
+collectives counted by wrapping torch.distributed's); collsched's host time per unit (median
+of the timed steps) and peak gathered bytes; every step's loss; the ratios. A third run trains the model unsharded
 with no communication at all (each rank alone): its forward and backward time plus its
 optimizer time divided by the ranks is the floor under any sharded step on this machine,
 printed beside the two.
@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -103,9 +104,13 @@ def batch(args: argparse.Namespace, step: int, rank: int) -> tuple[torch.Tensor,
     return idx[:, :-1], idx[:, 1:]
 
 
-def train(args: argparse.Namespace, model: nn.Module, rank: int) -> dict[str, Any]:
+def train(
+    args: argparse.Namespace, model: nn.Module, rank: int, probe: Callable[[], float] | None = None
+) -> dict[str, Any]:
+    """Trains ``args.warmup + args.steps`` steps; medians over the timed ones (and of
+    ``probe()`` after each, as ``probe``, when given)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    times, passes, opts, losses = [], [], [], []
+    times, passes, opts, losses, probed = [], [], [], [], []
     for step in range(args.warmup + args.steps):
         x, y = batch(args, step, rank)
         dist.barrier()
@@ -121,12 +126,15 @@ def train(args: argparse.Namespace, model: nn.Module, rank: int) -> dict[str, An
             times.append(t2 - t0)
             passes.append(t1 - t0)
             opts.append(t2 - t1)
+            if probe is not None:
+                probed.append(probe())
         losses.append(loss.item())
     return {
         "median_s": statistics.median(times),
         "passes_s": statistics.median(passes),
         "opt_s": statistics.median(opts),
         "losses": losses,
+        **({"probe": statistics.median(probed)} if probed else {}),
     }
 
 
@@ -145,12 +153,13 @@ def run_collsched(args: argparse.Namespace, rank: int) -> dict[str, Any]:
         prefetch_mb=args.prefetch_mb,
         max_inflight=args.max_inflight,
     )
-    out = train(args, model, rank)
+    # The host time of one step swings 2x with the machine's noise: the median of the steps.
+    out = train(args, model, rank, probe=lambda: cst.stats(model)["host_us_per_unit"])
     st = cst.stats(model)
     out.update(
         gathered=st["gathered_bytes"],
         reduced=st["reduced_bytes"],
-        host_us=st["host_us_per_unit"],
+        host_us=out.pop("probe"),
         hits=st["prefetch_hits"],
         misses=st["prefetch_misses"],
         peak_gathered=st["peak_gathered_bytes"],
