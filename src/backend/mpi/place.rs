@@ -265,6 +265,14 @@ enum Stalled {
     Timeout(Duration),
 }
 
+/// Where a collective's wait stalled.
+enum Phase {
+    /// Agreeing on the collective: `missing` are the members whose headers never came.
+    Agreement { missing: Vec<usize> },
+    /// Moving the data, after every member posted it.
+    Data,
+}
+
 impl MpiPlace {
     /// Tests `reqs` until done, the timeout passes, or a member's process on this machine
     /// exited: spinning (yielding) for a while, then napping, since MPI progresses in tests.
@@ -358,7 +366,7 @@ impl MpiPlace {
             Ok(()) => {}
             Err(stalled) => {
                 let missing: Vec<usize> = reqs.pending().iter().filter_map(|&i| from[i]).collect();
-                return Err(self.stalled(stalled, rank, op, Some(missing)));
+                return Err(self.stalled(stalled, rank, op, Phase::Agreement { missing }));
             }
         }
         let failed: Vec<usize> =
@@ -447,35 +455,27 @@ impl MpiPlace {
         let rank = caller.rank;
         match self.wait(reqs, caller).map_err(|e| device(rank, op, e))? {
             Ok(()) => Ok(()),
-            Err(stalled) => Err(self.stalled(stalled, rank, op, None)),
+            Err(stalled) => Err(self.stalled(stalled, rank, op, Phase::Data)),
         }
     }
 
-    /// The error of a wait that stalled, which breaks the job (MPI keeps the buffers): during
-    /// the agreement, naming the members whose headers never came (`missing`); while the data
-    /// moved (`None`), after every member posted it.
-    fn stalled(
-        &self,
-        stalled: Stalled,
-        rank: usize,
-        op: &CollRef,
-        missing: Option<Vec<usize>>,
-    ) -> BackendError {
-        let err = match (stalled, missing) {
-            (Stalled::Dead(dead), missing) => BackendError::PeerFailed {
+    /// The error of a wait that stalled in `phase`, which breaks the job (MPI keeps the
+    /// buffers).
+    fn stalled(&self, stalled: Stalled, rank: usize, op: &CollRef, phase: Phase) -> BackendError {
+        let err = match (stalled, phase) {
+            (Stalled::Dead(dead), phase) => BackendError::PeerFailed {
                 rank,
                 op: Box::new(op.clone()),
                 missing: dead,
-                reason: if missing.is_some() {
-                    "their processes exited".into()
-                } else {
-                    "their processes exited while the data moved".into()
+                reason: match phase {
+                    Phase::Agreement { .. } => "their processes exited".into(),
+                    Phase::Data => "their processes exited while the data moved".into(),
                 },
             },
-            (Stalled::Timeout(waited), Some(missing)) => {
+            (Stalled::Timeout(waited), Phase::Agreement { missing }) => {
                 BackendError::PeerTimeout { rank, op: Box::new(op.clone()), missing, waited }
             }
-            (Stalled::Timeout(waited), None) => BackendError::Device {
+            (Stalled::Timeout(waited), Phase::Data) => BackendError::Device {
                 rank,
                 api: "MPI_Testall",
                 detail: format!(
