@@ -29,6 +29,11 @@ struct Row {
     extra: Vec<f64>,
 }
 
+/// `bench` with its arguments written as one command line (split at whitespace).
+fn bench_line(line: &str) -> (bool, String, String) {
+    bench(&line.split_whitespace().collect::<Vec<_>>())
+}
+
 fn rows(stdout: &str) -> Vec<Row> {
     stdout
         .lines()
@@ -103,23 +108,8 @@ fn check_table(stdout: &str, e: Expect) {
 
 #[test]
 fn all_gather_two_ranks_checked() {
-    let (ok, out, err) = bench(&[
-        "--op",
-        "all_gather",
-        "--ranks",
-        "2",
-        "-b",
-        "1K",
-        "-e",
-        "16K",
-        "-f",
-        "4",
-        "--iters",
-        "3",
-        "--warmup",
-        "1",
-        "--check",
-    ]);
+    let (ok, out, err) =
+        bench_line("--op all_gather --ranks 2 -b 1K -e 16K -f 4 --iters 3 --warmup 1 --check");
     assert!(ok, "{err}");
     check_table(
         &out,
@@ -132,25 +122,9 @@ fn all_gather_two_ranks_checked() {
 #[test]
 fn inflight_one_and_many_checked_and_bounds_refused() {
     for k in ["1", "5"] {
-        let (ok, out, err) = bench(&[
-            "--op",
-            "all_gather",
-            "--ranks",
-            "3",
-            "-b",
-            "3K",
-            "-e",
-            "12K",
-            "-f",
-            "4",
-            "--iters",
-            "7",
-            "--warmup",
-            "2",
-            "--check",
-            "--inflight",
-            k,
-        ]);
+        let (ok, out, err) = bench_line(&format!(
+            "--op all_gather --ranks 3 -b 3K -e 12K -f 4 --iters 7 --warmup 2 --check --inflight {k}"
+        ));
         assert!(ok, "--inflight {k}: {err}");
         assert!(out.contains(&format!(", {k} in flight, checked")), "{out}");
         check_table(
@@ -176,27 +150,7 @@ fn inflight_one_and_many_checked_and_bounds_refused() {
 
 #[test]
 fn reduce_scatter_three_ranks_bf16_coalesced() {
-    let (ok, out, err) = bench(&[
-        "--op",
-        "reduce_scatter",
-        "--ranks",
-        "3",
-        "-b",
-        "1K",
-        "-e",
-        "8K",
-        "-f",
-        "8",
-        "--dtype",
-        "bf16",
-        "--iters",
-        "3",
-        "--warmup",
-        "1",
-        "--check",
-        "--coalesce",
-        "3",
-    ]);
+    let (ok, out, err) = bench_line("--op reduce_scatter --ranks 3 -b 1K -e 8K -f 8 --dtype bf16 --iters 3 --warmup 1 --check --coalesce 3");
     assert!(ok, "{err}");
     check_table(
         &out,
@@ -220,25 +174,8 @@ fn reduce_scatter_three_ranks_bf16_coalesced() {
 
 #[test]
 fn all_reduce_four_ranks_f16() {
-    let (ok, out, err) = bench(&[
-        "--op",
-        "all_reduce",
-        "--ranks",
-        "4",
-        "-b",
-        "256",
-        "-e",
-        "4K",
-        "-f",
-        "16",
-        "--dtype",
-        "f16",
-        "--iters",
-        "2",
-        "--warmup",
-        "1",
-        "--check",
-    ]);
+    let (ok, out, err) =
+        bench_line("--op all_reduce --ranks 4 -b 256 -e 4K -f 16 --dtype f16 --iters 2 --warmup 1 --check");
     assert!(ok, "{err}");
     check_table(
         &out,
@@ -254,20 +191,7 @@ fn bad_flags_and_cuda_without_the_feature_are_clear_errors() {
     assert!(!ok && err.contains("lots"), "{err}");
     let (ok, _, err) = bench(&["--op", "all_gather", "--ranks", "0", "-b", "1K", "-e", "4K", "-f", "2"]);
     assert!(!ok && err.contains("--ranks"), "{err}");
-    let (ok, _, err) = bench(&[
-        "--op",
-        "all_gather",
-        "--ranks",
-        "2",
-        "-b",
-        "1K",
-        "-e",
-        "1K",
-        "-f",
-        "2",
-        "--backend",
-        "cuda",
-    ]);
+    let (ok, _, err) = bench_line("--op all_gather --ranks 2 -b 1K -e 1K -f 2 --backend cuda");
     assert!(!ok && err.contains("cuda"), "{err}");
 }
 
@@ -398,23 +322,9 @@ fn shm_ranks_launched_by_mpirun() {
 #[test]
 fn check_with_a_single_iteration_counts_only_what_ran() {
     for backend in ["local", "shm"] {
-        let (ok, out, err) = bench(&[
-            "--op",
-            "reduce_scatter",
-            "--ranks",
-            "2",
-            "-b",
-            "4K",
-            "-e",
-            "4K",
-            "--iters",
-            "1",
-            "--warmup",
-            "1",
-            "--check",
-            "--backend",
-            backend,
-        ]);
+        let (ok, out, err) = bench_line(&format!(
+            "--op reduce_scatter --ranks 2 -b 4K -e 4K --iters 1 --warmup 1 --check --backend {backend}"
+        ));
         assert!(ok, "{backend}: {err}\n{out}");
         assert!(out.contains("# out of bounds values : 0 OK"), "{backend}: {out}");
     }
@@ -424,18 +334,8 @@ fn check_with_a_single_iteration_counts_only_what_ran() {
 #[test]
 fn a_request_larger_than_the_machine_is_refused() {
     for backend in ["local", "shm"] {
-        let (ok, _, err) = bench(&[
-            "--op",
-            "all_reduce",
-            "--ranks",
-            "2",
-            "-b",
-            "1024G",
-            "-e",
-            "1024G",
-            "--backend",
-            backend,
-        ]);
+        let (ok, _, err) =
+            bench_line(&format!("--op all_reduce --ranks 2 -b 1024G -e 1024G --backend {backend}"));
         assert!(!ok, "{backend}: accepted");
         assert!(err.contains("-e/--maxbytes") && err.contains("available"), "{backend}: {err}");
         assert_eq!(err.lines().count(), 1, "{backend}: one error line: {err}");
