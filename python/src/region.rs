@@ -1,13 +1,104 @@
 //! [`Region`]: a span of memory the library owns (a shard, a gathered parameter), exported to
-//! Python through the buffer protocol so that `torch.frombuffer` views it without a copy.
+//! Python through the buffer protocol (`torch.frombuffer` views it without a copy) and as a
+//! DLPack capsule (`torch.from_dlpack(region.dlpack(dtype, shape))`: a typed, shaped tensor in
+//! one step, the exchange that also carries device memory).
 //!
-//! This file holds the crate's `unsafe`: filling a `Py_buffer`, and reading a tensor's memory
-//! given by address (`tensor_bytes`).
+//! This file holds the crate's `unsafe`: filling a `Py_buffer`, the DLPack capsule and its
+//! deleters, and reading a tensor's memory given by address (`tensor_bytes`).
 
+use std::ffi::{c_void, CStr};
 use std::os::raw::c_int;
 
 use pyo3::exceptions::PyValueError;
+use pyo3::ffi;
 use pyo3::prelude::*;
+
+/// The DLPack structures this file exports (DLPack's unversioned ABI, `dlpack.h` v0.8: what
+/// every consumer reads, torch's `from_dlpack` included).
+mod dl {
+    use std::ffi::c_void;
+
+    /// `kDLCPU`.
+    pub const CPU: i32 = 1;
+    /// `kDLFloat`.
+    pub const FLOAT: u8 = 2;
+    /// `kDLBfloat`.
+    pub const BFLOAT: u8 = 4;
+
+    #[repr(C)]
+    pub struct Device {
+        pub device_type: i32,
+        pub device_id: i32,
+    }
+
+    #[repr(C)]
+    pub struct DataType {
+        pub code: u8,
+        pub bits: u8,
+        pub lanes: u16,
+    }
+
+    #[repr(C)]
+    pub struct Tensor {
+        pub data: *mut c_void,
+        pub device: Device,
+        pub ndim: i32,
+        pub dtype: DataType,
+        pub shape: *mut i64,
+        /// Null: compact and row-major.
+        pub strides: *mut i64,
+        pub byte_offset: u64,
+    }
+
+    #[repr(C)]
+    pub struct ManagedTensor {
+        pub dl_tensor: Tensor,
+        pub manager_ctx: *mut c_void,
+        pub deleter: Option<unsafe extern "C" fn(*mut ManagedTensor)>,
+    }
+}
+
+/// The capsule's name before a consumer takes the tensor (it renames it `used_dltensor`).
+const DLTENSOR: &CStr = c"dltensor";
+
+/// One exported tensor: the DLPack header first (its address is the capsule's pointer), the
+/// shape it points to, and the region it views (kept alive until the deleter runs).
+#[repr(C)]
+struct Exported {
+    managed: dl::ManagedTensor,
+    shape: Vec<i64>,
+    _region: Py<PyAny>,
+}
+
+/// The tensor's deleter: its consumer calls it when done (torch, when the tensor is freed, on
+/// whatever thread; dropping the region's reference without the GIL is deferred by PyO3).
+///
+/// # Safety
+/// `m` came from [`Region::dlpack`] (a leaked `Box<Exported>`) and is deleted once.
+unsafe extern "C" fn delete_exported(m: *mut dl::ManagedTensor) {
+    if !m.is_null() {
+        // SAFETY: `m` is the first field of a `#[repr(C)] Exported` leaked by `Region::dlpack`,
+        // so it is that box's pointer; DLPack calls the deleter once.
+        drop(unsafe { Box::from_raw(m.cast::<Exported>()) });
+    }
+}
+
+/// The capsule's destructor: deletes the tensor if no consumer took it (the capsule still has
+/// its first name); a consumer that renamed it owns the tensor and deletes it itself.
+///
+/// # Safety
+/// Called by the interpreter with the capsule being destroyed, the GIL held.
+unsafe extern "C" fn drop_capsule(capsule: *mut ffi::PyObject) {
+    // SAFETY: `capsule` is a live capsule (the interpreter's call); `PyCapsule_IsValid` sets no
+    // error, and with the name valid `PyCapsule_GetPointer` returns the pointer stored by
+    // `Region::dlpack`.
+    unsafe {
+        if ffi::PyCapsule_IsValid(capsule, DLTENSOR.as_ptr()) == 1 {
+            let m = ffi::PyCapsule_GetPointer(capsule, DLTENSOR.as_ptr()).cast::<dl::ManagedTensor>();
+            delete_exported(m);
+        }
+    }
+}
 
 /// A span of library memory: `len` bytes at `addr`, alive as long as `owner` (the Python
 /// object whose Rust value owns the memory: a model for its shards and its gathered buffers).
@@ -71,6 +162,73 @@ impl Region {
 
     /// Nothing to undo: the view's reference to this object is dropped by the interpreter.
     unsafe fn __releasebuffer__(&self, _view: *mut pyo3::ffi::Py_buffer) {}
+
+    /// A DLPack capsule viewing the region's first bytes as a contiguous, row-major tensor of
+    /// `dtype` ("f32", "bf16" or "f16") and `shape`: `torch.from_dlpack(capsule)` makes it a
+    /// tensor without a copy, which keeps the region (and so the memory's owner) alive. One
+    /// consumer may take a capsule; one that nobody takes frees what it holds when dropped.
+    fn dlpack(slf: Bound<'_, Self>, dtype: &str, shape: Vec<i64>) -> PyResult<Py<PyAny>> {
+        let (code, bits) = match dtype {
+            "f32" => (dl::FLOAT, 32u8),
+            "f16" => (dl::FLOAT, 16),
+            "bf16" => (dl::BFLOAT, 16),
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "dlpack: dtype {other:?}; the regions hold \"f32\", \"bf16\" or \"f16\""
+                )))
+            }
+        };
+        let bytes = shape.iter().try_fold(usize::from(bits / 8), |acc, &d| {
+            usize::try_from(d).ok().and_then(|d| acc.checked_mul(d))
+        });
+        let (addr, len) = {
+            let r = slf.get();
+            (r.addr, r.len)
+        };
+        match bytes {
+            Some(b) if b <= len => {}
+            _ => {
+                return Err(PyValueError::new_err(format!(
+                    "dlpack: a {dtype} tensor of shape {shape:?} does not fit a region of {len} bytes"
+                )))
+            }
+        }
+        let ndim =
+            i32::try_from(shape.len()).map_err(|_| PyValueError::new_err("dlpack: too many dimensions"))?;
+        let mut exported = Box::new(Exported {
+            managed: dl::ManagedTensor {
+                dl_tensor: dl::Tensor {
+                    data: addr as *mut c_void,
+                    device: dl::Device { device_type: dl::CPU, device_id: 0 },
+                    ndim,
+                    dtype: dl::DataType { code, bits, lanes: 1 },
+                    shape: std::ptr::null_mut(),
+                    strides: std::ptr::null_mut(),
+                    byte_offset: 0,
+                },
+                manager_ctx: std::ptr::null_mut(),
+                deleter: Some(delete_exported),
+            },
+            shape,
+            _region: slf.clone().into_any().unbind(),
+        });
+        // The shape's heap buffer does not move with the box.
+        exported.managed.dl_tensor.shape = exported.shape.as_mut_ptr();
+        let raw = Box::into_raw(exported);
+        // SAFETY: `raw` is a valid `Exported` whose first field is the DLPack header the capsule
+        // hands out; `drop_capsule` and the deleter free it exactly once between them (the
+        // capsule's destructor only while no consumer renamed it). The region it views is kept
+        // alive by the reference inside, so the memory outlives every tensor made from it.
+        unsafe {
+            (*raw).managed.manager_ctx = raw.cast();
+            let capsule = ffi::PyCapsule_New(raw.cast(), DLTENSOR.as_ptr(), Some(drop_capsule));
+            if capsule.is_null() {
+                delete_exported(raw.cast());
+                return Err(PyErr::fetch(slf.py()));
+            }
+            Ok(Bound::from_owned_ptr(slf.py(), capsule).unbind())
+        }
+    }
 }
 
 /// The bytes of a tensor the engine hands over by address (`t.data_ptr()`, `t.numel() *

@@ -121,6 +121,22 @@ def test_shards_are_one_dimensional_views_the_gathers_read():
             torch.testing.assert_close(torch.tensor(r["full"][name]), want, rtol=0, atol=0)
 
 
+def test_a_region_is_a_dlpack_tensor_over_the_same_memory():
+    for r in run(workers.dlpack_views, 2):
+        numel = r["numel"]
+        assert r["len"] == 4 * numel
+        assert r["same_address"] and r["write_seen"] == 7.25
+        assert r["bf16"] == ("torch.bfloat16", [2, numel], True)
+        assert r["f16"] == ("torch.float16", [2 * numel])
+        too_big, negative, dtype, bf16_big = r["errors"]
+        assert "does not fit a region of" in too_big and f"[{numel + 1}]" in too_big, too_big
+        assert "does not fit" in negative, negative
+        assert "f64" in dtype and "bf16" in dtype, dtype
+        assert "does not fit" in bf16_big, bf16_big
+        assert r["second_take"] != "no error"
+        assert r["outlives"] == 7.25
+
+
 def test_trainability_refreshed_by_hand():
     frozen = {s: ["blocks.1."] for s in (1, 2)}
     spec = {"model": "mlp", "steps": 4, "frozen": frozen, "auto_refresh_trainable": False, "bucket_mb": 0.0005}

@@ -173,6 +173,50 @@ def shard_views(rank: int, world: int) -> dict[str, Any]:
     return {"sizes": sizes, "full": snapshot(cst.full_parameters(model)), "plan": cst.plan(model)}
 
 
+def dlpack_views(rank: int, world: int) -> dict[str, Any]:
+    """A shard's region as DLPack tensors: shared memory with the buffer-protocol view, other
+    dtypes and shapes over the same bytes, refusals, a capsule taken twice or never, and a
+    tensor that outlives every other reference to the region."""
+    import gc
+
+    from collsched.torch import shard as sh
+
+    model = shard(models.build("mlp"), {})
+    native = sh._root_state(model).model
+    pid = next(i for i in range(len(list(model.parameters()))) if native.shard(i)[0] is not None)
+    region, _offset, numel = native.shard(pid)
+    out: dict[str, Any] = {"numel": numel, "len": len(region)}
+    t = torch.from_dlpack(region.dlpack("f32", [numel]))
+    f = torch.frombuffer(region, dtype=torch.float32)
+    out["same_address"] = t.data_ptr() == f.data_ptr() == region.address
+    t[0] = 7.25
+    out["write_seen"] = float(f[0])
+    h = torch.from_dlpack(region.dlpack("bf16", [2, numel]))
+    out["bf16"] = (str(h.dtype), list(h.shape), h.data_ptr() == region.address)
+    g = torch.from_dlpack(region.dlpack("f16", [numel * 2]))
+    out["f16"] = (str(g.dtype), list(g.shape))
+    errors = []
+    for dtype, shape in (("f32", [numel + 1]), ("f32", [-1]), ("f64", [1]), ("bf16", [numel, 3])):
+        try:
+            region.dlpack(dtype, shape)
+            errors.append("no error")
+        except ValueError as e:
+            errors.append(str(e))
+    out["errors"] = errors
+    capsule = region.dlpack("f32", [numel])
+    torch.from_dlpack(capsule)
+    try:
+        torch.from_dlpack(capsule)
+        out["second_take"] = "no error"
+    except Exception as e:  # torch names the used capsule
+        out["second_take"] = type(e).__name__
+    region.dlpack("f32", [numel])  # never taken: freed with the capsule
+    del region, f, h, g, capsule, native
+    gc.collect()
+    out["outlives"] = float(t[0])
+    return out
+
+
 def bad_fully_shard(rank: int, world: int, case: str) -> str:
     """``fully_shard`` on bad input; returns the error's class and message."""
     import collsched.torch as cst

@@ -401,7 +401,7 @@ class _State:
                 addr = region.address
                 view = p.views.get(addr)
                 if view is None:
-                    view = torch.frombuffer(region, dtype=p.dtype).view(p.shape)
+                    view = torch.from_dlpack(region.dlpack(_FROM_TORCH[p.dtype], list(p.shape)))
                     if len(p.views) >= _VIEWS_KEPT:
                         del p.views[next(iter(p.views))]
                     p.views[addr] = view
