@@ -234,7 +234,7 @@ pub trait Backend: Send + Sync {
         None
     }
 
-    /// Whether an all-gather may carry a [`GatherUnpack`](desc::GatherUnpack) (place each
+    /// Whether an all-gather may carry a [`GatherUnpack`] (place each
     /// member's shard in pieces, leaving parameters whole in one pass). The default is `false`:
     /// such a launch is refused, and the caller gathers, then unpacks.
     fn gathers_unpacked(&self) -> bool {

@@ -1,4 +1,5 @@
-//! [`Bytes`]: the host byte buffers of the runtime (shards, gradient shards, staging).
+//! [`Bytes`]: the host byte buffers of the runtime (shards, gradient shards, accumulators, a
+//! device backend's gradient staging).
 
 /// A byte buffer aligned to 8 bytes (so it can be viewed as `f32`, `f16` or `bf16`), grown
 /// but never shrunk, so reuse allocates nothing.

@@ -6,10 +6,10 @@
 //!   buffer; on a backend that places pieces, only the unpacked one, which the all-gather fills
 //!   directly), launch the bucket's all-gather (or broadcast) as one group on the all-gather
 //!   stream after the fences.
-//! - `Launch` (reduce): zero what no gradient wrote in the bucket's gradient buffer (or copy the
-//!   host staging buffer into it), launch the reduce-scatter (or all-reduce) on the reduce-scatter stream; for
-//!   hybrid sharding the all-reduce across groups is chained right behind it on the same
-//!   stream (`Backend::launch_then`, no host wait).
+//! - `Launch` (reduce): zero what no gradient wrote in the bucket's gradient buffer (or copy
+//!   the host staging buffer into it), launch the reduce-scatter (or all-reduce) on the
+//!   reduce-scatter stream; for hybrid sharding the all-reduce across groups is chained right
+//!   behind it on the same stream (`Backend::launch_then`, no host wait).
 //! - `Wait`: host wait (with the backend's timeout) for the launch, then finish it.
 //! - `Free` (gather): drop the launch if still in flight and unviewed (the backend frees its
 //!   buffers when it completes), else give the gathered and unpacked buffers back to the pool

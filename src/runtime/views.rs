@@ -22,13 +22,14 @@ use crate::backend::{Backend, BackendEvent};
 ///   copied after the collective;
 /// - of an **unpacked buffer** when any parameter of the bucket is not (EvenSplit and Hybrid:
 ///   every shard holds a chunk of every parameter, so the chunks of one parameter lie a shard
-///   apart, as in FSDP2, which copies out too). The driver unpacks every parameter of such a
-///   bucket once, straight from the gathered buffer (the kernels' `copy_out` on the backend:
-///   no host staging), into a buffer taken from the backend's pool with the gathered one; the
-///   gathered buffer goes back to the pool as soon as the unpack is done (after its event on a
-///   device), so a held bucket takes the memory of its parameters only. The scheduler counts
-///   both buffers in its budgets and in live and peak gathered bytes (the peak while
-///   unpacking).
+///   apart, as in FSDP2, which copies out too). On the local and shm backends the all-gather
+///   itself writes each piece there (`GatherUnpack`); elsewhere the driver unpacks every
+///   parameter of such a bucket once, straight from the gathered buffer (the kernels'
+///   `copy_out` on the backend: no host staging), into a buffer taken from the backend's pool
+///   with the gathered one, and the gathered buffer goes back to the pool as soon as the
+///   unpack is done (after its event on a device). Either way a held bucket takes the memory
+///   of its parameters only. The scheduler counts both buffers in its budgets and in live and
+///   peak gathered bytes (the peak while unpacking).
 ///
 /// The buffers exist only while the bucket is gathered (from its gather to the `Free` after
 /// its last release): nothing of the model's full size is kept across steps.
