@@ -283,7 +283,7 @@ impl<B: Backend> GatherSide<B> {
         let p = self.pending.swap_remove(k);
         let g = p.g;
         let t = &tables.gather[g];
-        let (mut unpacked, unpacking) = (p.unpacked, p.unpacking);
+        let (unpacked, unpacking) = (p.unpacked, p.unpacking);
         let mut ops = match wait_flight(p.flight, block, be, counters) {
             Ok(ops) => ops,
             Err(Waited::Pending(flight)) => {
@@ -314,29 +314,30 @@ impl<B: Backend> GatherSide<B> {
                 what: format!("all_gather(bucket {}) returned no buffer", t.id),
             });
         };
-        if unpacking {
-            // The collective left every parameter whole in its output: the unpacked buffer.
-            let held = Gathered { id, buffer: None, unpacked: Some(buffer), ready: None };
-            if let Some(old) = self.held[g].replace(held) {
-                let ready = old.ready.clone().into_iter().collect();
-                self.retire(be, old.buffers(), ready);
-            }
-            done(id)?;
-            return Ok(Finish::Done);
-        }
-        let unpack = |u: &mut B::Buffer| -> Result<Option<B::Event>, crate::backend::BackendError> {
-            let ready = be.unpack(Stream::AllGather, u, &buffer, &t.copy_out, t.elem.size())?;
+        // An unpacking all-gather left every parameter whole in its output: that output is the
+        // unpacked buffer, and there is no gathered one.
+        let (buffer, mut unpacked) = if unpacking { (None, Some(buffer)) } else { (Some(buffer), unpacked) };
+        let unpack = |u: &mut B::Buffer,
+                      buffer: &B::Buffer|
+         -> Result<Option<B::Event>, crate::backend::BackendError> {
+            let ready = be.unpack(Stream::AllGather, u, buffer, &t.copy_out, t.elem.size())?;
             if let Some(e) = &ready {
                 // The engine reads the views on the compute stream.
                 be.wait_event(Stream::Compute, e)?;
             }
             Ok(ready)
         };
-        let ready = match unpacked.as_mut().map(unpack).transpose() {
+        let ready = match (unpacked.as_mut(), buffer.as_ref()) {
+            (Some(u), Some(b)) => unpack(u, b).map(Some),
+            _ => Ok(None),
+        };
+        let ready = match ready {
             Ok(r) => r.flatten(),
             Err(source) => {
                 // Nobody saw these buffers yet; the fetch reports the failure.
-                be.free(buffer, None);
+                if let Some(b) = buffer {
+                    be.free(b, None);
+                }
                 if let Some(u) = unpacked {
                     be.free(u, None);
                 }
@@ -350,12 +351,12 @@ impl<B: Backend> GatherSide<B> {
         };
         // Every parameter of an unpacked bucket is in the unpacked buffer: the gathered one is
         // free once the unpack read it.
-        let buffer = match unpacked {
-            Some(_) => {
-                be.free(buffer, ready.as_ref());
+        let buffer = match (buffer, &unpacked) {
+            (Some(b), Some(_)) => {
+                be.free(b, ready.as_ref());
                 None
             }
-            None => Some(buffer),
+            (b, _) => b,
         };
         if let Some(old) = self.held[g].replace(Gathered { id, buffer, unpacked, ready }) {
             // A gather of the bucket that was never freed (a driver bug): nothing views it.

@@ -158,8 +158,9 @@ impl<B: Backend> ReduceSide<B> {
         if let Some(old) = self.inputs[j].take() {
             be.free(old, None);
         }
-        let mut input =
-            be.alloc(t.gathered_bytes).map_err(backend_err(be.rank(), "AllocGrad", Some(t.id)))?;
+        // Named as the collective the buffer is the input of, like every failure of the bucket.
+        let op = t.stages[0].kind.name();
+        let mut input = be.alloc(t.gathered_bytes).map_err(backend_err(be.rank(), op, Some(t.id)))?;
         match be.host_bytes_mut(&mut input) {
             Some(bytes) => {
                 for &(lo, hi) in &t.gaps {
