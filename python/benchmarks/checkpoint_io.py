@@ -60,11 +60,11 @@ def main() -> None:
     cst.fully_shard(model)
     total = layers * args.dim * args.dim * 4  # the model's bytes: what a save writes in all
     opt = None
-    root = [from_rank0(tempfile.mkdtemp(prefix="collsched-ckpt-bench-", dir=args.dir) if rank == 0 else None)]
+    root = from_rank0(tempfile.mkdtemp(prefix="collsched-ckpt-bench-", dir=args.dir) if rank == 0 else None)
     saves, loads = [], []
     for i in range(args.repeat):
         # A fresh directory each time, as the plain writes below go to fresh files.
-        path = os.path.join(root[0], f"ckpt-{i}")
+        path = os.path.join(root, f"ckpt-{i}")
         saves.append(timed(lambda path=path: cst.save_checkpoint(model, opt, path)))
         loads.append(timed(lambda path=path: cst.load_checkpoint(model, opt, path)))
         dist.barrier()
@@ -92,7 +92,7 @@ def main() -> None:
 
     writes, reads = [], []
     for i in range(args.repeat):
-        mine = os.path.join(root[0], f"plain-{rank}-{i}")
+        mine = os.path.join(root, f"plain-{rank}-{i}")
         writes.append(timed(write))
         reads.append(timed(read))
         os.remove(mine)
@@ -106,7 +106,7 @@ def main() -> None:
         print(
             f"load_checkpoint {gb / ld:6.2f} GB/s   sequential read        {gb / rd:6.2f} GB/s   ratio {rd / ld:.2f}x"
         )
-        shutil.rmtree(root[0], ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
     dist.barrier()
     dist.destroy_process_group()
 

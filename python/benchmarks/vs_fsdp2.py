@@ -10,10 +10,10 @@ rank's); peak RSS per rank (VmHWM of its process: shared pages count whole in ev
 that touched them) and PSS at the end of the run (shared pages shared out); bytes
 all-gathered and reduce-scattered per step (full-size buffers: collsched's counters; FSDP2's
 collectives counted by wrapping torch.distributed's); collsched's host time per unit (median
-of the timed steps) and peak gathered bytes; every step's loss; the ratios. A third run trains the model unsharded
-with no communication at all (each rank alone): its forward and backward time plus its
-optimizer time divided by the ranks is the floor under any sharded step on this machine,
-printed beside the two.
+of the timed steps) and peak gathered bytes; every step's loss; the ratios. A third run
+trains the model unsharded with no communication at all (each rank alone): its forward and
+backward time plus its optimizer time divided by the ranks is the floor under any sharded
+step on this machine, printed beside the two.
 """
 
 from __future__ import annotations
@@ -235,28 +235,31 @@ def main() -> None:
         return
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    tmp = [from_rank0(tempfile.mkdtemp(prefix="collsched-bench-") if rank == 0 else None)]
+    tmp = from_rank0(tempfile.mkdtemp(prefix="collsched-bench-") if rank == 0 else None)
+    slowest = ("median_s", "passes_s", "opt_s")
     results: dict[str, dict[str, Any]] = {}
-    for name in ("fsdp2", "collsched", "plain"):
-        env = dict(os.environ, COLLSCHED_BENCH_STORE=os.path.join(tmp[0], name))
-        proc = subprocess.run(
-            [sys.executable, __file__, *sys.argv[1:], "--impl", name], env=env, capture_output=True, text=True
-        )
-        lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-        if proc.returncode != 0 or not lines:
-            raise SystemExit(f"rank {rank}: the {name} run failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-        mine = json.loads(lines[-1][len("RESULT ") :])
-        every = all_gather_json(mine)
-        results[name] = {
-            "median_s": max(r["median_s"] for r in every),
-            "passes_s": max(r["passes_s"] for r in every),
-            "opt_s": max(r["opt_s"] for r in every),
-            "rss_all": [r["rss"] for r in every],
-            "pss_all": [r["pss"] for r in every],
-            **{k: v for k, v in every[0].items() if k not in ("median_s", "rss", "pss")},
-        }
+    try:
+        for name in ("fsdp2", "collsched", "plain"):
+            env = dict(os.environ, COLLSCHED_BENCH_STORE=os.path.join(tmp, name))
+            proc = subprocess.run(
+                [sys.executable, __file__, *sys.argv[1:], "--impl", name], env=env, capture_output=True, text=True
+            )
+            lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+            if proc.returncode != 0 or not lines:
+                raise SystemExit(f"rank {rank}: the {name} run failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+            mine = json.loads(lines[-1][len("RESULT ") :])
+            every = all_gather_json(mine)
+            results[name] = {
+                **{k: v for k, v in every[0].items() if k not in (*slowest, "rss", "pss")},
+                **{k: max(r[k] for r in every) for k in slowest},
+                "rss_all": [r["rss"] for r in every],
+                "pss_all": [r["pss"] for r in every],
+            }
+    finally:
+        # The file stores of the runs, on success or failure.
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
     if rank == 0:
-        shutil.rmtree(tmp[0], ignore_errors=True)
         report(args, world, results)
     dist.destroy_process_group()
 
