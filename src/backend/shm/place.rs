@@ -21,11 +21,13 @@
 //! A failed or aborted collective poisons its channel: later collectives on it fail at once.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use collsched_kernels::{ReduceOp, Scaling};
+use rustix::thread::futex;
+use rustix::time::Timespec;
 use smallvec::SmallVec;
 
 use super::arena::Arena;
@@ -39,6 +41,11 @@ use crate::bootstrap::Liveness;
 
 use super::layout::*;
 
+/// How often a waiting member runs its slower liveness checks (peers' processes, departures).
+const SLOW_CHECKS: Duration = Duration::from_millis(10);
+/// The longest sleep of a waiting member between two polls.
+const SLEEP_MAX: Duration = SLOW_CHECKS;
+
 /// What the places of one process share.
 #[derive(Debug)]
 struct Job {
@@ -50,7 +57,12 @@ struct Job {
 
 impl Job {
     fn w(&self) -> &[AtomicU64] {
-        self.control.words()
+        self.control.words(self.layout.wide()).0
+    }
+
+    /// Channel `c`'s wake counter.
+    fn wake_counter(&self, c: usize) -> &AtomicU32 {
+        &self.control.words(self.layout.wide()).1[self.layout.wake(c)]
     }
 
     fn dead(&self, rank: usize) -> bool {
@@ -78,8 +90,8 @@ impl ShmMeeting {
 
     /// Writes the header of a fresh control block (rank 0, before handing it out).
     pub(crate) fn init(control: &Segment, world: usize) {
-        let w = control.words();
         let layout = Layout::new(world);
+        let w = control.words(layout.wide()).0;
         w[1].store(world as u64, Ordering::Relaxed);
         w[2].store(CHANNELS as u64, Ordering::Relaxed);
         w[3].store(SLOTS as u64, Ordering::Relaxed);
@@ -93,8 +105,9 @@ impl ShmMeeting {
 
     /// Whether a mapped control block is one of this version for `world` ranks.
     pub(crate) fn check(control: &Segment, world: usize) -> bool {
-        let w = control.words();
-        w.len() * 8 >= Layout::new(world).bytes()
+        let layout = Layout::new(world);
+        let w = control.words(layout.wide()).0;
+        control.len() >= layout.bytes()
             && w[0].load(Ordering::Acquire) == MAGIC
             && w[1].load(Ordering::Relaxed) == world as u64
     }
@@ -353,7 +366,10 @@ impl ShmPlace {
     }
 
     /// Waits until `poll` gives a value (its argument: whether to run the slower liveness
-    /// checks now), or `deadline` passes (`None`).
+    /// checks now), or `deadline` passes (`None`). Spins for the configured time when the
+    /// machine has a core for every member, then sleeps on the channel's wake counter, which
+    /// every change a member waits for bumps ([`ShmPlace::wake`]); a sleep lasts at most
+    /// [`SLEEP_MAX`], so that the liveness checks still run.
     fn wait<T>(
         &self,
         caller: &Caller<'_>,
@@ -364,8 +380,11 @@ impl ShmPlace {
         let mut last_check = start;
         let mut nap = Duration::from_micros(20);
         loop {
+            // Read before polling: a change after the poll moves the counter past `seen`, and
+            // the sleep below then returns at once.
+            let seen = self.chan.map(|c| self.job.wake_counter(c).load(Ordering::SeqCst));
             let now = Instant::now();
-            let slow = now.duration_since(last_check) >= Duration::from_millis(10);
+            let slow = now.duration_since(last_check) >= SLOW_CHECKS;
             if slow {
                 last_check = now;
             }
@@ -380,10 +399,42 @@ impl ShmPlace {
                     std::hint::spin_loop();
                 }
                 std::thread::yield_now();
+            } else if let (Some(c), Some(seen)) = (self.chan, seen) {
+                let left = deadline.map_or(SLEEP_MAX, |d| d.saturating_duration_since(now)).min(SLEEP_MAX);
+                self.sleep(c, seen, left);
             } else {
                 std::thread::sleep(nap);
                 nap = (nap * 2).min(Duration::from_millis(1));
             }
+        }
+    }
+
+    /// Sleeps on channel `c`'s wake counter while it still reads `seen`, at most `left`.
+    fn sleep(&self, c: usize, seen: u32, left: Duration) {
+        let sleepers = &self.w()[self.job.layout.chan(c) + SLEEPERS];
+        let counter = self.job.wake_counter(c);
+        // Counted in before the counter is read again, as a waker bumps the counter before it
+        // reads the count: either this reads the bump or the waker sees this sleeper. (A
+        // member whose process dies asleep stays counted: wakers then make a needless call.)
+        sleepers.fetch_add(1, Ordering::SeqCst);
+        if counter.load(Ordering::SeqCst) == seen {
+            let timeout = Timespec { tv_sec: left.as_secs() as i64, tv_nsec: i64::from(left.subsec_nanos()) };
+            // Woken, timed out, interrupted, or the counter had moved: every outcome is "poll
+            // again", so the result says nothing the caller needs.
+            let _ = futex::wait(counter, futex::Flags::empty(), seen, Some(&timeout));
+        }
+        sleepers.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    /// Tells the channel's waiting members that something they may wait for changed: bumps
+    /// its wake counter and wakes its sleepers, if any.
+    fn wake(&self) {
+        let Some(c) = self.chan else { return };
+        self.job.wake_counter(c).fetch_add(1, Ordering::SeqCst);
+        if self.w()[self.job.layout.chan(c) + SLEEPERS].load(Ordering::SeqCst) != 0 {
+            // Shared (not process-private): the sleepers are other processes. A failure
+            // leaves them to their timeout.
+            let _ = futex::wake(self.job.wake_counter(c), futex::Flags::empty(), i32::MAX as u32);
         }
     }
 
@@ -404,6 +455,7 @@ impl ShmPlace {
             for &r in ranks {
                 w[slot + AMISS + r / 64].fetch_or(1 << (r % 64), Ordering::Relaxed);
             }
+            self.wake();
         }
     }
 
@@ -413,6 +465,7 @@ impl ShmPlace {
         if w[base + POISON].compare_exchange(0, seq + 1, Ordering::AcqRel, Ordering::Acquire).is_ok() {
             w[base + PKIND].store(kind, Ordering::Relaxed);
             w[base + PDETAIL].store(detail, Ordering::Relaxed);
+            self.wake();
         }
     }
 
@@ -501,7 +554,9 @@ impl ShmPlace {
         }
         let bits = l.passed(slot, which);
         w[bits + me / 64].fetch_or(1 << (me % 64), Ordering::AcqRel);
-        w[slot + which].fetch_add(1, Ordering::AcqRel);
+        if w[slot + which].fetch_add(1, Ordering::AcqRel) + 1 == n {
+            self.wake();
+        }
         let mut dead = None;
         self.wait(caller, None, |slow| {
             let count = w[slot + which].load(Ordering::Acquire);
@@ -611,12 +666,12 @@ impl Place for ShmPlace {
             match self.first_mismatch(slot) {
                 Some(q) => self.abort(slot, MISMATCH, q as u64, &[]),
                 None => {
-                    let _ = w[slot + STATE].compare_exchange(
-                        COLLECTING,
-                        RUNNING,
-                        Ordering::AcqRel,
-                        Ordering::Acquire,
-                    );
+                    if w[slot + STATE]
+                        .compare_exchange(COLLECTING, RUNNING, Ordering::AcqRel, Ordering::Acquire)
+                        .is_ok()
+                    {
+                        self.wake();
+                    }
                 }
             }
         }
@@ -718,6 +773,7 @@ impl Place for ShmPlace {
                 w[l.post(slot, q)].store(0, Ordering::Relaxed);
             }
             w[slot + SEQ].store(seq + SLOTS as u64, Ordering::Release);
+            self.wake();
         }
         result
     }

@@ -7,14 +7,14 @@
 //! [`Segment::map`].
 //!
 //! The rest of the backend touches a segment only through safe views: [`Segment::words`] (the
-//! control block: every word an atomic) and [`Segment::ptr_at`] (a bounds-checked raw pointer
+//! control block: every word an atomic, 64-bit words then the 32-bit words futexes wait on) and [`Segment::ptr_at`] (a bounds-checked raw pointer
 //! into a buffer, dereferenced by the collectives under the rendezvous protocol, as the local
 //! backend's pointers are).
 
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::ptr::NonNull;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicU32, AtomicU64};
 
 use rustix::mm::{MapFlags, ProtFlags};
 
@@ -93,12 +93,24 @@ impl Segment {
         (off < self.len).then_some(off)
     }
 
-    /// The segment as 64-bit atomic words (the control block of a job).
-    pub(crate) fn words(&self) -> &[AtomicU64] {
-        // SAFETY: the mapping is page aligned (so 8-byte aligned), `len / 8` whole words lie
-        // inside it, it lives as long as `self`, and every process accesses these words only as
-        // atomics (this view is the only one the backend makes of the control segment).
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().cast::<AtomicU64>(), self.len / 8) }
+    /// The segment as atomic words (the control block of a job): its first `wide` 64-bit
+    /// words (fewer if the segment is shorter), then the rest as 32-bit words (what a futex
+    /// waits on). The two parts do not overlap.
+    pub(crate) fn words(&self, wide: usize) -> (&[AtomicU64], &[AtomicU32]) {
+        let wide = wide.min(self.len / 8);
+        let narrow = (self.len - wide * 8) / 4;
+        // SAFETY: the mapping is page aligned, so word `wide` (8-byte aligned) is 4-byte
+        // aligned too; `wide` 8-byte words and then `narrow` 4-byte words lie inside it, one
+        // after the other; it lives as long as `self`; and every process accesses these words
+        // only as atomics of these sizes (this view, with the same `wide` in every process of
+        // a job, is the only one the backend makes of the control segment).
+        unsafe {
+            let base = self.ptr.as_ptr();
+            (
+                std::slice::from_raw_parts(base.cast::<AtomicU64>(), wide),
+                std::slice::from_raw_parts(base.add(wide * 8).cast::<AtomicU32>(), narrow),
+            )
+        }
     }
 }
 
@@ -110,5 +122,29 @@ impl Drop for Segment {
         if let Err(e) = unsafe { rustix::mm::munmap(self.ptr.as_ptr().cast(), self.len) } {
             tracing::warn!(target: "collsched::alloc", "munmap of a shared segment failed: {e}");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::Ordering;
+
+    use super::Segment;
+
+    #[test]
+    fn the_wide_and_narrow_words_split_the_segment_without_overlap() {
+        let seg = Segment::create("collsched-test", 4096 + 64).unwrap();
+        let (wide, narrow) = seg.words(100);
+        assert_eq!(wide.len(), 100);
+        assert_eq!(narrow.len(), (4096 + 64 - 800) / 4);
+        for v in narrow {
+            v.store(u32::MAX, Ordering::Relaxed);
+        }
+        assert!(wide.iter().all(|w| w.load(Ordering::Relaxed) == 0), "a narrow word overlaps a wide one");
+        wide[99].store(u64::MAX, Ordering::Relaxed);
+        assert_eq!(narrow[0].load(Ordering::Relaxed), u32::MAX);
+        // More wide words than the segment holds: all of it is wide.
+        let (wide, narrow) = seg.words(1 << 20);
+        assert_eq!((wide.len(), narrow.len()), ((4096 + 64) / 8, 0));
     }
 }
