@@ -7,6 +7,8 @@
 //!   host closure queued on the rank's compute stream behind a gate, which reads the released
 //!   parameter only when the gate opens, as a CUDA kernel queued before the release would).
 //! - `grad_ready_after` waits for its event before it takes the gradient.
+//! - A bucket gathered again lands at the address it had (what a framework made of it stays
+//!   right).
 
 use std::sync::mpsc;
 use std::sync::Arc;
@@ -147,6 +149,32 @@ fn addr_of(c: &mut collsched::Coordinator<LocalRank>, p: ParamId) -> (usize, usi
     let v = c.fetch(&[p]).unwrap();
     let b = v.bytes(p).unwrap();
     (b.as_ptr() as usize, b.len(), b.to_vec())
+}
+
+#[test]
+fn a_bucket_gathered_again_lands_where_it_was() {
+    let (_, plan, init) = one_rank_model();
+    let (p0, p1) = (ParamId(0), ParamId(1));
+    let world = LocalWorld::new(1).unwrap();
+    let state = ModelState::from_f32(Arc::new(world.rank(0).unwrap()), &plan, &init).unwrap();
+    let mut c = state.coordinator(no_prefetch()).unwrap();
+    let mut first = None;
+    for step in 0..4 {
+        // Both held, then released first to last: the pool's last freed buffer is p1's, which
+        // a plain pop would hand to p0 at the next step.
+        let (a0, _, v0) = addr_of(&mut c, p0);
+        let (a1, _, v1) = addr_of(&mut c, p1);
+        assert_eq!(v0, bytemuck::cast_slice::<f32, u8>(&init[0]), "step {step}: values of p0");
+        assert_eq!(v1, bytemuck::cast_slice::<f32, u8>(&init[1]), "step {step}: values of p1");
+        assert_ne!(a0, a1, "step {step}: two held buckets share a buffer");
+        match first {
+            None => first = Some((a0, a1)),
+            Some(f) => assert_eq!((a0, a1), f, "step {step}: a bucket was gathered somewhere else"),
+        }
+        c.release(&[p0]).unwrap();
+        c.release(&[p1]).unwrap();
+        c.end_step().unwrap();
+    }
 }
 
 #[test]

@@ -262,6 +262,15 @@ impl Engine {
         self.coord.grad_ready(ParamId(id), grad).map_err(errors::runtime)
     }
 
+    /// [`Engine::grad_ready`] for each `(id, addr, bytes)` of `grads`, in order (one call for
+    /// a unit's gradients); the first failure stops there and is raised.
+    fn grad_ready_many(&mut self, grads: Vec<(u32, usize, usize)>) -> PyResult<()> {
+        for (id, addr, bytes) in grads {
+            self.grad_ready(id, addr, bytes)?;
+        }
+        Ok(())
+    }
+
     /// no_sync on (`True`: gradients accumulate locally) or off, from the next gradient on.
     fn set_no_sync(&mut self, on: bool) -> PyResult<()> {
         self.coord.set_no_sync(on).map_err(errors::runtime)

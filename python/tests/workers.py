@@ -107,8 +107,10 @@ def gradcache(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
 
 def forward_only(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     """Training steps with, between them, a validation pass, a forward whose output is
-    dropped, and a forward that raises in its second block; returns what `train` does, plus
-    the gathered bytes still live after each step and each validation pass."""
+    dropped, a forward that raises in its second block, and a backward that raises before
+    the first block's (after the second handed its gradients over, while the root's are
+    accumulated and not yet handed), followed by ``zero_grad``; returns what `train` does,
+    plus the gathered bytes still live after each step and each validation pass."""
     import collsched.torch as cst
 
     name = spec["model"]
@@ -121,6 +123,15 @@ def forward_only(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
             raise ValueError("injected failure in blocks.1")
 
     model.blocks[1].register_forward_pre_hook(maybe_raise)
+
+    def fail_in_backward(grad: torch.Tensor) -> None:
+        raise ValueError("injected failure in the backward of blocks.0")
+
+    def arm_backward(module: torch.nn.Module, args: Any, out: torch.Tensor) -> None:
+        if boom.get("backward"):
+            out.register_hook(fail_in_backward)
+
+    model.blocks[0].register_forward_hook(arm_backward)
     losses, after, live = [], [], []
     for step in range(spec["steps"]):
         x, y = models.batch(name, spec.get("seed", 0), step, 0, rank)
@@ -143,6 +154,14 @@ def forward_only(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
         except ValueError as e:
             assert "injected failure" in str(e)
         boom["armed"] = False
+        boom["backward"] = True
+        try:
+            models.loss_fn(name, model(x), y).backward()
+            raise AssertionError("the injected backward failure did not propagate")
+        except ValueError as e:
+            assert "injected failure in the backward" in str(e)
+        boom["backward"] = False
+        opt.zero_grad()
     return {"losses": losses, "params": after, "live": live}
 
 

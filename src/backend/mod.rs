@@ -122,6 +122,13 @@ pub trait BackendBuffer: Send + fmt::Debug + 'static {
     fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// What tells this buffer's memory apart from the pool's other buffers while the pool
+    /// keeps it (the host backends: its address), for [`Backend::alloc_preferring`]; 0 for
+    /// a backend whose pool does not tell them apart.
+    fn key(&self) -> usize {
+        0
+    }
 }
 
 /// One rank's handle on a world: streams, events, pooled buffers and collectives.
@@ -148,6 +155,18 @@ pub trait Backend: Send + Sync {
     /// # Errors
     /// [`BackendError::OutOfMemory`]; a failure parked earlier (see [`InFlight`]'s `Drop`).
     fn alloc(&self, bytes: usize) -> Result<Self::Buffer, BackendError>;
+
+    /// As [`Backend::alloc`], taking the free buffer whose [`BackendBuffer::key`] is `key` when
+    /// the pool holds it: a bucket gathered again lands where it was, so that what a caller
+    /// made of its address (a framework's views of the parameters) is still right. Any free
+    /// buffer otherwise; a backend without keys allocates as `alloc` does.
+    ///
+    /// # Errors
+    /// As [`Backend::alloc`].
+    fn alloc_preferring(&self, bytes: usize, key: usize) -> Result<Self::Buffer, BackendError> {
+        let _ = key;
+        self.alloc(bytes)
+    }
 
     /// Returns `buffer` to the pool: at once, or once `after` completed (the scheduler's deferred
     /// free). Never blocks.

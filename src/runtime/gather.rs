@@ -24,7 +24,7 @@ use smallvec::SmallVec;
 use super::flight::{backend_err, launch, wait_flight, DriverCounters, Waited};
 use super::tables::{GatherTable, GatherTables};
 use super::RuntimeError;
-use crate::backend::{Backend, BackendEvent, Collective, InFlight, Stream};
+use crate::backend::{Backend, BackendBuffer, BackendEvent, Collective, InFlight, Stream};
 
 /// What a finished gather reports to the scheduler (`OpDone` of the launch).
 pub(crate) type Done<'a> = &'a mut dyn FnMut(LaunchId) -> Result<(), RuntimeError>;
@@ -94,6 +94,11 @@ pub(crate) struct GatherSide<B: Backend> {
     next_queue: u32,
     spare: Vec<Vec<Collective<B::Buffer>>>,
     events: Vec<B::Event>,
+    /// Per gather bucket: the keys of the input, output and unpacked buffers it last had
+    /// ([`BackendBuffer::key`]), asked for again at its next launch: the parameters' full
+    /// values land where they were, and the views a framework made of them stay right (the
+    /// input keeps to its own too, so that it takes no other bucket's).
+    last: Vec<[usize; 3]>,
 }
 
 impl<B: Backend> GatherSide<B> {
@@ -107,6 +112,7 @@ impl<B: Backend> GatherSide<B> {
             next_queue: 0,
             spare: Vec::with_capacity(n),
             events: Vec::with_capacity(8),
+            last: vec![[0; 3]; n],
         }
     }
 
@@ -205,8 +211,9 @@ impl<B: Backend> GatherSide<B> {
         let err = |op| backend_err(be.rank(), op, Some(t.id));
         // Deferred frees that completed go back to the pool first, so that they can be reused.
         self.reap(be);
+        let [input_key, out_key, unpacked_key] = self.last[g];
         let input = if t.sends {
-            let mut b = be.alloc(t.shard_bytes).map_err(err("all_gather"))?;
+            let mut b = be.alloc_preferring(t.shard_bytes, input_key).map_err(err("all_gather"))?;
             if let Err(e) = be.write_from_host(&mut b, 0, shard) {
                 be.free(b, None);
                 return Err(err("all_gather copy-in")(e));
@@ -218,10 +225,10 @@ impl<B: Backend> GatherSide<B> {
         let unpacking = t.unpacking.as_ref().filter(|_| input.is_some() && be.gathers_unpacked());
         // The gathered buffer and the unpacked one are taken together (the scheduler counts both).
         let buffers = match unpacking {
-            Some(_) => be.alloc(t.unpacked_bytes).map(|out| (out, None)),
-            None => be.alloc(t.gathered_bytes).and_then(|out| match t.unpacked_bytes {
+            Some(_) => be.alloc_preferring(t.unpacked_bytes, out_key).map(|out| (out, None)),
+            None => be.alloc_preferring(t.gathered_bytes, out_key).and_then(|out| match t.unpacked_bytes {
                 0 => Ok((out, None)),
-                n => match be.alloc(n) {
+                n => match be.alloc_preferring(n, unpacked_key) {
                     Ok(u) => Ok((out, Some(u))),
                     Err(e) => {
                         be.free(out, None);
@@ -239,6 +246,8 @@ impl<B: Backend> GatherSide<B> {
                 return Err(err("all_gather")(e));
             }
         };
+        let key = |b: Option<&B::Buffer>| b.map_or(0, BackendBuffer::key);
+        self.last[g] = [key(input.as_ref()), output.key(), key(unpacked.as_ref())];
         let mut ops = self.spare.pop().unwrap_or_default();
         ops.push(Collective { desc: unpacking.unwrap_or(&t.desc).clone(), input, output });
         let mut events = std::mem::take(&mut self.events);

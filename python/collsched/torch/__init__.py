@@ -22,11 +22,13 @@ How it works (one rank):
   shards swapped back. Tensors autograd saves that view gathered parameters are kept as
   references (``saved_tensors_hooks``), not as memory, and fetched again in backward.
 - **Backward.** A unit is fetched again when autograd first needs one of its saved
-  parameters; each parameter's gradient goes to the library as soon as it is accumulated
-  (``register_post_accumulate_grad_hook``), and gradient buckets are reduce-scattered as they
-  fill; a unit is released when its gradients are in. At the end of the backward, the step
-  ends and each shard's ``.grad`` gets the reduced (mean over ranks) gradient of its elements,
-  added to what is there (``zero_grad`` as usual).
+  parameters. Its tensor arguments that need a gradient pass through an autograd function in
+  the forward, whose backward runs once the unit's backward is done (FSDP2's post-backward
+  hook): then the unit's accumulated gradients go to the library in one call, gradient
+  buckets are reduce-scattered as they fill, and the unit is released. Gradients not in by
+  then (a tied parameter's, a unit without such arguments, the root) go at the end of the
+  backward, when the step ends and each shard's ``.grad`` gets the reduced (mean over ranks)
+  gradient of its elements, added to what is there (``zero_grad`` as usual).
 - **Passes without backward** (``torch.no_grad()``, an output that is dropped, an exception
   in a forward) leave nothing fetched: evaluation passes run on a second engine of the same
   model, and an aborted pass releases what it fetched.

@@ -21,6 +21,7 @@ from .world import _DTYPE_BYTES, _FROM_TORCH, _TO_TORCH, world
 
 # Views kept per parameter, by address of the gathered buffer (the oldest goes first).
 _VIEWS_KEPT = 4
+_clock = time.perf_counter
 
 
 class _Saved:
@@ -50,10 +51,8 @@ class _Param:
         "full",
         "placeholder",
         "unit",
-        "view",
         "views",
         "addr",
-        "bound",
     )
 
     def __init__(self, pid: int, name: str, shape: torch.Size, dtype: torch.dtype) -> None:
@@ -68,32 +67,49 @@ class _Param:
         self.shard: nn.Parameter = nn.Parameter(torch.empty(0, dtype=dtype))
         self.full: nn.Parameter = nn.Parameter(self.placeholder, requires_grad=False)
         self.unit = 0
-        # The last view of a gathered buffer made for this parameter and its address (buffers
-        # come back from the pool at the same address: the view is reused then), the views
-        # made before by address (the pool hands a unit's buffers out in turns: a few
-        # addresses recur), and the address the full parameter's data views now (0: the
-        # placeholder).
-        self.view: torch.Tensor | None = None
+        # Views of gathered buffers made for this parameter, by address (buffers come back
+        # from the pool at the addresses they had: a view is made once per address), and the
+        # address the full parameter's data views now (0: the placeholder).
         self.views: dict[int, torch.Tensor] = {}
         self.addr = 0
-        self.bound = 0
 
 
 class _Unit:
     """A module given to ``fully_shard``: the parameters its forward uses (its own and those
     of submodules that are not units themselves), fetched together."""
 
-    __slots__ = ("module", "slots", "ids", "params", "fetched", "bwd", "grads_left", "trainable")
+    __slots__ = (
+        "index",
+        "module",
+        "slots",
+        "swaps",
+        "ids",
+        "params",
+        "shared",
+        "known",
+        "addrs",
+        "fetched",
+        "grads",
+    )
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, index: int, module: nn.Module) -> None:
+        self.index = index
         self.module = module
         self.slots: list[tuple[nn.Module, str, int]] = []
+        # Per slot: the module's parameter dict, the name, the full parameter, the shard.
+        self.swaps: list[tuple[dict[str, Any], str, nn.Parameter, nn.Parameter]] = []
         self.ids: list[int] = []
         self.params: list[_Param] = []
+        # Whether another unit fetches one of these parameters too (a tied parameter): its
+        # full parameter may then view another address than this unit's last fetch left.
+        self.shared = False
+        # The addresses of the parameters' full values at this unit's last fetch, as a list
+        # (what the library is told it knows) and by address (the saved-tensor lookup).
+        self.known: list[int] = []
+        self.addrs: dict[int, int] = {}
         self.fetched: Any = None
-        self.bwd = False
-        self.grads_left = 0
-        self.trainable: list[int] = []
+        # The trainable parameters this unit owns: their gradients are its to hand over.
+        self.grads: list[_Param] = []
 
 
 class _State:
@@ -105,7 +121,8 @@ class _State:
         self.opts = opts
         self.units: list[_Unit] = []
         self.params: list[_Param] = []
-        self.live: dict[int, int] = {}
+        # The fetched units' parameter addresses (unit index -> address -> parameter id).
+        self.live: dict[int, dict[int, int]] = {}
         self.sync = True
         self.unsynced = False
         self.phase = "idle"
@@ -135,13 +152,13 @@ class _State:
         def visit(m: nn.Module, u: int) -> None:
             if m is not root and getattr(m, "_collsched_unit", False):
                 u = len(self.units)
-                self.units.append(_Unit(m))
+                self.units.append(_Unit(u, m))
             unit_of[id(m)] = u
             for c in m.children():
                 if id(c) not in unit_of:
                     visit(c, u)
 
-        self.units.append(_Unit(root))
+        self.units.append(_Unit(0, root))
         visit(root, 0)
         # Parameters in module order; a tied parameter belongs to its first unit and is
         # fetched by every unit that uses it.
@@ -239,12 +256,23 @@ class _State:
             p.shard.data = data
             p.shard._collsched_param = (self, p)
             p.full.requires_grad_(p.shard.requires_grad)
-            p.full.register_post_accumulate_grad_hook(self._grad_hook(p))
         for m, name, pid in (s for u in self.units for s in u.slots):
             m._parameters[name] = self.params[pid].shard
+        users: dict[int, int] = {}
         for u in self.units:
-            u.trainable = [pid for pid in u.ids if self.params[pid].shard.requires_grad]
+            for pid in u.ids:
+                users[pid] = users.get(pid, 0) + 1
+        for u in self.units:
+            u.module.__dict__["_collsched_u"] = u
+            u.swaps = [(m._parameters, name, self.params[pid].full, self.params[pid].shard) for m, name, pid in u.slots]
+            u.shared = any(users[pid] > 1 for pid in u.ids)
+            u.known = [0] * len(u.ids)
         self.mask = [bool(p.shard.requires_grad) for p in self.params]
+        self._own_grads()
+
+    def _own_grads(self) -> None:
+        for u in self.units:
+            u.grads = [p for p in u.params if p.unit == u.index and self.mask[p.pid]]
 
     def _unit_buckets(self) -> list[list[int]]:
         """Each unit's gather buckets (ids): those of every parameter it fetches (a tied
@@ -334,7 +362,7 @@ class _State:
     # ---- passes ------------------------------------------------------------------------
 
     def forward(self, module: nn.Module, call: Any, args: Any, kwargs: Any) -> Any:
-        t0 = time.perf_counter()
+        t0 = _clock()
         grad = torch.is_grad_enabled()
         if self.phase == "backward":
             self._recover()
@@ -346,7 +374,7 @@ class _State:
             engine = self.eval
         outer = self.engine
         self.engine = engine
-        self.host_s += time.perf_counter() - t0
+        self.host_s += _clock() - t0
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 out = self._unit_forward(self.units[0], call, args, kwargs)
@@ -359,27 +387,55 @@ class _State:
             return out
         if engine is self.eval:
             engine.end_step()
-        elif _requires_grad(out):
+            return out
+        needs = _needing_grad(out)
+        if needs:
+            # The backward begins when the first of these gets its gradient.
+            t0 = _clock()
+            torch.autograd.graph.register_multi_grad_hook(needs, self._begin_backward_hook, mode="any")
             self.phase = "forward"
+            self.host_s += _clock() - t0
         elif self.phase == "idle":
             # Nothing can run backward through this output: the step ends here.
             self._end_step()
         return out
 
     def _unit_forward(self, unit: _Unit, call: Any, args: Any, kwargs: Any) -> Any:
-        t0 = time.perf_counter()
+        t0 = _clock()
         native = self._fetch(unit, self.engine, swap=True)
-        self.host_s += time.perf_counter() - t0 - native
+        if self.engine is self.train and torch.is_grad_enabled():
+            args, kwargs = self._watch(unit, args, kwargs)
+        self.host_s += _clock() - t0 - native
         try:
             return call(*args, **kwargs)
         finally:
-            t1 = time.perf_counter()
+            t1 = _clock()
             native = self._release(unit, swap=True)
-            self.host_s += time.perf_counter() - t1 - native
+            self.host_s += _clock() - t1 - native
             self.host_units += 1
 
+    def _watch(self, unit: _Unit, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        """Passes the unit's tensor arguments that need a gradient through
+        :class:`_PostBackward`: once their gradients are computed, the unit's backward is over
+        (FSDP2's post-backward hook). A unit without such arguments hands its gradients over
+        at the end of the backward."""
+        at = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+        keys = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad] if kwargs else []
+        if not at and not keys:
+            return args, kwargs
+        outs = _PostBackward.apply(self, unit, *(args[i] for i in at), *(kwargs[k] for k in keys))
+        if at:
+            args = list(args)
+            for i, o in zip(at, outs):
+                args[i] = o
+        if keys:
+            kwargs = dict(kwargs)
+            for k, o in zip(keys, outs[len(at) :]):
+                kwargs[k] = o
+        return args, kwargs
+
     def unit_forward(self, module: nn.Module, call: Any, args: Any, kwargs: Any) -> Any:
-        unit = next((u for u in self.units if u.module is module), None)
+        unit = module.__dict__.get("_collsched_u")
         if unit is None or self.engine is None:
             # A unit's forward outside its root's forward: the root's forward is the pass.
             if unit is None:
@@ -391,13 +447,17 @@ class _State:
         """Fetches ``unit`` on ``engine``; returns the seconds spent in the library."""
         if unit.fetched is not None:
             return 0.0
-        t0 = time.perf_counter()
-        regions = engine.fetch(unit.ids, [p.addr for p in unit.params])
-        native = time.perf_counter() - t0
+        # A tied parameter's full value may view what another unit fetched last.
+        known = [p.addr for p in unit.params] if unit.shared else unit.known
+        t0 = _clock()
+        regions = engine.fetch(unit.ids, known)
+        native = _clock() - t0
         unit.fetched = engine
-        live = self.live
-        for p, region in zip(unit.params, regions):
-            if region is not None:
+        if any(regions):
+            # Some buffers are at new addresses: rebind those parameters.
+            for p, region in zip(unit.params, regions):
+                if region is None:
+                    continue
                 addr = region.address
                 view = p.views.get(addr)
                 if view is None:
@@ -405,18 +465,16 @@ class _State:
                     if len(p.views) >= _VIEWS_KEPT:
                         del p.views[next(iter(p.views))]
                     p.views[addr] = view
-                p.view = view
+                p.full.data = view
                 p.addr = addr
-            live[p.addr] = p.pid
-            full = p.full
-            if p.bound != p.addr:
-                full.data = p.view
-                p.bound = p.addr
-            if full.requires_grad != p.shard.requires_grad:
-                full.requires_grad_(p.shard.requires_grad)
+            unit.known = [p.addr for p in unit.params]
+            unit.addrs = {p.addr: p.pid for p in unit.params}
+        elif unit.shared:
+            unit.addrs = {p.addr: p.pid for p in unit.params}
+        self.live[unit.index] = unit.addrs
         if swap:
-            for m, name, pid in unit.slots:
-                m._parameters[name] = self.params[pid].full
+            for params, name, full, _ in unit.swaps:
+                params[name] = full
         return native
 
     def _release(self, unit: _Unit, swap: bool) -> float:
@@ -425,19 +483,16 @@ class _State:
         if engine is None:
             return 0.0
         if swap:
-            for m, name, pid in unit.slots:
-                m._parameters[name] = self.params[pid].shard
+            for params, name, _, shard in unit.swaps:
+                params[name] = shard
         # The full parameters keep viewing the buffers (nothing outside a pass reaches them;
         # saved tensors are references, see _pack): the next fetch at the same addresses has
         # nothing to redo.
-        live = self.live
-        for p in unit.params:
-            live.pop(p.addr, None)
+        del self.live[unit.index]
         unit.fetched = None
-        unit.bwd = False
-        t0 = time.perf_counter()
+        t0 = _clock()
         engine.release(unit.ids)
-        return time.perf_counter() - t0
+        return _clock() - t0
 
     def _abort(self, engine: Any) -> None:
         """An exception in a forward: release what the pass fetched; an evaluation pass's
@@ -450,12 +505,17 @@ class _State:
             engine.end_step()
 
     def _recover(self) -> None:
-        """A backward that raised left units fetched: release them and end its step."""
+        """A backward that raised left units fetched, and gradients accumulated that were
+        never handed over: release the units and end its step, dropping its gradients (found
+        at the next forward, after the caller's ``zero_grad``: the next step would add to
+        them otherwise)."""
         for unit in self.units:
             self._release(unit, swap=False)
+        for p in self.params:
+            p.full.grad = None
         self.phase = "idle"
         self.queued = False
-        self._end_step()
+        self._end_step(deliver=False)
 
     def _step_boundary(self) -> None:
         if self.opts["auto_refresh_trainable"] and not self.unsynced:
@@ -472,8 +532,7 @@ class _State:
             )
         self.train.refresh_trainable(mask)
         self.mask = mask
-        for u in self.units:
-            u.trainable = [pid for pid in u.ids if mask[pid]]
+        self._own_grads()
         for p, m in zip(self.params, mask):
             p.full.requires_grad_(m)
         return True
@@ -481,34 +540,44 @@ class _State:
     # ---- saved tensors -----------------------------------------------------------------
 
     def _pack(self, t: torch.Tensor) -> Any:
-        if not self.live:
+        live = self.live
+        if not live:
             return t
+        t0 = _clock()
         try:
             ptr = t.untyped_storage().data_ptr()
         except (RuntimeError, NotImplementedError):  # sparse, nested: never a view of ours
             return t
-        pid = self.live.get(ptr)
-        return t if pid is None else _Saved(pid, t)
+        for addrs in live.values():
+            pid = addrs.get(ptr)
+            if pid is not None:
+                t = _Saved(pid, t)
+                break
+        self.host_s += _clock() - t0
+        return t
 
     def _unpack(self, x: Any) -> torch.Tensor:
         if type(x) is not _Saved:
             return x
+        t0 = _clock()
         if not self.queued:
             self._begin_backward()
         p = self.params[x.pid]
         unit = self.units[p.unit]
-        if unit.fetched is None:
-            t0 = time.perf_counter()
-            native = self._fetch(unit, self.train, swap=False)
-            unit.bwd = True
-            unit.grads_left = sum(1 for q in unit.trainable if q not in self.got)
-            self.host_s += time.perf_counter() - t0 - native
+        native = self._fetch(unit, self.train, swap=False) if unit.fetched is None else 0.0
         base = p.full.data
         if x.dtype != base.dtype:
             base = base.view(x.dtype)
-        return base.as_strided(x.size, x.stride, x.offset)
+        out = base.as_strided(x.size, x.stride, x.offset)
+        self.host_s += _clock() - t0 - native
+        return out
 
     # ---- backward ----------------------------------------------------------------------
+
+    def _begin_backward_hook(self, _grad: Any) -> None:
+        t0 = _clock()
+        self._begin_backward()
+        self.host_s += _clock() - t0
 
     def _begin_backward(self) -> None:
         if self.queued:
@@ -521,40 +590,57 @@ class _State:
         self.train.set_no_sync(not self.sync)
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
-    def _grad_hook(self, p: _Param) -> Any:
-        pid, dtype, clock = p.pid, p.dtype, time.perf_counter
-
-        def hook(full: torch.Tensor) -> None:
-            t0 = clock()
-            if not self.queued:
-                self._begin_backward()
+    def _hand(self, params: list[_Param]) -> tuple[float, bool]:
+        """Hands the accumulated gradients of ``params`` to the library; returns the seconds
+        spent there and whether every one of them is in (one still to come, or of a parameter
+        this backward does not reach, is not)."""
+        batch, keep, done, got = [], [], True, self.got
+        for p in params:
+            if p.pid in got:
+                continue
+            full = p.full
             g = full.grad
+            if g is None:
+                done = False
+                continue
             full.grad = None
-            if g is None or not self.mask[pid]:
-                return
-            if g.dtype != dtype or not g.is_contiguous():
-                g = g.contiguous().to(dtype)
-            t1 = clock()
-            self.train.grad_ready(pid, g.data_ptr(), g.nbytes)
-            native = clock() - t1
-            self.got.add(pid)
-            unit = self.units[p.unit]
-            if unit.bwd:
-                unit.grads_left -= 1
-                if unit.grads_left <= 0:
-                    native += self._release(unit, swap=False)
-            self.host_s += time.perf_counter() - t0 - native
+            if g.dtype != p.dtype or not g.is_contiguous():
+                g = g.contiguous().to(p.dtype)
+            keep.append(g)
+            batch.append((p.pid, g.data_ptr(), g.nbytes))
+            got.add(p.pid)
+        if not batch:
+            return 0.0, done
+        t0 = _clock()
+        self.train.grad_ready_many(batch)
+        return _clock() - t0, done
 
-        return hook
+    def _post_backward(self, unit: _Unit) -> None:
+        """The gradients of ``unit``'s arguments are computed: its backward is over. Its
+        gradients go to the library and, once all are in, it is released."""
+        t0 = _clock()
+        if not self.queued:
+            self._begin_backward()
+        native, done = self._hand(unit.grads)
+        if done:
+            native += self._release(unit, swap=False)
+        self.host_s += _clock() - t0 - native
 
     def _end_backward(self) -> None:
+        t0 = _clock()
+        native = 0.0
         for unit in self.units:
-            self._release(unit, swap=False)
+            native += self._hand(unit.grads)[0]
+        for unit in self.units:
+            native += self._release(unit, swap=False)
         self.queued = False
         self.phase = "idle"
+        self.host_s += _clock() - t0 - native
         self._end_step()
 
-    def _end_step(self) -> None:
+    def _end_step(self, deliver: bool = True) -> None:
+        """Ends the library's step; after a synchronized backward, adds the reduced gradients
+        to the shards' ``.grad`` (``deliver=False``: takes them and drops them)."""
         self.got.clear()
         stats = self.train.end_step()
         stats["host_us_per_unit"] = 1e6 * self.host_s / max(self.host_units, 1)
@@ -565,7 +651,10 @@ class _State:
             self.unsynced = stats["accumulated_grads"] > 0 or self.unsynced
             return
         self.unsynced = False
-        for pid, _offset, data, dtype in self.train.take_grads():
+        grads = self.train.take_grads()
+        if not deliver:
+            return
+        for pid, _offset, data, dtype in grads:
             p = self.params[pid]
             g = torch.frombuffer(data, dtype=_TO_TORCH[dtype])
             if g.dtype != p.dtype:
@@ -589,14 +678,31 @@ class _State:
         return out
 
 
-def _requires_grad(out: Any) -> bool:
+def _needing_grad(out: Any) -> list[torch.Tensor]:
+    """The tensors in ``out`` (nested in lists, tuples and dicts) that need a gradient."""
     if isinstance(out, torch.Tensor):
-        return out.requires_grad
+        return [out] if out.requires_grad else []
     if isinstance(out, (list, tuple)):
-        return any(_requires_grad(o) for o in out)
+        return [t for o in out for t in _needing_grad(o)]
     if isinstance(out, dict):
-        return any(_requires_grad(o) for o in out.values())
-    return False
+        return [t for o in out.values() for t in _needing_grad(o)]
+    return []
+
+
+class _PostBackward(torch.autograd.Function):
+    """Passes a unit's arguments through unchanged; its backward runs once their gradients
+    are computed, that is once the unit's own backward is done."""
+
+    @staticmethod
+    def forward(ctx: Any, state: _State, unit: _Unit, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.state = state
+        ctx.unit = unit
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        ctx.state._post_backward(ctx.unit)
+        return (None, None, *grads)
 
 
 class CollschedModule:

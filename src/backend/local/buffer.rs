@@ -167,6 +167,10 @@ impl BackendBuffer for LocalBuffer {
     fn len(&self) -> usize {
         self.len
     }
+
+    fn key(&self) -> usize {
+        self.storage.ptr.as_ptr() as usize
+    }
 }
 
 /// Sizes up to this are pooled by their exact (aligned) size.
@@ -278,14 +282,19 @@ impl Pool {
         }
     }
 
-    pub(super) fn alloc(&self, bytes: usize) -> Result<LocalBuffer, BackendError> {
+    /// A buffer of `bytes`: the free one at address `key` if there is one of the size class,
+    /// else the last one freed, else fresh storage.
+    pub(super) fn alloc(&self, bytes: usize, key: usize) -> Result<LocalBuffer, BackendError> {
         let class = class_of(bytes);
         let mut inner = self.lock();
         if !inner.pending.is_empty() {
             self.reap(&mut inner);
         }
-        if let Some(storage) = inner.free.get_mut(&class).and_then(Vec::pop) {
-            return Ok(LocalBuffer { storage, len: bytes });
+        if let Some(free) = inner.free.get_mut(&class) {
+            let at = free.iter().rposition(|s| s.ptr.as_ptr() as usize == key);
+            if let Some(storage) = at.map(|i| free.swap_remove(i)).or_else(|| free.pop()) {
+                return Ok(LocalBuffer { storage, len: bytes });
+            }
         }
         inner.allocations += 1;
         drop(inner);

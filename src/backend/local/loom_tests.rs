@@ -290,7 +290,7 @@ fn loom_rendezvous_departed_peer_wakes_the_waiter() {
 fn loom_pool_reuses_a_deferred_free_only_after_its_event() {
     loom::model(|| {
         let pool = Pool::new(0, WAIT, None);
-        let buffer = pool.alloc(64).expect("alloc");
+        let buffer = pool.alloc(64, 0).expect("alloc");
         let freed = buffer.as_ptr();
         let event = LocalEvent::new(Duration::ZERO);
         let reading = Arc::new(AtomicBool::new(true));
@@ -302,7 +302,7 @@ fn loom_pool_reuses_a_deferred_free_only_after_its_event() {
                 e.complete(Ok(()));
             })
         };
-        let again = pool.alloc(64).expect("alloc");
+        let again = pool.alloc(64, 0).expect("alloc");
         if again.as_ptr() == freed {
             assert!(!reading.load(Ordering::Acquire), "reused while a peer still read it");
         }

@@ -495,7 +495,12 @@ impl Backend for LocalRank {
 
     fn alloc(&self, bytes: usize) -> Result<LocalBuffer, BackendError> {
         self.pool.take_parked()?;
-        self.pool.alloc(bytes)
+        self.pool.alloc(bytes, 0)
+    }
+
+    fn alloc_preferring(&self, bytes: usize, key: usize) -> Result<LocalBuffer, BackendError> {
+        self.pool.take_parked()?;
+        self.pool.alloc(bytes, key)
     }
 
     fn free(&self, buffer: LocalBuffer, after: Option<&LocalEvent>) {
