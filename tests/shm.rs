@@ -294,3 +294,21 @@ fn a_rank_that_never_starts_is_named_after_the_bootstrap_timeout() {
         assert!(line.starts_with("err") && line.contains("[2]"), "rank {r}: {line}");
     }
 }
+
+/// `COLLSCHED_SPIN_US` sets how long the waits spin (the local backend's default otherwise), and
+/// a malformed one is refused naming it.
+#[test]
+fn the_spin_is_the_default_or_as_told() {
+    let with = |spin: Option<&str>| {
+        let spin = spin.map(str::to_string);
+        ShmConfig::from_lookup(move |k| if k == "COLLSCHED_SPIN_US" { spin.clone() } else { None })
+    };
+    let default = collsched::backend::local::LocalConfig::default().spin;
+    assert_eq!(with(None).expect("config").local.spin, default);
+    assert_eq!(with(Some("200")).expect("config").local.spin, Duration::from_micros(200));
+    assert_eq!(with(Some("0")).expect("config").local.spin, Duration::ZERO);
+    for bad in ["-1", "soon", "NaN", "2e6"] {
+        let e = with(Some(bad)).expect_err("malformed").to_string();
+        assert!(e.contains("COLLSCHED_SPIN_US") && e.contains(bad), "{e}");
+    }
+}

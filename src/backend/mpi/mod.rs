@@ -85,18 +85,8 @@ impl MpiConfig {
         if 2 * local > cores {
             c.local.spin = std::time::Duration::ZERO;
         }
-        if let Some(v) = lookup("COLLSCHED_SPIN_US") {
-            c.local.spin = v
-                .trim()
-                .parse::<f64>()
-                .ok()
-                .filter(|us| us.is_finite() && *us >= 0.0 && *us <= 1e6)
-                .map(|us| std::time::Duration::from_secs_f64(us / 1e6))
-                .ok_or(EnvError {
-                    var: "COLLSCHED_SPIN_US",
-                    value: v,
-                    what: "expected microseconds from 0 to 1000000".into(),
-                })?;
+        if let Some(s) = super::shm::spin_from_lookup(&lookup)? {
+            c.local.spin = s;
         }
         Ok(c)
     }

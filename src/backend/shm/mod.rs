@@ -27,6 +27,7 @@
 //! |---|---|---|
 //! | `COLLSCHED_SHM_ARENA_BYTES` | the machine's memory ([`default_arena_bytes`]) | address space of each rank's buffer arena (sparse: memory is used as buffers are) |
 //! | `COLLSCHED_TIMEOUT_SECS` | 300 | [`LocalConfig::timeout`]: how long a member waits for the others |
+//! | `COLLSCHED_SPIN_US` | 50 | [`LocalConfig::spin`]: how long a waiter (a collective's member, a host wait on an event) spins before it sleeps; 0: never |
 //! | see [`crate::bootstrap`] | | how the processes meet |
 
 mod arena;
@@ -85,8 +86,8 @@ impl Default for ShmConfig {
 }
 
 impl ShmConfig {
-    /// The defaults, with `COLLSCHED_SHM_ARENA_BYTES`, `COLLSCHED_TIMEOUT_SECS` and the
-    /// bootstrap's knobs applied.
+    /// The defaults, with `COLLSCHED_SHM_ARENA_BYTES`, `COLLSCHED_TIMEOUT_SECS`,
+    /// `COLLSCHED_SPIN_US` and the bootstrap's knobs applied.
     ///
     /// # Errors
     /// [`EnvError`] for a malformed value.
@@ -110,8 +111,32 @@ impl ShmConfig {
         if let Some(t) = timeout_from_lookup(&lookup)? {
             c.local.timeout = t;
         }
+        if let Some(s) = spin_from_lookup(&lookup)? {
+            c.local.spin = s;
+        }
         Ok(c)
     }
+}
+
+/// `COLLSCHED_SPIN_US` ([`LocalConfig::spin`] of the multi-process backends: microseconds a
+/// waiter spins before it sleeps, 0 for never), if set.
+///
+/// # Errors
+/// [`EnvError`] for a value that is not a number of microseconds from 0 to 1000000.
+pub(crate) fn spin_from_lookup(
+    lookup: &impl Fn(&str) -> Option<String>,
+) -> Result<Option<Duration>, EnvError> {
+    let Some(v) = lookup("COLLSCHED_SPIN_US") else { return Ok(None) };
+    v.trim()
+        .parse::<f64>()
+        .ok()
+        .filter(|us| us.is_finite() && *us >= 0.0 && *us <= 1e6)
+        .map(|us| Some(Duration::from_secs_f64(us / 1e6)))
+        .ok_or(EnvError {
+            var: "COLLSCHED_SPIN_US",
+            value: v,
+            what: "expected microseconds from 0 to 1000000".into(),
+        })
 }
 
 /// `COLLSCHED_TIMEOUT_SECS` ([`LocalConfig::timeout`] of the multi-process backends), if set.
