@@ -56,6 +56,13 @@ impl Model {
         &self.plan_json
     }
 
+    /// `(gather bucket id, bytes)`: the memory each gather bucket takes while gathered, as the
+    /// prefetch and live-bytes budgets count it.
+    #[getter]
+    fn gather_memory(&self) -> Vec<(u32, usize)> {
+        self.state.gather_memory().map(|(id, bytes)| (id.0, bytes)).collect()
+    }
+
     /// This rank.
     #[getter]
     fn rank(&self) -> usize {

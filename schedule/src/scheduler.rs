@@ -210,7 +210,23 @@ impl Scheduler {
         config: SchedulerConfig,
         registry: &mut InflightRegistry,
     ) -> Result<Scheduler, ScheduleError> {
-        let mut s = Scheduler::new(&ScheduleInput::from_plan(plan), rank, config, registry)?;
+        Scheduler::from_plan_input(plan, &ScheduleInput::from_plan(plan), rank, config, registry)
+    }
+
+    /// As [`from_plan`](Self::from_plan), with the plan's tables as the driver adjusted them
+    /// (`input`: [`ScheduleInput::from_plan`] of `plan`, e.g. [`ScheduleInput::placing`]; the
+    /// registry was made from the same).
+    ///
+    /// # Errors
+    /// As [`new`](Self::new).
+    pub fn from_plan_input(
+        plan: &Plan,
+        input: &ScheduleInput,
+        rank: u32,
+        config: SchedulerConfig,
+        registry: &mut InflightRegistry,
+    ) -> Result<Scheduler, ScheduleError> {
+        let mut s = Scheduler::new(input, rank, config, registry)?;
         s.core.source = Some(plan.clone());
         Ok(s)
     }
@@ -607,7 +623,12 @@ impl Scheduler {
         };
         let (next, _diff) =
             plan.with_trainable(mask).map_err(|source| ScheduleError::Refresh { rank: c.rank, source })?;
-        self.replace_grad_tables(&ScheduleInput::from_plan(&next))?;
+        let mut input = ScheduleInput::from_plan(&next);
+        // The gather buckets stay as the driver adjusted them.
+        for (b, now) in input.gather.iter_mut().zip(&self.core.t.gather) {
+            b.placed = now.placed;
+        }
+        self.replace_grad_tables(&input)?;
         self.core.source = Some(next);
         Ok(true)
     }

@@ -968,3 +968,33 @@ fn a_trace_that_keeps_missing_is_recorded_again() {
     assert_eq!(c4.prefetch_hits, 4, "{c4:?}");
     assert_eq!(c4.prefetch_misses, 1);
 }
+
+/// Tables whose all-gathers place the pieces count a split bucket's unpacked copy alone, in the
+/// registry and in the step's peak; a trainability refresh keeps them so.
+#[test]
+fn placed_buckets_count_their_unpacked_copy_alone_through_a_refresh() {
+    use collsched_schedule::ScheduleInput;
+    let plan = layered(2, 4);
+    let plain = ScheduleInput::from_plan(&plan);
+    let input = ScheduleInput::from_plan(&plan).placing(|_| true);
+    assert!(plain.gather.iter().all(|b| !b.placed));
+    for (p, b) in plain.gather.iter().zip(&input.gather) {
+        // EvenSplit: every bucket splits its parameters over the ranks.
+        assert!(p.unpacked_bytes > 0 && b.placed, "bucket {}", b.id);
+        assert_eq!(p.memory_bytes(), p.gathered_bytes + p.unpacked_bytes);
+        assert_eq!(b.memory_bytes(), b.unpacked_bytes);
+    }
+    assert!(ScheduleInput::from_plan(&plan).placing(|_| false).gather.iter().all(|b| !b.placed));
+    let mut reg = InflightRegistry::new(&input);
+    let s = Scheduler::from_plan_input(&plan, &input, 0, no_prefetch(), &mut reg).unwrap();
+    let mut r = Rig { plan, reg, s, out: Vec::new() };
+    let first = layer(0);
+    r.fetch(&first);
+    assert_eq!(r.reg.live_bytes(), input.gather[0].unpacked_bytes);
+    r.release(&first);
+    r.end();
+    assert!(r.s.refresh_trainable(&[true, true, false, false]).unwrap());
+    r.fetch(&first);
+    assert_eq!(r.reg.live_bytes(), input.gather[0].unpacked_bytes, "after the refresh");
+    r.release(&first);
+}

@@ -153,7 +153,14 @@ impl<B: Backend> Coordinator<B> {
         let rank = state.rank();
         let (sched, queue) = {
             let mut st = state.shared.lock();
-            let sched = Scheduler::from_plan(&state.shared.plan, rank as u32, config, st.registry_mut())?;
+            let shared = &state.shared;
+            let sched = Scheduler::from_plan_input(
+                &shared.plan,
+                &shared.input,
+                rank as u32,
+                config,
+                st.registry_mut(),
+            )?;
             (sched, st.new_queue())
         };
         let grad = Arc::new(GradTables::new(&state.shared.plan, &sched, rank)?);

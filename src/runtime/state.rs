@@ -258,6 +258,9 @@ pub struct ShardUpdate<'a> {
 pub(crate) struct ModelInner<B: Backend> {
     pub(crate) backend: Arc<B>,
     pub(crate) plan: Plan,
+    /// The plan's scheduling tables as this driver runs them (buckets whose all-gather places
+    /// the pieces hold no gathered buffer): the registry's and every coordinator's.
+    pub(crate) input: ScheduleInput,
     pub(crate) tables: GatherTables,
     pub(crate) state: Mutex<RankState<B>>,
 }
@@ -414,12 +417,24 @@ impl<B: Backend> ModelState<B> {
             })?;
             shards.push(shard);
         }
-        let registry = InflightRegistry::new(&ScheduleInput::from_plan(plan));
+        // The all-gather places the pieces where the backend can (`GatherSide::launch`); every
+        // rank of a job answers alike (a layout and backend property), as the budgets need.
+        let places = backend.gathers_unpacked();
+        let input = ScheduleInput::from_plan(plan).placing(|id| {
+            places && tables.position(id).is_some_and(|g| tables.gather[g].unpacking.is_some())
+        });
+        let registry = InflightRegistry::new(&input);
         let gather = GatherSide::new(&tables);
         let n = set.len();
         let state = RankState { registry, shards, gather, grads: GradStore::new(n) };
         Ok(ModelState {
-            shared: Arc::new(ModelInner { backend, plan: plan.clone(), tables, state: Mutex::new(state) }),
+            shared: Arc::new(ModelInner {
+                backend,
+                plan: plan.clone(),
+                input,
+                tables,
+                state: Mutex::new(state),
+            }),
         })
     }
 
@@ -440,6 +455,13 @@ impl<B: Backend> ModelState<B> {
     /// The plan the model state was built with (its gather buckets never change).
     pub fn plan(&self) -> &Plan {
         &self.shared.plan
+    }
+
+    /// The memory each gather bucket takes on this rank while gathered, as the scheduler's
+    /// budgets count it ([`BucketInput::memory_bytes`](crate::schedule::BucketInput::memory_bytes):
+    /// the unpacked copy alone where the all-gather places the pieces), in plan order.
+    pub fn gather_memory(&self) -> impl Iterator<Item = (BucketId, usize)> + '_ {
+        self.shared.input.gather.iter().map(|b| (b.id, b.memory_bytes()))
     }
 
     /// The backend.

@@ -321,8 +321,10 @@ class _State:
     def _one_unit_ahead(self) -> tuple[int, int]:
         """The default prefetch budget: about one unit ahead, as FSDP2 prefetches one module
         (bytes beyond the first bucket ahead, and buckets ahead, of the largest unit)."""
-        # A bucket held takes its gathered buffer and, for split parameters, the unpacked copy.
-        per_unit = [[2 * self.gather_buckets[b][1] for b in bs] for bs in self.unit_buckets if bs]
+        # What a bucket held takes, as the budgets count it (the gathered buffer and, for split
+        # parameters, the unpacked copy; the unpacked copy alone where the gather places them).
+        memory = dict(self.model.gather_memory)
+        per_unit = [[memory[b] for b in bs] for bs in self.unit_buckets if bs]
         if not per_unit:
             return 0, 1
         largest = max(per_unit, key=sum)

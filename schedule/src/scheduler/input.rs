@@ -36,6 +36,10 @@ pub struct BucketInput {
     pub kinds: SmallVec<[CollectiveKind; 2]>,
     /// For a gradient bucket: its gather bucket.
     pub partner: Option<BucketId>,
+    /// For a gather bucket with an unpacked copy: the driver's all-gather writes every
+    /// parameter straight to its unpacked place, so no gathered buffer is held beside it
+    /// ([`ScheduleInput::placing`]). `false` from a plan.
+    pub placed: bool,
 }
 
 /// A digest of a plan: one 64-bit fingerprint of everything, and one digest per bucket (by
@@ -59,10 +63,15 @@ impl PlanDigests {
 
 impl BucketInput {
     /// Memory the bucket takes while gathered: the gathered buffer and the unpacked copy
-    /// (`gathered_bytes + unpacked_bytes`). What `max_live_bytes`, `prefetch_bytes`, live and
-    /// peak gathered bytes count.
+    /// (`gathered_bytes + unpacked_bytes`), or the unpacked copy alone when the all-gather
+    /// places the pieces ([`BucketInput::placed`]). What `max_live_bytes`, `prefetch_bytes`,
+    /// live and peak gathered bytes count.
     pub fn memory_bytes(&self) -> usize {
-        self.gathered_bytes + self.unpacked_bytes
+        if self.placed {
+            self.unpacked_bytes
+        } else {
+            self.gathered_bytes + self.unpacked_bytes
+        }
     }
 }
 
@@ -111,6 +120,7 @@ impl ScheduleInput {
             ops: plan.ops_of(b.id()).iter().copied().collect(),
             kinds: plan.ops_of(b.id()).iter().filter_map(|&o| plan.op(o).map(|op| op.kind())).collect(),
             partner: b.gather_bucket(),
+            placed: false,
         };
         ScheduleInput {
             params: layout.params().clone(),
@@ -119,6 +129,19 @@ impl ScheduleInput {
             grad: layout.grad_buckets().iter().map(conv).collect(),
             digests: PlanDigests::of_plan(plan),
         }
+    }
+
+    /// These tables for a driver whose all-gather of gather bucket `id` writes the parameters
+    /// straight to their unpacked places when `places(id)` (the local and shm backends: no
+    /// gathered buffer is held, [`BucketInput::placed`]); buckets without an unpacked copy
+    /// are left as they are. Every rank of a job must give the same answers: the budgets
+    /// count these bytes, and prefetch decisions follow the budgets.
+    #[must_use]
+    pub fn placing(mut self, places: impl Fn(BucketId) -> bool) -> ScheduleInput {
+        for b in &mut self.gather {
+            b.placed = b.unpacked_bytes > 0 && places(b.id);
+        }
+        self
     }
 
     /// Checks the tables: every parameter in exactly one gather bucket, every trainable one
