@@ -61,53 +61,60 @@ def main() -> None:
     total = layers * args.dim * args.dim * 4  # the model's bytes: what a save writes in all
     opt = None
     root = from_rank0(tempfile.mkdtemp(prefix="collsched-ckpt-bench-", dir=args.dir) if rank == 0 else None)
-    saves, loads = [], []
-    for i in range(args.repeat):
-        # A fresh directory each time, as the plain writes below go to fresh files.
-        path = os.path.join(root, f"ckpt-{i}")
-        saves.append(timed(lambda path=path: cst.save_checkpoint(model, opt, path)))
-        loads.append(timed(lambda path=path: cst.load_checkpoint(model, opt, path)))
-        dist.barrier()
+    # Whatever happens, nothing of the run stays on disk.
+    try:
+        saves, loads = [], []
+        for i in range(args.repeat):
+            # A fresh directory each time, as the plain writes below go to fresh files.
+            path = os.path.join(root, f"ckpt-{i}")
+            saves.append(timed(lambda path=path: cst.save_checkpoint(model, opt, path)))
+            loads.append(timed(lambda path=path: cst.load_checkpoint(model, opt, path)))
+            dist.barrier()
+            if rank == 0:
+                shutil.rmtree(path, ignore_errors=True)
+        # The bound: each rank writes and reads its share, sequentially, with fsync.
+        share = total // world
+        block = bytes(1 << 24)
+        mine = ""
+
+        def write() -> None:
+            with open(mine, "wb") as f:
+                left = share
+                while left > 0:
+                    n = min(left, len(block))
+                    f.write(block[:n])
+                    left -= n
+                f.flush()
+                os.fsync(f.fileno())
+
+        def read() -> None:
+            with open(mine, "rb") as f:
+                while f.readinto(bytearray(1 << 24)):
+                    pass
+
+        writes, reads = [], []
+        for i in range(args.repeat):
+            mine = os.path.join(root, f"plain-{rank}-{i}")
+            writes.append(timed(write))
+            reads.append(timed(read))
+            os.remove(mine)
         if rank == 0:
-            shutil.rmtree(path, ignore_errors=True)
-    # The bound: each rank writes and reads its share, sequentially, with fsync.
-    share = total // world
-    block = bytes(1 << 24)
-    mine = ""
-
-    def write() -> None:
-        with open(mine, "wb") as f:
-            left = share
-            while left > 0:
-                n = min(left, len(block))
-                f.write(block[:n])
-                left -= n
-            f.flush()
-            os.fsync(f.fileno())
-
-    def read() -> None:
-        with open(mine, "rb") as f:
-            while f.readinto(bytearray(1 << 24)):
-                pass
-
-    writes, reads = [], []
-    for i in range(args.repeat):
-        mine = os.path.join(root, f"plain-{rank}-{i}")
-        writes.append(timed(write))
-        reads.append(timed(read))
-        os.remove(mine)
-    if rank == 0:
-        gb = total / 1e9
-        sv, ld, wr, rd = (statistics.median(x) for x in (saves, loads, writes, reads))
-        print(f"{world} ranks, {layers} layers of {args.dim}x{args.dim} f32: {gb:.2f} GB in all, in {args.dir}")
-        print(
-            f"save_checkpoint {gb / sv:6.2f} GB/s   sequential write+fsync {gb / wr:6.2f} GB/s   ratio {wr / sv:.2f}x"
-        )
-        print(
-            f"load_checkpoint {gb / ld:6.2f} GB/s   sequential read        {gb / rd:6.2f} GB/s   ratio {rd / ld:.2f}x"
-        )
-        shutil.rmtree(root, ignore_errors=True)
-    dist.barrier()
+            gb = total / 1e9
+            sv, ld, wr, rd = (statistics.median(x) for x in (saves, loads, writes, reads))
+            print(f"{world} ranks, {layers} layers of {args.dim}x{args.dim} f32: {gb:.2f} GB in all, in {args.dir}")
+            print(
+                f"save_checkpoint {gb / sv:6.2f} GB/s   sequential write+fsync {gb / wr:6.2f} GB/s   "
+                f"ratio {wr / sv:.2f}x"
+            )
+            print(
+                f"load_checkpoint {gb / ld:6.2f} GB/s   sequential read        {gb / rd:6.2f} GB/s   "
+                f"ratio {rd / ld:.2f}x"
+            )
+        # Every rank is done with its files before rank 0 removes the directory.
+        dist.barrier()
+    finally:
+        if rank == 0:
+            shutil.rmtree(root, ignore_errors=True)
     dist.destroy_process_group()
 
 
