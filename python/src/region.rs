@@ -79,7 +79,12 @@ unsafe extern "C" fn delete_exported(m: *mut dl::ManagedTensor) {
     if !m.is_null() {
         // SAFETY: `m` is the first field of a `#[repr(C)] Exported` leaked by `Region::dlpack`,
         // so it is that box's pointer; DLPack calls the deleter once.
-        drop(unsafe { Box::from_raw(m.cast::<Exported>()) });
+        let exported = unsafe { Box::from_raw(m.cast::<Exported>()) };
+        // The region's reference goes now, attached to the interpreter (a consumer may call
+        // this from any thread): dropped unattached, pyo3 would keep it until its next call
+        // into Python. An interpreter that cannot be attached to (shutting down) does not run
+        // the closure, which drops it unattached.
+        let _ = Python::try_attach(move |_| drop(exported));
     }
 }
 

@@ -135,6 +135,8 @@ def test_a_region_is_a_dlpack_tensor_over_the_same_memory():
         assert "does not fit" in bf16_big, bf16_big
         assert r["second_take"] != "no error"
         assert r["outlives"] == 7.25
+        # A reference to the region while a tensor or an untaken capsule lives, none after.
+        assert r["refs"] == [1, 0, 1, 0], r["refs"]
 
 
 def test_trainability_refreshed_by_hand():

@@ -197,6 +197,7 @@ def dlpack_views(rank: int, world: int) -> dict[str, Any]:
     dtypes and shapes over the same bytes, refusals, a capsule taken twice or never, and a
     tensor that outlives every other reference to the region."""
     import gc
+    import sys
 
     from collsched.torch import shard as sh
 
@@ -230,7 +231,21 @@ def dlpack_views(rank: int, world: int) -> dict[str, Any]:
     except Exception as e:  # torch names the used capsule
         out["second_take"] = type(e).__name__
     region.dlpack("f32", [numel])  # never taken: freed with the capsule
-    del region, f, h, g, capsule, native
+    # The lifetime itself: a tensor (and a capsule not yet taken) holds a reference to its
+    # region, given back when it goes.
+    other = native.shard(pid)[0]
+    base = sys.getrefcount(other)
+    held = torch.from_dlpack(other.dlpack("f32", [numel]))
+    refs = [sys.getrefcount(other) - base]
+    del held
+    gc.collect()
+    refs.append(sys.getrefcount(other) - base)
+    untaken = other.dlpack("f32", [numel])
+    refs.append(sys.getrefcount(other) - base)
+    del untaken
+    refs.append(sys.getrefcount(other) - base)
+    out["refs"] = refs
+    del region, f, h, g, capsule, native, other
     gc.collect()
     out["outlives"] = float(t[0])
     return out
