@@ -126,17 +126,8 @@ impl ShmConfig {
 pub(crate) fn spin_from_lookup(
     lookup: &impl Fn(&str) -> Option<String>,
 ) -> Result<Option<Duration>, EnvError> {
-    let Some(v) = lookup("COLLSCHED_SPIN_US") else { return Ok(None) };
-    v.trim()
-        .parse::<f64>()
-        .ok()
-        .filter(|us| us.is_finite() && *us >= 0.0 && *us <= 1e6)
-        .map(|us| Some(Duration::from_secs_f64(us / 1e6)))
-        .ok_or(EnvError {
-            var: "COLLSCHED_SPIN_US",
-            value: v,
-            what: "expected microseconds from 0 to 1000000".into(),
-        })
+    let ok = |us: f64| (0.0..=1e6).contains(&us);
+    duration_from_lookup(lookup, "COLLSCHED_SPIN_US", 1e-6, ok, "expected microseconds from 0 to 1000000")
 }
 
 /// `COLLSCHED_TIMEOUT_SECS` ([`LocalConfig::timeout`] of the multi-process backends), if set.
@@ -146,13 +137,25 @@ pub(crate) fn spin_from_lookup(
 pub(crate) fn timeout_from_lookup(
     lookup: &impl Fn(&str) -> Option<String>,
 ) -> Result<Option<Duration>, EnvError> {
-    let Some(v) = lookup("COLLSCHED_TIMEOUT_SECS") else { return Ok(None) };
+    let ok = |s: f64| s > 0.0 && s <= 1e7;
+    duration_from_lookup(lookup, "COLLSCHED_TIMEOUT_SECS", 1.0, ok, "expected seconds")
+}
+
+/// Variable `var`, a number of units of `unit` seconds that `ok` accepts, if set.
+fn duration_from_lookup(
+    lookup: &impl Fn(&str) -> Option<String>,
+    var: &'static str,
+    unit: f64,
+    ok: impl Fn(f64) -> bool,
+    what: &str,
+) -> Result<Option<Duration>, EnvError> {
+    let Some(v) = lookup(var) else { return Ok(None) };
     v.trim()
         .parse::<f64>()
         .ok()
-        .filter(|s| s.is_finite() && *s > 0.0 && *s <= 1e7)
-        .map(|s| Some(Duration::from_secs_f64(s)))
-        .ok_or(EnvError { var: "COLLSCHED_TIMEOUT_SECS", value: v, what: "expected seconds".into() })
+        .filter(|&x| x.is_finite() && ok(x))
+        .map(|x| Some(Duration::from_secs_f64(x * unit)))
+        .ok_or(EnvError { var, value: v, what: what.into() })
 }
 
 fn io(rank: usize, what: &str) -> impl FnOnce(std::io::Error) -> BackendError + '_ {
