@@ -1,15 +1,17 @@
 """torch.distributed on the "collsched" backend against "gloo", in one run.
 
-    torchrun --nproc-per-node 2 python/benchmarks/vs_gloo.py [--min-size 4K --max-size 64M --iters 10]
+    torchrun --nproc-per-node 2 python/benchmarks/vs_gloo.py [--min-size 4K --max-size 64M --min-ms 200]
 
 The default group is "collsched"; a gloo group of the same ranks runs the same calls beside
-it. Part 1: ``all_gather_into_tensor``, ``reduce_scatter_tensor`` and ``all_reduce`` (sum,
-f32) at per-rank sizes from ``--min-size`` to ``--max-size`` (factor ``--factor``), each timed as the
-``--iters`` calls back to back after a warm-up (the slowest rank's time per call), beside
-the same on tensors from the backend's ``allocate_tensor`` (in the shared arena: nothing is
-copied in), in nccl-tests' columns:
-``size`` is the whole buffer (the gathered output, the reduce-scatter input), ``busbw`` is
-``algbw x (n-1)/n`` (``x 2(n-1)/n`` for all-reduce); then collsched's busbw over gloo's.
+it. Part 1: ``all_gather_into_tensor`` (out of place, and in place as ``all_gather_ip``: the
+input is the rank's own part of the output, as in FSDP2), ``reduce_scatter_tensor`` and
+``all_reduce`` (sum, f32) at per-rank sizes from ``--min-size`` to ``--max-size`` (factor
+``--factor``), each timed as calls back to back after a warm-up, at least ``--iters`` of them
+and ``--min-ms`` in all (the slowest rank's time per call), beside the same on tensors from
+the backend's ``allocate_tensor`` (in the shared arena: nothing is copied in), in nccl-tests'
+columns: ``size`` is the whole buffer (the gathered output, the reduce-scatter input),
+``busbw`` is ``algbw x (n-1)/n`` (``x 2(n-1)/n`` for all-reduce); then collsched's busbw over
+gloo's.
 Part 2: the training step of ``vs_fsdp2.py`` (torch's FSDP2, the same GPT-like model) on a
 device mesh of each group (on "collsched" also with FSDP2's
 ``set_allocate_memory_from_process_group_for_comm(True)``), and on torch's "fake" backend,
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
 import os
 import sys
 import time
@@ -49,10 +52,13 @@ def slowest(seconds: float, gloo: Any) -> float:
 
 
 def time_op(op: str, per_rank: int, group: Any, gloo: Any, args: argparse.Namespace, alloc: bool = False) -> float:
-    """Seconds per call of ``op`` on ``group``: ``--iters`` calls back to back after a barrier
-    (as nccl-tests time them), the slowest rank's. ``alloc``: the tensors come from the
+    """Seconds per call of ``op`` on ``group``: calls back to back after a barrier (as
+    nccl-tests time them; at least ``--iters`` of them and ``--min-ms`` in all), the slowest
+    rank's. ``alloc``: the tensors come from the
     group's backend (``allocate_tensor``, what FSDP2 uses after
-    ``set_allocate_memory_from_process_group_for_comm(True)``) instead of ``torch.empty``."""
+    ``set_allocate_memory_from_process_group_for_comm(True)``) instead of ``torch.empty``.
+    ``all_gather_ip``: an all-gather in place, its input the rank's own part of the output (as
+    FSDP2's all-gather input is)."""
     n = dist.get_world_size()
     elems = per_rank // 4
     if alloc:
@@ -61,9 +67,11 @@ def time_op(op: str, per_rank: int, group: Any, gloo: Any, args: argparse.Namesp
         big = backend.allocate_tensor(elems * n, dtype=torch.float32, device="cpu").fill_(1.0)
     else:
         small, big = torch.ones(elems), torch.ones(elems * n)
+    if op == "all_gather_ip":
+        small = big.narrow(0, dist.get_rank() * elems, elems)
 
     def call() -> None:
-        if op == "all_gather":
+        if op in ("all_gather", "all_gather_ip"):
             dist.all_gather_into_tensor(big, small, group=group)
         elif op == "reduce_scatter":
             dist.reduce_scatter_tensor(small, big, group=group)
@@ -72,11 +80,18 @@ def time_op(op: str, per_rank: int, group: Any, gloo: Any, args: argparse.Namesp
 
     for _ in range(args.warmup):
         call()
+    # Enough calls for --min-ms (a few calls of a small size are the machine's noise), as many
+    # on every rank (the slowest rank's estimate).
     dist.barrier(group=gloo)
     t0 = time.perf_counter()
-    for _ in range(args.iters):
+    call()
+    one = slowest(time.perf_counter() - t0, gloo)
+    iters = max(args.iters, min(args.max_iters, math.ceil(args.min_ms / 1e3 / max(one, 1e-7))))
+    dist.barrier(group=gloo)
+    t0 = time.perf_counter()
+    for _ in range(iters):
         call()
-    return slowest((time.perf_counter() - t0) / args.iters, gloo)
+    return slowest((time.perf_counter() - t0) / iters, gloo)
 
 
 def collectives(args: argparse.Namespace, gloo: Any) -> None:
@@ -88,8 +103,9 @@ def collectives(args: argparse.Namespace, gloo: Any) -> None:
         s *= args.factor
     if rank == 0:
         print(
-            f"# {n} ranks, f32 sum, {args.iters} calls back to back after {args.warmup} warm-up, the slowest rank's "
-            f"time per call; torch {torch.__version__}; memcpy {memcpy_gbs():.1f} GB/s (one thread, 64 MiB)"
+            f"# {n} ranks, f32 sum, calls back to back after {args.warmup} warm-up (at least {args.iters} and "
+            f"{args.min_ms:g} ms per size), the slowest rank's time per call; torch {torch.__version__}; "
+            f"memcpy {memcpy_gbs():.1f} GB/s (one thread, 64 MiB)"
         )
         print(
             "# collsched: tensors from torch.empty (copied into the shared arena); +alloc: tensors from the "
@@ -99,7 +115,7 @@ def collectives(args: argparse.Namespace, gloo: Any) -> None:
             f"# {'op':15} {'size':>11} {'count':>10} {'collsched us':>13} {'busbw':>7} {'+alloc us':>10} "
             f"{'busbw':>7} {'gloo us':>11} {'busbw':>7} {'x gloo':>7} {'+alloc x':>8}"
         )
-    for op in ("all_gather", "reduce_scatter", "all_reduce"):
+    for op in ("all_gather", "all_gather_ip", "reduce_scatter", "all_reduce"):
         factor = 2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
         for per_rank in sizes:
             whole = per_rank if op == "all_reduce" else per_rank * n
@@ -190,7 +206,9 @@ def main() -> None:
     p.add_argument("--min-size", type=size, default=size("4K"), help="smallest per-rank size (default 4K)")
     p.add_argument("--max-size", type=size, default=size("64M"), help="largest per-rank size (default 64M)")
     p.add_argument("--factor", type=int, default=4)
-    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--iters", type=int, default=10, help="fewest timed calls per size (default 10)")
+    p.add_argument("--min-ms", type=float, default=200.0, help="timed calls per size last this long at least")
+    p.add_argument("--max-iters", type=int, default=10000, help="most timed calls per size")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--no-fsdp2", action="store_true", help="only the collectives")
     # vs_fsdp2.py's model and loop.
