@@ -223,7 +223,8 @@ impl<B: Backend> GatherSide<B> {
             None
         };
         let unpacking = t.unpacking.as_ref().filter(|_| input.is_some() && be.gathers_unpacked());
-        // The gathered buffer and the unpacked one are taken together (the scheduler counts both).
+        // The gathered buffer and the unpacked one are taken together (the scheduler counts both;
+        // an all-gather that places the pieces takes the unpacked one alone, and it counts that).
         let buffers = match unpacking {
             Some(_) => be.alloc_preferring(t.unpacked_bytes, out_key).map(|out| (out, None)),
             None => be.alloc_preferring(t.gathered_bytes, out_key).and_then(|out| match t.unpacked_bytes {

@@ -37,7 +37,8 @@
 //! that is not (EvenSplit, Hybrid), an unpacked buffer holding every parameter of the bucket,
 //! filled once from the gathered buffer by the backend's `unpack`, taken from the pool with the
 //! gathered buffer, which goes back to the pool as soon as the unpack is done; the scheduler
-//! counts both (the peak while unpacking). Host backends
+//! counts both (the peak while unpacking), or the unpacked buffer alone where the all-gather
+//! places the pieces itself (local, shm: `ScheduleInput::placing`). Host backends
 //! read them as slices (`bytes`, `f32`); device backends get the buffer and range (`buffer`)
 //! or a host copy (`copy_to_host`, `read_f32`).
 //!

@@ -28,8 +28,9 @@ use crate::backend::{Backend, BackendEvent};
 ///   `copy_out` on the backend: no host staging), into a buffer taken from the backend's pool
 ///   with the gathered one, and the gathered buffer goes back to the pool as soon as the
 ///   unpack is done (after its event on a device). Either way a held bucket takes the memory
-///   of its parameters only. The scheduler counts both buffers in its budgets and in live and
-///   peak gathered bytes (the peak while unpacking).
+///   of its parameters only. The scheduler counts what the launch takes in its budgets and in
+///   live and peak gathered bytes: both buffers where the driver unpacks (the peak while
+///   unpacking), the unpacked one alone where the all-gather places the pieces.
 ///
 /// The buffers exist only while the bucket is gathered (from its gather to the `Free` after
 /// its last release): nothing of the model's full size is kept across steps.
