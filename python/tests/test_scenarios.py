@@ -114,6 +114,16 @@ def test_forward_only_passes_leave_nothing_in_flight():
         assert r["live"] == [0] * (2 * spec["steps"])
 
 
+def test_a_unit_hands_its_gradients_over_and_is_released_when_its_backward_is_done():
+    for r in run(workers.post_backward_order, 2, {"bucket_mb": 0.0005}):
+        # The later blocks' gradients are in and their units released before the backward
+        # reaches the first block; the first block's (its input needs no gradient) and the
+        # root's go at the end.
+        assert r["handed"] == ["blocks.1.bias", "blocks.1.weight", "blocks.2.bias", "blocks.2.weight"], r
+        assert r["units"][2:] == ["CollschedLinear", "CollschedLinear"], r["units"]
+        assert r["released"][2:] == [True, True] and not r["released"][0], r["released"]
+
+
 def test_a_rank_that_raises_in_its_forward_is_named_by_the_others():
     out = run_all(workers.raise_in_forward, 3, {"model": "gpt", "bucket_mb": 0.002}, timeout=120)
     ok1, text1 = out[1]

@@ -165,6 +165,30 @@ def forward_only(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     return {"losses": losses, "params": after, "live": live}
 
 
+def post_backward_order(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """One step of the MLP, looking, once the gradient of the first block's output is
+    computed (the later blocks' backward done, the first's and the root's not), at which
+    parameters' gradients the library has and which units are released."""
+    from collsched.torch import shard as sh
+
+    model = shard(models.build("mlp"), spec)
+    state = sh._root_state(model)
+    names = {p.pid: p.name for p in state.params}
+    seen: dict[str, Any] = {}
+
+    def look(grad: torch.Tensor) -> None:
+        seen["handed"] = sorted(names[i] for i in state.got)
+        seen["released"] = [u.fetched is None for u in state.units]
+
+    def arm(module: torch.nn.Module, args: Any, out: torch.Tensor) -> None:
+        out.register_hook(look)
+
+    model.blocks[0].register_forward_hook(arm)
+    x, y = models.batch("mlp", 0, 0, 0, rank)
+    models.loss_fn("mlp", model(x), y).backward()
+    return {**seen, "units": [type(u.module).__name__ for u in state.units]}
+
+
 def raise_in_forward(rank: int, world: int, spec: dict[str, Any]) -> None:
     """Rank 1 raises in its forward of step 1 (and its process ends); the others go on."""
     name = spec["model"]
