@@ -222,7 +222,7 @@ impl<B: Backend> GatherSide<B> {
         } else {
             None
         };
-        let unpacking = t.unpacking.as_ref().filter(|_| input.is_some() && be.gathers_unpacked());
+        let unpacking = t.placing(be);
         // The gathered buffer and the unpacked one are taken together (the scheduler counts both;
         // an all-gather that places the pieces takes the unpacked one alone, and it counts that).
         let buffers = match unpacking {

@@ -417,12 +417,9 @@ impl<B: Backend> ModelState<B> {
             })?;
             shards.push(shard);
         }
-        // The all-gather places the pieces where the backend can (`GatherSide::launch`); every
-        // rank of a job answers alike (a layout and backend property), as the budgets need.
-        let places = backend.gathers_unpacked();
-        let input = ScheduleInput::from_plan(plan).placing(|id| {
-            places && tables.position(id).is_some_and(|g| tables.gather[g].unpacking.is_some())
-        });
+        // What a gathered bucket holds, as the launch will take it (`GatherTable::placing`).
+        let input = ScheduleInput::from_plan(plan)
+            .placing(|id| tables.position(id).is_some_and(|g| tables.gather[g].placing(&*backend).is_some()));
         let registry = InflightRegistry::new(&input);
         let gather = GatherSide::new(&tables);
         let n = set.len();

@@ -124,6 +124,15 @@ pub(crate) struct ShardRun {
     pub(crate) shard_offset: usize,
 }
 
+impl GatherTable {
+    /// The all-gather that places the pieces (`unpacking`), when `backend` can run it and
+    /// this rank sends a shard: what the launch runs, and what the budgets count
+    /// (`ScheduleInput::placing`; every rank of an all-gather sends, so all answer alike).
+    pub(crate) fn placing(&self, backend: &impl crate::backend::Backend) -> Option<&CollDesc> {
+        self.unpacking.as_ref().filter(|_| self.sends && backend.gathers_unpacked())
+    }
+}
+
 /// The gather side: fixed for the life of a model state.
 #[derive(Debug)]
 pub(crate) struct GatherTables {

@@ -291,7 +291,7 @@ impl Pool {
             self.reap(&mut inner);
         }
         if let Some(free) = inner.free.get_mut(&class) {
-            let at = free.iter().rposition(|s| s.ptr.as_ptr() as usize == key);
+            let at = if key == 0 { None } else { free.iter().rposition(|s| s.ptr.as_ptr() as usize == key) };
             if let Some(storage) = at.map(|i| free.swap_remove(i)).or_else(|| free.pop()) {
                 return Ok(LocalBuffer { storage, len: bytes });
             }
