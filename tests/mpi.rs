@@ -66,15 +66,34 @@ fn child() {
     };
     println!("\nRESULT {me} {line}");
     drop(rank);
+    if mode == "absent" && me == job.world() - 1 {
+        // Its peers left without finalizing MPI (their job broke): MPI_Finalize here would wait
+        // for them for ever under mpirun's recovery (without it, mpirun ends this process).
+        std::mem::forget(job);
+        return;
+    }
     drop(job);
 }
 
 /// Runs `np` ranks in `mode` under mpirun; returns each rank's result line (by rank) and the
 /// whole output.
 fn mpirun(np: usize, mode: &str, timeout_s: u32) -> (Vec<Option<String>>, Output) {
+    mpirun_with(np, mode, timeout_s, &[])
+}
+
+/// [`mpirun`] for a job in which a rank dies or stays away: Open MPI's recovery on, so that
+/// mpirun lets the survivors finish instead of ending them when the first process exits
+/// abnormally (which races with their report: the survivors name the dead rank within
+/// milliseconds, mpirun's abort takes about as long).
+fn mpirun_surviving(np: usize, mode: &str, timeout_s: u32) -> (Vec<Option<String>>, Output) {
+    mpirun_with(np, mode, timeout_s, &["--mca", "orte_enable_recovery", "1"])
+}
+
+fn mpirun_with(np: usize, mode: &str, timeout_s: u32, extra: &[&str]) -> (Vec<Option<String>>, Output) {
     let exe = std::env::current_exe().expect("test binary");
     let out = Command::new("mpirun")
         .args(["--allow-run-as-root", "--oversubscribe", "-np", &np.to_string()])
+        .args(extra)
         .args(["-x", "COLLSCHED_TEST_MODE", "-x", "COLLSCHED_TIMEOUT_SECS"])
         .arg(exe)
         .args(["child", "--exact", "--ignored", "--nocapture", "--test-threads", "1"])
@@ -169,26 +188,44 @@ fn a_failed_dependency_fails_every_rank_naming_it() {
 
 #[test]
 fn a_rank_that_never_launches_is_named_after_the_timeout() {
-    let (lines, out) = mpirun(3, "absent", 2);
-    // The peers end without finalizing MPI (their requests to rank 2 are pending): mpirun ends
-    // the job as failed, rank 2 with it (often before it reports).
-    assert!(!out.status.success());
-    for (r, l) in lines.iter().take(2).enumerate() {
+    let (lines, out) = mpirun_surviving(3, "absent", 2);
+    // The peers end without finalizing MPI (their requests to rank 2 are pending); rank 2 ends
+    // after them.
+    for (r, l) in lines.iter().enumerate() {
         let l = l.as_deref().unwrap_or_else(|| panic!("rank {r} reported nothing:\n{}", show(&out)));
-        assert!(l.starts_with("err") && l.contains("ranks [2] did not arrive"), "rank {r}: {l}");
+        if r == 2 {
+            assert_eq!(l, "ok absent", "rank {r}");
+        } else {
+            // Rank 2 is named as absent, or, when the other peer gave up first and exited
+            // before this rank's own timeout, as not having launched it.
+            assert!(
+                l.starts_with("err")
+                    && (l.contains("ranks [2] did not arrive")
+                        || l.contains(
+                            "will never arrive: their processes exited, and ranks [2] had not launched it"
+                        )),
+                "rank {r}: {l}"
+            );
+        }
     }
 }
 
 #[test]
 fn a_killed_rank_is_named_by_its_peers_on_this_machine_within_seconds() {
     let t = Instant::now();
-    let (lines, out) = mpirun(3, "kill", 120);
+    let (lines, out) = mpirun_surviving(3, "kill", 120);
     assert!(t.elapsed() < Duration::from_secs(60), "took {:?}", t.elapsed());
-    // mpirun reports the killed process and ends the job with a failure.
-    assert!(!out.status.success());
+    assert_eq!(lines[2], None, "the killed rank reports nothing:\n{}", show(&out));
     for (r, l) in lines.iter().take(2).enumerate() {
         let l = l.as_deref().unwrap_or_else(|| panic!("rank {r} reported nothing:\n{}", show(&out)));
-        assert!(l.starts_with("err") && l.contains("[2]") && l.contains("all_reduce"), "rank {r}: {l}");
+        // Rank 2, or the other survivor with it when that one already reported and left.
+        let both = format!("ranks [{}, 2] will never arrive", 1 - r);
+        assert!(
+            l.starts_with("err")
+                && (l.contains("ranks [2] will never arrive") || l.contains(&both))
+                && l.contains("all_reduce"),
+            "rank {r}: {l}"
+        );
     }
 }
 

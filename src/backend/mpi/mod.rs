@@ -26,7 +26,10 @@
 //!
 //! A process that dies: peers on the same machine see it at once (its pid, exchanged at
 //! [`join`]); elsewhere they wait out the timeout. Open MPI's `mpirun` itself ends the whole job
-//! when a process exits abnormally (its default), after the survivors reported.
+//! when a process exits abnormally (its default), usually after the survivors reported but
+//! not always (its abort and their report race); `mpirun --mca orte_enable_recovery 1` lets
+//! the survivors finish and report (a rank whose job did not break then waits in
+//! `MPI_Finalize` for peers that left without it: the job must end such a rank itself).
 //!
 //! # Knobs
 //! | variable | default | meaning |

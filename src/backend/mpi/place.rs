@@ -463,15 +463,22 @@ impl MpiPlace {
     /// buffers).
     fn stalled(&self, stalled: Stalled, rank: usize, op: &CollRef, phase: Phase) -> BackendError {
         let err = match (stalled, phase) {
-            (Stalled::Dead(dead), phase) => BackendError::PeerFailed {
-                rank,
-                op: Box::new(op.clone()),
-                missing: dead,
-                reason: match phase {
-                    Phase::Agreement { .. } => "their processes exited".into(),
+            (Stalled::Dead(dead), phase) => {
+                let reason = match phase {
+                    // A member that had posted its header may have left for a reason of its
+                    // own (it gave up waiting for another): name the ones still absent too.
+                    Phase::Agreement { missing } => {
+                        let absent: Vec<usize> = missing.into_iter().filter(|r| !dead.contains(r)).collect();
+                        if absent.is_empty() {
+                            "their processes exited".into()
+                        } else {
+                            format!("their processes exited, and ranks {absent:?} had not launched it")
+                        }
+                    }
                     Phase::Data => "their processes exited while the data moved".into(),
-                },
-            },
+                };
+                BackendError::PeerFailed { rank, op: Box::new(op.clone()), missing: dead, reason }
+            }
             (Stalled::Timeout(waited), Phase::Agreement { missing }) => {
                 BackendError::PeerTimeout { rank, op: Box::new(op.clone()), missing, waited }
             }
