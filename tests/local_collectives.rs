@@ -84,3 +84,65 @@ fn random_programs_over_subgroups_and_streams() {
 fn world_of(n: usize) -> LocalWorld {
     LocalWorld::with_config(n, LocalConfig { timeout: WAIT, ..LocalConfig::default() }).expect("world")
 }
+
+/// An all-gather told that this member's part is in place already leaves that part as it
+/// was (here deliberately unlike the input, to see it untouched) while the peers get the
+/// input; the flag on anything but an all-gather with an input and no unpack layout is
+/// refused at launch, naming it.
+#[test]
+fn an_own_part_in_place_is_not_copied_and_the_flag_is_checked() {
+    use collsched::backend::{Backend, CollDesc, Collective, RankGroup, Stream};
+    use collsched::kernels::ElemType;
+    let n = 3;
+    let count = 5;
+    let out = world_of(n)
+        .run(|rank| -> Result<(), BackendError> {
+            let me = rank.rank();
+            let group = RankGroup::world(n);
+            let ty = ElemType::F32;
+            let sent: Vec<f32> = (0..count).map(|i| value(ty, me, i, 1)).collect();
+            let kept: Vec<f32> = (0..count).map(|i| -1.0 - i as f32).collect();
+            let mut input = rank.alloc(count * 4)?;
+            rank.write_from_host(&mut input, 0, &encode(ty, &sent))?;
+            let mut output = rank.alloc(n * count * 4)?;
+            rank.write_from_host(&mut output, me * count * 4, &encode(ty, &kept))?;
+            let desc = CollDesc::all_gather(group.clone(), ty, count).with_own_part_in_place();
+            let got = run_one(&rank, Stream::AllGather, Collective { desc, input: Some(input), output })?;
+            let want: Vec<f32> = (0..n)
+                .flat_map(|r| {
+                    (0..count).map(move |i| if r == me { -1.0 - i as f32 } else { value(ty, r, i, 1) })
+                })
+                .collect();
+            let mut wrong = Vec::new();
+            compare("own part in place", ty, &got, &want, &mut wrong);
+            assert!(wrong.is_empty(), "rank {me}: {wrong:?}");
+
+            let refused = [
+                Collective {
+                    desc: CollDesc::reduce_scatter(group.clone(), ty, count).with_own_part_in_place(),
+                    input: Some(rank.alloc(n * count * 4)?),
+                    output: rank.alloc(count * 4)?,
+                },
+                Collective {
+                    desc: CollDesc::all_gather(group.clone(), ty, count).with_own_part_in_place(),
+                    input: None,
+                    output: rank.alloc(n * count * 4)?,
+                },
+            ];
+            for c in refused {
+                let kind = c.desc.kind;
+                let e = rank.launch(Stream::AllGather, &[], c).map(|_| ()).expect_err("refused");
+                let text = e.error.to_string();
+                assert!(
+                    matches!(e.error, BackendError::InvalidCollective { .. })
+                        && text.contains("own_part_in_place"),
+                    "{kind:?}: {text}"
+                );
+            }
+            Ok(())
+        })
+        .expect("ranks");
+    for (r, o) in out.into_iter().enumerate() {
+        o.unwrap_or_else(|_| panic!("rank {r} panicked")).unwrap_or_else(|e| panic!("{e}"));
+    }
+}

@@ -209,11 +209,19 @@ impl Comm {
         for (&(out, out_len), &(inp, in_len)) in outputs.iter().zip(&inputs) {
             self.member_bytes("all_gather", out_len, in_len, n)?;
             let part = in_len.next_multiple_of(PAD).max(PAD);
-            let desc = CollDesc::all_gather(self.group.clone(), ElemType::F32, part / PAD).with_tag(self.tag);
+            let mut desc =
+                CollDesc::all_gather(self.group.clone(), ElemType::F32, part / PAD).with_tag(self.tag);
             let own = self.group_rank() * in_len;
             let input = self.input((inp, in_len), part, (out, out_len), Some(own))?;
             // Whole words: the parts land in place in the tensor; else through a padded buffer.
             let (output, copy) = if part == in_len {
+                if in_len > 0
+                    && out.checked_add(own) == Some(inp)
+                    && input.as_bytes().as_ptr() as usize != inp
+                {
+                    // In place, with the input copied out for the peers: our part is there.
+                    desc = desc.with_own_part_in_place();
+                }
                 (self.direct_output((out, out_len))?, None)
             } else {
                 (

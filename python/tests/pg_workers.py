@@ -62,6 +62,12 @@ def every_op(rank: int, world: int, cases: list[tuple[str, str, str, int]]) -> l
             elif op == "all_gather":
                 got = torch.empty(numel * world, dtype=dtype)
                 dist.all_gather_into_tensor(got, t, group=group)
+            elif op == "all_gather_in_place":
+                # FSDP2's form: the input is this rank's part of the output.
+                got = torch.empty(numel * world, dtype=dtype)
+                mine = got.narrow(0, rank * numel, numel)
+                mine.copy_(t)
+                dist.all_gather_into_tensor(got, mine, group=group)
             elif op == "all_gather_list":
                 parts = [torch.empty(numel, dtype=dtype) for _ in range(world)]
                 dist.all_gather(parts, t, group=group)

@@ -109,6 +109,10 @@ pub struct CollDesc {
     /// across members. Backends that cannot place pieces refuse it
     /// ([`Backend::gathers_unpacked`](super::Backend::gathers_unpacked)).
     pub unpack: Option<Arc<GatherUnpack>>,
+    /// All-gather with an input only: this member's part of its output already holds what its
+    /// input holds (the input is a copy of that part, made so that peers can read it), so the
+    /// member does not copy its own part. This member's own fact: not compared across members.
+    pub own_part_in_place: bool,
 }
 
 /// An all-gather's output layout other than member after member: runs of the gathered order
@@ -204,6 +208,7 @@ impl CollDesc {
             scaling: Scaling::default(),
             tag: 0,
             unpack: None,
+            own_part_in_place: false,
         }
     }
 
@@ -238,6 +243,15 @@ impl CollDesc {
     #[must_use]
     pub fn with_unpack(mut self, unpack: Arc<GatherUnpack>) -> Self {
         self.unpack = Some(unpack);
+        self
+    }
+
+    /// Says that this member's part of the all-gather's output already holds its input
+    /// ([`CollDesc::own_part_in_place`]): a caller that copied that part out for its peers to
+    /// read saves copying it back.
+    #[must_use]
+    pub fn with_own_part_in_place(mut self) -> Self {
+        self.own_part_in_place = true;
         self
     }
 

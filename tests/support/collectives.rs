@@ -124,6 +124,21 @@ pub fn exercise<B: Backend>(rank: &B) -> Result<Vec<String>, BackendError> {
 
             unpacking_all_gather(rank, &desc, &shard, &want, &mut wrong)?;
 
+            // with an input that is a copy of our part, already in place in the output
+            let mut input = rank.alloc(count * es)?;
+            rank.write_from_host(&mut input, 0, &encode(ty, &shard))?;
+            let mut output = rank.alloc(n * count * es)?;
+            rank.write_from_host(&mut output, me * count * es, &encode(ty, &shard))?;
+            let own = desc.clone().with_own_part_in_place();
+            let got = run_one(rank, Stream::AllGather, Collective { desc: own, input: Some(input), output })?;
+            compare(
+                &format!("all_gather own part in place n={n} {count} x {}", ty.name()),
+                ty,
+                &got,
+                &want,
+                &mut wrong,
+            );
+
             let mut output = rank.alloc(n * count * es)?;
             rank.write_from_host(&mut output, me * count * es, &encode(ty, &shard))?;
             let got = run_one(rank, Stream::AllGather, Collective { desc, input: None, output })?;

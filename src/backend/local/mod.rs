@@ -446,6 +446,14 @@ impl LocalRank {
             if let Some(input) = &c.input {
                 need(d.input_count(), "input", input.len())?;
             }
+            if d.own_part_in_place
+                && (d.kind != CollectiveKind::AllGather || c.input.is_none() || d.unpack.is_some())
+            {
+                return Err(bad(format!(
+                    "{}: own_part_in_place is for an all-gather with an input and without an unpack layout",
+                    d.kind.name()
+                )));
+            }
             if let Some(u) = &d.unpack {
                 let why = if d.kind != CollectiveKind::AllGather {
                     Some(format!("{} cannot carry an unpack layout (all-gathers only)", d.kind.name()))

@@ -104,7 +104,8 @@ pub(crate) fn first_half(me: usize, posts: &[Post]) -> Result<(), BackendError> 
             CollectiveKind::AllGather => {
                 let bytes = d.count * es;
                 for (q, post) in posts.iter().enumerate() {
-                    if q == me && mine.src.0.is_null() {
+                    if q == me && (mine.src.0.is_null() || d.own_part_in_place) {
+                        // Our part is in place already (launch checked the flag's use).
                         continue;
                     }
                     let src = shard_src(&post[i], q * bytes);

@@ -245,6 +245,7 @@ fn describe(h: &[u64], group: &RankGroup) -> String {
         },
         tag: h[10],
         unpack: None,
+        own_part_in_place: false,
     };
     match h[1] {
         0 => "nothing".into(),

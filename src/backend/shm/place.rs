@@ -255,7 +255,8 @@ impl ShmPlace {
                     | elem_code(d.elem) << 8
                     | op_code << 16
                     | u64::from(has_src) << 24
-                    | u64::from(private) << 25,
+                    | u64::from(private) << 25
+                    | u64::from(d.own_part_in_place) << 26,
                 d.root as u64,
                 d.count as u64,
                 u64::from(d.scaling.pre_divide.to_bits()) | u64::from(d.scaling.post_divide.to_bits()) << 32,
@@ -293,6 +294,7 @@ impl ShmPlace {
             scaling,
             tag: v(4),
             unpack: None,
+            own_part_in_place: (w0 >> 26) & 1 == 1,
         };
         let src = ((w0 >> 24) & 1 == 1).then_some(v(5) as usize);
         Some((desc, src, v(6) as usize, (w0 >> 25) & 1 == 1))
