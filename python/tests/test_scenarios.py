@@ -114,13 +114,16 @@ def test_forward_only_passes_leave_nothing_in_flight():
         assert r["live"] == [0] * (2 * spec["steps"])
 
 
-def test_a_unit_hands_its_gradients_over_and_is_released_when_its_backward_is_done():
-    for r in run(workers.post_backward_order, 2, {"bucket_mb": 0.0005}):
+@pytest.mark.parametrize("nested", [False, True])
+def test_a_unit_hands_its_gradients_over_and_is_released_when_its_backward_is_done(nested):
+    spec = {"bucket_mb": 0.0005, "nested": nested}
+    for r in run(workers.post_backward_order, 2, spec):
         # The later blocks' gradients are in and their units released before the backward
         # reaches the first block; the first block's (its input needs no gradient) and the
-        # root's go at the end.
+        # root's go at the end. With `nested`, the blocks' input is inside a dict.
         assert r["handed"] == ["blocks.1.bias", "blocks.1.weight", "blocks.2.bias", "blocks.2.weight"], r
-        assert r["units"][2:] == ["CollschedLinear", "CollschedLinear"], r["units"]
+        block = "Collsched_DictIn" if nested else "CollschedLinear"
+        assert r["units"][2:] == [block, block], r["units"]
         assert r["released"][2:] == [True, True] and not r["released"][0], r["released"]
 
 

@@ -165,13 +165,35 @@ def forward_only(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     return {"losses": losses, "params": after, "live": live}
 
 
+class _DictIn(torch.nn.Linear):
+    """A linear block that takes its input in a dict: a unit whose tensors are nested in its
+    arguments."""
+
+    def forward(self, d: dict[str, torch.Tensor]) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(d["x"])
+
+
+class _NestedMlp(models.Mlp):
+    """The MLP with blocks that take their input in a dict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_DictIn(7, 13), _DictIn(13, 11), _DictIn(11, 9)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = torch.tanh(b({"x": x}))
+        return self.head(x)
+
+
 def post_backward_order(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
-    """One step of the MLP, looking, once the gradient of the first block's output is
-    computed (the later blocks' backward done, the first's and the root's not), at which
-    parameters' gradients the library has and which units are released."""
+    """One step of the MLP (with ``spec["nested"]``: blocks taking their input in a dict),
+    looking, once the gradient of the first block's output is computed (the later blocks'
+    backward done, the first's and the root's not), at which parameters' gradients the
+    library has and which units are released."""
     from collsched.torch import shard as sh
 
-    model = shard(models.build("mlp"), spec)
+    model = shard(_NestedMlp() if spec.get("nested") else models.build("mlp"), spec)
     state = sh._root_state(model)
     names = {p.pid: p.name for p in state.params}
     seen: dict[str, Any] = {}

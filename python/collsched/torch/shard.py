@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree
 
 from .. import _native, params_json
 from .._native import CollschedError
@@ -21,6 +22,8 @@ from .world import _DTYPE_BYTES, _FROM_TORCH, _TO_TORCH, world
 
 # Views kept per parameter, by address of the gathered buffer (the oldest goes first).
 _VIEWS_KEPT = 4
+# Containers whose tensors a unit's post-backward looks into (``_pytree`` flattens them).
+_NESTS = (list, tuple, dict)
 _clock = time.perf_counter
 
 
@@ -419,11 +422,14 @@ class _State:
     def _watch(self, unit: _Unit, args: Any, kwargs: Any) -> tuple[Any, Any]:
         """Passes the unit's tensor arguments that need a gradient through
         :class:`_PostBackward`: once their gradients are computed, the unit's backward is over
-        (FSDP2's post-backward hook). A unit without such arguments hands its gradients over
-        at the end of the backward."""
+        (FSDP2's post-backward hook); tensors nested in lists, tuples and dicts count when
+        no argument is such a tensor itself. A unit without such arguments hands its
+        gradients over at the end of the backward."""
         at = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
         keys = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad] if kwargs else []
         if not at and not keys:
+            if any(isinstance(a, _NESTS) for a in args) or any(isinstance(v, _NESTS) for v in kwargs.values()):
+                return self._watch_nested(unit, args, kwargs)
             return args, kwargs
         outs = _PostBackward.apply(self, unit, *(args[i] for i in at), *(kwargs[k] for k in keys))
         if at:
@@ -435,6 +441,17 @@ class _State:
             for k, o in zip(keys, outs[len(at) :]):
                 kwargs[k] = o
         return args, kwargs
+
+    def _watch_nested(self, unit: _Unit, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        """:meth:`_watch` for tensors nested in the arguments (as FSDP2 flattens them)."""
+        flat, spec = _pytree.tree_flatten((args, kwargs))
+        at = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor) and a.requires_grad]
+        if not at:
+            return args, kwargs
+        outs = _PostBackward.apply(self, unit, *(flat[i] for i in at))
+        for i, o in zip(at, outs):
+            flat[i] = o
+        return _pytree.tree_unflatten(flat, spec)
 
     def unit_forward(self, module: nn.Module, call: Any, args: Any, kwargs: Any) -> Any:
         unit = module.__dict__.get("_collsched_u")
