@@ -146,3 +146,76 @@ fn an_own_part_in_place_is_not_copied_and_the_flag_is_checked() {
         o.unwrap_or_else(|_| panic!("rank {r} panicked")).unwrap_or_else(|e| panic!("{e}"));
     }
 }
+
+/// A reduce-scatter told where this member's own chunk of the input is reads it there, not
+/// from the input buffer (whose bytes there are NaN here), also when peers' threads help
+/// with the pieces (small pieces); the chunk on another kind, or too short, is refused.
+#[test]
+fn a_reduce_scatter_reads_its_own_chunk_where_told_and_misuse_is_refused() {
+    use collsched::backend::{Backend, CollDesc, Collective, OwnChunk, RankGroup, Stream};
+    use collsched::kernels::ElemType;
+    let n = 3;
+    let count = 4099;
+    let config = LocalConfig { timeout: WAIT, piece_bytes: 64, ..LocalConfig::default() };
+    let world = LocalWorld::with_config(n, config).expect("world");
+    let out = world
+        .run(|rank| -> Result<(), BackendError> {
+            let me = rank.rank();
+            let group = RankGroup::world(n);
+            let ty = ElemType::F32;
+            let full: Vec<f32> = (0..n * count).map(|i| value(ty, me, i, 3)).collect();
+            let mut staged = full.clone();
+            staged[me * count..(me + 1) * count].fill(f32::NAN);
+            let own_values = encode(ty, &full[me * count..(me + 1) * count]);
+            let mut input = rank.alloc(n * count * 4)?;
+            rank.write_from_host(&mut input, 0, &encode(ty, &staged))?;
+            let ptr = std::ptr::NonNull::new(own_values.as_ptr().cast_mut()).expect("a Vec's pointer");
+            // SAFETY: `own_values` outlives the collective, waited for below, and is not written.
+            let own = unsafe { OwnChunk::new(ptr, own_values.len()) };
+            let desc = CollDesc::reduce_scatter(group.clone(), ty, count).with_own_chunk(own);
+            let got = run_one(
+                &rank,
+                Stream::ReduceScatter,
+                Collective { desc, input: Some(input), output: rank.alloc(count * 4)? },
+            )?;
+            let want: Vec<f32> =
+                (0..count).map(|i| (0..n).map(|r| value(ty, r, me * count + i, 3)).sum::<f32>()).collect();
+            let mut wrong = Vec::new();
+            compare("reduce_scatter with its own chunk apart", ty, &got, &want, &mut wrong);
+            assert!(wrong.is_empty(), "rank {me}: {wrong:?}");
+
+            // SAFETY: as above; these launches are refused before anything reads the bytes.
+            let short = unsafe { OwnChunk::new(ptr, 4) };
+            let refused = [
+                (
+                    Collective {
+                        desc: CollDesc::all_gather(group.clone(), ty, count).with_own_chunk(own),
+                        input: Some(rank.alloc(count * 4)?),
+                        output: rank.alloc(n * count * 4)?,
+                    },
+                    "own_chunk is for a reduce-scatter",
+                ),
+                (
+                    Collective {
+                        desc: CollDesc::reduce_scatter(group.clone(), ty, count).with_own_chunk(short),
+                        input: Some(rank.alloc(n * count * 4)?),
+                        output: rank.alloc(count * 4)?,
+                    },
+                    "own_chunk has 4 bytes",
+                ),
+            ];
+            for (c, says) in refused {
+                let e = rank.launch(Stream::ReduceScatter, &[], c).map(|_| ()).expect_err("refused");
+                let text = e.error.to_string();
+                assert!(
+                    matches!(e.error, BackendError::InvalidCollective { .. }) && text.contains(says),
+                    "{text}"
+                );
+            }
+            Ok(())
+        })
+        .expect("ranks");
+    for (r, o) in out.into_iter().enumerate() {
+        o.unwrap_or_else(|_| panic!("rank {r} panicked")).unwrap_or_else(|e| panic!("{e}"));
+    }
+}

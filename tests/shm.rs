@@ -142,6 +142,29 @@ fn borrowed_outputs(rank: &LocalRank) -> Result<(), String> {
         return Err(format!("reduce_scatter into heap memory: element {i} is {v}"));
     }
 
+    // The same with this member's own chunk read from heap memory; the pooled input's bytes
+    // there are NaN (read, they would show). With a pooled output it is refused.
+    let mut staged = input.clone();
+    staged[me * count * 4..(me + 1) * count * 4].copy_from_slice(&f32::NAN.to_le_bytes().repeat(count));
+    let own_values = input[me * count * 4..(me + 1) * count * 4].to_vec();
+    let ptr = std::ptr::NonNull::new(own_values.as_ptr().cast_mut()).expect("a Vec's pointer");
+    // SAFETY: `own_values` outlives both collectives, each waited for, and is not written.
+    let own = unsafe { collsched::backend::OwnChunk::new(ptr, own_values.len()) };
+    let mut reduced = vec![0u8; count * 4];
+    let desc = CollDesc::reduce_scatter(group.clone(), ElemType::F32, count).with_own_chunk(own);
+    wait(Collective { desc: desc.clone(), input: Some(pooled(&staged)?), output: borrow(&mut reduced) })?;
+    let got = floats(&reduced);
+    if let Some((i, v)) =
+        got.iter().enumerate().find(|&(i, v)| *v != sum_r * 1000.0 + n as f32 * i as f32 || v.is_nan())
+    {
+        return Err(format!("reduce_scatter with its own chunk apart: element {i} is {v}"));
+    }
+    match wait(Collective { desc, input: Some(pooled(&staged)?), output: pooled(&reduced)? }) {
+        Ok(()) => return Err("an own chunk with an output peers may write ran".into()),
+        Err(e) if e.contains("own_chunk needs an output in this process's own memory") => {}
+        Err(e) => return Err(format!("an own chunk with a pooled output failed with another error: {e}")),
+    }
+
     let count = 4099;
     let root = n - 1;
     let desc = CollDesc::broadcast(group.clone(), ElemType::F32, count, root);

@@ -22,7 +22,7 @@ use std::time::Duration;
 
 use collsched::backend::local::{LocalBuffer, LocalRank};
 use collsched::backend::{
-    Backend, BackendError, CollDesc, Collective, InFlight, RankGroup, Stream, WaitError,
+    Backend, BackendError, CollDesc, Collective, InFlight, OwnChunk, RankGroup, Stream, WaitError,
 };
 use collsched::kernels::{copy_piece, ElemType, ReduceOp, Scaling};
 use pyo3::prelude::*;
@@ -120,6 +120,23 @@ impl Comm {
             return Ok(unsafe { borrowed(addr, len) });
         }
         self.staged(bytes, Some((addr, len)))
+    }
+
+    /// This member's chunk of a reduce-scatter's input, to be read where it is, when the
+    /// input must be copied for the peers (it is not in the arena), the backend reads a chunk
+    /// apart into this output ([`LocalRank::takes_own_chunk`]), and input and output do not
+    /// overlap.
+    fn own_chunk_apart(&self, (out, out_len): Span, (inp, in_len): Span) -> Option<OwnChunk> {
+        let overlaps = inp < out.saturating_add(out_len) && out < inp.saturating_add(in_len);
+        let staged = !self.backend.peers_can_read(inp as *const u8, in_len);
+        if out_len == 0 || overlaps || !staged || !self.backend.takes_own_chunk(out as *const u8, out_len) {
+            return None;
+        }
+        let ptr = NonNull::new((inp + self.group_rank() * out_len) as *mut u8)?;
+        // SAFETY: the chunk lies in the input tensor (`out_len` bytes at this member's
+        // position of `in_len = n * out_len`), which the returned Work holds (`keep`) until
+        // the collective completed; torch does not write a collective's input meanwhile.
+        Some(unsafe { OwnChunk::new(ptr, out_len) })
     }
 
     /// An output only this rank writes: the tensor itself.
@@ -259,7 +276,22 @@ impl Comm {
             let desc = CollDesc::reduce_scatter(self.group.clone(), elem, count)
                 .with_reduce(op, scaling)
                 .with_tag(self.tag);
-            let input = self.input((inp, in_len), in_len, (out, out_len), None)?;
+            let (input, desc) = match self.own_chunk_apart((out, out_len), (inp, in_len)) {
+                Some(own) => {
+                    // Peers read every chunk but ours: those alone are copied for them.
+                    let mut buf = self.backend.alloc(in_len).map_err(errors::backend)?;
+                    let at = self.group_rank() * out_len;
+                    // SAFETY: `tensor_bytes`' contract: a contiguous CPU tensor the caller
+                    // holds during this call; the bytes are copied before it returns.
+                    let src = unsafe { tensor_bytes(inp, in_len) };
+                    let dst = buf.as_bytes_mut();
+                    for (lo, hi) in [(0, at), (at + out_len, in_len)] {
+                        copy_piece(&mut dst[lo..hi], &src[lo..hi], in_len).map_err(errors::other)?;
+                    }
+                    (buf, desc.with_own_chunk(own))
+                }
+                None => (self.input((inp, in_len), in_len, (out, out_len), None)?, desc),
+            };
             let output = self.direct_output((out, out_len))?;
             ops.push((Collective { desc, input: Some(input), output }, None));
         }

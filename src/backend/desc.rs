@@ -113,6 +113,46 @@ pub struct CollDesc {
     /// input holds (the input is a copy of that part, made so that peers can read it), so the
     /// member does not copy its own part. This member's own fact: not compared across members.
     pub own_part_in_place: bool,
+    /// Reduce-scatter only: where this member's own chunk of the input (the chunk at its group
+    /// position, which only the reduction into its own output reads) is read from instead of
+    /// from the input buffer, whose bytes there are then never read: a caller that copies its
+    /// input into memory its peers can read leaves that chunk where it is. This member's own
+    /// fact: not compared across members.
+    pub own_chunk: Option<OwnChunk>,
+}
+
+/// Memory of this process holding a member's own chunk of a reduce-scatter's input
+/// ([`CollDesc::own_chunk`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OwnChunk {
+    addr: usize,
+    len: usize,
+}
+
+impl OwnChunk {
+    /// The `len` bytes at `ptr`.
+    ///
+    /// # Safety
+    /// The bytes stay valid for reads, and unwritten, until every collective given this chunk
+    /// completed (as for [`LocalBuffer::borrowed`](super::local::LocalBuffer::borrowed)).
+    pub unsafe fn new(ptr: std::ptr::NonNull<u8>, len: usize) -> Self {
+        OwnChunk { addr: ptr.as_ptr() as usize, len }
+    }
+
+    /// Its first byte.
+    pub fn ptr(&self) -> *const u8 {
+        self.addr as *const u8
+    }
+
+    /// Its bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it holds no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
 }
 
 /// An all-gather's output layout other than member after member: runs of the gathered order
@@ -209,6 +249,7 @@ impl CollDesc {
             tag: 0,
             unpack: None,
             own_part_in_place: false,
+            own_chunk: None,
         }
     }
 
@@ -252,6 +293,14 @@ impl CollDesc {
     #[must_use]
     pub fn with_own_part_in_place(mut self) -> Self {
         self.own_part_in_place = true;
+        self
+    }
+
+    /// Reads this member's own chunk of a reduce-scatter's input from `chunk`
+    /// ([`CollDesc::own_chunk`]).
+    #[must_use]
+    pub fn with_own_chunk(mut self, chunk: OwnChunk) -> Self {
+        self.own_chunk = Some(chunk);
         self
     }
 

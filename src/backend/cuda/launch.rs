@@ -57,6 +57,13 @@ impl CudaBackend {
                     ),
                 ));
             }
+            if d.own_chunk.is_some() {
+                return Err(self.invalid(
+                    d,
+                    stream,
+                    "own_chunk: NCCL reads the whole input buffer on the device; give no own_chunk".into(),
+                ));
+            }
             let es = d.elem.size();
             let need_out = d.output_count().checked_mul(es);
             if need_out.is_none_or(|n| n > op.output.len()) {

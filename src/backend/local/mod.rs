@@ -353,6 +353,16 @@ impl LocalRank {
         self.pool.peers_can_read(ptr, len)
     }
 
+    /// Whether a reduce-scatter into the `len` bytes at `output` may read this member's own
+    /// chunk apart ([`CollDesc::own_chunk`](crate::backend::CollDesc::own_chunk)): the data
+    /// moves through this library's own code, and, when the ranks are processes, the output
+    /// is this process's own memory (so that no peer takes pieces of its reduction and reads
+    /// the chunk).
+    pub fn takes_own_chunk(&self, output: *const u8, len: usize) -> bool {
+        self.shared.meeting.gathers_unpacked()
+            && !(self.pool.across_processes() && self.pool.peers_can_read(output, len))
+    }
+
     /// This rank's flight record as it is now (its last collectives and where each got to),
     /// taken because of `reason`; [`FlightDump::write_to`] writes it where `collsched flight`
     /// reads it.
@@ -445,6 +455,26 @@ impl LocalRank {
             }
             if let Some(input) = &c.input {
                 need(d.input_count(), "input", input.len())?;
+            }
+            if let Some(own) = d.own_chunk {
+                let why = if d.kind != CollectiveKind::ReduceScatter || c.input.is_none() {
+                    Some("own_chunk is for a reduce-scatter with an input".to_string())
+                } else if own.len() < d.count.saturating_mul(es) {
+                    Some(format!("own_chunk has {} bytes but the chunk needs {}", own.len(), d.count * es))
+                } else if !self.shared.meeting.gathers_unpacked() {
+                    Some("this backend reads the whole input buffer; give no own_chunk".into())
+                } else if !self.takes_own_chunk(c.output.as_ptr(), c.output.len()) {
+                    Some(
+                        "own_chunk needs an output in this process's own memory (its reduction is then this \
+                         member's alone); give one, or no own_chunk"
+                            .into(),
+                    )
+                } else {
+                    None
+                };
+                if let Some(what) = why {
+                    return Err(bad(what));
+                }
             }
             if d.own_part_in_place
                 && (d.kind != CollectiveKind::AllGather || c.input.is_none() || d.unpack.is_some())

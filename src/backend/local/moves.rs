@@ -229,11 +229,21 @@ pub(crate) fn reduce_shared(
             let es = d.elem.size();
             let bytes = p.len * es;
             inputs.clear();
-            inputs.extend(posts.iter().map(|post| {
+            inputs.extend(posts.iter().enumerate().map(|(k, post)| match post[p.i].desc.own_chunk {
+                // Member q's own chunk, where q said it is (only q's view of its post carries
+                // it; a reduce-scatter's piece of q's output lies in chunk q).
+                Some(own) if k == q => {
+                    let at = (p.input - q * d.count) * es;
+                    // SAFETY: launch checked that the chunk holds `count` elements, and the
+                    // piece lies within them; `OwnChunk::new`'s contract keeps them valid and
+                    // unwritten until the collective completed. Only the owner's process reads
+                    // it (a backend across processes requires an output only q writes).
+                    unsafe { std::slice::from_raw_parts(own.ptr().add(at), bytes) }
+                }
                 // SAFETY: every member's input holds the collective's whole input (checked at
                 // launch; the posts matched, so all have the same count and type) and the piece
                 // lies within member q's part of it; inputs are only read during the collective.
-                unsafe { std::slice::from_raw_parts(post[p.i].src.0.add(p.input * es), bytes) }
+                _ => unsafe { std::slice::from_raw_parts(post[p.i].src.0.add(p.input * es), bytes) },
             }));
             // SAFETY: member q's output holds its part (launch check); this piece of it is written
             // by this thread alone (we took it from q's counter, which hands each piece out once)

@@ -246,6 +246,7 @@ fn describe(h: &[u64], group: &RankGroup) -> String {
         tag: h[10],
         unpack: None,
         own_part_in_place: false,
+        own_chunk: None,
     };
     match h[1] {
         0 => "nothing".into(),

@@ -36,12 +36,18 @@ use crate::backend::desc::{elem_code, elem_of, kind_code, kind_of};
 use crate::backend::local::meeting::{Meeting, Place};
 use crate::backend::local::moves::{self, OpPost, Post, RawPtr, POST_INLINE};
 use crate::backend::local::rendezvous::{guarded, Arrival, Caller};
-use crate::backend::{BackendError, CollDesc, CollRef, CollectiveKind, GatherUnpack, RankGroup, Stream};
+use crate::backend::{
+    BackendError, CollDesc, CollRef, CollectiveKind, GatherUnpack, OwnChunk, RankGroup, Stream,
+};
 use crate::bootstrap::Liveness;
 
 use super::layout::*;
 
 /// How often a waiting member runs its slower liveness checks (peers' processes, departures).
+/// What a member's collective keeps to itself (not in the shared post): an all-gather's
+/// unpack layout, a reduce-scatter's own chunk.
+type Own = (Option<Arc<GatherUnpack>>, Option<OwnChunk>);
+
 const SLOW_CHECKS: Duration = Duration::from_millis(10);
 /// The longest sleep of a waiting member between two polls.
 const SLEEP_MAX: Duration = SLOW_CHECKS;
@@ -246,6 +252,14 @@ impl ShmPlace {
                     (o.dst.0 as u64, true)
                 }
             };
+            if d.own_chunk.is_some() && !private {
+                return Err(self.bad(
+                    rank,
+                    op,
+                    "own_chunk needs an output in this process's own memory (its reduction is then \
+                     this member's alone); give one, or no own_chunk",
+                ));
+            }
             let op_code = match d.op {
                 ReduceOp::Sum => 0,
                 ReduceOp::Avg => 1,
@@ -295,6 +309,7 @@ impl ShmPlace {
             tag: v(4),
             unpack: None,
             own_part_in_place: (w0 >> 26) & 1 == 1,
+            own_chunk: None,
         };
         let src = ((w0 >> 24) & 1 == 1).then_some(v(5) as usize);
         Some((desc, src, v(6) as usize, (w0 >> 25) & 1 == 1))
@@ -322,13 +337,14 @@ impl ShmPlace {
     }
 
     /// Every member's post as pointers into this process's mappings; this member's own
-    /// collectives get back their unpack layouts (`unpacks`, by collective, or empty).
+    /// collectives get back their unpack layouts and own chunks (`owns`, by collective, or
+    /// empty).
     fn read_posts(
         &self,
         slot: usize,
         out: &mut Vec<Post>,
         rank: usize,
-        unpacks: &[Option<Arc<GatherUnpack>>],
+        owns: &[Own],
     ) -> Result<(), BackendError> {
         let l = &self.job.layout;
         out.resize_with(self.group.len(), SmallVec::new);
@@ -344,8 +360,9 @@ impl ShmPlace {
                     ),
                 };
                 let (mut desc, src, dst, private) = self.read_op(at, i).ok_or_else(bad)?;
-                if owner == rank {
-                    desc.unpack = unpacks.get(i).cloned().flatten();
+                if let (true, Some((unpack, own))) = (owner == rank, owns.get(i)) {
+                    desc.unpack = unpack.clone();
+                    desc.own_chunk = *own;
                 }
                 let es = desc.elem.size();
                 let src = match src {
@@ -641,10 +658,12 @@ impl Place for ShmPlace {
         }
         let at = l.post(slot, me);
         // The post in shared memory says what every member agreed on; an all-gather's unpack
-        // layout is this member's alone and stays here.
-        let unpacks: SmallVec<[Option<Arc<GatherUnpack>>; POST_INLINE]> = match &arrival {
-            Arrival::Ops(post) if post.iter().any(|o| o.desc.unpack.is_some()) => {
-                post.iter().map(|o| o.desc.unpack.clone()).collect()
+        // layout and a reduce-scatter's own chunk are this member's alone and stay here.
+        let owns: SmallVec<[Own; POST_INLINE]> = match &arrival {
+            Arrival::Ops(post)
+                if post.iter().any(|o| o.desc.unpack.is_some() || o.desc.own_chunk.is_some()) =>
+            {
+                post.iter().map(|o| (o.desc.unpack.clone(), o.desc.own_chunk)).collect()
             }
             _ => SmallVec::new(),
         };
@@ -717,7 +736,7 @@ impl Place for ShmPlace {
 
         // 3. Move data.
         let mut posts = self.scratch.lock().unwrap_or_else(PoisonError::into_inner);
-        let mut result = self.read_posts(slot, &mut posts, rank, &unpacks);
+        let mut result = self.read_posts(slot, &mut posts, rank, &owns);
         let next = |q: usize| w[l.next(slot) + q].fetch_add(1, Ordering::Relaxed) as usize;
         if result.is_ok() {
             result = guarded(caller, op, || {
