@@ -81,7 +81,8 @@ def main() -> None:
             os.waitpid(pid, 0)
             os.close(ready_r)
             os.close(ready_w)
-        print(f"{n:>9} {cma * 1e6:8.1f} {n / cma / 1e9:9.2f} {copy * 1e6:12.1f} {n / copy / 1e9:13.2f} {cma / copy:13.2f}x")
+        rates = f"{n / cma / 1e9:9.2f} {copy * 1e6:12.1f} {n / copy / 1e9:13.2f}"
+        print(f"{n:>9} {cma * 1e6:8.1f} {rates} {cma / copy:13.2f}x")
 
 
 if __name__ == "__main__":
