@@ -7,9 +7,10 @@
 //! any other is copied into a pool buffer on the calling thread. Not copied: a reduce-scatter's
 //! own chunk, which only this rank reads when its output is private (`CollDesc::own_chunk`),
 //! and, in an in-place all-gather, the copied input back over its own part
-//! (`CollDesc::own_part_in_place`). Outputs that only their owner writes (all-gather, reduce-scatter, a broadcast's receivers) are written straight into the
-//! tensor; an all-reduce's result, which peers read, goes through a pool buffer that
-//! [`Work::wait`] copies out. The [`Work`] holds the Python objects it is given (the tensors)
+//! (`CollDesc::own_part_in_place`). Outputs that only their owner writes (all-gather,
+//! reduce-scatter, a broadcast's receivers) are written straight into the tensor; an
+//! all-reduce's result, which peers read, goes through a pool buffer that [`Work::wait`]
+//! copies out. The [`Work`] holds the Python objects it is given (the tensors)
 //! until the collectives completed, waiting for them if it is dropped first: that is the
 //! contract under which the addresses are used.
 //!
