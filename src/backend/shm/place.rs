@@ -252,14 +252,6 @@ impl ShmPlace {
                     (o.dst.0 as u64, true)
                 }
             };
-            if d.own_chunk.is_some() && !private {
-                return Err(self.bad(
-                    rank,
-                    op,
-                    "own_chunk needs an output in this process's own memory (its reduction is then \
-                     this member's alone); give one, or no own_chunk",
-                ));
-            }
             let op_code = match d.op {
                 ReduceOp::Sum => 0,
                 ReduceOp::Avg => 1,
