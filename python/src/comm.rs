@@ -5,7 +5,7 @@
 //! collective's inputs in place, so an input must be memory every process maps (the rank's
 //! arena): a tensor there (from [`Comm::alloc`], torch's `allocate_tensor`) is used as it is,
 //! any other is copied into a pool buffer on the calling thread. Not copied: a reduce-scatter's
-//! own chunk, which only this rank reads when its output is private (`CollDesc::own_chunk`),
+//! own chunk, which only this rank reads (`CollDesc::own_chunk`),
 //! and, in an in-place all-gather, the copied input back over its own part
 //! (`CollDesc::own_part_in_place`). Outputs that only their owner writes (all-gather,
 //! reduce-scatter, a broadcast's receivers) are written straight into the tensor; an
@@ -21,7 +21,7 @@
 
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use collsched::backend::local::{LocalBuffer, LocalRank};
 use collsched::backend::{
@@ -38,6 +38,10 @@ use crate::world::World;
 /// never share sequence numbers with `collsched.torch.fully_shard`'s gathers and reductions
 /// (which run on the all-gather and reduce-scatter streams) in the same process.
 const STREAM: Stream = Stream::Compute;
+
+/// Bytes of a tensor from which [`Comm::all_reduce`] runs a reduce-scatter and an all-gather
+/// instead of one all-reduce (two meetings instead of one, fewer bytes copied).
+const SPLIT_ALL_REDUCE_BYTES: usize = 256 << 10;
 
 /// Bytes each member's part of an all-gather or broadcast is padded to in the pool buffer.
 const PAD: usize = 4;
@@ -68,23 +72,43 @@ struct CopyOut {
     parts: usize,
 }
 
+/// A collective to launch, with where its result goes.
+type Op = (Collective<LocalBuffer>, Option<CopyOut>);
+
+/// Collectives launched together.
+type Ops = Vec<Op>;
+
 impl Comm {
-    fn launch(
-        &self,
-        what: String,
-        ops: Vec<(Collective<LocalBuffer>, Option<CopyOut>)>,
-        keep: Py<PyAny>,
-    ) -> PyResult<Work> {
-        let (ops, outs): (Vec<_>, Vec<_>) = ops.into_iter().unzip();
-        match self.backend.launch_group(STREAM, &[], ops) {
-            Ok(flight) => {
-                Ok(Work::pending(Arc::clone(&self.backend), flight, outs, keep, what, self.timeout))
+    fn launch(&self, what: String, ops: Ops, keep: Py<PyAny>) -> PyResult<Work> {
+        self.launch_stages(what, vec![ops], keep)
+    }
+
+    /// Launches `stages` one after the other on the group's stream (each runs once the one
+    /// before completed); a refused stage gives its error once the stages launched before it
+    /// ended.
+    fn launch_stages(&self, what: String, stages: Vec<Ops>, keep: Py<PyAny>) -> PyResult<Work> {
+        let mut launched = Vec::with_capacity(stages.len());
+        let mut refusal = None;
+        for ops in stages {
+            if refusal.is_some() {
+                ops.into_iter().for_each(|(c, _)| release(&self.backend, c));
+                continue;
             }
-            Err(refused) => {
-                for c in refused.ops {
-                    release(&self.backend, c);
+            let (ops, outs): (Vec<_>, Vec<_>) = ops.into_iter().unzip();
+            match self.backend.launch_group(STREAM, &[], ops) {
+                Ok(flight) => launched.push(Stage { flight: Some(flight), outs, landed: Vec::new() }),
+                Err(refused) => {
+                    refused.ops.into_iter().for_each(|c| release(&self.backend, c));
+                    refusal = Some(refused.error);
                 }
-                Err(errors::backend(refused.error))
+            }
+        }
+        let work = Work::pending(Arc::clone(&self.backend), launched, keep, what, self.timeout);
+        match refusal {
+            None => Ok(work),
+            Some(e) => {
+                drop(work);
+                Err(errors::backend(e))
             }
         }
     }
@@ -125,14 +149,28 @@ impl Comm {
         self.staged(bytes, Some((addr, len)))
     }
 
+    /// A pool buffer holding the input's chunks of `chunk` bytes but this member's (which it
+    /// reads where it is, [`Comm::own_chunk_apart`]): what peers read, copied for them.
+    fn staged_but_own(&self, (inp, in_len): Span, chunk: usize) -> PyResult<LocalBuffer> {
+        let mut buf = self.backend.alloc(in_len).map_err(errors::backend)?;
+        let at = self.group_rank() * chunk;
+        // SAFETY: `tensor_bytes`' contract: a contiguous CPU tensor the caller holds during
+        // this call; the bytes are copied before it returns.
+        let src = unsafe { tensor_bytes(inp, in_len) };
+        let dst = buf.as_bytes_mut();
+        for (lo, hi) in [(0, at), (at + chunk, in_len)] {
+            copy_piece(&mut dst[lo..hi], &src[lo..hi], in_len).map_err(errors::other)?;
+        }
+        Ok(buf)
+    }
+
     /// This member's chunk of a reduce-scatter's input, to be read where it is, when the
     /// input must be copied for the peers (it is not in the arena), the backend reads a chunk
-    /// apart into this output ([`LocalRank::takes_own_chunk`]), and input and output do not
-    /// overlap.
+    /// apart ([`LocalRank::takes_own_chunk`]), and input and output do not overlap.
     fn own_chunk_apart(&self, (out, out_len): Span, (inp, in_len): Span) -> Option<OwnChunk> {
         let overlaps = inp < out.saturating_add(out_len) && out < inp.saturating_add(in_len);
         let staged = !self.backend.peers_can_read(inp as *const u8, in_len);
-        if out_len == 0 || overlaps || !staged || !self.backend.takes_own_chunk(out as *const u8, out_len) {
+        if out_len == 0 || overlaps || !staged || !self.backend.takes_own_chunk() {
             return None;
         }
         let ptr = NonNull::new((inp + self.group_rank() * out_len) as *mut u8)?;
@@ -140,6 +178,41 @@ impl Comm {
         // position of `in_len = n * out_len`), which the returned Work holds (`keep`) until
         // the collective completed; torch does not write a collective's input meanwhile.
         Some(unsafe { OwnChunk::new(ptr, out_len) })
+    }
+
+    /// The two collectives of an all-reduce of the tensor `(addr, len)` split in `part`
+    /// elements a member (see [`Comm::all_reduce`]): a reduce-scatter into a pool buffer,
+    /// then an all-gather of it into the tensor, launched after it on the same stream (so it
+    /// runs once the first completed); the work gives the buffer back after both.
+    fn split_all_reduce(
+        &self,
+        (addr, len): Span,
+        elem: ElemType,
+        part: usize,
+        op: ReduceOp,
+        scaling: Scaling,
+    ) -> PyResult<(Op, Op)> {
+        let bytes = part * elem.size();
+        let reduced = self.backend.alloc(bytes).map_err(errors::backend)?;
+        let at = reduced.as_bytes().as_ptr() as usize;
+        let mut desc = CollDesc::reduce_scatter(self.group.clone(), elem, part)
+            .with_reduce(op, scaling)
+            .with_tag(self.tag);
+        let input = match self.own_chunk_apart((at, bytes), (addr, len)) {
+            Some(own) => {
+                desc = desc.with_own_chunk(own);
+                self.staged_but_own((addr, len), bytes)?
+            }
+            None => self.input((addr, len), len, (at, bytes), None)?,
+        };
+        let scatter = Collective { desc, input: Some(input), output: reduced };
+        // SAFETY: the pool buffer is the reduce-scatter's output, which the work gives back
+        // only once every stage landed (`State::Pending`), after this all-gather; it runs after
+        // the reduce-scatter completed (the next launch on the same stream), and only reads it.
+        let gathered = unsafe { borrowed(at, bytes) };
+        let desc = CollDesc::all_gather(self.group.clone(), elem, part).with_tag(self.tag);
+        let gather = Collective { desc, input: Some(gathered), output: self.direct_output((addr, len))? };
+        Ok(((scatter, None), (gather, None)))
     }
 
     /// An output only this rank writes: the tensor itself.
@@ -280,19 +353,7 @@ impl Comm {
                 .with_reduce(op, scaling)
                 .with_tag(self.tag);
             let (input, desc) = match self.own_chunk_apart((out, out_len), (inp, in_len)) {
-                Some(own) => {
-                    // Peers read every chunk but ours: those alone are copied for them.
-                    let mut buf = self.backend.alloc(in_len).map_err(errors::backend)?;
-                    let at = self.group_rank() * out_len;
-                    // SAFETY: `tensor_bytes`' contract: a contiguous CPU tensor the caller
-                    // holds during this call; the bytes are copied before it returns.
-                    let src = unsafe { tensor_bytes(inp, in_len) };
-                    let dst = buf.as_bytes_mut();
-                    for (lo, hi) in [(0, at), (at + out_len, in_len)] {
-                        copy_piece(&mut dst[lo..hi], &src[lo..hi], in_len).map_err(errors::other)?;
-                    }
-                    (buf, desc.with_own_chunk(own))
-                }
+                Some(own) => (self.staged_but_own((inp, in_len), out_len)?, desc.with_own_chunk(own)),
                 None => (self.input((inp, in_len), in_len, (out, out_len), None)?, desc),
             };
             let output = self.direct_output((out, out_len))?;
@@ -302,8 +363,12 @@ impl Comm {
     }
 
     /// All-reduces each of `tensors` in place with `op` over `elem` (as
-    /// [`Comm::reduce_scatter`]). Peers read the result, so it is computed in a pool buffer
-    /// and copied into the tensor by [`Work::wait`].
+    /// [`Comm::reduce_scatter`]). From [`SPLIT_ALL_REDUCE_BYTES`], when every member's part is
+    /// whole and the data moves through the library's own code, as a reduce-scatter into a
+    /// pool buffer (each member's part, read by the peers next) and then an all-gather of
+    /// those parts into the tensor: fewer copies than one all-reduce, whose result peers read,
+    /// so that it is computed in a pool buffer and copied into the tensor by [`Work::wait`].
+    /// The choice depends on sizes and the backend only, the same on every member.
     #[pyo3(signature = (tensors, elem, op, keep, pre_divide=1.0))]
     fn all_reduce(
         &self,
@@ -315,9 +380,18 @@ impl Comm {
     ) -> PyResult<Work> {
         let (elem, op) = self.reduction(op, elem, "all_reduce")?;
         let scaling = Scaling { pre_divide, ..Scaling::default() };
-        let mut ops = Vec::with_capacity(tensors.len());
+        let n = self.group.len();
+        let (mut first, mut second) = (Vec::with_capacity(tensors.len()), Vec::new());
         for &(addr, len) in &tensors {
             let count = whole_elements(len, elem, "all_reduce")?;
+            let split =
+                n > 1 && len >= SPLIT_ALL_REDUCE_BYTES && count % n == 0 && self.backend.takes_own_chunk();
+            if split {
+                let (a, b) = self.split_all_reduce((addr, len), elem, count / n, op, scaling)?;
+                first.push(a);
+                second.push(b);
+                continue;
+            }
             let desc = CollDesc::all_reduce(self.group.clone(), elem, count)
                 .with_reduce(op, scaling)
                 .with_tag(self.tag);
@@ -327,9 +401,11 @@ impl Comm {
             } else {
                 (self.staged(len, None)?, Some(CopyOut { dst: addr, len, stride: len, parts: 1 }))
             };
-            ops.push((Collective { desc, input: Some(input), output }, copy));
+            first.push((Collective { desc, input: Some(input), output }, copy));
         }
-        self.launch(format!("all_reduce of {} tensors on group {}", tensors.len(), self.group), ops, keep)
+        let what = format!("all_reduce of {} tensors on group {}", tensors.len(), self.group);
+        let stages = if second.is_empty() { vec![first] } else { vec![first, second] };
+        self.launch_stages(what, stages, keep)
     }
 
     /// Broadcasts each of `tensors` from the member `root` (its rank in the job) to the
@@ -409,11 +485,21 @@ pub struct Work {
     timeout: Duration,
 }
 
+/// One launch of a [`Work`]: in flight, then landed (its collectives back).
+struct Stage {
+    flight: Option<InFlight<LocalRank>>,
+    outs: Vec<Option<CopyOut>>,
+    landed: Vec<Collective<LocalBuffer>>,
+}
+
 enum State {
     Pending {
         backend: Arc<LocalRank>,
-        flight: InFlight<LocalRank>,
-        outs: Vec<Option<CopyOut>>,
+        /// Launched one after the other on one stream; a later one may read a buffer an
+        /// earlier one wrote, so none is given back before all landed.
+        stages: Vec<Stage>,
+        /// The first failure of a landed stage.
+        failed: Option<BackendError>,
         /// The tensors whose memory the collectives use, held until they completed.
         keep: Py<PyAny>,
     },
@@ -424,67 +510,95 @@ enum State {
 impl Work {
     fn pending(
         backend: Arc<LocalRank>,
-        flight: InFlight<LocalRank>,
-        outs: Vec<Option<CopyOut>>,
+        stages: Vec<Stage>,
         keep: Py<PyAny>,
         what: String,
         timeout: Duration,
     ) -> Work {
-        Work { state: Mutex::new(State::Pending { backend, flight, outs, keep }), what, timeout }
+        Work { state: Mutex::new(State::Pending { backend, stages, failed: None, keep }), what, timeout }
     }
 
-    /// Waits (at most `timeout`), copies the results out and gives the buffers back; the
-    /// state becomes `Done` or `Failed`. A timeout leaves it pending.
+    /// Waits (at most `timeout` in all), copies the results out and gives the buffers back;
+    /// the state becomes `Done` or `Failed`. A timeout leaves it pending.
     ///
     /// Returns the tensors the work held (`keep`) once it is done: the caller drops them with
     /// the interpreter attached, so that they go at once (dropped without it, pyo3 defers them
     /// to its next call into Python).
     fn finish(&self, timeout: Duration) -> Result<Option<Py<PyAny>>, BackendError> {
+        let deadline = Instant::now() + timeout;
         let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-        match std::mem::replace(&mut *state, State::Done) {
-            State::Done => Ok(None),
-            State::Failed(e) => {
-                *state = State::Failed(e.clone());
-                Err(e)
-            }
-            State::Pending { backend, flight, outs, keep } => match flight.wait(timeout) {
-                Ok(ops) => {
-                    for (c, copy) in ops.into_iter().zip(outs) {
-                        if let Some(copy) = copy {
-                            copy_out(&c.output, copy);
+        match &mut *state {
+            State::Done => return Ok(None),
+            State::Failed(e) => return Err(e.clone()),
+            State::Pending { stages, failed, .. } => {
+                for st in stages.iter_mut() {
+                    let Some(flight) = st.flight.take() else { continue };
+                    match flight.wait(deadline.saturating_duration_since(Instant::now())) {
+                        Ok(ops) => st.landed = ops,
+                        Err(WaitError::TimedOut { in_flight, waited }) => {
+                            st.flight = Some(in_flight);
+                            return Err(BackendError::EventTimeout { waited });
                         }
-                        release(&backend, c);
+                        Err(WaitError::Failed { error, ops }) => {
+                            st.landed = ops;
+                            st.outs.clear();
+                            failed.get_or_insert(error);
+                        }
                     }
-                    Ok(Some(keep))
                 }
-                Err(WaitError::TimedOut { in_flight, waited }) => {
-                    *state = State::Pending { backend, flight: in_flight, outs, keep };
-                    Err(BackendError::EventTimeout { waited })
-                }
-                Err(WaitError::Failed { error, ops }) => {
-                    for c in ops {
-                        release(&backend, c);
+            }
+        }
+        let State::Pending { backend, stages, failed, keep } = std::mem::replace(&mut *state, State::Done)
+        else {
+            return Ok(None);
+        };
+        if failed.is_none() {
+            for st in &stages {
+                for (c, copy) in st.landed.iter().zip(&st.outs) {
+                    if let Some(copy) = copy {
+                        copy_out(&c.output, *copy);
                     }
-                    *state = State::Failed(error.clone());
-                    // The tensors go with the state's lock released, the interpreter attached
-                    // (the caller's `keep` of a failed work is not needed).
-                    drop(state);
-                    Python::attach(|_| drop(keep));
-                    Err(error)
                 }
-            },
+            }
+        }
+        for c in stages.into_iter().flat_map(|st| st.landed) {
+            release(&backend, c);
+        }
+        match failed {
+            None => Ok(Some(keep)),
+            Some(error) => {
+                *state = State::Failed(error.clone());
+                // The tensors go with the state's lock released, the interpreter attached
+                // (the caller's `keep` of a failed work is not needed).
+                drop(state);
+                Python::attach(|_| drop(keep));
+                Err(error)
+            }
         }
     }
 }
 
 impl Drop for Work {
-    /// Collectives still running may write into the tensors `keep` holds: wait for them
-    /// (bounded by the group's timeout; a failure ends them sooner) before the tensors go, and
-    /// leak the tensors of collectives that did not end rather than free memory they write.
+    /// Collectives still running may write into the tensors `keep` holds, or read buffers an
+    /// earlier stage wrote: wait for them (bounded by the group's timeout; a failure ends them
+    /// sooner) before anything goes, and leak the tensors and buffers of collectives that did
+    /// not end rather than free memory they use.
     fn drop(&mut self) {
         let state = self.state.get_mut().unwrap_or_else(PoisonError::into_inner);
-        if let State::Pending { flight, keep, .. } = std::mem::replace(state, State::Done) {
-            if let Err(WaitError::TimedOut { in_flight, .. }) = flight.wait(self.timeout) {
+        if let State::Pending { stages, keep, .. } = std::mem::replace(state, State::Done) {
+            let deadline = Instant::now() + self.timeout;
+            let mut stuck = Vec::new();
+            let mut landed = Vec::new();
+            for st in stages {
+                landed.push(st.landed);
+                let Some(flight) = st.flight else { continue };
+                match flight.wait(deadline.saturating_duration_since(Instant::now())) {
+                    Ok(ops) => landed.push(ops),
+                    Err(WaitError::Failed { ops, .. }) => landed.push(ops),
+                    Err(WaitError::TimedOut { in_flight, .. }) => stuck.push(in_flight),
+                }
+            }
+            if !stuck.is_empty() {
                 tracing::warn!(
                     target: "collsched::coll",
                     "{}: dropped unwaited and still running after {:?}; its tensors are leaked",
@@ -492,7 +606,8 @@ impl Drop for Work {
                     self.timeout
                 );
                 std::mem::forget(keep);
-                drop(in_flight);
+                std::mem::forget(landed);
+                drop(stuck);
             }
         }
     }
@@ -532,7 +647,16 @@ impl Work {
         match &*state {
             State::Done => Ok(true),
             State::Failed(e) => Err(errors::backend(e.clone())),
-            State::Pending { flight, .. } => flight.is_done().map_err(errors::backend),
+            State::Pending { stages, .. } => {
+                for st in stages {
+                    if let Some(flight) = &st.flight {
+                        if !flight.is_done().map_err(errors::backend)? {
+                            return Ok(false);
+                        }
+                    }
+                }
+                Ok(true)
+            }
         }
     }
 

@@ -59,6 +59,10 @@ CASES = [
     for dt in ("f32", "f16", "bf16")
     for numel in (1, 1000)
 ] + [
+    # From 256 KiB, with every member's part whole: a reduce-scatter, then an all-gather.
+    ("all_reduce", "sum", "f32", 3 << 17),
+    ("all_reduce", "avg", "bf16", 3 << 17),
+    ("all_reduce_async", "sum", "f16", 3 << 17),
     ("all_reduce", "sum", "f64", 33),
     ("all_reduce", "max", "f64", 33),
     ("all_gather", "", "f32", 257),

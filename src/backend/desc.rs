@@ -116,8 +116,9 @@ pub struct CollDesc {
     /// Reduce-scatter only: where this member's own chunk of the input (the chunk at its group
     /// position, which only the reduction into its own output reads) is read from instead of
     /// from the input buffer, whose bytes there are then never read: a caller that copies its
-    /// input into memory its peers can read leaves that chunk where it is. This member's own
-    /// fact: not compared across members.
+    /// input into memory its peers can read leaves that chunk where it is. The reduction into
+    /// this member's output is then its own alone (peers' threads or processes take none of
+    /// its pieces). This member's own fact: not compared across members.
     pub own_chunk: Option<OwnChunk>,
 }
 

@@ -323,11 +323,6 @@ impl Pool {
         self.memory.as_ref().is_none_or(|m| m.contains(ptr, len))
     }
 
-    /// Whether the ranks are processes (peers see only the pool's memory).
-    pub(super) fn across_processes(&self) -> bool {
-        self.memory.is_some()
-    }
-
     pub(super) fn allocations(&self) -> u64 {
         self.lock().allocations
     }

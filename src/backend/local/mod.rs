@@ -353,14 +353,11 @@ impl LocalRank {
         self.pool.peers_can_read(ptr, len)
     }
 
-    /// Whether a reduce-scatter into the `len` bytes at `output` may read this member's own
-    /// chunk apart ([`CollDesc::own_chunk`](crate::backend::CollDesc::own_chunk)): the data
-    /// moves through this library's own code, and, when the ranks are processes, the output
-    /// is this process's own memory (so that no peer takes pieces of its reduction and reads
-    /// the chunk).
-    pub fn takes_own_chunk(&self, output: *const u8, len: usize) -> bool {
+    /// Whether a reduce-scatter may read this member's own chunk apart
+    /// ([`CollDesc::own_chunk`](crate::backend::CollDesc::own_chunk)): the data moves through
+    /// this library's own code (not MPI's).
+    pub fn takes_own_chunk(&self) -> bool {
         self.shared.meeting.gathers_unpacked()
-            && !(self.pool.across_processes() && self.pool.peers_can_read(output, len))
     }
 
     /// This rank's flight record as it is now (its last collectives and where each got to),
@@ -463,12 +460,6 @@ impl LocalRank {
                     Some(format!("own_chunk has {} bytes but the chunk needs {}", own.len(), d.count * es))
                 } else if !self.shared.meeting.gathers_unpacked() {
                     Some("this backend reads the whole input buffer; give no own_chunk".into())
-                } else if !self.takes_own_chunk(c.output.as_ptr(), c.output.len()) {
-                    Some(
-                        "own_chunk needs an output in this process's own memory (its reduction is then this \
-                         member's alone); give one, or no own_chunk"
-                            .into(),
-                    )
                 } else {
                     None
                 };

@@ -232,9 +232,11 @@ impl ShmPlace {
             // An output outside the arena (memory of this process alone, `LocalBuffer::borrowed`)
             // goes by its address, for this process: only collectives whose peers never touch
             // the output may have one.
+            // A reduce-scatter reading its own chunk apart is reduced by its owner alone: its
+            // output goes as private, which keeps peers from taking pieces of it.
             let (dst, private) = match self.job.arena.offset_of(o.dst.0) {
-                Some(off) => (off as u64, false),
-                None => {
+                Some(off) if d.own_chunk.is_none() => (off as u64, false),
+                _ => {
                     let peers_read_it = match d.kind {
                         CollectiveKind::AllGather => !has_src,
                         CollectiveKind::Broadcast => !has_src && d.root == rank,
