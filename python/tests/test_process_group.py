@@ -239,10 +239,13 @@ def test_unmodified_ddp_loop_matches_gloo(world):
         assert mine[rank]["params"] == mine[0]["params"], f"rank {rank} diverged from rank 0"
 
 
-def test_a_rank_killed_mid_collective_fails_the_others_within_seconds(monkeypatch):
+# 8 << 20 elements do not split in 3 (one all-reduce); 3 << 21 do (a reduce-scatter, then an
+# all-gather: the second stage fails too, and the work gives its buffers back).
+@pytest.mark.parametrize("numel", [8 << 20, 3 << 21])
+def test_a_rank_killed_mid_collective_fails_the_others_within_seconds(monkeypatch, numel):
     # The backend's timeout is a minute: failing in seconds means the death was seen, not waited out.
     monkeypatch.setenv("COLLSCHED_TIMEOUT_SECS", "60")
-    out = run_all(pg_workers.killed_mid_op, 3, 8 << 20, init="collsched", timeout=120)
+    out = run_all(pg_workers.killed_mid_op, 3, numel, init="collsched", timeout=120)
     assert not out[2][0] and "died" in out[2][1], out[2]
     for rank in (0, 1):
         ok, got = out[rank]
