@@ -17,6 +17,8 @@ device mesh of each group (on "collsched" also with FSDP2's
 ``set_allocate_memory_from_process_group_for_comm(True)``), and on torch's "fake" backend,
 whose collectives move nothing: the floor a backend cannot go below. Median step time,
 losses, ratios.
+Part 3: the same model and loop under torch's DistributedDataParallel on each group (its
+gradient buckets all-reduced during the backward); ``--no-ddp`` leaves it out.
 """
 
 from __future__ import annotations
@@ -173,6 +175,29 @@ def fake_group() -> Any:
         return None
 
 
+def ddp_step(args: argparse.Namespace, group: Any, gloo: Any, free: bool = False) -> dict[str, Any]:
+    """The same model and loop under torch's DistributedDataParallel on ``group`` (its
+    gradient buckets all-reduced during the backward); ``free``: buckets are not
+    communicated (the step's floor)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(args.seed)
+    model = DistributedDataParallel(
+        vs_fsdp2.Gpt(args.vocab, args.dim, args.heads, args.blocks, args.seq), process_group=group
+    )
+    if free:
+
+        def keep(_state, bucket):  # noqa: ANN001, ANN202 (torch checks the annotations it finds)
+            done = torch.futures.Future()
+            done.set_result(bucket.buffer())
+            return done
+
+        model.register_comm_hook(None, keep)
+    out = vs_fsdp2.train(args, model, dist.get_rank())
+    out["median_s"] = slowest(out["median_s"], gloo)
+    return out
+
+
 def fsdp2(args: argparse.Namespace, gloo: Any) -> None:
     args.warmup = 2
     results = {
@@ -183,22 +208,42 @@ def fsdp2(args: argparse.Namespace, gloo: Any) -> None:
     fake = fake_group()
     if fake is not None:
         results["no comm (fake)"] = fsdp2_step(args, fake, gloo)
+    report(args, "FSDP2", results)
+
+
+def ddp(args: argparse.Namespace, gloo: Any) -> None:
+    args.warmup = 2
+    results = {
+        "gloo": ddp_step(args, gloo, gloo),
+        "collsched": ddp_step(args, dist.group.WORLD, gloo),
+        # torch's "fake" group does not carry DDP: a communication hook that hands each
+        # bucket back as it is does the same.
+        "no comm (hook)": ddp_step(args, gloo, gloo, free=True),
+    }
+    report(args, "DDP", results)
+
+
+def report(args: argparse.Namespace, kind: str, results: dict[str, dict[str, Any]]) -> None:
+    """Rank 0 prints each implementation's median step and losses, and the ratios to gloo's."""
     if dist.get_rank() != 0:
         return
     n = sum(p.numel() for p in vs_fsdp2.Gpt(args.vocab, args.dim, args.heads, args.blocks, args.seq).parameters())
-    print(f"# FSDP2 step: {n / 1e6:.1f}M parameters, {args.blocks} blocks, batch {args.batch}x{args.seq}, AdamW")
+    print(f"# {kind} step: {n / 1e6:.1f}M parameters, {args.blocks} blocks, batch {args.batch}x{args.seq}, AdamW")
     for name, r in results.items():
         losses = " ".join(f"{x:.5f}" for x in r["losses"])
         print(f"  {name:16} median step {r['median_s'] * 1e3:8.1f} ms  losses {losses}")
     base = results["gloo"]
     for name in ("collsched", "collsched+alloc"):
+        if name not in results:
+            continue
         r = results[name]
         diff = max(abs(a - b) for a, b in zip(base["losses"], r["losses"]))
         ratio = r["median_s"] / base["median_s"]
-        print(f"  ratio {name}/gloo: FSDP2 step time {ratio:.2f}x; largest loss difference {diff:.2e}")
-    if fake is not None:
-        floor = results["no comm (fake)"]["median_s"] / base["median_s"]
-        print(f"  floor (communication free) / gloo: {floor:.2f}x")
+        print(f"  ratio {name}/gloo: {kind} step time {ratio:.2f}x; largest loss difference {diff:.2e}")
+    for name in ("no comm (fake)", "no comm (hook)"):
+        if name in results:
+            floor = results[name]["median_s"] / base["median_s"]
+            print(f"  floor (communication free) / gloo: {floor:.2f}x")
 
 
 def main() -> None:
@@ -210,7 +255,8 @@ def main() -> None:
     p.add_argument("--min-ms", type=float, default=200.0, help="timed calls per size last this long at least")
     p.add_argument("--max-iters", type=int, default=10000, help="most timed calls per size")
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--no-fsdp2", action="store_true", help="only the collectives")
+    p.add_argument("--no-fsdp2", action="store_true", help="no FSDP2 step")
+    p.add_argument("--no-ddp", action="store_true", help="no DDP step")
     # vs_fsdp2.py's model and loop.
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--dim", type=int, default=512)
@@ -227,6 +273,8 @@ def main() -> None:
     collectives(args, gloo)
     if not args.no_fsdp2:
         fsdp2(args, gloo)
+    if not args.no_ddp:
+        ddp(args, gloo)
     dist.destroy_process_group()
     # The gloo group must go before the interpreter shuts down: its worker thread frees the
     # last tensor it reduced, which needs the interpreter (torch 2.15 aborts the process, at
