@@ -20,9 +20,11 @@ the job):
   and reduce locally with torch: exact, at ``n`` times the tensor's memory, for the small
   tensors they are used on. All-gathers and broadcasts move any type as bytes.
 - Peers can read only memory every process maps, so a launch copies inputs into the rank's
-  shared arena and ``wait()`` copies results out (two copies gloo also makes, without its
-  sockets). Point-to-point ops (``send``, ``recv``) raise torch's "does not support" error,
-  naming them.
+  shared arena (what peers read of them: a reduce-scatter's own chunk stays where it is) and
+  an all-reduce's result is copied out at ``wait()`` (copies gloo also makes, without its
+  sockets); from 256 KiB an all-reduce runs as a reduce-scatter and an all-gather straight
+  into the tensor. Tensors from ``allocate_tensor`` are not copied in. Point-to-point ops
+  (``send``, ``recv``) raise torch's "does not support" error, naming them.
 
 The backend is a Python subclass of torch's C++ ``Backend`` (not of ``ProcessGroup``): torch
 puts it inside a C++ ``ProcessGroup`` for the CPU device, so the dispatcher's collectives
