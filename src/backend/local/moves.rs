@@ -230,14 +230,15 @@ pub(crate) fn reduce_shared(
             let bytes = p.len * es;
             inputs.clear();
             inputs.extend(posts.iter().enumerate().map(|(k, post)| match post[p.i].desc.own_chunk {
-                // Member q's own chunk, where q said it is (only q's view of its post carries
-                // it; a reduce-scatter's piece of q's output lies in chunk q).
+                // Member q's own chunk, where q said it is (a reduce-scatter's piece of q's
+                // output lies in chunk q).
                 Some(own) if k == q => {
                     let at = (p.input - q * d.count) * es;
                     // SAFETY: launch checked that the chunk holds `count` elements, and the
                     // piece lies within them; `OwnChunk::new`'s contract keeps them valid and
-                    // unwritten until the collective completed. Only the owner's process reads
-                    // it (a backend across processes requires an output only q writes).
+                    // unwritten until the collective completed. Only q's process reads it:
+                    // across processes only q's own view of its post carries the chunk, and
+                    // q's output goes as private there, so no peer takes its pieces.
                     unsafe { std::slice::from_raw_parts(own.ptr().add(at), bytes) }
                 }
                 // SAFETY: every member's input holds the collective's whole input (checked at
