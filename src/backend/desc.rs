@@ -332,6 +332,57 @@ impl CollDesc {
         }
     }
 
+    /// Why this member's own facts ([`CollDesc::unpack`], [`CollDesc::own_part_in_place`],
+    /// [`CollDesc::own_chunk`]) cannot go with a launch that gives an input or not
+    /// (`has_input`), on a backend whose own code moves the data (`moves_here`: it places
+    /// pieces and reads chunks apart), if they cannot.
+    pub(crate) fn own_facts_refused(&self, has_input: bool, moves_here: bool) -> Option<String> {
+        let es = self.elem.size();
+        if let Some(u) = &self.unpack {
+            if self.kind != CollectiveKind::AllGather {
+                return Some(format!(
+                    "{} cannot carry an unpack layout (all-gathers only)",
+                    self.kind.name()
+                ));
+            }
+            if !has_input {
+                return Some("an unpacking all-gather needs an input (in place is not supported)".into());
+            }
+            if u.members() != self.group.len() || u.count() != self.count {
+                return Some(format!(
+                    "the unpack layout was made for {} members of {} elements, the collective has {} of {}",
+                    u.members(),
+                    u.count(),
+                    self.group.len(),
+                    self.count
+                ));
+            }
+            if !moves_here {
+                return Some("this backend's all-gather cannot place pieces; gather, then unpack".into());
+            }
+        }
+        if self.own_part_in_place
+            && (self.kind != CollectiveKind::AllGather || !has_input || self.unpack.is_some())
+        {
+            return Some(format!(
+                "{}: own_part_in_place is for an all-gather with an input and without an unpack layout",
+                self.kind.name()
+            ));
+        }
+        let own = self.own_chunk?;
+        if self.kind != CollectiveKind::ReduceScatter || !has_input {
+            return Some("own_chunk is for a reduce-scatter with an input".into());
+        }
+        if own.len() < self.count.saturating_mul(es) {
+            return Some(format!(
+                "own_chunk has {} bytes but the chunk needs {}",
+                own.len(),
+                self.count * es
+            ));
+        }
+        (!moves_here).then(|| "this backend reads the whole input buffer; give no own_chunk".into())
+    }
+
     /// Whether `other` (another member's description) describes the same collective.
     pub fn matches(&self, other: &CollDesc) -> bool {
         let reduce_same = !self.kind.reduces()

@@ -57,12 +57,10 @@ impl CudaBackend {
                     ),
                 ));
             }
-            if d.own_chunk.is_some() {
-                return Err(self.invalid(
-                    d,
-                    stream,
-                    "own_chunk: NCCL reads the whole input buffer on the device; give no own_chunk".into(),
-                ));
+            // NCCL moves the data: no placed pieces, no chunk read apart (an unpack layout
+            // would otherwise be ignored and the output left member after member).
+            if let Some(what) = d.own_facts_refused(op.input.is_some(), false) {
+                return Err(self.invalid(d, stream, what));
             }
             let es = d.elem.size();
             let need_out = d.output_count().checked_mul(es);

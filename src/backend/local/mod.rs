@@ -453,49 +453,9 @@ impl LocalRank {
             if let Some(input) = &c.input {
                 need(d.input_count(), "input", input.len())?;
             }
-            if let Some(own) = d.own_chunk {
-                let why = if d.kind != CollectiveKind::ReduceScatter || c.input.is_none() {
-                    Some("own_chunk is for a reduce-scatter with an input".to_string())
-                } else if own.len() < d.count.saturating_mul(es) {
-                    Some(format!("own_chunk has {} bytes but the chunk needs {}", own.len(), d.count * es))
-                } else if !self.shared.meeting.gathers_unpacked() {
-                    Some("this backend reads the whole input buffer; give no own_chunk".into())
-                } else {
-                    None
-                };
-                if let Some(what) = why {
-                    return Err(bad(what));
-                }
-            }
-            if d.own_part_in_place
-                && (d.kind != CollectiveKind::AllGather || c.input.is_none() || d.unpack.is_some())
+            if let Some(what) = d.own_facts_refused(c.input.is_some(), self.shared.meeting.gathers_unpacked())
             {
-                return Err(bad(format!(
-                    "{}: own_part_in_place is for an all-gather with an input and without an unpack layout",
-                    d.kind.name()
-                )));
-            }
-            if let Some(u) = &d.unpack {
-                let why = if d.kind != CollectiveKind::AllGather {
-                    Some(format!("{} cannot carry an unpack layout (all-gathers only)", d.kind.name()))
-                } else if c.input.is_none() {
-                    Some("an unpacking all-gather needs an input (in place is not supported)".into())
-                } else if u.members() != d.group.len() || u.count() != d.count {
-                    Some(format!(
-                        "the unpack layout was made for {} members of {} elements, the collective has {} of {}",
-                        u.members(),
-                        u.count(),
-                        d.group.len(),
-                        d.count
-                    ))
-                } else if !self.shared.meeting.gathers_unpacked() {
-                    Some("this backend's all-gather cannot place pieces; gather, then unpack".into())
-                } else {
-                    None
-                };
-                if let Some(what) = why {
-                    return Err(bad(what));
-                }
+                return Err(bad(what));
             }
             let src = c.input.as_ref().map_or(std::ptr::null_mut(), |b| b.as_ptr().cast_mut());
             let dst = c.output.as_mut_ptr();
