@@ -7,7 +7,8 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use collsched::backend::local::{LocalConfig, LocalWorld};
+use collsched::backend::local::{LocalConfig, LocalRank, LocalWorld};
+use collsched::backend::Backend;
 use collsched::buckets::{Boundary, DType, ParamId, Sharding};
 use collsched::checkpoint::{self, CheckpointError};
 use collsched::schedule::{plan_from_json, Plan, SchedulerConfig};
@@ -53,7 +54,18 @@ fn on_ranks<T: Send>(
     plan: &Plan,
     v: u32,
     timeout: Duration,
-    f: impl Fn(&ModelState<collsched::backend::local::LocalRank>) -> T + Sync,
+    f: impl Fn(&ModelState<LocalRank>) -> T + Sync,
+) -> Vec<T> {
+    on_ranks_of(plan, v, timeout, |rank| rank, f)
+}
+
+/// [`on_ranks`] over the backend `wrap` makes of each local rank.
+fn on_ranks_of<B: Backend, T: Send>(
+    plan: &Plan,
+    v: u32,
+    timeout: Duration,
+    wrap: impl Fn(LocalRank) -> B + Sync,
+    f: impl Fn(&ModelState<B>) -> T + Sync,
 ) -> Vec<T> {
     let world = plan.layout().world() as usize;
     let config = LocalConfig { timeout, ..LocalConfig::default() };
@@ -61,7 +73,7 @@ fn on_ranks<T: Send>(
     let init = full(plan, v);
     w.run(|rank| {
         let bufs: Vec<&[u8]> = init.iter().map(Vec::as_slice).collect();
-        let state = ModelState::new(Arc::new(rank), plan, &bufs).expect("model state");
+        let state = ModelState::new(Arc::new(wrap(rank)), plan, &bufs).expect("model state");
         f(&state)
     })
     .expect("run")
@@ -70,14 +82,20 @@ fn on_ranks<T: Send>(
     .collect()
 }
 
-/// Every parameter's full value as the model state now gathers it.
-fn gathered(state: &ModelState<collsched::backend::local::LocalRank>) -> Vec<Vec<u8>> {
+/// Every parameter's full value as the model state now gathers it (copied to the host).
+fn gathered<B: Backend>(state: &ModelState<B>) -> Vec<Vec<u8>> {
     let mut c = state.coordinator(SchedulerConfig::default()).expect("coordinator");
     let n = state.plan().layout().params().len() as u32;
     let ids: Vec<ParamId> = (0..n).map(ParamId).collect();
     let out = {
         let v = c.fetch(&ids).expect("fetch");
-        ids.iter().map(|&p| v.bytes(p).expect("view").to_vec()).collect()
+        ids.iter()
+            .map(|&p| {
+                let mut host = vec![0; v.buffer(p).expect("view").1.len()];
+                v.copy_to_host(p, &mut host).expect("view");
+                host
+            })
+            .collect()
     };
     c.release(&ids).expect("release");
     c.end_step().expect("end step");
@@ -351,5 +369,33 @@ fn save_full_writes_one_safetensors_file_of_the_full_parameters() {
         assert_eq!(t.data(), want[q.index()].as_slice(), "{}", spec.name);
     }
     assert!(!root.join("model.safetensors.tmp").exists());
+    std::fs::remove_dir_all(&root).ok();
+}
+
+#[path = "support/device.rs"]
+mod device;
+
+#[test]
+fn shards_on_a_device_backend_are_saved_and_loaded_through_the_host() {
+    let root = tmp("device");
+    let ckpt = root.join("step3");
+    let saved = plan(PARAMS, "even", 3, 1024);
+    let wrap = device::OnDevice;
+    let out = on_ranks_of(&saved, 2, Duration::from_secs(60), wrap, |s| checkpoint::save(s, &ckpt, 3));
+    assert!(out.into_iter().all(|r| r.is_ok()), "save from a device backend failed");
+    let p = plan(PARAMS, "flat", 2, 2048);
+    let got = on_ranks_of(&p, 0, Duration::from_secs(60), wrap, |s| {
+        let region = s.shard_region(ParamId(0)).expect("shard region");
+        assert_eq!(region.device, Some(0), "a device backend's shard is not on its device");
+        checkpoint::load(s, &ckpt).expect("load into a device backend");
+        gathered(s)
+    });
+    let want = full(&p, 2);
+    for (r, after) in got.into_iter().enumerate() {
+        assert_eq!(after.len(), want.len(), "rank {r}: parameter count");
+        for (k, (a, w)) in after.iter().zip(&want).enumerate() {
+            assert_eq!(a, w, "rank {r}: parameter {k} differs after a save and load on a device backend");
+        }
+    }
     std::fs::remove_dir_all(&root).ok();
 }

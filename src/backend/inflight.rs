@@ -137,6 +137,16 @@ impl<B: Backend> InFlight<B> {
         self.wait(Duration::ZERO)
     }
 
+    /// This launch as one of backend `C`, which has the same buffers and events (a backend that
+    /// wraps this one and hands its launches on).
+    pub fn rebind<C>(mut self) -> InFlight<C>
+    where
+        C: Backend<Buffer = B::Buffer, Event = B::Event>,
+    {
+        let backend: Option<OnDrop<C>> = self.backend.take();
+        InFlight { ops: std::mem::take(&mut self.ops), event: self.event.clone(), backend }
+    }
+
     fn take(&mut self) -> Vec<Collective<B::Buffer>> {
         self.backend = None;
         std::mem::take(&mut self.ops)

@@ -253,6 +253,21 @@ pub trait Backend: Send + Sync {
         None
     }
 
+    /// The device this rank's buffers live on (`Some(ordinal)`: CUDA), or `None` when they
+    /// are host memory (the default). The runtime keeps a device backend's shards in its
+    /// buffers, so that gathers copy them in on the device and an engine's optimizer updates
+    /// them there.
+    fn device(&self) -> Option<usize> {
+        None
+    }
+
+    /// The address of `buffer`'s first byte on [`Backend::device`] (what an engine views as a
+    /// device tensor), or `None` for host memory (the default).
+    fn device_address(&self, buffer: &Self::Buffer) -> Option<u64> {
+        let _ = buffer;
+        None
+    }
+
     /// Whether an all-gather may carry a [`GatherUnpack`] (place each
     /// member's shard in pieces, leaving parameters whole in one pass). The default is `false`:
     /// such a launch is refused, and the caller gathers, then unpacks.

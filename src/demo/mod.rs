@@ -17,7 +17,8 @@ pub mod sharded;
 #[cfg(feature = "cuda")]
 pub use sharded::sharded_run_cuda;
 pub use sharded::{
-    max_differences, sharded_run, sharded_run_process, DemoError, ShardedOptions, ShardedRun, StepCost,
+    max_differences, sharded_run, sharded_run_process, sharded_run_wrapped, DemoError, ShardedOptions,
+    ShardedRun, StepCost,
 };
 
 use collsched_kernels::{reduce, ElemType, ReduceOp, Scaling};

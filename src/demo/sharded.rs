@@ -21,7 +21,7 @@ use collsched_schedule::{Plan, PolicyKind, SchedulerConfig};
 
 use super::model::Mlp;
 use super::{DemoConfig, RunRecord, StepRecord};
-use crate::backend::local::{LocalConfig, LocalWorld};
+use crate::backend::local::{LocalConfig, LocalRank, LocalWorld};
 use crate::backend::{Backend, BackendError};
 use crate::runtime::{Coordinator, ModelState, RuntimeError, StepStats};
 
@@ -170,12 +170,25 @@ struct RankOutcome {
 /// # Errors
 /// [`DemoError`]: the first failing rank's error.
 pub fn sharded_run(cfg: &DemoConfig, opts: &ShardedOptions) -> Result<ShardedRun, DemoError> {
+    sharded_run_wrapped(cfg, opts, |rank| rank)
+}
+
+/// [`sharded_run`] with each rank of the local world handed to `wrap` first: the run goes
+/// through the backend it makes (tests run a backend that adds to the local one this way).
+///
+/// # Errors
+/// As [`sharded_run`].
+pub fn sharded_run_wrapped<B: Backend>(
+    cfg: &DemoConfig,
+    opts: &ShardedOptions,
+    wrap: impl Fn(LocalRank) -> B + Sync,
+) -> Result<ShardedRun, DemoError> {
     let plan = plan(cfg, opts)?;
     let buckets = (plan.layout().gather_buckets().len(), plan.layout().grad_buckets().len());
     let world =
         LocalWorld::with_config(cfg.world, LocalConfig { timeout: opts.timeout, ..LocalConfig::default() })?;
     let init = cfg.model.init(cfg.seed);
-    let outcomes = world.run(|rank| run_rank(cfg, opts, &plan, &init, rank))?;
+    let outcomes = world.run(|rank| run_rank(cfg, opts, &plan, &init, wrap(rank)))?;
     combine(cfg, outcomes, buckets)
 }
 

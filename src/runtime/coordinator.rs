@@ -520,7 +520,7 @@ impl<B: Backend> Coordinator<B> {
     {
         self.take_parked()?;
         let shared = &self.state.shared;
-        shared.lock().update_shards(&shared.tables, &mut f)
+        shared.lock().update_shards(&*shared.backend, &shared.tables, &mut f)
     }
 
     /// [`update_shards`](Self::update_shards) for `f32` parameters: `f(param, param_offset,

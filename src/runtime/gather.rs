@@ -24,7 +24,7 @@ use smallvec::SmallVec;
 use super::flight::{backend_err, launch, wait_flight, DriverCounters, Waited};
 use super::tables::{GatherTable, GatherTables};
 use super::RuntimeError;
-use crate::backend::{Backend, BackendBuffer, BackendEvent, Collective, InFlight, Stream};
+use crate::backend::{Backend, BackendBuffer, BackendError, BackendEvent, Collective, InFlight, Stream};
 
 /// What a finished gather reports to the scheduler (`OpDone` of the launch).
 pub(crate) type Done<'a> = &'a mut dyn FnMut(LaunchId) -> Result<(), RuntimeError>;
@@ -194,7 +194,7 @@ impl<B: Backend> GatherSide<B> {
         }
     }
 
-    /// Launches bucket `g`'s gather `l`: this rank's `shard` into a pool buffer (copy-in), the
+    /// Launches bucket `g`'s gather `l`: this rank's shard into a pool buffer (`copy_in`), the
     /// gathered buffer (and the unpacked one) from the pool, the bucket's collective as one
     /// group on the launch's stream after its fences. An unpacked bucket on a backend that
     /// places pieces gathers straight into its unpacked buffer instead (no gathered buffer, no
@@ -204,7 +204,7 @@ impl<B: Backend> GatherSide<B> {
         be: &B,
         g: usize,
         t: &GatherTable,
-        shard: &[u8],
+        copy_in: impl FnOnce(&mut B::Buffer) -> Result<(), BackendError>,
         l: &Launch,
         counters: &mut DriverCounters,
     ) -> Result<(), RuntimeError> {
@@ -214,7 +214,7 @@ impl<B: Backend> GatherSide<B> {
         let [input_key, out_key, unpacked_key] = self.last[g];
         let input = if t.sends {
             let mut b = be.alloc_preferring(t.shard_bytes, input_key).map_err(err("all_gather"))?;
-            if let Err(e) = be.write_from_host(&mut b, 0, shard) {
+            if let Err(e) = copy_in(&mut b) {
                 be.free(b, None);
                 return Err(err("all_gather copy-in")(e));
             }

@@ -62,6 +62,7 @@ mod driver;
 mod flight;
 mod gather;
 mod reduce;
+mod shards;
 mod state;
 mod tables;
 mod views;

@@ -11,9 +11,10 @@ use collsched_schedule::{
 };
 
 use super::bytes::Bytes;
-use super::flight::DriverCounters;
+use super::flight::{backend_err, DriverCounters};
 use super::gather::{Finish, GatherSide};
 use super::reduce::GradStore;
+use super::shards::Shards;
 use super::tables::GatherTables;
 use super::RuntimeError;
 use crate::backend::{Backend, Stream};
@@ -25,7 +26,7 @@ pub(crate) struct RankState<B: Backend> {
     /// The in-flight registry: one per rank per model.
     registry: InflightRegistry,
     /// This rank's shard of every gather bucket (the parameters the optimizer owns).
-    shards: Vec<Bytes>,
+    shards: Shards<B>,
     /// Gathered buffers: launches in flight, gathered (and unpacked) buffers held until their
     /// `Free`, consumer events, deferred frees.
     gather: GatherSide<B>,
@@ -57,11 +58,6 @@ impl<B: Backend> RankState<B> {
         &self.gather
     }
 
-    /// Gather bucket `g`'s shard, for [`ModelState::shard_region`].
-    fn shard_bytes_mut(&mut self, g: usize) -> &mut [u8] {
-        self.shards[g].as_bytes_mut()
-    }
-
     /// The gradient store.
     pub(crate) fn grads_mut(&mut self) -> &mut GradStore {
         &mut self.grads
@@ -86,7 +82,9 @@ impl<B: Backend> RankState<B> {
         l: &Launch,
         counters: &mut DriverCounters,
     ) -> Result<(), RuntimeError> {
-        self.gather.launch(be, g, &tables.gather[g], self.shards[g].as_bytes(), l, counters)
+        let shards = &self.shards;
+        let copy_in = |input: &mut B::Buffer| shards.copy_into(be, g, l.stream, input);
+        self.gather.launch(be, g, &tables.gather[g], copy_in, l, counters)
     }
 
     /// Finishes gather `id` (blocking, or only if complete) and reports it to the scheduler.
@@ -163,6 +161,7 @@ impl<B: Backend> RankState<B> {
     /// every trainable parameter with a reduced gradient; the gradients are consumed.
     pub(crate) fn update_shards(
         &mut self,
+        be: &B,
         t: &GatherTables,
         f: &mut dyn FnMut(ShardUpdate<'_>),
     ) -> Result<usize, RuntimeError> {
@@ -177,44 +176,47 @@ impl<B: Backend> RankState<B> {
             });
         }
         let Some(grad) = self.grads.tables().cloned() else { return Ok(0) };
-        let mut visited = 0;
-        for (i, slot) in grad.params.iter().enumerate() {
-            let j = slot.bucket as usize;
-            if slot.bucket == u32::MAX {
-                continue;
-            }
-            let Some(gshard) = self.grads.shard(j) else { continue };
-            let p = ParamId(i as u32);
-            let pslot = t.params[i];
-            let g = pslot.gather;
-            let es = pslot.elem_size;
-            let elem = t.gather[g].elem;
-            let grad_elem = grad.grad[j].elem;
-            let gs = grad_elem.size();
-            let (glo, ghi) = slot.shard_runs;
-            let gruns = &grad.shard_runs[glo as usize..ghi as usize];
-            let pruns = t.runs_of(p);
-            if gruns.len() != pruns.len() {
-                return Err(mismatch(rank, p, t.gather[g].id, grad.grad[j].id));
-            }
-            for (pr, gr) in pruns.iter().zip(gruns) {
-                if pr.param_offset != gr.param_offset || pr.numel != gr.numel {
+        let grads = &self.grads;
+        let visited = self.shards.with_host(be, "update_shards", |shards| {
+            let mut visited = 0;
+            for (i, slot) in grad.params.iter().enumerate() {
+                let j = slot.bucket as usize;
+                if slot.bucket == u32::MAX {
+                    continue;
+                }
+                let Some(gshard) = grads.shard(j) else { continue };
+                let p = ParamId(i as u32);
+                let pslot = t.params[i];
+                let g = pslot.gather;
+                let es = pslot.elem_size;
+                let elem = t.gather[g].elem;
+                let grad_elem = grad.grad[j].elem;
+                let gs = grad_elem.size();
+                let (glo, ghi) = slot.shard_runs;
+                let gruns = &grad.shard_runs[glo as usize..ghi as usize];
+                let pruns = t.runs_of(p);
+                if gruns.len() != pruns.len() {
                     return Err(mismatch(rank, p, t.gather[g].id, grad.grad[j].id));
                 }
-                let values = &mut self.shards[g].as_bytes_mut()
-                    [pr.shard_offset * es..(pr.shard_offset + pr.numel) * es];
-                let gbytes = &gshard[gr.shard_offset * gs..(gr.shard_offset + gr.numel) * gs];
-                f(ShardUpdate {
-                    param: p,
-                    param_offset: pr.param_offset,
-                    values,
-                    grad: gbytes,
-                    elem,
-                    grad_elem,
-                });
-                visited += 1;
+                for (pr, gr) in pruns.iter().zip(gruns) {
+                    if pr.param_offset != gr.param_offset || pr.numel != gr.numel {
+                        return Err(mismatch(rank, p, t.gather[g].id, grad.grad[j].id));
+                    }
+                    let values = &mut shards.get(g)[pr.shard_offset * es..(pr.shard_offset + pr.numel) * es];
+                    let gbytes = &gshard[gr.shard_offset * gs..(gr.shard_offset + gr.numel) * gs];
+                    f(ShardUpdate {
+                        param: p,
+                        param_offset: pr.param_offset,
+                        values,
+                        grad: gbytes,
+                        elem,
+                        grad_elem,
+                    });
+                    visited += 1;
+                }
             }
-        }
+            Ok(visited)
+        })?;
         self.grads.consume();
         Ok(visited)
     }
@@ -279,7 +281,9 @@ impl<B: Backend> Drop for ModelInner<B> {
             }
         }
         let backend = &*self.backend;
-        self.state.get_mut().unwrap_or_else(PoisonError::into_inner).gather.shut_down(backend);
+        let state = self.state.get_mut().unwrap_or_else(PoisonError::into_inner);
+        state.gather.shut_down(backend);
+        state.shards.release(backend);
     }
 }
 
@@ -417,6 +421,7 @@ impl<B: Backend> ModelState<B> {
             })?;
             shards.push(shard);
         }
+        let shards = Shards::new(&*backend, shards).map_err(backend_err(rank, "placing the shards", None))?;
         // What a gathered bucket holds, as the launch will take it (`GatherTable::placing`).
         let input = ScheduleInput::from_plan(plan)
             .placing(|id| tables.position(id).is_some_and(|g| tables.gather[g].placing(&*backend).is_some()));
@@ -491,9 +496,14 @@ impl<B: Backend> ModelState<B> {
         param: ParamId,
         f: impl FnOnce(usize, &[u8]) -> R,
     ) -> Result<R, RuntimeError> {
-        let (param_offset, bytes) = self.run_bytes(param)?;
+        let (param_offset, (g, range)) = self.run_bytes(param)?;
         let st = self.shared.lock();
-        Ok(f(param_offset, &st.shards[bytes.0].as_bytes()[bytes.1.clone()]))
+        let be = &*self.shared.backend;
+        st.shards.read(be, g, range, |b| f(param_offset, b)).map_err(backend_err(
+            self.rank(),
+            "read_shard",
+            None,
+        ))
     }
 
     /// Calls `f` with this rank's elements of `param` to overwrite (a checkpoint's load), under
@@ -507,7 +517,7 @@ impl<B: Backend> ModelState<B> {
         param: ParamId,
         f: impl FnOnce(usize, &mut [u8]) -> R,
     ) -> Result<R, RuntimeError> {
-        let (param_offset, bytes) = self.run_bytes(param)?;
+        let (param_offset, (g, range)) = self.run_bytes(param)?;
         let mut st = self.shared.lock();
         if let Some((bucket, _, users)) = st.registry().gathered().next() {
             return Err(RuntimeError::Plan {
@@ -518,7 +528,12 @@ impl<B: Backend> ModelState<B> {
                 ),
             });
         }
-        Ok(f(param_offset, &mut st.shards[bytes.0].as_bytes_mut()[bytes.1.clone()]))
+        let be = &*self.shared.backend;
+        st.shards.write(be, g, range, |b| f(param_offset, b)).map_err(backend_err(
+            self.rank(),
+            "write_shard",
+            None,
+        ))
     }
 
     /// This rank's one run of `param`: its first element, and (gather bucket position, byte
@@ -577,8 +592,8 @@ impl<B: Backend> ModelState<B> {
         let elem = self.shared.tables.gather[g].elem;
         let numel = range.len() / elem.size();
         let mut st = self.shared.lock();
-        let ptr = st.shard_bytes_mut(g)[range].as_mut_ptr();
-        Ok(ShardRegion { param_offset, numel, elem, ptr })
+        let (ptr, device) = st.shards.address(&*self.shared.backend, g, range);
+        Ok(ShardRegion { param_offset, numel, elem, ptr, device })
     }
 }
 
@@ -592,6 +607,9 @@ pub struct ShardRegion {
     pub numel: usize,
     /// Element type (the parameter's dtype).
     pub elem: ElemType,
-    /// Address of the first element (`numel * elem.size()` bytes follow).
+    /// Address of the first element (`numel * elem.size()` bytes follow), on `device` when
+    /// that is `Some`.
     pub ptr: *mut u8,
+    /// The device the shard lives on ([`Backend::device`]), `None` for host memory.
+    pub device: Option<usize>,
 }

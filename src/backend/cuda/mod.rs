@@ -452,6 +452,14 @@ impl Backend for CudaBackend {
             .map_err(|e| self.be(e))
     }
 
+    fn device(&self) -> Option<usize> {
+        Some(self.device.ordinal())
+    }
+
+    fn device_address(&self, buffer: &CudaBuffer) -> Option<u64> {
+        Some(buffer.ptr())
+    }
+
     /// The copy-out kernel on `stream` ([`CudaBackend::copy_out`]); the event follows it.
     fn unpack(
         &self,

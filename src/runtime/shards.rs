@@ -1,0 +1,203 @@
+//! [`Shards`]: this rank's shard of every gather bucket (the parameters its optimizer owns),
+//! in host memory, or in the backend's buffers on a device backend ([`Backend::device`]).
+//!
+//! On a device the shards are where the engine's optimizer updates them (an engine views them
+//! as device tensors, [`ModelState::shard_region`](super::ModelState::shard_region)) and where a
+//! gather copies them in from, on its stream, after everything the compute stream ran so far
+//! (the engine's optimizer runs there). Host reads and writes of a device shard (checkpoints,
+//! [`Coordinator::update_shards`](super::Coordinator::update_shards)) wait for the compute
+//! stream first and copy through the host.
+
+use std::ops::Range;
+
+use collsched_kernels::CopySegment;
+
+use super::bytes::Bytes;
+use super::flight::backend_err;
+use super::RuntimeError;
+use crate::backend::{Backend, BackendError, Stream};
+
+/// One gather bucket's shard.
+enum Shard<B: Backend> {
+    /// In host memory (host backends, and an empty shard anywhere).
+    Host(Bytes),
+    /// In a backend buffer on the device, of this many bytes (the buffer may be longer).
+    Device(B::Buffer, usize),
+}
+
+/// This rank's shard of every gather bucket, by position in the plan.
+pub(crate) struct Shards<B: Backend> {
+    shards: Vec<Shard<B>>,
+}
+
+impl<B: Backend> Shards<B> {
+    /// The shards cut on the host (`cut`, by gather bucket), moved into the backend's buffers
+    /// on a device backend.
+    ///
+    /// # Errors
+    /// The backend's failure to allocate or copy (nothing is kept then).
+    pub(crate) fn new(be: &B, cut: Vec<Bytes>) -> Result<Shards<B>, BackendError> {
+        let mut shards = Shards { shards: Vec::with_capacity(cut.len()) };
+        if be.device().is_none() {
+            shards.shards.extend(cut.into_iter().map(Shard::Host));
+            return Ok(shards);
+        }
+        for c in cut {
+            if c.as_bytes().is_empty() {
+                shards.shards.push(Shard::Host(c));
+                continue;
+            }
+            let placed = be.alloc(c.as_bytes().len()).and_then(|mut b| {
+                match be.write_from_host(&mut b, 0, c.as_bytes()) {
+                    Ok(()) => Ok(b),
+                    Err(e) => {
+                        be.free(b, None);
+                        Err(e)
+                    }
+                }
+            });
+            match placed {
+                Ok(b) => shards.shards.push(Shard::Device(b, c.as_bytes().len())),
+                Err(e) => {
+                    shards.release(be);
+                    return Err(e);
+                }
+            }
+        }
+        Ok(shards)
+    }
+
+    /// Gives the device buffers back to the backend's pool (the rank's streams are done with
+    /// them: the model state's teardown synchronized them).
+    pub(crate) fn release(&mut self, be: &B) {
+        for s in self.shards.drain(..) {
+            if let Shard::Device(b, _) = s {
+                be.free(b, None);
+            }
+        }
+    }
+
+    /// A gather's copy-in: bucket `g`'s shard into `input`, from the host at once, or on the
+    /// device on `stream` behind everything the compute stream ran so far (the optimizer's
+    /// writes).
+    pub(crate) fn copy_into(
+        &self,
+        be: &B,
+        g: usize,
+        stream: Stream,
+        input: &mut B::Buffer,
+    ) -> Result<(), BackendError> {
+        match &self.shards[g] {
+            Shard::Host(b) => be.write_from_host(input, 0, b.as_bytes()),
+            Shard::Device(shard, len) => {
+                let written = be.record(Stream::Compute)?;
+                be.wait_event(stream, &written)?;
+                let whole = CopySegment { buffer: 0, buffer_offset: 0, packed_offset: 0, len: *len };
+                // The collective follows on the same stream: the copy's own event adds nothing.
+                be.unpack(stream, input, shard, &[whole], 1).map(drop)
+            }
+        }
+    }
+
+    /// `f` on bytes `range` of bucket `g`'s shard (a host copy of a device shard).
+    pub(crate) fn read<R>(
+        &self,
+        be: &B,
+        g: usize,
+        range: Range<usize>,
+        f: impl FnOnce(&[u8]) -> R,
+    ) -> Result<R, BackendError> {
+        match &self.shards[g] {
+            Shard::Host(b) => Ok(f(&b.as_bytes()[range])),
+            Shard::Device(shard, _) => {
+                be.synchronize(Stream::Compute, be.timeout())?;
+                let mut host = vec![0; range.len()];
+                be.read_to_host(shard, range.start, &mut host)?;
+                Ok(f(&host))
+            }
+        }
+    }
+
+    /// `f` on bytes `range` of bucket `g`'s shard to overwrite (through a host copy of a
+    /// device shard, written back when `f` returns).
+    pub(crate) fn write<R>(
+        &mut self,
+        be: &B,
+        g: usize,
+        range: Range<usize>,
+        f: impl FnOnce(&mut [u8]) -> R,
+    ) -> Result<R, BackendError> {
+        match &mut self.shards[g] {
+            Shard::Host(b) => Ok(f(&mut b.as_bytes_mut()[range])),
+            Shard::Device(shard, _) => {
+                be.synchronize(Stream::Compute, be.timeout())?;
+                let mut host = vec![0; range.len()];
+                be.read_to_host(shard, range.start, &mut host)?;
+                let r = f(&mut host);
+                be.write_from_host(shard, range.start, &host)?;
+                Ok(r)
+            }
+        }
+    }
+
+    /// `f` on every shard as host bytes ([`HostShards::get`]; device shards through host copies,
+    /// written back when `f` returns `Ok`); `op` names the copies' failures. Host shards are
+    /// handed over as they are (nothing allocated).
+    pub(crate) fn with_host<R>(
+        &mut self,
+        be: &B,
+        op: &'static str,
+        f: impl FnOnce(&mut HostShards<'_, B>) -> Result<R, RuntimeError>,
+    ) -> Result<R, RuntimeError> {
+        let err = |e| backend_err(be.rank(), op, None)(e);
+        let mut copies: Vec<Vec<u8>> = Vec::new();
+        if self.shards.iter().any(|s| matches!(s, Shard::Device(..))) {
+            be.synchronize(Stream::Compute, be.timeout()).map_err(err)?;
+            for s in &self.shards {
+                let mut host = Vec::new();
+                if let Shard::Device(shard, len) = s {
+                    host.resize(*len, 0);
+                    be.read_to_host(shard, 0, &mut host).map_err(err)?;
+                }
+                copies.push(host);
+            }
+        }
+        let r = f(&mut HostShards { shards: &mut self.shards, copies: &mut copies })?;
+        for (s, host) in self.shards.iter_mut().zip(&copies) {
+            if let Shard::Device(shard, _) = s {
+                be.write_from_host(shard, 0, host).map_err(err)?;
+            }
+        }
+        Ok(r)
+    }
+
+    /// Where bytes `range` of bucket `g`'s shard start: a host address, or the device address
+    /// and the device's ordinal.
+    pub(crate) fn address(&mut self, be: &B, g: usize, range: Range<usize>) -> (*mut u8, Option<usize>) {
+        match &mut self.shards[g] {
+            Shard::Host(b) => (b.as_bytes_mut()[range].as_mut_ptr(), None),
+            Shard::Device(shard, _) => {
+                let base = be.device_address(shard).unwrap_or(0);
+                ((base + range.start as u64) as usize as *mut u8, be.device())
+            }
+        }
+    }
+}
+
+/// Every shard as host bytes, inside [`Shards::with_host`].
+pub(crate) struct HostShards<'a, B: Backend> {
+    shards: &'a mut [Shard<B>],
+    /// Host copies of the device shards, by gather bucket (empty when every shard is on the
+    /// host).
+    copies: &'a mut [Vec<u8>],
+}
+
+impl<B: Backend> HostShards<'_, B> {
+    /// Bucket `g`'s shard.
+    pub(crate) fn get(&mut self, g: usize) -> &mut [u8] {
+        match &mut self.shards[g] {
+            Shard::Host(b) => b.as_bytes_mut(),
+            Shard::Device(..) => &mut self.copies[g],
+        }
+    }
+}
