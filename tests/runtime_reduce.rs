@@ -608,3 +608,193 @@ fn a_failed_first_stage_is_reported_on_every_rank_naming_the_op_and_bucket() {
         }
     }
 }
+
+#[path = "support/device.rs"]
+mod device;
+use collsched::backend::Backend;
+use device::OnDevice;
+
+/// `sharded` with the gradients in the backend's memory, on a backend that looks like a
+/// device: the engine accumulates the micro-batches itself (in the reduction dtype, as the
+/// reference does) and hands the sum over in the last one (`grad_ready_on_device`). Step 0's
+/// optimizer reads the gradients through `update_shards` (copied to the host), later steps'
+/// through `take_grad_shards` (where they are) and write the shards with `write_shard`.
+fn sharded_on_device(case: &Case) -> Vec<Seen> {
+    let plan = case.plan();
+    let bytes: Vec<Vec<u8>> = case.init().iter().map(|v| encode(elem(case.dtype), v)).collect();
+    let refs: Vec<&[u8]> = bytes.iter().map(Vec::as_slice).collect();
+    let (p, r) = (elem(case.dtype), elem(case.reduce));
+    let results = world(case.world)
+        .run(|rank| -> Result<Seen, RuntimeError> {
+            let state = ModelState::new(Arc::new(OnDevice(rank)), &plan, &refs)?;
+            let be = Arc::clone(state.backend());
+            let me = be.rank();
+            let mut c = state.coordinator(case.config())?;
+            let mut steps = Vec::new();
+            for step in 0..STEPS {
+                for _ in 0..MICRO - 1 {
+                    let mut g = c.no_sync()?;
+                    for k in (0..SIZES.len()).rev() {
+                        g.fetch(&[ParamId(k as u32)])?;
+                        g.release(&[ParamId(k as u32)])?;
+                    }
+                    g.end_step()?;
+                }
+                for k in (0..SIZES.len()).rev() {
+                    let id = ParamId(k as u32);
+                    c.fetch(&[id])?;
+                    if has_grad(case, step, k) {
+                        let g = |m: usize, i: usize| round(p, grad_value(step, m, me, k, i));
+                        let sum: Vec<f32> = (0..SIZES[k])
+                            .map(|i| (1..MICRO).fold(round(r, g(0, i)), |acc, m| round(r, acc + g(m, i))))
+                            .collect();
+                        let mut buf = be.alloc(SIZES[k] * r.size()).map_err(backend)?;
+                        be.write_from_host(&mut buf, 0, &encode(r, &sum)).map_err(backend)?;
+                        c.grad_ready_on_device(id, &buf)?;
+                        be.free(buf, Some(&be.record(Stream::Compute).map_err(backend)?));
+                    }
+                    c.release(&[id])?;
+                }
+                c.end_step()?;
+                let mut seen = Vec::new();
+                if step == 0 {
+                    c.update_shards(sgd_hook(&mut seen))?;
+                } else {
+                    c.take_grad_shards(|g| {
+                        assert_eq!(g.device, Some(0), "a gradient given on the device left it");
+                        // SAFETY: OnDevice's device addresses are the local backend's host
+                        // addresses; the region is valid until the next call into `c`.
+                        let b = unsafe { std::slice::from_raw_parts(g.ptr, g.numel * g.elem.size()) };
+                        seen.push((g.param.index(), g.param_offset, decode(g.elem, b)));
+                    })?;
+                    for (k, off, g) in &seen {
+                        state.write_shard(ParamId(*k as u32), |at, w| {
+                            assert_eq!(at, *off);
+                            let new: Vec<f32> = decode(p, w).iter().zip(g).map(|(x, g)| x - LR * g).collect();
+                            w.copy_from_slice(&encode(p, &new));
+                        })?;
+                    }
+                }
+                steps.push(seen);
+            }
+            let all: Vec<ParamId> = (0..SIZES.len() as u32).map(ParamId).collect();
+            let v = c.fetch(&all)?;
+            let mut fin = Vec::new();
+            for &id in &all {
+                let mut host = vec![0; SIZES[id.index()] * p.size()];
+                v.copy_to_host(id, &mut host)?;
+                fin.push(decode(p, &host));
+            }
+            drop(v);
+            c.release(&all)?;
+            c.end_step()?;
+            Ok((steps, fin))
+        })
+        .expect("ranks");
+    results
+        .into_iter()
+        .enumerate()
+        .map(|(r, x)| {
+            x.unwrap_or_else(|_| panic!("{case:?}: rank {r} panicked"))
+                .unwrap_or_else(|e| panic!("{case:?}: rank {r} on a device backend: {e}"))
+        })
+        .collect()
+}
+
+fn backend(e: BackendError) -> RuntimeError {
+    RuntimeError::Plan { rank: 0, what: format!("test backend call: {e}") }
+}
+
+#[test]
+fn gradients_given_on_a_device_match_the_reference_and_stay_there() {
+    // Every strategy; f32, and bf16 parameters reduced in f32; a parameter without a gradient.
+    for world in [1, 2, 3, 4] {
+        for (k, sharding) in strategies(world).into_iter().enumerate() {
+            let (dtype, reduce) = [(DType::F32, DType::F32), (DType::BF16, DType::F32)][k % 2];
+            let case = Case { dtype, reduce, world, sharding, pre: None, post: None, missing: world == 3 };
+            let (grads, params) = reference(&case);
+            let ranks = sharded_on_device(&case);
+            for (step, want) in grads.iter().enumerate() {
+                let mut cover: Vec<Vec<usize>> = SIZES.iter().map(|&n| vec![0; n]).collect();
+                for (r, (steps, _)) in ranks.iter().enumerate() {
+                    for (p, off, g) in &steps[step] {
+                        assert_eq!(
+                            bits(g),
+                            bits(&want[*p][*off..off + g.len()]),
+                            "{case:?}: step {step}, rank {r}, p{p}"
+                        );
+                        cover[*p][*off..off + g.len()].iter_mut().for_each(|c| *c += 1);
+                    }
+                }
+                let copies = case.groups().len();
+                assert!(
+                    cover.iter().flatten().all(|&n| n == copies),
+                    "{case:?}: step {step}: coverage {cover:?}"
+                );
+            }
+            for (r, (_, fin)) in ranks.iter().enumerate() {
+                for (k, (got, want)) in fin.iter().zip(&params).enumerate() {
+                    assert_eq!(bits(got), bits(want), "{case:?}: rank {r}: final p{k} differs");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn device_gradients_under_no_sync_mixed_with_host_ones_or_short_are_refused() {
+    let case = Case {
+        dtype: DType::F32,
+        reduce: DType::F32,
+        world: 2,
+        sharding: Sharding::Flat,
+        pre: None,
+        post: None,
+        missing: false,
+    };
+    // One bucket for every parameter.
+    let specs =
+        SIZES.iter().enumerate().map(|(k, &n)| ParamSpec::new(format!("p{k}"), [n], DType::F32)).collect();
+    let set = ParamSet::new(specs).expect("params");
+    let plan =
+        Plan::new(LayoutBuilder::new(&set, Sharding::Flat, 2).bucket_bytes(4096).build().expect("layout"));
+    let bytes: Vec<Vec<u8>> = case.init().iter().map(|v| encode(ElemType::F32, v)).collect();
+    let refs: Vec<&[u8]> = bytes.iter().map(Vec::as_slice).collect();
+    let out = world(2)
+        .run(|rank| -> Result<Vec<String>, RuntimeError> {
+            let state = ModelState::new(Arc::new(OnDevice(rank)), &plan, &refs)?;
+            let be = Arc::clone(state.backend());
+            let mut c = state.coordinator(case.config())?;
+            let mut errors = Vec::new();
+            let (a, b) = (ParamId(0), ParamId(1));
+            let buf = |n: usize| -> Result<_, RuntimeError> {
+                let mut x = be.alloc(n * 4).map_err(backend)?;
+                be.write_from_host(&mut x, 0, &vec![0; n * 4]).map_err(backend)?;
+                Ok(x)
+            };
+            let (ga, short) = (buf(SIZES[0])?, buf(SIZES[0] - 1)?);
+            {
+                let mut g = c.no_sync()?;
+                g.fetch(&[a])?;
+                errors.push(g.grad_ready_on_device(a, &ga).expect_err("under no_sync").to_string());
+                g.release(&[a])?;
+                g.end_step()?;
+            }
+            c.fetch(&[a, b])?;
+            errors.push(c.grad_ready_on_device(a, &short).expect_err("short").to_string());
+            c.grad_ready(a, &vec![0; SIZES[0] * 4])?;
+            let gb = buf(SIZES[1])?;
+            errors.push(c.grad_ready_on_device(b, &gb).expect_err("mixed").to_string());
+            for x in [ga, short, gb] {
+                be.free(x, None);
+            }
+            Ok(errors)
+        })
+        .expect("ranks");
+    for r in out {
+        let errors = r.expect("rank thread").expect("rank");
+        assert!(errors[0].contains("no_sync") && errors[0].contains("p0"), "{}", errors[0]);
+        assert!(errors[1].contains("p0") && errors[1].contains("expected"), "{}", errors[1]);
+        assert!(errors[2].contains("other kind") && errors[2].contains("bucket"), "{}", errors[2]);
+    }
+}

@@ -333,6 +333,63 @@ pub trait Backend: Send + Sync {
         Ok(None)
     }
 
+    /// Packs runs of `sources` into `packed`: the kernels' `copy_in` (offsets and lengths count
+    /// elements of `elem_size` bytes), on `stream` in order with its other work. Returns `None`
+    /// when the copy is complete on return, else the event after which `packed` holds the runs
+    /// (until then neither side may be written, nor `packed` read by other streams).
+    ///
+    /// The default copies on the calling thread through [`Backend::host_bytes`] and
+    /// [`Backend::host_bytes_mut`].
+    ///
+    /// # Errors
+    /// [`BackendError::OutOfRange`] naming the segment if one does not fit (nothing is copied
+    /// then); [`BackendError::Unsupported`] for the default on a backend without host bytes;
+    /// the backend's failures.
+    fn pack(
+        &self,
+        stream: Stream,
+        packed: &mut Self::Buffer,
+        sources: &[&Self::Buffer],
+        segments: &[CopySegment],
+        elem_size: usize,
+    ) -> Result<Option<Self::Event>, BackendError> {
+        let rank = self.rank();
+        let unsupported = || BackendError::Unsupported {
+            what: format!(
+                "rank {rank}: pack on stream {stream}: this backend's buffers are not host memory and it \
+                 implements no pack of its own"
+            ),
+        };
+        let srcs: Vec<&[u8]> =
+            sources.iter().map(|b| self.host_bytes(b)).collect::<Option<_>>().ok_or_else(unsupported)?;
+        let dst = self.host_bytes_mut(packed).ok_or_else(unsupported)?;
+        collsched_kernels::copy_in(dst, &srcs, segments, elem_size)
+            .map(|()| None)
+            .map_err(|e| BackendError::OutOfRange { rank, what: format!("pack: {e}") })
+    }
+
+    /// Sets bytes `offset..offset + len` of `buffer` to zero, on `stream` in order with its
+    /// other work. The default writes zeros from the host ([`Backend::write_from_host`]).
+    ///
+    /// # Errors
+    /// [`BackendError::OutOfRange`] if the range does not fit; the backend's failures.
+    fn zero(
+        &self,
+        stream: Stream,
+        buffer: &mut Self::Buffer,
+        offset: usize,
+        len: usize,
+    ) -> Result<(), BackendError> {
+        let _ = stream;
+        match self.host_bytes_mut(buffer).and_then(|b| b.get_mut(offset..offset.checked_add(len)?)) {
+            Some(bytes) => {
+                bytes.fill(0);
+                Ok(())
+            }
+            None => self.write_from_host(buffer, offset, &vec![0; len]),
+        }
+    }
+
     /// Blocks until everything launched on `stream` so far completed (record + wait).
     ///
     /// # Errors

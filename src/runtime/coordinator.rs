@@ -12,11 +12,12 @@ use collsched_schedule::{EngineEvent, Scheduler, SchedulerConfig, StepCounters, 
 use super::agreement::exchange_fingerprints;
 use super::driver::{Driver, RankParts};
 use super::flight::DriverCounters;
-use super::state::{ModelState, ShardUpdate};
+use super::reduce::Fresh;
+use super::state::{GradRegion, ModelState, ShardUpdate};
 use super::tables::GradTables;
 use super::views::Views;
 use super::RuntimeError;
-use crate::backend::{Backend, BackendEvent};
+use crate::backend::{Backend, BackendBuffer, BackendEvent};
 
 /// What one step did: the scheduler's counters and the driver's.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -280,7 +281,28 @@ impl<B: Backend> Coordinator<B> {
     /// [`RuntimeError::Schedule`] for a frozen parameter or a second gradient in one step;
     /// backend failures.
     pub fn grad_ready(&mut self, param: ParamId, grad: &[u8]) -> Result<(), RuntimeError> {
-        self.grad_ready_inner(param, grad, None)
+        self.grad_ready_inner(param, Fresh::Host(grad), None)
+    }
+
+    /// [`grad_ready`](Self::grad_ready) for a gradient in the backend's memory (a device
+    /// backend: the engine's gradient tensor as a buffer), **in the reduction dtype**
+    /// (`GradReduce::dtype`; the engine casts it), complete once the work the compute stream
+    /// holds now is: it is packed into its gradient bucket on the compute stream, without a
+    /// host wait, so the engine may free or reuse `grad`'s memory for later work on that stream
+    /// as soon as this returns. The bucket's reduction follows the compute stream, and its
+    /// reduced shard stays in the backend's memory
+    /// ([`take_grad_shards`](Self::take_grad_shards)). The library does not accumulate such
+    /// gradients under `no_sync` (the engine keeps the sum, as FSDP2 keeps the unsharded
+    /// gradient, and hands it over in the synchronized micro-batch), and one bucket takes
+    /// gradients of one kind per step.
+    ///
+    /// # Errors
+    /// As [`grad_ready`](Self::grad_ready) (`grad` shorter than the parameter in the reduction
+    /// dtype; nothing changed); [`RuntimeError::Param`] under `no_sync` (nothing changed) or
+    /// for a bucket that already took a host gradient this step on a backend without host
+    /// buffers.
+    pub fn grad_ready_on_device(&mut self, param: ParamId, grad: &B::Buffer) -> Result<(), RuntimeError> {
+        self.grad_ready_inner(param, Fresh::Device(grad), None)
     }
 
     /// [`grad_ready`](Self::grad_ready) for a gradient that is complete only once `event`
@@ -302,29 +324,49 @@ impl<B: Backend> Coordinator<B> {
         grad: &[u8],
         event: &B::Event,
     ) -> Result<(), RuntimeError> {
-        self.grad_ready_inner(param, grad, Some(event))
+        self.grad_ready_inner(param, Fresh::Host(grad), Some(event))
     }
 
     fn grad_ready_inner(
         &mut self,
         param: ParamId,
-        grad: &[u8],
+        grad: Fresh<'_, B>,
         event: Option<&B::Event>,
     ) -> Result<(), RuntimeError> {
         self.take_parked()?;
         let t = &self.state.shared.tables;
+        let name = || self.state.plan().layout().params().name(param).to_string();
+        if let (Fresh::Device(_), true) = (grad, self.sched.is_no_sync()) {
+            return Err(RuntimeError::Param {
+                rank: t.rank,
+                param: Some(name()),
+                what: "grad_ready_on_device under no_sync: the library does not accumulate gradients in the \
+                       backend's memory; accumulate in the engine and hand the sum over in the synchronized \
+                       micro-batch (nothing was changed)"
+                    .into(),
+            });
+        }
         if let Some(slot) = t.params.get(param.index()) {
-            let want = slot.numel * slot.elem_size;
-            if grad.len() != want {
+            // A device gradient comes in the reduction dtype (a frozen parameter has no bucket:
+            // the scheduler refuses it below).
+            let (len, elem_size, exact) = match grad {
+                Fresh::Host(g) => (g.len(), slot.elem_size, true),
+                Fresh::Device(b) => {
+                    let g = self.grad.params.get(param.index()).map(|s| s.bucket as usize);
+                    let reduced =
+                        g.and_then(|j| self.grad.grad.get(j)).map_or(slot.elem_size, |t| t.elem.size());
+                    (b.len(), reduced, false)
+                }
+            };
+            let want = slot.numel * elem_size;
+            if (exact && len != want) || len < want {
                 return Err(RuntimeError::Param {
                     rank: t.rank,
-                    param: Some(self.state.plan().layout().params().name(param).to_string()),
+                    param: Some(name()),
                     what: format!(
-                        "grad_ready: gradient has {} bytes, expected {want} ({} elements of {} bytes); \
-                         nothing was changed",
-                        grad.len(),
+                        "grad_ready: gradient has {len} bytes, expected {want} ({} elements of {elem_size} \
+                         bytes); nothing was changed",
                         slot.numel,
-                        slot.elem_size
                     ),
                 });
             }
@@ -521,6 +563,27 @@ impl<B: Backend> Coordinator<B> {
         self.take_parked()?;
         let shared = &self.state.shared;
         shared.lock().update_shards(&*shared.backend, &shared.tables, &mut f)
+    }
+
+    /// The reduced gradient shards of the last synchronized step, consumed, for an engine whose
+    /// optimizer runs elsewhere (on the device, over [`ModelState::shard_region`]): `f` on
+    /// every run of every trainable parameter with a reduced gradient, as a [`GradRegion`] (in
+    /// the backend's memory where the gradients were given there,
+    /// [`grad_ready_on_device`](Self::grad_ready_on_device); in host memory otherwise). The
+    /// regions stay valid until the next call into this coordinator: an engine copies them out
+    /// before (on the compute stream, for device memory: the buffers go back to the pool once
+    /// that stream passed this call). Returns how many runs it visited.
+    ///
+    /// # Errors
+    /// A parked backend failure; [`RuntimeError::Plan`] if a parameter's gradient runs differ
+    /// from its shard's.
+    pub fn take_grad_shards<F>(&mut self, mut f: F) -> Result<usize, RuntimeError>
+    where
+        F: FnMut(GradRegion),
+    {
+        self.take_parked()?;
+        let shared = &self.state.shared;
+        shared.lock().take_grad_shards(&*shared.backend, &shared.tables, &mut f)
     }
 
     /// [`update_shards`](Self::update_shards) for `f32` parameters: `f(param, param_offset,

@@ -45,7 +45,7 @@ use collsched_buckets::BucketId;
 use collsched_schedule::{Action, Fence, Role, Scheduler};
 
 use super::flight::DriverCounters;
-use super::reduce::ReduceSide;
+use super::reduce::{Fresh, ReduceSide};
 use super::state::RankState;
 use super::tables::{GatherTables, GradTables};
 use super::RuntimeError;
@@ -84,7 +84,7 @@ impl<B: Backend> Driver<B> {
     pub(crate) fn run(
         &mut self,
         cx: &mut RankParts<'_, B>,
-        fresh: Option<&[u8]>,
+        fresh: Option<Fresh<'_, B>>,
     ) -> Result<(), RuntimeError> {
         let actions = std::mem::take(&mut self.actions);
         let mut result = Ok(());
@@ -106,7 +106,7 @@ impl<B: Backend> Driver<B> {
         &mut self,
         cx: &mut RankParts<'_, B>,
         a: &Action,
-        fresh: Option<&[u8]>,
+        fresh: Option<Fresh<'_, B>>,
     ) -> Result<(), RuntimeError> {
         let rank = cx.tables.rank;
         let be = cx.backend;

@@ -69,7 +69,7 @@ mod views;
 
 pub use coordinator::{Coordinator, NoSync, StepStats};
 pub use flight::DriverCounters;
-pub use state::{ModelState, ShardRegion, ShardUpdate};
+pub use state::{GradRegion, ModelState, ShardRegion, ShardUpdate};
 pub use views::Views;
 
 use collsched_buckets::{BucketId, DType};

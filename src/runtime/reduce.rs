@@ -18,15 +18,19 @@ use super::flight::{backend_err, free_ops, launch, wait_flight, DriverCounters, 
 use super::gather::Done;
 use super::tables::{GradTable, GradTables};
 use super::RuntimeError;
-use crate::backend::{Backend, BackendEvent, ChainError, Chained, Collective, InFlight};
+use crate::backend::{
+    Backend, BackendError, BackendEvent, ChainError, Chained, Collective, InFlight, Stream,
+};
 
 /// Reduced gradient shards of the last synchronized step and the no_sync accumulators, of one
 /// rank on one model. Gradient buckets are indexed by their position `j` in the tables of the
 /// plan they were reduced with.
-#[derive(Default)]
-pub(crate) struct GradStore {
+pub(crate) struct GradStore<B: Backend> {
     /// Reduced gradient shards, by gradient bucket of `tables`.
     shards: Vec<Bytes>,
+    /// A device backend's reduced gradient shards where its engine gave gradients on the
+    /// device: the reduction's output buffer itself, in place of `shards[j]`.
+    on_device: Vec<Option<B::Buffer>>,
     /// Whether `shards[j]` holds the gradient of the last synchronized step.
     valid: Vec<bool>,
     /// The gradient tables (plan) `shards` belong to.
@@ -37,12 +41,15 @@ pub(crate) struct GradStore {
     accumulated: Vec<bool>,
 }
 
-impl GradStore {
+impl<B: Backend> GradStore<B> {
     pub(crate) fn new(params: usize) -> Self {
         GradStore {
+            shards: Vec::new(),
+            on_device: Vec::new(),
+            valid: Vec::new(),
+            tables: None,
             accumulators: vec![Bytes::default(); params],
             accumulated: vec![false; params],
-            ..GradStore::default()
         }
     }
 
@@ -51,27 +58,76 @@ impl GradStore {
         self.tables.as_ref()
     }
 
-    /// The reduced shard of gradient bucket `j`, if it holds the last synchronized step's.
+    /// The reduced shard of gradient bucket `j` in host memory, if it holds the last
+    /// synchronized step's (see [`GradStore::bring_to_host`] for one on the device).
     pub(crate) fn shard(&self, j: usize) -> Option<&[u8]> {
-        self.valid.get(j).copied().unwrap_or(false).then(|| self.shards[j].as_bytes())
+        let on_device = self.on_device.get(j).is_some_and(Option::is_some);
+        (self.valid.get(j).copied().unwrap_or(false) && !on_device).then(|| self.shards[j].as_bytes())
     }
 
-    /// Marks every reduced shard consumed (the optimizer used them).
-    pub(crate) fn consume(&mut self) {
+    /// The reduced shard of gradient bucket `j` on the device, if it holds the last
+    /// synchronized step's.
+    pub(crate) fn device_shard(&self, j: usize) -> Option<&B::Buffer> {
+        self.valid.get(j).copied().unwrap_or(false).then(|| self.on_device.get(j)?.as_ref()).flatten()
+    }
+
+    /// Copies the reduced shards held on the device into host memory (after the compute
+    /// stream: the engine may have used them there) and gives their buffers back.
+    pub(crate) fn bring_to_host(&mut self, be: &B) -> Result<(), BackendError> {
+        if self.on_device.iter().all(Option::is_none) {
+            return Ok(());
+        }
+        let after = be.record(Stream::Compute)?;
+        after.wait(be.timeout())?;
+        for (j, d) in self.on_device.iter_mut().enumerate() {
+            if let Some(buf) = d.take() {
+                let r = be.read_to_host(&buf, 0, self.shards[j].as_bytes_mut());
+                be.free(buf, None);
+                r?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Marks every reduced shard consumed (the optimizer used them); shards on the device go
+    /// back to the pool once the compute stream passed the engine's use of them.
+    pub(crate) fn consume(&mut self, be: &B) {
         self.valid.iter_mut().for_each(|v| *v = false);
+        self.release_device(be);
+    }
+
+    /// Gives the reduced shards held on the device back to the pool, after the compute stream.
+    fn release_device(&mut self, be: &B) {
+        if self.on_device.iter().all(Option::is_none) {
+            return;
+        }
+        let after = be.record(Stream::Compute).ok();
+        for buf in self.on_device.iter_mut().filter_map(Option::take) {
+            match &after {
+                Some(e) => be.free(buf, Some(e)),
+                // The stream failed: nothing runs on it any more.
+                None => be.free(buf, None),
+            }
+        }
     }
 
     /// The shard buffer of bucket `j` of `tables` to receive a reduction (sized; its old
     /// bytes are overwritten whole),
     /// switching to `tables` first if the plan changed.
-    fn receive(&mut self, tables: &Arc<GradTables>, j: usize) -> &mut [u8] {
+    fn receive(&mut self, be: &B, tables: &Arc<GradTables>, j: usize) -> &mut [u8] {
         if !self.tables.as_ref().is_some_and(|g| Arc::ptr_eq(g, tables)) {
             self.tables = Some(Arc::clone(tables));
             self.valid.clear();
+            self.release_device(be);
         }
         let n = tables.grad.len();
         if self.shards.len() < n {
             self.shards.resize_with(n, Bytes::default);
+        }
+        self.on_device.resize_with(n.max(self.on_device.len()), || None);
+        if let Some(old) = self.on_device[j].take() {
+            let after = be.record(Stream::Compute).ok();
+            be.free(old, after.as_ref());
         }
         self.valid.resize(n, false);
         self.shards[j].resize(tables.grad[j].shard_bytes);
@@ -79,11 +135,29 @@ impl GradStore {
     }
 }
 
+/// The gradient a `grad_ready` call hands over: host bytes in the parameter's dtype, or a
+/// buffer of the backend (an engine's device tensor) in the reduction dtype, written by work on
+/// the compute stream.
+pub(crate) enum Fresh<'a, B: Backend> {
+    Host(&'a [u8]),
+    Device(&'a B::Buffer),
+}
+
+impl<B: Backend> Clone for Fresh<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<B: Backend> Copy for Fresh<'_, B> {}
+
 /// A reduction in flight.
 struct PendingReduce<B: Backend> {
     id: LaunchId,
     /// Position of the gradient bucket in the tables.
     j: usize,
+    /// Whether its gradients were packed on the device: its reduced shard stays there.
+    packed: bool,
     /// Hybrid sharding: the event of the in-group reduce-scatter, which `flight` (the
     /// cross-group all-reduce chained behind it) follows; tells which stage failed.
     first: Option<B::Event>,
@@ -96,8 +170,11 @@ struct PendingReduce<B: Backend> {
 /// A bucket's gradient buffer is the reduce-scatter's input, a backend buffer taken from the
 /// pool at `AllocGrad`: on a backend whose buffers are host memory gradients are cast straight
 /// into it, and only what no gradient wrote is zeroed (the padding at `AllocGrad`, a parameter
-/// whose gradient never came at launch). Elsewhere (device memory) they go into a host
-/// staging buffer, zeroed whole, copied into the backend buffer at launch.
+/// whose gradient never came at launch). Elsewhere (device memory) host gradients go into a
+/// host staging buffer, zeroed whole, copied into the backend buffer at launch; gradients in
+/// the backend's memory are packed into it on the compute stream (where the engine made them:
+/// it may reuse their memory in that stream's order), what none wrote is zeroed there at
+/// launch, and the reduction follows the compute stream. One bucket takes one kind or the other.
 pub(crate) struct ReduceSide<B: Backend> {
     rank: usize,
     pending: Vec<PendingReduce<B>>,
@@ -107,11 +184,37 @@ pub(crate) struct ReduceSide<B: Backend> {
     staging: Vec<Bytes>,
     /// Per parameter: whether its gradient is in its bucket's open gradient buffer.
     copied: Vec<bool>,
+    /// Per gradient bucket: whether a host gradient went into its staging buffer, and whether
+    /// a gradient was packed into its backend buffer on the device, since its `AllocGrad`.
+    staged: Vec<bool>,
+    packed: Vec<bool>,
     spare: Vec<Vec<Collective<B::Buffer>>>,
 }
 
 fn kernel_err(rank: usize, param: ParamId, kernel: &str, e: KernelError) -> RuntimeError {
     RuntimeError::Param { rank, param: Some(format!("id {param}")), what: format!("{kernel}: {e}") }
+}
+
+fn device_accumulated(rank: usize, param: ParamId) -> RuntimeError {
+    RuntimeError::Param {
+        rank,
+        param: Some(format!("id {param}")),
+        what:
+            "a gradient in the backend's memory cannot be accumulated by the library (no_sync): accumulate \
+               it in the engine and hand the sum over in the synchronized micro-batch, or give host gradients"
+                .into(),
+    }
+}
+
+fn mixed(rank: usize, param: ParamId, bucket: collsched_buckets::BucketId) -> RuntimeError {
+    RuntimeError::Param {
+        rank,
+        param: Some(format!("id {param}")),
+        what: format!(
+            "gradient bucket {bucket} already holds gradients of the other kind (host bytes and the backend's \
+             memory): give every gradient of a step the same way"
+        ),
+    }
 }
 
 fn no_fresh(rank: usize, param: ParamId) -> RuntimeError {
@@ -129,6 +232,8 @@ impl<B: Backend> ReduceSide<B> {
             inputs: Vec::new(),
             staging: Vec::new(),
             copied: Vec::new(),
+            staged: Vec::new(),
+            packed: Vec::new(),
             spare: Vec::with_capacity(n_grad.max(4)),
         }
     }
@@ -153,6 +258,10 @@ impl<B: Backend> ReduceSide<B> {
         if self.copied.len() < tables.params.len() {
             self.copied.resize(tables.params.len(), false);
         }
+        self.staged.resize(n.max(self.staged.len()), false);
+        self.packed.resize(n.max(self.packed.len()), false);
+        self.staged[j] = false;
+        self.packed[j] = false;
         let t = &tables.grad[j];
         // A buffer a step opened and never launched (its backward raised): back to the pool.
         if let Some(old) = self.inputs[j].take() {
@@ -208,17 +317,41 @@ impl<B: Backend> ReduceSide<B> {
         &mut self,
         be: &B,
         tables: &GradTables,
-        store: &mut GradStore,
+        store: &mut GradStore<B>,
         j: usize,
         param: ParamId,
         source: GradSource,
-        fresh: Option<&[u8]>,
+        fresh: Option<Fresh<'_, B>>,
     ) -> Result<(), RuntimeError> {
         let rank = self.rank;
         let (lo, hi) = tables.params[param.index()].copy_in;
         let segs = &tables.copy_in[lo as usize..hi as usize];
         let t = &tables.grad[j];
         let p = param.index();
+        let fresh = match fresh {
+            Some(Fresh::Device(grad)) if source == GradSource::Fresh => {
+                let input = self.inputs.get_mut(j).and_then(Option::as_mut).ok_or_else(|| {
+                    RuntimeError::Internal {
+                        rank,
+                        what: format!("gradient bucket {}: a gradient copy-in before its AllocGrad", t.id),
+                    }
+                })?;
+                if self.staged[j] && be.host_bytes_mut(input).is_none() {
+                    return Err(mixed(rank, param, t.id));
+                }
+                be.pack(Stream::Compute, input, &[grad], segs, t.elem.size()).map_err(backend_err(
+                    rank,
+                    "reduce_scatter copy-in",
+                    Some(t.id),
+                ))?;
+                self.packed[j] = true;
+                self.copied[p] = true;
+                return Ok(());
+            }
+            Some(Fresh::Device(_)) => return Err(device_accumulated(rank, param)),
+            Some(Fresh::Host(f)) => Some(f),
+            None => None,
+        };
         // The fresh gradient is in the parameter's dtype, the accumulator in the reduction
         // dtype; both land in the gradient buffer in the reduction dtype.
         let (src, src_elem): (&[u8], ElemType) = match source {
@@ -235,9 +368,21 @@ impl<B: Backend> ReduceSide<B> {
                 (store.accumulators[p].as_bytes(), t.elem)
             }
         };
+        let staging = be
+            .host_bytes_mut(self.inputs.get_mut(j).and_then(Option::as_mut).ok_or_else(|| {
+                RuntimeError::Internal {
+                    rank,
+                    what: format!("gradient bucket {}: a gradient copy-in before its AllocGrad", t.id),
+                }
+            })?)
+            .is_none();
+        if staging && self.packed[j] {
+            return Err(mixed(rank, param, t.id));
+        }
         let dst = Self::grad_bytes(be, rank, &mut self.inputs, &mut self.staging, t, j)?;
         copy_in_cast(dst, t.elem, src, src_elem, segs).map_err(|e| kernel_err(rank, param, "copy_in", e))?;
         self.copied[p] = true;
+        self.staged[j] |= staging;
         Ok(())
     }
 
@@ -246,12 +391,16 @@ impl<B: Backend> ReduceSide<B> {
     pub(crate) fn accumulate_grad(
         &self,
         tables: &GradTables,
-        store: &mut GradStore,
+        store: &mut GradStore<B>,
         param: ParamId,
-        fresh: Option<&[u8]>,
+        fresh: Option<Fresh<'_, B>>,
     ) -> Result<(), RuntimeError> {
         let rank = self.rank;
-        let f = fresh.ok_or_else(|| no_fresh(rank, param))?;
+        let f = match fresh {
+            Some(Fresh::Host(f)) => f,
+            Some(Fresh::Device(_)) => return Err(device_accumulated(rank, param)),
+            None => return Err(no_fresh(rank, param)),
+        };
         let p = param.index();
         let j = tables.params[p].bucket as usize;
         let t = tables.grad.get(j).ok_or_else(|| RuntimeError::Internal {
@@ -297,6 +446,10 @@ impl<B: Backend> ReduceSide<B> {
                 rank,
                 what: format!("gradient bucket {}: launched without an AllocGrad", t.id),
             })?;
+        // A bucket no host gradient went into is made on the device (zeros where none came).
+        let packed = self.packed.get(j).copied().unwrap_or(false)
+            || (be.device().is_some() && !self.staged.get(j).copied().unwrap_or(false));
+        let mut own_fences: Option<Vec<B::Event>> = None;
         match be.host_bytes_mut(&mut input) {
             Some(bytes) => {
                 for p in &t.params {
@@ -310,6 +463,32 @@ impl<B: Backend> ReduceSide<B> {
                     }
                 }
             }
+            None if packed => {
+                // Gradients packed on the compute stream: zero what none wrote there too, and
+                // let the reduction follow that stream.
+                let es = t.elem.size();
+                let mut zeroed = Ok(());
+                for &(lo, hi) in &t.gaps {
+                    zeroed = zeroed.and_then(|()| be.zero(Stream::Compute, &mut input, lo, hi - lo));
+                }
+                for p in &t.params {
+                    if std::mem::take(&mut self.copied[p.index()]) {
+                        continue;
+                    }
+                    let (lo, hi) = tables.params[p.index()].copy_in;
+                    for s in &tables.copy_in[lo as usize..hi as usize] {
+                        let (at, len) = (s.packed_offset * es, s.len * es);
+                        zeroed = zeroed.and_then(|()| be.zero(Stream::Compute, &mut input, at, len));
+                    }
+                }
+                match zeroed.and_then(|()| be.record(Stream::Compute)) {
+                    Ok(written) => own_fences = Some([fences, &[written]].concat()),
+                    Err(e) => {
+                        be.free(input, be.record(Stream::Compute).ok().as_ref());
+                        return Err(err("reduce_scatter copy-in")(e));
+                    }
+                }
+            }
             None => {
                 let staged = self.staging.get(j).map_or(&[][..], Bytes::as_bytes);
                 if let Err(e) = be.write_from_host(&mut input, 0, staged) {
@@ -318,6 +497,7 @@ impl<B: Backend> ReduceSide<B> {
                 }
             }
         }
+        let fences = own_fences.as_deref().unwrap_or(fences);
         let output = be.alloc(t.shard_bytes).map_err(err(first_op))?;
         let mut ops = self.spare.pop().unwrap_or_default();
         ops.push(Collective { desc: t.stages[0].clone(), input: Some(input), output });
@@ -347,7 +527,7 @@ impl<B: Backend> ReduceSide<B> {
             counters.collectives += 1;
             counters.bytes_moved += t.shard_bytes as u64;
         }
-        self.pending.push(PendingReduce { id: l.id, j, first, flight });
+        self.pending.push(PendingReduce { id: l.id, j, packed, first, flight });
         Ok(())
     }
 
@@ -358,7 +538,7 @@ impl<B: Backend> ReduceSide<B> {
         &mut self,
         be: &B,
         tables: &Arc<GradTables>,
-        store: &mut GradStore,
+        store: &mut GradStore<B>,
         id: LaunchId,
         block: bool,
         counters: &mut DriverCounters,
@@ -394,9 +574,15 @@ impl<B: Backend> ReduceSide<B> {
         if let Some(input) = c.input {
             be.free(input, None);
         }
-        let r = be.read_to_host(&c.output, 0, store.receive(tables, p.j));
-        be.free(c.output, None);
-        r.map_err(backend_err(rank, "reduce_scatter copy-out", Some(t.id)))?;
+        let dst = store.receive(be, tables, p.j);
+        if p.packed && be.host_bytes(&c.output).is_none() {
+            // Gradients given on the device: the reduced shard stays there for the engine.
+            store.on_device[p.j] = Some(c.output);
+        } else {
+            let r = be.read_to_host(&c.output, 0, dst);
+            be.free(c.output, None);
+            r.map_err(backend_err(rank, "reduce_scatter copy-out", Some(t.id)))?;
+        }
         store.valid[p.j] = true;
         done(id)?;
         Ok(true)
@@ -407,7 +593,7 @@ impl<B: Backend> ReduceSide<B> {
         &mut self,
         be: &B,
         tables: &Arc<GradTables>,
-        store: &mut GradStore,
+        store: &mut GradStore<B>,
         counters: &mut DriverCounters,
         done: Done<'_>,
     ) -> Result<(), RuntimeError> {
@@ -427,7 +613,7 @@ impl<B: Backend> ReduceSide<B> {
         &mut self,
         be: &B,
         tables: &Arc<GradTables>,
-        store: &mut GradStore,
+        store: &mut GradStore<B>,
         counters: &mut DriverCounters,
         done: Done<'_>,
     ) -> Result<(), RuntimeError> {

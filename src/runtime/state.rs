@@ -31,7 +31,7 @@ pub(crate) struct RankState<B: Backend> {
     /// `Free`, consumer events, deferred frees.
     gather: GatherSide<B>,
     /// Reduced gradient shards and no_sync accumulators.
-    grads: GradStore,
+    grads: GradStore<B>,
 }
 
 /// `OpDone` of a finished launch, for the scheduler.
@@ -59,7 +59,7 @@ impl<B: Backend> RankState<B> {
     }
 
     /// The gradient store.
-    pub(crate) fn grads_mut(&mut self) -> &mut GradStore {
+    pub(crate) fn grads_mut(&mut self) -> &mut GradStore<B> {
         &mut self.grads
     }
 
@@ -152,7 +152,7 @@ impl<B: Backend> RankState<B> {
     pub(crate) fn for_reduce<'a>(
         &'a mut self,
         sched: &'a mut Scheduler,
-    ) -> (&'a mut GradStore, impl FnMut(LaunchId) -> Result<(), RuntimeError> + 'a) {
+    ) -> (&'a mut GradStore<B>, impl FnMut(LaunchId) -> Result<(), RuntimeError> + 'a) {
         (&mut self.grads, op_done(sched, &mut self.registry))
     }
 
@@ -176,6 +176,11 @@ impl<B: Backend> RankState<B> {
             });
         }
         let Some(grad) = self.grads.tables().cloned() else { return Ok(0) };
+        self.grads.bring_to_host(be).map_err(backend_err(
+            rank,
+            "update_shards (the gradients to the host)",
+            None,
+        ))?;
         let grads = &self.grads;
         let visited = self.shards.with_host(be, "update_shards", |shards| {
             let mut visited = 0;
@@ -217,9 +222,72 @@ impl<B: Backend> RankState<B> {
             }
             Ok(visited)
         })?;
-        self.grads.consume();
+        self.grads.consume(be);
         Ok(visited)
     }
+}
+
+impl<B: Backend> RankState<B> {
+    /// See [`Coordinator::take_grad_shards`](super::Coordinator::take_grad_shards).
+    pub(crate) fn take_grad_shards(
+        &mut self,
+        be: &B,
+        t: &GatherTables,
+        f: &mut dyn FnMut(GradRegion),
+    ) -> Result<usize, RuntimeError> {
+        let Some(grad) = self.grads.tables().cloned() else { return Ok(0) };
+        let mut visited = 0;
+        for (i, slot) in grad.params.iter().enumerate() {
+            let j = slot.bucket as usize;
+            if slot.bucket == u32::MAX {
+                continue;
+            }
+            let (base, device) = match (self.grads.device_shard(j), self.grads.shard(j)) {
+                (Some(d), _) => (be.device_address(d).unwrap_or(0) as usize, be.device()),
+                (None, Some(h)) => (h.as_ptr() as usize, None),
+                (None, None) => continue,
+            };
+            let p = ParamId(i as u32);
+            let elem = grad.grad[j].elem;
+            let (glo, ghi) = slot.shard_runs;
+            let gruns = &grad.shard_runs[glo as usize..ghi as usize];
+            let pruns = t.runs_of(p);
+            if gruns.len() != pruns.len()
+                || pruns
+                    .iter()
+                    .zip(gruns)
+                    .any(|(a, b)| a.param_offset != b.param_offset || a.numel != b.numel)
+            {
+                let g = t.params[i].gather;
+                return Err(mismatch(t.rank, p, t.gather[g].id, grad.grad[j].id));
+            }
+            for gr in gruns {
+                let ptr = (base + gr.shard_offset * elem.size()) as *const u8;
+                f(GradRegion { param: p, param_offset: gr.param_offset, numel: gr.numel, elem, ptr, device });
+                visited += 1;
+            }
+        }
+        self.grads.consume(be);
+        Ok(visited)
+    }
+}
+
+/// One run of a parameter's reduced gradient shard
+/// ([`Coordinator::take_grad_shards`](super::Coordinator::take_grad_shards)).
+#[derive(Clone, Copy, Debug)]
+pub struct GradRegion {
+    /// The parameter.
+    pub param: ParamId,
+    /// First element of the flattened parameter the run covers.
+    pub param_offset: usize,
+    /// Elements in the run.
+    pub numel: usize,
+    /// Element type (the reduction dtype).
+    pub elem: ElemType,
+    /// Address of the first element, on `device` when that is `Some`, else in host memory.
+    pub ptr: *const u8,
+    /// The device the gradient lives on ([`Backend::device`]), `None` for host memory.
+    pub device: Option<usize>,
 }
 
 fn mismatch(rank: usize, p: ParamId, gather: BucketId, grad: BucketId) -> RuntimeError {

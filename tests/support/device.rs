@@ -74,6 +74,27 @@ impl<B: Backend> Backend for OnDevice<B> {
         self.0.host_bytes(buffer).map(|b| b.as_ptr() as u64)
     }
 
+    fn pack(
+        &self,
+        stream: Stream,
+        packed: &mut B::Buffer,
+        sources: &[&B::Buffer],
+        segments: &[CopySegment],
+        elem_size: usize,
+    ) -> Result<Option<B::Event>, BackendError> {
+        self.0.pack(stream, packed, sources, segments, elem_size)
+    }
+
+    fn zero(
+        &self,
+        stream: Stream,
+        buffer: &mut B::Buffer,
+        offset: usize,
+        len: usize,
+    ) -> Result<(), BackendError> {
+        self.0.zero(stream, buffer, offset, len)
+    }
+
     fn unpack(
         &self,
         stream: Stream,

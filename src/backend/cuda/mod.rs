@@ -472,6 +472,45 @@ impl Backend for CudaBackend {
         self.copy_out(stream, &[&*dst], packed, segments, elem_size).map(Some).map_err(|e| self.be(e))
     }
 
+    /// The copy-in kernel on `stream` ([`CudaBackend::copy_in`]); the event follows it.
+    fn pack(
+        &self,
+        stream: Stream,
+        packed: &mut CudaBuffer,
+        sources: &[&CudaBuffer],
+        segments: &[CopySegment],
+        elem_size: usize,
+    ) -> Result<Option<CudaEvent>, BackendError> {
+        self.copy_in(stream, packed, sources, segments, elem_size).map(Some).map_err(|e| self.be(e))
+    }
+
+    /// `cuMemsetD8Async` on `stream`.
+    fn zero(
+        &self,
+        stream: Stream,
+        buffer: &mut CudaBuffer,
+        offset: usize,
+        len: usize,
+    ) -> Result<(), BackendError> {
+        self.ready()?;
+        if offset.checked_add(len).is_none_or(|end| end > buffer.len()) {
+            return Err(BackendError::OutOfRange {
+                rank: self.rank,
+                what: format!("zeroing {len} bytes at {offset} of a buffer of {} bytes", buffer.len()),
+            });
+        }
+        if len == 0 {
+            return Ok(());
+        }
+        self.device.bind().map_err(|e| self.be(e))?;
+        // SAFETY: the range was checked against the buffer, which the caller keeps alive and
+        // unread by other streams until the stream passed this point.
+        let r =
+            unsafe { cu::memset_d8_async(buffer.ptr() + offset as u64, 0, len, self.stream(stream).raw()) };
+        collsched_kernels::cuda::check("cuMemsetD8Async", r)
+            .map_err(|e| self.be(CudaError::driver("zeroing a buffer", e)))
+    }
+
     fn record(&self, stream: Stream) -> Result<CudaEvent, BackendError> {
         self.ready()?;
         self.stream(stream).record().map_err(|e| self.be(e))
