@@ -137,6 +137,17 @@ impl<B: Backend> InFlight<B> {
         self.wait(Duration::ZERO)
     }
 
+    /// The collectives with their buffers and the completion event, **before** completion:
+    /// for a caller that hands the outputs to work ordered after the event on a stream (a
+    /// device engine's compute stream waiting for it) instead of waiting on the host. From then
+    /// on the caller keeps what this value kept: no buffer may be freed without the event
+    /// ([`Backend::free`] with it) or read by the host before it completed, and a failure is
+    /// the event's to report ([`BackendEvent::query`]).
+    pub fn hand_out(mut self) -> (Vec<Collective<B::Buffer>>, B::Event) {
+        let event = self.event.clone();
+        (self.take(), event)
+    }
+
     /// This launch as one of backend `C`, which has the same buffers and events (a backend that
     /// wraps this one and hands its launches on).
     pub fn rebind<C>(mut self) -> InFlight<C>

@@ -45,6 +45,7 @@ use collsched_buckets::BucketId;
 use collsched_schedule::{Action, Fence, Role, Scheduler};
 
 use super::flight::DriverCounters;
+use super::gather::How;
 use super::reduce::{Fresh, ReduceSide};
 use super::state::RankState;
 use super::tables::{GatherTables, GradTables};
@@ -136,7 +137,9 @@ impl<B: Backend> Driver<B> {
                 self.reduce.launch(be, cx.grad, j, l, &self.events, counters)
             }
             Action::Wait { fence: Fence::Op(id), .. } => match id.role {
-                Role::Gather => cx.st.finish_gather(be, cx.tables, cx.sched, *id, true, counters).map(|_| ()),
+                Role::Gather => {
+                    cx.st.finish_gather(be, cx.tables, cx.sched, *id, How::OnStream, counters).map(|_| ())
+                }
                 Role::Reduce => {
                     let (store, mut done) = cx.st.for_reduce(cx.sched);
                     self.reduce.finish(be, cx.grad, store, *id, true, counters, &mut done).map(|_| ())

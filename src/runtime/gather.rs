@@ -71,6 +71,19 @@ struct Deferred<B: Backend> {
     after: SmallVec<[B::Event; 2]>,
 }
 
+/// How [`GatherSide::finish`] finishes a launch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum How {
+    /// Only if it completed.
+    Poll,
+    /// Waiting for it on the host.
+    Block,
+    /// For the engine's compute stream: on a device backend without a host wait (the compute
+    /// stream waits for the gather, the buffers are handed out before completion and the
+    /// event is watched for a failure); elsewhere as `Block`.
+    OnStream,
+}
+
 /// Whether [`GatherSide::finish`] finished the launch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Finish {
@@ -90,6 +103,9 @@ pub(crate) struct GatherSide<B: Backend> {
     /// latest per engine queue), which its `Free` names.
     consumers: Vec<Vec<(EngineEvent, B::Event)>>,
     deferred: Vec<Deferred<B>>,
+    /// Gathers handed out before completion (`How::OnStream`): their launch, bucket position
+    /// and event, until it completed (a failure is reported by the next poll).
+    watched: Vec<(LaunchId, usize, B::Event)>,
     /// Engine queue id of the next coordinator (one queue per coordinator).
     next_queue: u32,
     spare: Vec<Vec<Collective<B::Buffer>>>,
@@ -109,6 +125,7 @@ impl<B: Backend> GatherSide<B> {
             held: (0..n).map(|_| None).collect(),
             consumers: (0..n).map(|_| Vec::with_capacity(2)).collect(),
             deferred: Vec::with_capacity(n),
+            watched: Vec::with_capacity(n),
             next_queue: 0,
             spare: Vec::with_capacity(n),
             events: Vec::with_capacity(8),
@@ -275,7 +292,7 @@ impl<B: Backend> GatherSide<B> {
         Ok(())
     }
 
-    /// Finishes gather `id` (blocking, or only if complete): unpacks the parameters that are
+    /// Finishes gather `id` (`how`): unpacks the parameters that are
     /// not contiguous in the gathered buffer (straight from it, on the all-gather stream; the
     /// compute stream waits for it), keeps both buffers until the bucket's `Free`, reports it
     /// to `done`. A launch not in flight here finished earlier.
@@ -284,7 +301,7 @@ impl<B: Backend> GatherSide<B> {
         be: &B,
         tables: &GatherTables,
         id: LaunchId,
-        block: bool,
+        how: How,
         counters: &mut DriverCounters,
         done: Done<'_>,
     ) -> Result<Finish, RuntimeError> {
@@ -294,7 +311,16 @@ impl<B: Backend> GatherSide<B> {
         let g = p.g;
         let t = &tables.gather[g];
         let (unpacked, unpacking) = (p.unpacked, p.unpacking);
-        let mut ops = match wait_flight(p.flight, block, be, counters) {
+        // Handed out before completion: later frees and host reads wait for this event.
+        let mut on_stream = None;
+        let waited = if how == How::OnStream && be.device().is_some() {
+            let (ops, event) = p.flight.hand_out();
+            on_stream = Some(event);
+            Ok(ops)
+        } else {
+            wait_flight(p.flight, how != How::Poll, be, counters)
+        };
+        let mut ops = match waited {
             Ok(ops) => ops,
             Err(Waited::Pending(flight)) => {
                 self.pending.push(PendingGather { id, g, flight, unpacked, unpacking });
@@ -310,11 +336,11 @@ impl<B: Backend> GatherSide<B> {
         let mut gathered = None;
         for c in ops.drain(..) {
             if let Some(i) = c.input {
-                be.free(i, None);
+                be.free(i, on_stream.as_ref());
             }
             match gathered {
                 None => gathered = Some(c.output),
-                Some(_) => be.free(c.output, None),
+                Some(_) => be.free(c.output, on_stream.as_ref()),
             }
         }
         self.spare.push(ops);
@@ -341,15 +367,23 @@ impl<B: Backend> GatherSide<B> {
             (Some(u), Some(b)) => unpack(u, b).map(Some),
             _ => Ok(None),
         };
+        // Without an unpack the compute stream waits for the gather itself.
+        let ready = match ready.map(Option::flatten) {
+            Ok(None) => match on_stream.clone() {
+                Some(e) => be.wait_event(Stream::Compute, &e).map(|()| Some(e)),
+                None => Ok(None),
+            },
+            r => r,
+        };
         let ready = match ready {
-            Ok(r) => r.flatten(),
+            Ok(r) => r,
             Err(source) => {
                 // Nobody saw these buffers yet; the fetch reports the failure.
                 if let Some(b) = buffer {
-                    be.free(b, None);
+                    be.free(b, on_stream.as_ref());
                 }
                 if let Some(u) = unpacked {
-                    be.free(u, None);
+                    be.free(u, on_stream.as_ref());
                 }
                 return Err(RuntimeError::Backend {
                     rank,
@@ -368,6 +402,9 @@ impl<B: Backend> GatherSide<B> {
             }
             (b, _) => b,
         };
+        if let Some(e) = on_stream {
+            self.watched.push((id, g, e));
+        }
         if let Some(old) = self.held[g].replace(Gathered { id, buffer, unpacked, ready }) {
             // A gather of the bucket that was never freed (a driver bug): nothing views it.
             let ready = old.ready.clone().into_iter().collect();
@@ -407,7 +444,7 @@ impl<B: Backend> GatherSide<B> {
             }
             // Consumers' events with a gather still in flight: finish it, then free as below.
             let id = self.pending[k].id;
-            self.finish(be, tables, id, true, counters, done)?;
+            self.finish(be, tables, id, How::Block, counters, done)?;
         }
         let Some(held) = self.held[g].take_if(|h| h.id.serial == serial) else {
             self.consumers[g].clear();
@@ -451,6 +488,18 @@ impl<B: Backend> GatherSide<B> {
         done: Done<'_>,
     ) -> Result<(), RuntimeError> {
         self.reap(be);
+        let mut failed = None;
+        self.watched.retain(|(_, g, e)| match e.query() {
+            Ok(done) => !done,
+            Err(source) => {
+                failed.get_or_insert((*g, source));
+                false
+            }
+        });
+        if let Some((g, source)) = failed {
+            let bucket = Some(tables.gather[g].id);
+            return Err(RuntimeError::Backend { rank: be.rank(), op: "all_gather", bucket, source });
+        }
         let mut i = 0;
         while i < self.pending.len() {
             let p = &self.pending[i];
@@ -460,7 +509,7 @@ impl<B: Backend> GatherSide<B> {
             }
             let id = p.id;
             // `finish` swap-removes index i: look at i again.
-            self.finish(be, tables, id, false, counters, &mut *done)?;
+            self.finish(be, tables, id, How::Poll, counters, &mut *done)?;
         }
         Ok(())
     }

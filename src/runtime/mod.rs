@@ -47,11 +47,30 @@
 //! are freed, and reused, only after it) and [`Coordinator::grad_ready_after`] (waits for it
 //! on the host before taking the gradient).
 //!
+//! # On a device backend
+//! A backend whose buffers live on a device ([`Backend::device`](crate::backend::Backend::device):
+//! CUDA) changes where things are, not what an engine calls:
+//! - **Shards** live in the backend's buffers: an engine's optimizer updates them there
+//!   ([`ModelState::shard_region`] names the device), a gather copies its shard in on its own
+//!   stream behind everything the compute stream ran so far, and host reads and writes
+//!   (checkpoints, [`Coordinator::update_shards`]) go through host copies after the compute
+//!   stream.
+//! - **A fetch does not wait on the host**: the compute stream waits for the gathers (and any
+//!   unpack, queued right behind the gather on its stream), and the views are handed out
+//!   before the collectives completed; host reads of them wait first, and a gather that
+//!   fails after the fetch is reported by the coordinator's next call.
+//! - **Gradients** may be given in the backend's memory ([`Coordinator::grad_ready_on_device`],
+//!   in the reduction dtype): packed into the gradient bucket on the compute stream, the
+//!   reduction fenced behind it, the reduced shard kept there
+//!   ([`Coordinator::take_grad_shards`]). The engine accumulates micro-batches under
+//!   `no_sync` itself. Host gradients ([`Coordinator::grad_ready`]) are staged on the host
+//!   and copied in at launch, as before.
+//!
 //! # Departures
-//! - A fetch waits on the host for its gathers (the scheduler's `Wait` on the compute stream
-//!   runs as a host wait), so views are complete when `fetch` returns; `grad_ready_after`
-//!   waits on the host too (the gradient is a host slice borrowed for the call). Releases
-//!   with events never block.
+//! - On a host backend a fetch waits on the host for its gathers (the scheduler's `Wait` on
+//!   the compute stream runs as a host wait), so views are complete when `fetch` returns;
+//!   `grad_ready_after` waits on the host too (the gradient is a host slice borrowed for the
+//!   call). Releases with events never block.
 //! - Gradient shards and no_sync accumulators live in the model state: one coordinator per
 //!   model should produce gradients at a time (the evaluation one only fetches).
 

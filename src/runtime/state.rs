@@ -12,7 +12,7 @@ use collsched_schedule::{
 
 use super::bytes::Bytes;
 use super::flight::{backend_err, DriverCounters};
-use super::gather::{Finish, GatherSide};
+use super::gather::{Finish, GatherSide, How};
 use super::reduce::GradStore;
 use super::shards::Shards;
 use super::tables::GatherTables;
@@ -87,17 +87,17 @@ impl<B: Backend> RankState<B> {
         self.gather.launch(be, g, &tables.gather[g], copy_in, l, counters)
     }
 
-    /// Finishes gather `id` (blocking, or only if complete) and reports it to the scheduler.
+    /// Finishes gather `id` (`how`) and reports it to the scheduler.
     pub(crate) fn finish_gather(
         &mut self,
         be: &B,
         tables: &GatherTables,
         sched: &mut Scheduler,
         id: LaunchId,
-        block: bool,
+        how: How,
         counters: &mut DriverCounters,
     ) -> Result<Finish, RuntimeError> {
-        self.gather.finish(be, tables, id, block, counters, &mut op_done(sched, &mut self.registry))
+        self.gather.finish(be, tables, id, how, counters, &mut op_done(sched, &mut self.registry))
     }
 
     /// The scheduler's `Free` of gather bucket `g`'s launch `serial`.
@@ -126,8 +126,9 @@ impl<B: Backend> RankState<B> {
         self.gather.poll(be, tables, counters, &mut op_done(sched, &mut self.registry))
     }
 
-    /// Makes sure the gathers holding `params` finished (waiting for them if needed), so that
-    /// views of them can be handed out.
+    /// Makes sure the gathers holding `params` finished (waiting for them if needed; on a
+    /// device backend the compute stream waits instead of the host), so that views of them
+    /// can be handed out.
     pub(crate) fn ensure_gathered(
         &mut self,
         be: &B,
@@ -141,7 +142,7 @@ impl<B: Backend> RankState<B> {
             let current = self.registry.gathered_by(p);
             if let Some(id) = current {
                 if self.gather.gathered(g, current).is_none() {
-                    self.finish_gather(be, tables, sched, id, true, counters)?;
+                    self.finish_gather(be, tables, sched, id, How::OnStream, counters)?;
                 }
             }
         }

@@ -92,7 +92,8 @@ impl<B: Backend> Views<'_, B> {
     /// Where the full value of `param` is: a backend buffer and the byte range in it
     /// (little-endian bytes of its dtype). The backend-generic form: a CUDA engine reads the
     /// parameter at the buffer's device pointer plus `range.start` on its compute stream
-    /// (which already waits for any unpack). Read-only (see [`Views`]).
+    /// (which already waits for the gather and any unpack; the host may not read it before
+    /// they completed: [`Views::copy_to_host`] waits). Read-only (see [`Views`]).
     ///
     /// # Errors
     /// [`RuntimeError::Param`] if the parameter is unknown or not gathered (not fetched).
