@@ -261,7 +261,7 @@ impl Comm {
     #[new]
     #[pyo3(signature = (world, ranks, tag, timeout_secs=None))]
     fn new(world: &World, ranks: Vec<usize>, tag: u64, timeout_secs: Option<f64>) -> PyResult<Comm> {
-        let backend = Arc::clone(&world.backend);
+        let backend = Arc::clone(world.backend.host("Comm (the \"collsched\" process group)")?);
         let group = RankGroup::new(ranks).map_err(errors::other)?;
         let me = backend.rank();
         if group.position(me).is_none() {

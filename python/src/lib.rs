@@ -26,6 +26,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(bench::bench, m)?)?;
     m.add_class::<world::World>()?;
     m.add("HAS_MPI", world::HAS_MPI)?;
+    m.add("HAS_CUDA", world::HAS_CUDA)?;
     m.add_class::<comm::Comm>()?;
     m.add_class::<comm::Work>()?;
     m.add_class::<comm::Block>()?;

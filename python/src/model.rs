@@ -1,5 +1,9 @@
 //! [`Model`] (one rank's share of a sharded model) and [`Engine`] (a coordinator on it): the
-//! runtime's engine API for the Python package's `collsched.torch`.
+//! runtime's engine API for the Python package's `collsched.torch`, on the world's backend (a
+//! host backend, or CUDA: shards, gathered parameters and reduced gradients then live on the
+//! device, and gradients are given there).
+
+use std::sync::Arc;
 
 use collsched::backend::local::LocalRank;
 use collsched::backend::Backend;
@@ -13,7 +17,71 @@ use pyo3::types::{PyByteArray, PyDict};
 
 use crate::errors;
 use crate::region::{tensor_bytes, Region};
-use crate::world::World;
+use crate::world::{Rank, World};
+
+#[cfg(feature = "cuda")]
+use collsched::backend::cuda::CudaBackend;
+
+/// A runtime value on the world's backend: `St` (the model state) or `Co` (a coordinator).
+macro_rules! each {
+    ($enum:ident, $v:expr, $x:ident => $e:expr) => {
+        match $v {
+            $enum::Host($x) => $e,
+            #[cfg(feature = "cuda")]
+            $enum::Cuda($x) => $e,
+        }
+    };
+}
+
+/// The model state on the world's backend.
+enum St {
+    Host(ModelState<LocalRank>),
+    #[cfg(feature = "cuda")]
+    Cuda(ModelState<CudaBackend>),
+}
+
+/// A coordinator on the world's backend.
+enum Co {
+    Host(Coordinator<LocalRank>),
+    #[cfg(feature = "cuda")]
+    Cuda(Coordinator<CudaBackend>),
+}
+
+/// Where bytes `range` of `buffer` are: `(address, device)`, a device address with the
+/// device's ordinal, or a host address and `None`.
+fn located<B: Backend>(
+    be: &B,
+    buffer: &B::Buffer,
+    range: &std::ops::Range<usize>,
+) -> Option<(usize, Option<usize>)> {
+    match be.device_address(buffer) {
+        Some(base) => Some((base as usize + range.start, be.device())),
+        None => be.host_bytes(buffer).and_then(|b| b.get(range.clone())).map(|b| (b.as_ptr() as usize, None)),
+    }
+}
+
+/// [`Engine::fetch`] on any backend: a region per parameter, `None` where `known` says the
+/// caller already views its address.
+fn fetch_regions<B: Backend>(
+    coord: &mut Coordinator<B>,
+    owner: &Py<PyAny>,
+    py: Python<'_>,
+    ids: &[ParamId],
+    known: Option<&[usize]>,
+) -> PyResult<Vec<Option<Region>>> {
+    let be = Arc::clone(coord.model().backend());
+    let views = coord.fetch(ids).map_err(errors::runtime)?;
+    let mut out = Vec::with_capacity(ids.len());
+    for (i, &p) in ids.iter().enumerate() {
+        let (buffer, range) = views.buffer(p).map_err(errors::runtime)?;
+        let len = range.len();
+        let (addr, device) = located(&*be, buffer, &range)
+            .ok_or_else(|| errors::other(format!("fetch: parameter id {p}: its buffer has no address")))?;
+        let same = known.is_some_and(|k| k[i] == addr && len > 0);
+        out.push((!same).then(|| Region::on(owner.clone_ref(py), addr as *const u8, len, device)));
+    }
+    Ok(out)
+}
 
 /// One rank's share of one model: its shards (the optimizer's memory), its gradient shards and
 /// its in-flight registry, built from the plan of `params` (a parameter file's text) and the
@@ -22,7 +90,7 @@ use crate::world::World;
 /// the same point with the same plan.
 #[pyclass(module = "collsched._native", unsendable)]
 pub struct Model {
-    state: ModelState<LocalRank>,
+    state: St,
     plan_json: String,
 }
 
@@ -39,13 +107,17 @@ impl Model {
         align: usize,
         bucket_by: &str,
     ) -> PyResult<Model> {
-        let ranks = u32::try_from(world.backend.world_size()).map_err(errors::other)?;
+        let ranks = u32::try_from(world.backend.rank_world().1).map_err(errors::other)?;
         let plan = crate::plan::build(params, ranks, strategy, bucket_mb, align, bucket_by)?;
         // SAFETY: the Python caller passes each parameter's contiguous CPU tensor, which it
         // holds for the duration of this call (`tensor_bytes`' contract); the bytes are copied
         // into the shards before the call returns.
         let full: Vec<&[u8]> = init.iter().map(|&(addr, len)| unsafe { tensor_bytes(addr, len) }).collect();
-        let state = ModelState::new(world.backend.clone(), &plan, &full).map_err(errors::runtime)?;
+        let state = match &world.backend {
+            Rank::Host(b) => St::Host(ModelState::new(Arc::clone(b), &plan, &full).map_err(errors::runtime)?),
+            #[cfg(feature = "cuda")]
+            Rank::Cuda(b) => St::Cuda(ModelState::new(Arc::clone(b), &plan, &full).map_err(errors::runtime)?),
+        };
         let plan_json = crate::plan::json(&plan)?;
         Ok(Model { state, plan_json })
     }
@@ -60,29 +132,30 @@ impl Model {
     /// prefetch and live-bytes budgets count it.
     #[getter]
     fn gather_memory(&self) -> Vec<(u32, usize)> {
-        self.state.gather_memory().map(|(id, bytes)| (id.0, bytes)).collect()
+        each!(St, &self.state, s => s.gather_memory().map(|(id, bytes)| (id.0, bytes)).collect())
     }
 
     /// This rank.
     #[getter]
     fn rank(&self) -> usize {
-        self.state.rank()
+        each!(St, &self.state, s => s.rank())
     }
 
     /// The plan's fingerprint (16 hex digits).
     #[getter]
     fn fingerprint(&self) -> String {
-        self.state.plan().fingerprint().to_string()
+        each!(St, &self.state, s => s.plan().fingerprint().to_string())
     }
 
     /// This rank's shard of parameter `id`: `(region, param_offset, numel)`, the elements
     /// `param_offset..param_offset + numel` of the flattened parameter, in memory the model
-    /// owns for its whole life (`region` is `None` when this rank holds none of them). The
-    /// optimizer updates it in place; the next gather reads it.
+    /// owns for its whole life (`region` is `None` when this rank holds none of them; on the
+    /// device for a CUDA world). The optimizer updates it in place (on the compute stream, for
+    /// a device); the next gather reads it.
     fn shard(slf: Bound<'_, Self>, id: u32) -> PyResult<(Option<Region>, usize, usize)> {
-        let r = slf.borrow().state.shard_region(ParamId(id)).map_err(errors::runtime)?;
-        let region = (r.numel > 0)
-            .then(|| Region::new(slf.clone().into_any().unbind(), r.ptr, r.numel * r.elem.size()));
+        let r = each!(St, &slf.borrow().state, s => s.shard_region(ParamId(id))).map_err(errors::runtime)?;
+        let owner = slf.clone().into_any().unbind();
+        let region = (r.numel > 0).then(|| Region::on(owner, r.ptr, r.numel * r.elem.size(), r.device));
         Ok((region, r.param_offset, r.numel))
     }
 
@@ -107,8 +180,8 @@ impl Model {
             let data = unsafe { tensor_bytes(addr, len) }.to_vec();
             states.push(checkpoint::ExtraState { name, param: ParamId(id), dtype, data });
         }
-        let index =
-            checkpoint::save_with(&self.state, &path, step, &states, meta).map_err(errors::checkpoint)?;
+        let index = each!(St, &self.state, s => checkpoint::save_with(s, &path, step, &states, meta))
+            .map_err(errors::checkpoint)?;
         serde_json::to_string(&index).map_err(errors::other)
     }
 
@@ -122,8 +195,8 @@ impl Model {
         wanted: Vec<(u32, String)>,
     ) -> PyResult<LoadedStates<'py>> {
         let wanted: Vec<(ParamId, String)> = wanted.into_iter().map(|(p, n)| (ParamId(p), n)).collect();
-        let (index, states) =
-            checkpoint::load_with(&self.state, &path, &wanted).map_err(errors::checkpoint)?;
+        let (index, states) = each!(St, &self.state, s => checkpoint::load_with(s, &path, &wanted))
+            .map_err(errors::checkpoint)?;
         let states =
             states.into_iter().map(|s| s.map(|(d, b)| (d.name(), PyByteArray::new(py, &b)))).collect();
         Ok((serde_json::to_string(&index).map_err(errors::other)?, states))
@@ -132,7 +205,7 @@ impl Model {
     /// Writes every parameter's full value to one safetensors file at `path`, gathering a
     /// bucket at a time (collective; between steps; rank 0 writes).
     fn save_full(&self, path: std::path::PathBuf) -> PyResult<()> {
-        checkpoint::save_full(&self.state, &path).map_err(errors::checkpoint)
+        each!(St, &self.state, s => checkpoint::save_full(s, &path)).map_err(errors::checkpoint)
     }
 
     /// A coordinator on this model (collective: exchanges the plan fingerprint).
@@ -172,7 +245,11 @@ impl Model {
             let dtype: DType = d.parse().map_err(|e| errors::other(format!("reduce_dtype {d:?}: {e}")))?;
             config.reduce = GradReduce { dtype: Some(dtype), ..GradReduce::default() };
         }
-        let coord = slf.borrow().state.coordinator(config).map_err(errors::runtime)?;
+        let coord = match &slf.borrow().state {
+            St::Host(s) => Co::Host(s.coordinator(config).map_err(errors::runtime)?),
+            #[cfg(feature = "cuda")]
+            St::Cuda(s) => Co::Cuda(s.coordinator(config).map_err(errors::runtime)?),
+        };
         Ok(Engine { coord, model: slf.into_any().unbind() })
     }
 }
@@ -181,7 +258,7 @@ impl Model {
 /// one model (training and evaluation) share its gathered buffers.
 #[pyclass(module = "collsched._native", unsendable)]
 pub struct Engine {
-    coord: Coordinator<LocalRank>,
+    coord: Co,
     /// The model (owner of every region handed out).
     model: Py<PyAny>,
 }
@@ -189,8 +266,9 @@ pub struct Engine {
 /// A loaded checkpoint: its index (JSON) and the states asked for (dtype, bytes).
 type LoadedStates<'py> = (String, Vec<Option<(&'static str, Bound<'py, PyByteArray>)>>);
 
-/// A reduced gradient shard: parameter id, first element, bytes, reduction dtype.
-type GradShard<'py> = (u32, usize, Bound<'py, PyByteArray>, &'static str);
+/// A reduced gradient shard: parameter id, first element, its bytes (a bytearray) or where
+/// it is (a device region), reduction dtype.
+type GradShard = (u32, usize, Py<PyAny>, &'static str);
 
 fn ids(v: &[u32]) -> Vec<ParamId> {
     v.iter().map(|&i| ParamId(i)).collect()
@@ -224,19 +302,13 @@ impl Engine {
         if known.as_ref().is_some_and(|k| k.len() != ids.len()) {
             return Err(errors::other("fetch: give one known address per parameter"));
         }
-        let views = self.coord.fetch(&ids).map_err(errors::runtime)?;
-        let mut out = Vec::with_capacity(ids.len());
-        for (i, &p) in ids.iter().enumerate() {
-            let b = views.bytes(p).map_err(errors::runtime)?;
-            let same = known.as_ref().is_some_and(|k| k[i] == b.as_ptr() as usize && !b.is_empty());
-            out.push((!same).then(|| Region::new(self.model.clone_ref(py), b.as_ptr(), b.len())));
-        }
-        Ok(out)
+        let known = known.as_deref();
+        each!(Co, &mut self.coord, c => fetch_regions(c, &self.model, py, &ids, known))
     }
 
     /// The backward pass of this step begins (a policy with backward rules switches to them).
     fn begin_backward(&mut self) {
-        self.coord.begin_backward();
+        each!(Co, &mut self.coord, c => c.begin_backward());
     }
 
     /// Replaces the prefetch policy by explicit rules: `forward` and `backward` are
@@ -252,21 +324,54 @@ impl Engine {
         for (b, then) in &backward {
             e.after_in_backward(BucketId(*b), &ids(then));
         }
-        self.coord.set_policy(Box::new(e));
+        each!(Co, &mut self.coord, c => c.set_policy(Box::new(e)));
     }
 
-    /// The engine is done with `params` (their buckets are freed once nobody holds them).
+    /// The engine is done with `params` (their buckets are freed once nobody holds them; on
+    /// CUDA once the compute stream passed the work queued on it so far, which reads them).
     fn release(&mut self, params: Vec<u32>) -> PyResult<()> {
-        self.coord.release(&ids(&params)).map_err(errors::runtime)
+        match &mut self.coord {
+            Co::Host(c) => c.release(&ids(&params)),
+            #[cfg(feature = "cuda")]
+            Co::Cuda(c) => {
+                use collsched::backend::Stream;
+                let done = c.model().backend().record(Stream::Compute);
+                let done = done.map_err(|source| collsched::RuntimeError::Backend {
+                    rank: c.model().rank(),
+                    op: "release (recording the compute stream's event)",
+                    bucket: None,
+                    source,
+                });
+                done.and_then(|e| c.release_after(&ids(&params), &e))
+            }
+        }
+        .map_err(errors::runtime)
     }
 
-    /// The full gradient of parameter `id`: `bytes` bytes at `addr` (a contiguous CPU tensor
-    /// of the parameter's dtype the caller holds during the call), copied in before return.
+    /// The full gradient of parameter `id`: `bytes` bytes at `addr`. On a host backend a
+    /// contiguous CPU tensor of the parameter's dtype the caller holds during the call, copied
+    /// in before return; on CUDA a contiguous tensor of the reduction dtype on the rank's
+    /// device, written on the compute stream, packed in on that stream (the caller may drop it
+    /// after the call: torch reuses its memory in that stream's order). Not under no_sync on
+    /// CUDA (the caller accumulates).
     fn grad_ready(&mut self, id: u32, addr: usize, bytes: usize) -> PyResult<()> {
-        // SAFETY: `tensor_bytes`' contract: the Python caller passes a contiguous CPU tensor
-        // it holds for the duration of this call; grad_ready copies it before returning.
-        let grad = unsafe { tensor_bytes(addr, bytes) };
-        self.coord.grad_ready(ParamId(id), grad).map_err(errors::runtime)
+        match &mut self.coord {
+            Co::Host(c) => {
+                // SAFETY: `tensor_bytes`' contract: the Python caller passes a contiguous CPU
+                // tensor it holds for the duration of this call; grad_ready copies it before
+                // returning.
+                let grad = unsafe { tensor_bytes(addr, bytes) };
+                c.grad_ready(ParamId(id), grad).map_err(errors::runtime)
+            }
+            #[cfg(feature = "cuda")]
+            Co::Cuda(c) => {
+                // SAFETY: the Python caller passes a contiguous tensor of `bytes` bytes on the
+                // rank's device, alive during the call; the copy that reads it is queued on the
+                // compute stream, so torch reuses the memory only after it (stream order).
+                let grad = unsafe { collsched::backend::cuda::CudaBuffer::from_raw(addr as u64, bytes) };
+                c.grad_ready_on_device(ParamId(id), &grad).map_err(errors::runtime)
+            }
+        }
     }
 
     /// [`Engine::grad_ready`] for each `(id, addr, bytes)` of `grads`, in order (one call for
@@ -280,50 +385,66 @@ impl Engine {
 
     /// no_sync on (`True`: gradients accumulate locally) or off, from the next gradient on.
     fn set_no_sync(&mut self, on: bool) -> PyResult<()> {
-        self.coord.set_no_sync(on).map_err(errors::runtime)
+        each!(Co, &mut self.coord, c => c.set_no_sync(on)).map_err(errors::runtime)
     }
 
     /// Ends the step (reductions finished, prefetches drained); returns its counters.
     fn end_step<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let stats = self.coord.end_step().map_err(errors::runtime)?;
+        let stats = each!(Co, &mut self.coord, c => c.end_step()).map_err(errors::runtime)?;
         stats_dict(py, &stats)
     }
 
     /// The last ended step's counters.
     fn last_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        stats_dict(py, self.coord.last_stats())
+        each!(Co, &self.coord, c => stats_dict(py, c.last_stats()))
     }
 
     /// Applies a new trainability mask (one flag per parameter) now, between steps;
     /// collective when it changed (the new plan's fingerprint is exchanged). Returns whether
     /// it changed.
     fn refresh_trainable(&mut self, mask: Vec<bool>) -> PyResult<bool> {
-        self.coord.refresh_trainable(&mask).map_err(errors::runtime)
+        each!(Co, &mut self.coord, c => c.refresh_trainable(&mask)).map_err(errors::runtime)
     }
 
     /// The reduced gradient shards of the last synchronized step, consumed:
-    /// `[(id, param_offset, bytes, dtype)]` per trainable parameter with elements on this
-    /// rank, `dtype` the reduction's ("f32", "bf16", "f16").
-    fn take_grads<'py>(&mut self, py: Python<'py>) -> PyResult<Vec<GradShard<'py>>> {
+    /// `[(id, param_offset, data, dtype)]` per trainable parameter with elements on this
+    /// rank, `dtype` the reduction's ("f32", "bf16", "f16"); `data` is a bytearray (host
+    /// backends), or on CUDA a device region valid until the next call on this engine (copy
+    /// it out on the compute stream before).
+    fn take_grads(&mut self, py: Python<'_>) -> PyResult<Vec<GradShard>> {
         let mut out = Vec::new();
-        self.coord
-            .update_shards(|u| {
-                out.push((u.param.0, u.param_offset, PyByteArray::new(py, u.grad), dtype_name(u.grad_elem)))
-            })
-            .map_err(errors::runtime)?;
+        match &mut self.coord {
+            Co::Host(c) => c.update_shards(|u| {
+                let data = PyByteArray::new(py, u.grad).into_any().unbind();
+                out.push((u.param.0, u.param_offset, data, dtype_name(u.grad_elem)))
+            }),
+            #[cfg(feature = "cuda")]
+            Co::Cuda(c) => {
+                let mut regions = Vec::new();
+                let r = c.take_grad_shards(|g| regions.push(g));
+                for g in regions {
+                    let region =
+                        Region::on(self.model.clone_ref(py), g.ptr, g.numel * g.elem.size(), g.device);
+                    let data = Py::new(py, region)?.into_any();
+                    out.push((g.param.0, g.param_offset, data, dtype_name(g.elem)));
+                }
+                r
+            }
+        }
+        .map_err(errors::runtime)?;
         Ok(out)
     }
 
     /// Gradient reductions launched and not yet finished.
     #[getter]
     fn reductions_in_flight(&self) -> usize {
-        self.coord.reductions_in_flight()
+        each!(Co, &self.coord, c => c.reductions_in_flight())
     }
 
     /// Gathered bytes live on this rank (every engine of the model).
     #[getter]
     fn live_bytes(&self) -> usize {
-        self.coord.model().live_bytes()
+        each!(Co, &self.coord, c => c.model().live_bytes())
     }
 }
 

@@ -20,6 +20,8 @@ mod dl {
 
     /// `kDLCPU`.
     pub const CPU: i32 = 1;
+    /// `kDLCUDA`.
+    pub const CUDA: i32 = 2;
     /// `kDLFloat`.
     pub const FLOAT: u8 = 2;
     /// `kDLBfloat`.
@@ -116,14 +118,22 @@ unsafe extern "C" fn drop_capsule(capsule: *mut ffi::PyObject) {
 pub struct Region {
     addr: usize,
     len: usize,
+    /// The CUDA device the memory is on, `None` for host memory.
+    device: Option<usize>,
     /// Keeps the memory's owner alive.
     _owner: Py<PyAny>,
 }
 
 impl Region {
-    /// A region of `len` bytes at `addr`, owned by `owner`'s value.
+    /// A region of `len` bytes of host memory at `addr`, owned by `owner`'s value.
     pub fn new(owner: Py<PyAny>, addr: *const u8, len: usize) -> Region {
-        Region { addr: addr as usize, len, _owner: owner }
+        Region::on(owner, addr, len, None)
+    }
+
+    /// A region of `len` bytes at `addr` on CUDA device `device` (`None`: host memory), owned
+    /// by `owner`'s value.
+    pub fn on(owner: Py<PyAny>, addr: *const u8, len: usize, device: Option<usize>) -> Region {
+        Region { addr: addr as usize, len, device, _owner: owner }
     }
 }
 
@@ -140,6 +150,12 @@ impl Region {
         self.addr
     }
 
+    /// The CUDA device the region is on, `None` for host memory.
+    #[getter]
+    fn device(&self) -> Option<usize> {
+        self.device
+    }
+
     /// The buffer protocol: a writable, contiguous byte buffer over the region.
     ///
     /// # Safety
@@ -151,6 +167,11 @@ impl Region {
     ) -> PyResult<()> {
         let (addr, len) = {
             let r = slf.get();
+            if let Some(d) = r.device {
+                return Err(PyValueError::new_err(format!(
+                    "a region on CUDA device {d} has no host buffer; view it with torch.from_dlpack(region.dlpack(...))"
+                )));
+            }
             (r.addr, r.len)
         };
         let len = isize::try_from(len).map_err(|_| PyValueError::new_err("region too large for a buffer"))?;
@@ -171,7 +192,8 @@ impl Region {
     /// A DLPack capsule viewing the region's first bytes as a contiguous, row-major tensor of
     /// `dtype` ("f32", "bf16" or "f16") and `shape`: `torch.from_dlpack(capsule)` makes it a
     /// tensor without a copy, which keeps the region (and so the memory's owner) alive. One
-    /// consumer may take a capsule; one that nobody takes frees what it holds when dropped.
+    /// consumer may take a capsule; one that nobody takes frees what it holds when dropped. A
+    /// region on a CUDA device gives a `kDLCUDA` tensor of that device.
     fn dlpack(slf: Bound<'_, Self>, dtype: &str, shape: Vec<i64>) -> PyResult<Py<PyAny>> {
         let (code, bits) = match dtype {
             "f32" => (dl::FLOAT, 32u8),
@@ -186,9 +208,17 @@ impl Region {
         let bytes = shape.iter().try_fold(usize::from(bits / 8), |acc, &d| {
             usize::try_from(d).ok().and_then(|d| acc.checked_mul(d))
         });
-        let (addr, len) = {
+        let (addr, len, device) = {
             let r = slf.get();
-            (r.addr, r.len)
+            (r.addr, r.len, r.device)
+        };
+        let device = match device {
+            None => dl::Device { device_type: dl::CPU, device_id: 0 },
+            Some(d) => dl::Device {
+                device_type: dl::CUDA,
+                device_id: i32::try_from(d)
+                    .map_err(|_| PyValueError::new_err("dlpack: device ordinal too large"))?,
+            },
         };
         match bytes {
             Some(b) if b <= len => {}
@@ -204,7 +234,7 @@ impl Region {
             managed: dl::ManagedTensor {
                 dl_tensor: dl::Tensor {
                     data: addr as *mut c_void,
-                    device: dl::Device { device_type: dl::CPU, device_id: 0 },
+                    device,
                     ndim,
                     dtype: dl::DataType { code, bits, lanes: 1 },
                     shape: std::ptr::null_mut(),

@@ -1,5 +1,6 @@
-//! [`World`]: this process's rank of a job on the `shm` backend (and the job's hub), or of an
-//! MPI job on the `mpi` backend (a build with the `mpi` feature).
+//! [`World`]: this process's rank of a job on the `shm` backend (and the job's hub), of an
+//! MPI job on the `mpi` backend (a build with the `mpi` feature), or of a job with one GPU per
+//! process on the `cuda` backend (NCCL; a build with the `cuda` feature).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -24,42 +25,136 @@ use crate::errors;
 pub struct World {
     /// Dropped before `hub`: the rank's streams finish before the job closes (for MPI, before
     /// MPI_Finalize).
-    pub(crate) backend: Arc<LocalRank>,
+    pub(crate) backend: Rank,
     /// The job's small exchanges: the bootstrap hub (`shm`) or the MPI job (`mpi`).
     hub: Box<dyn Exchange>,
 }
 
 /// Whether this build has the `mpi` backend.
 pub(crate) const HAS_MPI: bool = cfg!(feature = "mpi");
+/// Whether this build has the `cuda` backend.
+pub(crate) const HAS_CUDA: bool = cfg!(feature = "cuda");
+
+/// This process's rank: of a host backend (`shm`, `mpi`: one type, the local backend behind
+/// another meeting place) or of the CUDA backend.
+pub(crate) enum Rank {
+    Host(Arc<LocalRank>),
+    #[cfg(feature = "cuda")]
+    Cuda(Arc<collsched::backend::cuda::CudaBackend>),
+}
+
+impl Rank {
+    /// The rank and world size.
+    pub(crate) fn rank_world(&self) -> (usize, usize) {
+        match self {
+            Rank::Host(b) => (b.rank(), b.world_size()),
+            #[cfg(feature = "cuda")]
+            Rank::Cuda(b) => (b.rank(), b.world_size()),
+        }
+    }
+
+    /// The host backend, for what runs on host memory only (`op` names it in the error).
+    pub(crate) fn host(&self, op: &str) -> PyResult<&Arc<LocalRank>> {
+        let _ = op; // named in the error of the other kinds
+        match self {
+            Rank::Host(b) => Ok(b),
+            #[cfg(feature = "cuda")]
+            Rank::Cuda(_) => Err(errors::other(format!(
+                "{op}: this world is on the cuda backend, which it does not run on; make a World() (shm) for it"
+            ))),
+        }
+    }
+}
+
+/// The launcher's environment, or the caller's rank, world and job key (all or none).
+fn launch_env(rank: Option<usize>, world: Option<usize>, job: Option<String>) -> PyResult<LaunchEnv> {
+    match (rank, world, job) {
+        (None, None, None) => LaunchEnv::from_env().map_err(errors::other),
+        (Some(rank), Some(world), Some(job)) => {
+            let vars: HashMap<&str, String> = [
+                ("RANK", rank.to_string()),
+                ("WORLD_SIZE", world.to_string()),
+                ("LOCAL_RANK", rank.to_string()),
+                ("LOCAL_WORLD_SIZE", world.to_string()),
+                ("COLLSCHED_RUN_ID", job),
+            ]
+            .into_iter()
+            .collect();
+            LaunchEnv::from_lookup(|k| vars.get(k).cloned()).map_err(errors::other)
+        }
+        _ => Err(errors::other(
+            "World: give rank, world and job together, or none of them (read from the launcher's environment)",
+        )),
+    }
+}
 
 #[pymethods]
 impl World {
     #[new]
     #[pyo3(signature = (rank=None, world=None, job=None))]
     fn new(rank: Option<usize>, world: Option<usize>, job: Option<String>) -> PyResult<World> {
-        let env =
-            match (rank, world, job) {
-                (None, None, None) => LaunchEnv::from_env().map_err(errors::other)?,
-                (Some(rank), Some(world), Some(job)) => {
-                    let vars: HashMap<&str, String> = [
-                        ("RANK", rank.to_string()),
-                        ("WORLD_SIZE", world.to_string()),
-                        ("LOCAL_RANK", rank.to_string()),
-                        ("LOCAL_WORLD_SIZE", world.to_string()),
-                        ("COLLSCHED_RUN_ID", job),
-                    ]
-                    .into_iter()
-                    .collect();
-                    LaunchEnv::from_lookup(|k| vars.get(k).cloned()).map_err(errors::other)?
-                }
-                _ => return Err(errors::other(
-                    "World: give rank, world and job together, or none of them (read from the launcher's \
-                     environment)",
-                )),
-            };
+        let env = launch_env(rank, world, job)?;
         let config = ShmConfig::from_env().map_err(errors::other)?;
         let (backend, hub) = join(&env, &config).map_err(errors::backend)?;
-        Ok(World { backend: Arc::new(backend), hub: Box::new(hub) })
+        Ok(World { backend: Rank::Host(Arc::new(backend)), hub: Box::new(hub) })
+    }
+
+    /// This process's rank of a job with one GPU per process (collective): CUDA device
+    /// `device`, NCCL on the library's own streams, and `stream` (a `CUstream` handle:
+    /// `torch.cuda.current_stream().cuda_stream`) as the compute stream, which must outlive
+    /// the world. The ranks meet through the job's hub on this machine (rank, world and job
+    /// as for `World(...)`), where rank 0's NCCL unique id goes to the others. `groups`: the
+    /// rank groups besides the world that plans will use (hybrid sharding's shard and replica
+    /// groups; NCCL makes their communicators now, on every rank alike). `timeout_secs`: how
+    /// long host waits last (the backend's timeout).
+    #[staticmethod]
+    #[pyo3(signature = (device, stream, rank=None, world=None, job=None, groups=Vec::new(), timeout_secs=300.0))]
+    #[allow(clippy::too_many_arguments)]
+    fn cuda(
+        device: usize,
+        stream: usize,
+        rank: Option<usize>,
+        world: Option<usize>,
+        job: Option<String>,
+        groups: Vec<Vec<usize>>,
+        timeout_secs: f64,
+    ) -> PyResult<World> {
+        let env = launch_env(rank, world, job)?;
+        #[cfg(feature = "cuda")]
+        {
+            use collsched::backend::cuda::{CudaBackend, CudaConfig, RawStream, UniqueId};
+            use collsched::backend::RankGroup;
+            use collsched::bootstrap::{Hub, HubConfig};
+            let timeout = std::time::Duration::try_from_secs_f64(timeout_secs)
+                .map_err(|e| errors::other(format!("World.cuda: timeout_secs {timeout_secs}: {e}")))?;
+            let mut hub =
+                Hub::connect(&env, &HubConfig::from_env().map_err(errors::other)?).map_err(errors::other)?;
+            let mine = match env.rank {
+                0 => UniqueId::generate().map_err(errors::other)?.0.to_vec(),
+                _ => Vec::new(),
+            };
+            let ids = hub.all_gather(&mine).map_err(errors::other)?;
+            let id = UniqueId::from_bytes(&ids[0]).map_err(errors::other)?;
+            let mut config = CudaConfig::new(env.rank, env.world, device);
+            config.timeout = timeout;
+            for g in groups {
+                config.groups.push(RankGroup::new(g).map_err(errors::other)?);
+            }
+            // SAFETY: the caller passes a live stream of `device`'s primary context (torch's
+            // current stream; 0 is the legacy default stream, which always is) that outlives
+            // the world (the Python package keeps it until the process ends).
+            let backend = unsafe { CudaBackend::with_compute_stream(config, &id, stream as RawStream) }
+                .map_err(errors::other)?;
+            Ok(World { backend: Rank::Cuda(Arc::new(backend)), hub: Box::new(hub) })
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = (env, device, stream, groups, timeout_secs);
+            Err(errors::other(
+                "World.cuda(): this collsched package was built without the cuda backend; rebuild it with \
+                 MATURIN_PEP517_ARGS='--features cuda' pip install ./python",
+            ))
+        }
     }
 
     /// This process's rank of the MPI job it was started in (`mpirun`; collective: every rank
@@ -71,7 +166,7 @@ impl World {
             use collsched::backend::mpi::{join, MpiConfig};
             let config = MpiConfig::from_env().map_err(errors::other)?;
             let (backend, job) = join(&config).map_err(errors::backend)?;
-            Ok(World { backend: Arc::new(backend), hub: Box::new(job) })
+            Ok(World { backend: Rank::Host(Arc::new(backend)), hub: Box::new(job) })
         }
         #[cfg(not(feature = "mpi"))]
         Err(errors::other(
@@ -83,13 +178,23 @@ impl World {
     /// This process's rank.
     #[getter]
     fn rank(&self) -> usize {
-        self.backend.rank()
+        self.backend.rank_world().0
     }
 
     /// Ranks in the job.
     #[getter]
     fn world(&self) -> usize {
-        self.backend.world_size()
+        self.backend.rank_world().1
+    }
+
+    /// The backend: "host" (`shm`, `mpi`) or "cuda".
+    #[getter]
+    fn kind(&self) -> &'static str {
+        match self.backend {
+            Rank::Host(_) => "host",
+            #[cfg(feature = "cuda")]
+            Rank::Cuda(_) => "cuda",
+        }
     }
 
     /// Every rank's `data`, by rank (collective; small exchanges: error reports, agreement).
@@ -103,7 +208,7 @@ impl World {
     /// `dir`, also written there as `rank-R.json` for `collsched flight DIR`. Not collective.
     #[pyo3(signature = (reason="requested", dir=None))]
     fn flight_record(&self, reason: &str, dir: Option<std::path::PathBuf>) -> PyResult<String> {
-        let dump = self.backend.flight_record(reason);
+        let dump = self.backend.host("flight_record")?.flight_record(reason);
         if let Some(dir) = dir {
             dump.write_to(&dir).map_err(errors::other)?;
         }

@@ -13,7 +13,12 @@ import models
 def shard(model: torch.nn.Module, spec: dict[str, Any]) -> torch.nn.Module:
     import collsched.torch as cst
 
-    cst.init()
+    backend = spec.get("backend", "shm")
+    strategy = spec.get("strategy", "even")
+    hybrid = int(strategy.split(":")[1]) if strategy.startswith("hybrid:") else None
+    cst.init(backend, **({"hybrid_group_size": hybrid} if backend == "cuda" else {}))
+    if backend == "cuda":
+        model.to(torch.device("cuda", torch.cuda.current_device()))
     keys = ("strategy", "bucket_mb", "prefetch", "reduce_dtype", "auto_refresh_trainable")
     opts = {k: spec[k] for k in keys if k in spec}
     for b in model.blocks:
@@ -57,6 +62,8 @@ def train(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
         row = []
         for micro in range(micro_n):
             x, y = models.batch(name, spec.get("seed", 0), step, micro, rank, dtype)
+            if spec.get("backend") == "cuda":
+                x, y = x.cuda(), y.cuda()
             ctx = model.no_sync() if micro + 1 < micro_n else contextlib.nullcontext()
             with ctx:
                 loss = models.loss_fn(name, model(x), y)
@@ -415,3 +422,25 @@ def load_fails(rank: int, world: int, spec: dict[str, Any], path: str) -> str:
     except Exception as e:
         return f"{type(e).__module__}.{type(e).__name__}: {e}"
     return "loaded"
+
+
+def init_cuda(rank: int, world: int) -> str:
+    """What ``init(backend="cuda")`` raises on a machine without a GPU (its message)."""
+    import collsched.torch as cst
+
+    try:
+        cst.init("cuda")
+    except Exception as e:  # the message is what the test checks
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def world_cuda(rank: int, world: int) -> str:
+    """What the native ``World.cuda`` raises without a CUDA driver (its message)."""
+    from collsched import _native
+
+    try:
+        _native.World.cuda(0, 0)
+    except Exception as e:  # the message is what the test checks
+        return f"{type(e).__name__}: {e}"
+    return "no error"

@@ -33,6 +33,13 @@ How it works (one rank):
   in a forward) leave nothing fetched: evaluation passes run on a second engine of the same
   model, and an aborted pass releases what it fetched.
 
+On the ``cuda`` backend (``init(backend="cuda")``) the same pass runs on the device: the
+shards, the full parameters' views and the reduced gradients are library memory on the GPU
+(DLPack ``kDLCUDA``), a fetch makes torch's current stream wait for the gathers, a release
+frees buffers only after what that stream queued so far, gradients go over in the reduction
+dtype on that stream, and under ``no_sync`` they accumulate in the full parameters' ``.grad``
+until the synchronized micro-batch.
+
 Knobs are the arguments of :func:`fully_shard` and :func:`init`; errors are
 :class:`collsched.CollschedError` and its subclasses, with the library's message.
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from .._native import CollschedError
-from .shard import _root_state, _State
+from .shard import _root_state, _State, _tensor
 from .world import _FROM_TORCH, _TO_TORCH, world
 
 
@@ -37,7 +37,8 @@ def save_checkpoint(module: nn.Module, optimizer: torch.optim.Optimizer | None, 
             st = optimizer.state.get(p.shard) or {}
             for k, v in st.items():
                 if torch.is_tensor(v) and v.dim() == 1 and v.numel() == p.shard.numel() and v.dtype in _FROM_TORCH:
-                    v = v.detach().contiguous()
+                    # The library reads states from host memory.
+                    v = v.detach().to("cpu").contiguous()
                     keep.append(v)
                     extras.append((k, p.pid, _FROM_TORCH[v.dtype], v.data_ptr(), v.numel() * v.element_size()))
                 elif torch.is_tensor(v) and v.numel() == 1:
@@ -93,13 +94,15 @@ def load_checkpoint(module: nn.Module, optimizer: torch.optim.Optimizer | None, 
     for (pid, name), got in zip(wanted, states):
         if got is not None:
             dtype, data = got
-            optimizer.state[state.params[pid].shard][name] = torch.frombuffer(data, dtype=_TO_TORCH[dtype])
+            shard = state.params[pid].shard
+            optimizer.state[shard][name] = torch.frombuffer(data, dtype=_TO_TORCH[dtype]).to(shard.device)
     scalars = meta.get("scalars", {})
     for p in state.params:
         if p.shard.numel() == 0 or p.shard not in optimizer.state:
             continue
         for k, v in scalars.get(p.name, {}).items():
             if "dtype" in v:
+                # Adam keeps `step` on the CPU unless it is capturable or fused; as torch makes it.
                 optimizer.state[p.shard][k] = torch.tensor(v["value"], dtype=getattr(torch, v["dtype"]))
             else:
                 optimizer.state[p.shard][k] = v["value"]
@@ -119,7 +122,7 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
         regions = state.eval.fetch(ids)
         for pid, region in zip(ids, regions):
             p = state.params[pid]
-            out[p.name] = torch.frombuffer(region, dtype=p.dtype).view(p.shape).clone()
+            out[p.name] = _tensor(region, p.dtype, p.shape, state.device).clone()
         state.eval.release(ids)
         state.eval.end_step()
     return {p.name: out[p.name] for p in state.params}

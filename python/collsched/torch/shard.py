@@ -27,6 +27,16 @@ _NESTS = (list, tuple, dict)
 _clock = time.perf_counter
 
 
+def _tensor(region: Any, dtype: torch.dtype, shape: Any, device: torch.device) -> torch.Tensor:
+    """A tensor of ``dtype`` and ``shape`` viewing ``region`` (library memory, on the host or on a
+    CUDA device); an empty tensor on ``device`` for ``None``."""
+    if region is None:
+        return torch.empty(0, dtype=dtype, device=device)
+    if region.device is None:
+        return torch.frombuffer(region, dtype=dtype).view(shape)
+    return torch.from_dlpack(region.dlpack(_FROM_TORCH[dtype], list(shape)))
+
+
 class _Saved:
     """What a saved tensor that views a gathered parameter becomes: a reference."""
 
@@ -58,7 +68,7 @@ class _Param:
         "addr",
     )
 
-    def __init__(self, pid: int, name: str, shape: torch.Size, dtype: torch.dtype) -> None:
+    def __init__(self, pid: int, name: str, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> None:
         self.pid = pid
         self.name = name
         self.shape = shape
@@ -66,8 +76,12 @@ class _Param:
         self.numel = shape.numel()
         # Right shape, one element of memory, reads as zeros: what the full parameter holds
         # while it is not gathered (autograd checks shapes, never reads it).
-        self.placeholder = torch.zeros(1, dtype=dtype).expand(shape) if len(shape) else torch.zeros((), dtype=dtype)
-        self.shard: nn.Parameter = nn.Parameter(torch.empty(0, dtype=dtype))
+        self.placeholder = (
+            torch.zeros(1, dtype=dtype, device=device).expand(shape)
+            if len(shape)
+            else torch.zeros((), dtype=dtype, device=device)
+        )
+        self.shard: nn.Parameter = nn.Parameter(torch.empty(0, dtype=dtype, device=device))
         self.full: nn.Parameter = nn.Parameter(self.placeholder, requires_grad=False)
         self.unit = 0
         # Views of gathered buffers made for this parameter, by address (buffers come back
@@ -139,6 +153,11 @@ class _State:
         self.host_units = 0
         self.queued = False
         self.got: set[int] = set()
+        # Where the shards, the full parameters and their gradients live: the CPU, or the
+        # CUDA device of a world on the cuda backend (gradients then go to the library in the
+        # reduction dtype, and under no_sync they accumulate in the full parameters' .grad).
+        self.device = torch.device("cpu")
+        self.withheld = False
         self.gather_buckets: dict[int, tuple[list[str], int]] = {}
         self.unit_buckets: list[list[int]] = []
         self.fwd_rules: dict[int, list[int]] = {}
@@ -148,6 +167,8 @@ class _State:
 
     def build(self) -> None:
         w = world()
+        if w.kind == "cuda":
+            self.device = torch.device("cuda", torch.cuda.current_device())
         root = self.root
         unit_of: dict[int, int] = {}
         self.units = []
@@ -195,13 +216,16 @@ class _State:
                             f"fully_shard: parameter {qual} has dtype {dtype}; collsched moves float32, bfloat16 "
                             "and float16 parameters (cast the module first, e.g. module.to(torch.bfloat16))"
                         )
-                    if p.device.type != "cpu":
+                    if p.device.type not in ("cpu", self.device.type):
                         raise CollschedError(
-                            f"fully_shard: parameter {qual} is on {p.device}; the shm backend shards CPU tensors"
+                            f"fully_shard: parameter {qual} is on {p.device}; this world shards tensors on "
+                            f"{self.device} (and takes CPU ones there)"
                         )
-                    info = _Param(len(self.params), qual, shape, dtype)
+                    info = _Param(len(self.params), qual, shape, dtype, self.device)
                     info.unit = u
-                    info.shard = p if prev is not None else nn.Parameter(torch.empty(0, dtype=dtype))
+                    info.shard = (
+                        p if prev is not None else nn.Parameter(torch.empty(0, dtype=dtype, device=self.device))
+                    )
                     info.shard.requires_grad_(requires_grad)
                     found[id(p)] = info
                     self.params.append(info)
@@ -254,7 +278,7 @@ class _State:
             old.retire()
         for p in self.params:
             region, _, numel = self.model.shard(p.pid)
-            data = torch.frombuffer(region, dtype=p.dtype) if region is not None else torch.empty(0, dtype=p.dtype)
+            data = _tensor(region, p.dtype, [numel], self.device)
             assert data.numel() == numel
             p.shard.data = data
             p.shard._collsched_param = (self, p)
@@ -342,7 +366,8 @@ class _State:
                 st, old = prev
                 out.append(gathered[id(st)][old.pid])
             else:
-                out.append(p.detach().contiguous())
+                # The library reads the initial values from host memory.
+                out.append(p.detach().to("cpu").contiguous())
                 # The original full-size memory is no longer needed once the shards are cut.
         return out
 
@@ -614,6 +639,7 @@ class _State:
         spent there and whether every one of them is in (one still to come, or of a parameter
         this backward does not reach, is not)."""
         batch, keep, done, got = [], [], True, self.got
+        on_device = self.device.type != "cpu"
         for p in params:
             if p.pid in got:
                 continue
@@ -622,9 +648,18 @@ class _State:
             if g is None:
                 done = False
                 continue
+            if on_device and not self.sync:
+                # The library takes device gradients in the synchronized micro-batch only:
+                # they accumulate in .grad until then (FSDP2 keeps them likewise).
+                self.withheld = True
+                got.add(p.pid)
+                continue
             full.grad = None
-            if g.dtype != p.dtype or not g.is_contiguous():
-                g = g.contiguous().to(p.dtype)
+            # Host gradients go over in the parameter's dtype (the library casts); device ones
+            # in the reduction dtype (cast here, on the compute stream).
+            want = self.reduce_dtype(p) if on_device else p.dtype
+            if g.dtype != want or not g.is_contiguous():
+                g = g.contiguous().to(want)
             keep.append(g)
             batch.append((p.pid, g.data_ptr(), g.nbytes))
             got.add(p.pid)
@@ -633,6 +668,11 @@ class _State:
         t0 = _clock()
         self.train.grad_ready_many(batch)
         return _clock() - t0, done
+
+    def reduce_dtype(self, p: _Param) -> torch.dtype:
+        """The dtype ``p``'s gradient is reduced in."""
+        r = self.opts["reduce_dtype"]
+        return p.dtype if r is None else _TO_TORCH[r]
 
     def _post_backward(self, unit: _Unit) -> None:
         """The gradients of ``unit``'s arguments are computed: its backward is over. Its
@@ -667,15 +707,21 @@ class _State:
         self.host_units = 0
         self.last = stats
         if not self.sync:
-            self.unsynced = stats["accumulated_grads"] > 0 or self.unsynced
+            self.unsynced = stats["accumulated_grads"] > 0 or self.withheld or self.unsynced
             return
         self.unsynced = False
+        self.withheld = False
         grads = self.train.take_grads()
         if not deliver:
             return
         for pid, _offset, data, dtype in grads:
             p = self.params[pid]
-            g = torch.frombuffer(data, dtype=_TO_TORCH[dtype])
+            if isinstance(data, (bytes, bytearray)):
+                g = torch.frombuffer(data, dtype=_TO_TORCH[dtype])
+            else:
+                # Library memory on the device, valid until the next call: copied out here.
+                t = _TO_TORCH[dtype]
+                g = _tensor(data, t, [len(data) // _DTYPE_BYTES[dtype]], self.device).clone()
             if g.dtype != p.dtype:
                 g = g.to(p.dtype)
             if p.shard.grad is None:
@@ -691,7 +737,7 @@ class _State:
         regions = self.eval.fetch(ids)
         out = {}
         for p, region in zip(self.params, regions):
-            out[p.pid] = torch.frombuffer(region, dtype=p.dtype).view(p.shape).clone()
+            out[p.pid] = _tensor(region, p.dtype, p.shape, self.device).clone()
         self.eval.release(ids)
         self.eval.end_step()
         return out

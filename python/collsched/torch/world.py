@@ -1,7 +1,8 @@
 """Joining the job: :func:`init` makes this process's rank of the ``shm`` backend (through
-torch.distributed's store when it is initialized, else from the launcher's environment);
-every part of ``collsched.torch`` (``fully_shard``, checkpoints, the ``"collsched"`` process
-group) uses that one world."""
+torch.distributed's store when it is initialized, else from the launcher's environment), of
+an MPI job, or of the ``cuda`` backend (one GPU per process, NCCL); every part of
+``collsched.torch`` (``fully_shard``, checkpoints, the ``"collsched"`` process group, which is
+CPU-only) uses that one world."""
 
 from __future__ import annotations
 
@@ -15,31 +16,43 @@ from .. import _native
 from .._native import CollschedError
 
 _WORLD: Any = None
+# The CUDA stream a cuda world computes on (torch's current stream at init), kept alive.
+_STREAM: Any = None
 _TO_TORCH = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 _FROM_TORCH = {v: k for k, v in _TO_TORCH.items()}
 _DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2}
 
 
-def init(backend: str = "shm") -> Any:
+def init(backend: str = "shm", *, hybrid_group_size: Any = None) -> Any:
     """Joins this process's job as its rank (collective: every rank calls it). Idempotent.
 
     When ``torch.distributed`` is initialized, rank and world come from it and the ranks agree
     on a job key through its store (no second rendezvous, no port); otherwise from the
     launcher's environment (torchrun's ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, or Open
     MPI's). A process group on the ``"collsched"`` backend made the world already: it is
-    reused. ``backend``: ``"shm"`` (processes of one machine, CPU tensors) or ``"mpi"`` (the
+    reused. ``backend``: ``"shm"`` (processes of one machine, CPU tensors), ``"mpi"`` (the
     processes of the MPI job ``mpirun`` started, on one machine or many, CPU tensors; a
-    package built with the ``mpi`` feature, ``collsched._native.HAS_MPI``).
+    package built with the ``mpi`` feature, ``collsched._native.HAS_MPI``) or ``"cuda"``
+    (processes of one machine, one GPU each: device ``LOCAL_RANK``, made current here;
+    collectives through NCCL on the library's streams, computation on torch's current stream
+    at this call, which ``fully_shard``'s hooks wait on instead of blocking the host;
+    ``collsched._native.HAS_CUDA``). ``hybrid_group_size``: on ``"cuda"``, the ``G`` of the
+    ``"hybrid:G"`` strategy the models of this world will use (NCCL makes the groups'
+    communicators at init, on every rank alike).
     """
     global _WORLD
     if _WORLD is not None:
         return _WORLD
-    if backend not in ("shm", "mpi"):
+    if backend not in ("shm", "mpi", "cuda"):
         raise CollschedError(
-            f"init(backend={backend!r}): the backends are 'shm' (ranks as processes of one machine) and 'mpi' "
-            "(the processes of an MPI job); both on CPU tensors"
+            f"init(backend={backend!r}): the backends are 'shm' (ranks as processes of one machine), 'mpi' "
+            "(the processes of an MPI job), both on CPU tensors, and 'cuda' (one GPU per process)"
         )
     import torch.distributed as dist
+
+    if backend == "cuda":
+        _WORLD = _join_cuda(hybrid_group_size)
+        return _WORLD
 
     if backend == "mpi":
         w = _native.World.mpi()
@@ -67,19 +80,67 @@ def init(backend: str = "shm") -> Any:
     return _WORLD
 
 
-def _join_through(store: Any, rank: int, size: int) -> Any:
-    """A world joined with a job key rank 0 puts in torch's ``store`` (collective)."""
+def _job_key(store: Any, rank: int, size: int, what: str) -> str:
+    """The job key rank 0 puts in torch's ``store`` (collective); refuses a job that spans
+    machines (``what`` names the backend)."""
     local = os.environ.get("LOCAL_WORLD_SIZE")
     if local is not None and local.strip().isdigit() and int(local) != size:
         raise CollschedError(
-            f"init: the shm backend needs every rank on one machine; this job has {size} ranks, "
+            f"init: the {what} backend needs every rank on one machine; this job has {size} ranks, "
             f"{local} on this machine (LOCAL_WORLD_SIZE)"
         )
     key = "collsched/job"
     if rank == 0:
         store.set(key, f"torch-{uuid.uuid4().hex}")
-    job = store.get(key).decode()
-    return _native.World(rank, size, job)
+    return store.get(key).decode()
+
+
+def _join_through(store: Any, rank: int, size: int) -> Any:
+    """A world joined with a job key rank 0 puts in torch's ``store`` (collective)."""
+    return _native.World(rank, size, _job_key(store, rank, size, "shm"))
+
+
+def hybrid_groups(size: int, group_size: int) -> list[list[int]]:
+    """The rank groups of ``"hybrid:G"`` sharding over ``size`` ranks: the shard groups
+    (``G`` consecutive ranks each), then the replica groups (the ranks at one position of every
+    shard group)."""
+    if group_size < 1 or size % group_size:
+        raise CollschedError(
+            f"hybrid_group_size {group_size}: it must divide the world size {size} (hybrid:G shards over groups "
+            "of G consecutive ranks)"
+        )
+    n = size // group_size
+    shard = [[b * group_size + i for i in range(group_size)] for b in range(n)]
+    replica = [[b * group_size + i for b in range(n)] for i in range(group_size)]
+    return [g for g in shard + replica if len(g) < size]
+
+
+def _join_cuda(group_size: Any) -> Any:
+    """This process's rank of the cuda backend (collective)."""
+    global _STREAM
+    import torch.distributed as dist
+
+    if not _native.HAS_CUDA:
+        raise CollschedError(
+            "init(backend='cuda'): this collsched package was built without the cuda backend; rebuild it with "
+            "MATURIN_PEP517_ARGS='--features cuda' pip install ./python"
+        )
+    if not torch.cuda.is_available():
+        raise CollschedError(
+            "init(backend='cuda'): torch sees no CUDA device (torch.cuda.is_available() is False); "
+            "use backend='shm' for CPU tensors"
+        )
+    if dist.is_available() and dist.is_initialized():
+        rank, size = dist.get_rank(), dist.get_world_size()
+        args: tuple = (rank, size, _job_key(dist.distributed_c10d._get_default_store(), rank, size, "cuda"))
+    else:
+        rank, size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        args = (None, None, None)
+    device = int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))
+    torch.cuda.set_device(device)
+    _STREAM = torch.cuda.current_stream()
+    groups = [] if group_size is None else hybrid_groups(size, int(group_size))
+    return _native.World.cuda(device, _STREAM.cuda_stream, *args, groups)
 
 
 def adopt(store: Any, rank: int, size: int) -> Any:

@@ -1,0 +1,102 @@
+"""collsched.torch on the cuda backend (one GPU per process, NCCL): an unmodified training
+loop against plain unsharded PyTorch on the CPU, shards, gradients and the optimizer on the
+device, gradient accumulation under no_sync kept in the device gradients. These run with
+``COLLSCHED_GPU=1`` on a machine with at least 2 CUDA devices and are skipped otherwise. CUDA's
+matrix products sum in another order than the CPU's: parity is to 1e-4 relative.
+
+Without a GPU (here): ``init(backend="cuda")`` and the native ``World.cuda`` are clear errors."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from collsched.torch.world import hybrid_groups
+
+import models
+import parity
+import workers
+from ranks import run, run_all
+
+GPU = os.environ.get("COLLSCHED_GPU") == "1"
+needs_gpu = pytest.mark.skipif(not GPU, reason="no GPU here: set COLLSCHED_GPU=1 on a machine with CUDA devices")
+# cuBLAS against the CPU's kernels, over a few AdamW steps.
+TOL = (1e-4, 1e-5)
+
+
+def devices() -> int:
+    return torch.cuda.device_count() if GPU else 0
+
+
+@needs_gpu
+@pytest.mark.parametrize("strategy", ["even", "flat", "greedy"])
+def test_fully_shard_on_cuda_matches_plain_pytorch(strategy):
+    spec = {"model": "gpt", "steps": 3, "strategy": strategy, "bucket_mb": 0.002, "backend": "cuda"}
+    runs = run(workers.train, 2, spec)
+    parity.check(runs, models.reference(spec, 2), tol=TOL)
+
+
+@needs_gpu
+def test_no_sync_on_cuda_accumulates_in_the_device_gradients():
+    spec = {"model": "mlp", "steps": 3, "micro": 3, "strategy": "even", "bucket_mb": 0.0005, "backend": "cuda"}
+    runs = run(workers.train, 2, spec)
+    parity.check(runs, models.reference(spec, 2), tol=TOL)
+    for rank, r in enumerate(runs):
+        synced = [s["reduce_scatters"] for s in r["stats"][2::3]]
+        assert all(n > 0 for n in synced), f"rank {rank}: a synchronized micro-batch reduced nothing: {synced}"
+        assert all(s["reduce_scatters"] == 0 for i, s in enumerate(r["stats"]) if i % 3 != 2), (
+            f"rank {rank}: a no_sync micro-batch reduced"
+        )
+
+
+@needs_gpu
+def test_bf16_parameters_reduced_in_f32_on_cuda():
+    spec = {
+        "model": "gpt",
+        "steps": 3,
+        "dtype": torch.bfloat16,
+        "reduce_dtype": torch.float32,
+        "opt": "sgd",
+        "bucket_mb": 0.002,
+        "backend": "cuda",
+    }
+    runs = run(workers.train, 2, spec)
+    parity.check(runs, models.reference(spec, 2), torch.bfloat16)
+
+
+@needs_gpu
+def test_hybrid_on_cuda_at_4_ranks():
+    if devices() < 4:
+        pytest.skip(f"hybrid:2 needs 4 CUDA devices, this machine has {devices()}")
+    spec = {"model": "gpt", "steps": 3, "strategy": "hybrid:2", "bucket_mb": 0.002, "backend": "cuda"}
+    runs = run(workers.train, 4, spec)
+    parity.check(runs, models.reference(spec, 4), tol=TOL)
+
+
+@pytest.mark.skipif(GPU, reason="checks the error of a machine without a GPU")
+def test_init_cuda_without_a_gpu_is_a_clear_error():
+    out = run_all(workers.init_cuda, 1)
+    ok, msg = out[0]
+    assert ok, msg
+    assert msg.startswith("CollschedError") and "init(backend='cuda')" in msg, msg
+    assert "no CUDA device" in msg or "built without the cuda backend" in msg, msg
+
+
+@pytest.mark.skipif(GPU, reason="checks the error of a machine without a GPU")
+def test_the_native_cuda_world_without_a_driver_is_an_error_not_a_crash():
+    out = run_all(workers.world_cuda, 1)
+    ok, msg = out[0]
+    assert ok, msg
+    assert msg.startswith("CollschedError"), msg
+    assert "CUDA" in msg or "NCCL" in msg or "nccl" in msg or "cuda" in msg, msg
+
+
+def test_hybrid_groups_are_the_shard_then_the_replica_groups():
+    assert hybrid_groups(4, 2) == [[0, 1], [2, 3], [0, 2], [1, 3]]
+    assert hybrid_groups(6, 3) == [[0, 1, 2], [3, 4, 5], [0, 3], [1, 4], [2, 5]]
+    # One group of everyone is the world itself: not declared again.
+    assert hybrid_groups(4, 4) == [[0], [1], [2], [3]]
+    with pytest.raises(Exception, match="must divide"):
+        hybrid_groups(6, 4)
