@@ -571,8 +571,9 @@ impl<B: Backend> Coordinator<B> {
     /// the backend's memory where the gradients were given there,
     /// [`grad_ready_on_device`](Self::grad_ready_on_device); in host memory otherwise). The
     /// regions stay valid until the next call into this coordinator: an engine copies them out
-    /// before (on the compute stream, for device memory: the buffers go back to the pool once
-    /// that stream passed this call). Returns how many runs it visited.
+    /// before (for device memory, work it queues on the compute stream by then is enough: the
+    /// buffers go back to the pool only after that stream passed the next reduction of their
+    /// bucket). Returns how many runs it visited.
     ///
     /// # Errors
     /// A parked backend failure; [`RuntimeError::Plan`] if a parameter's gradient runs differ

@@ -89,11 +89,12 @@ impl<B: Backend> GradStore<B> {
         Ok(())
     }
 
-    /// Marks every reduced shard consumed (the optimizer used them); shards on the device go
-    /// back to the pool once the compute stream passed the engine's use of them.
-    pub(crate) fn consume(&mut self, be: &B) {
+    /// Marks every reduced shard consumed (the optimizer used them). Shards on the device stay
+    /// where they are (the engine may still be copying them out on the compute stream) until
+    /// the bucket's next reduction lands or the plan changes, and go back to the pool once the
+    /// compute stream passed that point.
+    pub(crate) fn consume(&mut self) {
         self.valid.iter_mut().for_each(|v| *v = false);
-        self.release_device(be);
     }
 
     /// Gives the reduced shards held on the device back to the pool, after the compute stream.
@@ -277,10 +278,11 @@ impl<B: Backend> ReduceSide<B> {
                 }
             }
             None => {
+                // Zeroed when the first host gradient is staged (a bucket given on the device
+                // never needs it).
                 if self.staging.len() < n {
                     self.staging.resize_with(n, Bytes::default);
                 }
-                self.staging[j].reset_zeroed(t.gathered_bytes);
             }
         }
         self.inputs[j] = Some(input);
@@ -378,6 +380,9 @@ impl<B: Backend> ReduceSide<B> {
             .is_none();
         if staging && self.packed[j] {
             return Err(mixed(rank, param, t.id));
+        }
+        if staging && !self.staged[j] {
+            self.staging[j].reset_zeroed(t.gathered_bytes);
         }
         let dst = Self::grad_bytes(be, rank, &mut self.inputs, &mut self.staging, t, j)?;
         copy_in_cast(dst, t.elem, src, src_elem, segs).map_err(|e| kernel_err(rank, param, "copy_in", e))?;
@@ -490,6 +495,10 @@ impl<B: Backend> ReduceSide<B> {
                 }
             }
             None => {
+                if !self.staged.get(j).copied().unwrap_or(false) {
+                    // Nothing was staged: the staging buffer still holds an earlier step's.
+                    self.staging[j].reset_zeroed(t.gathered_bytes);
+                }
                 let staged = self.staging.get(j).map_or(&[][..], Bytes::as_bytes);
                 if let Err(e) = be.write_from_host(&mut input, 0, staged) {
                     be.free(input, None);

@@ -223,7 +223,7 @@ impl<B: Backend> RankState<B> {
             }
             Ok(visited)
         })?;
-        self.grads.consume(be);
+        self.grads.consume();
         Ok(visited)
     }
 }
@@ -268,7 +268,7 @@ impl<B: Backend> RankState<B> {
                 visited += 1;
             }
         }
-        self.grads.consume(be);
+        self.grads.consume();
         Ok(visited)
     }
 }
