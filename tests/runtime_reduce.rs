@@ -14,7 +14,7 @@ use collsched::backend::local::{LocalConfig, LocalRank, LocalWorld};
 use collsched::backend::{BackendError, Stream};
 use collsched::buckets::{DType, LayoutBuilder, ParamId, ParamSet, ParamSpec, Sharding};
 use collsched::kernels::ElemType;
-use collsched::runtime::{Coordinator, ModelState, RuntimeError};
+use collsched::runtime::{Coordinator, GradRegion, ModelState, RuntimeError};
 use collsched::schedule::{GradReduce, Plan, SchedulerConfig};
 use half::{bf16, f16};
 
@@ -614,83 +614,94 @@ mod device;
 use collsched::backend::Backend;
 use device::OnDevice;
 
-/// `sharded` with the gradients in the backend's memory, on a backend that looks like a
-/// device: the engine accumulates the micro-batches itself (in the reduction dtype, as the
-/// reference does) and hands the sum over in the last one (`grad_ready_on_device`). Step 0's
-/// optimizer reads the gradients through `update_shards` (copied to the host), later steps'
-/// through `take_grad_shards` (where they are) and write the shards with `write_shard`.
+/// `sharded` with the gradients in the memory of a device backend, one rank of it on `be`: the
+/// engine accumulates the micro-batches itself (in the reduction dtype, as the reference does)
+/// and hands the sum over in the last one (`grad_ready_on_device`). Step 0's optimizer reads
+/// the gradients through `update_shards` (copied to the host), later steps' through
+/// `take_grad_shards` (where they are; `read` copies a region to the host) and write the shards
+/// with `write_shard`.
+fn device_rank<B: Backend>(
+    case: &Case,
+    plan: &Plan,
+    refs: &[&[u8]],
+    be: B,
+    read: &dyn Fn(&B, &GradRegion) -> Vec<u8>,
+) -> Result<Seen, RuntimeError> {
+    let (p, r) = (elem(case.dtype), elem(case.reduce));
+    let state = ModelState::new(Arc::new(be), plan, refs)?;
+    let be = Arc::clone(state.backend());
+    let me = be.rank();
+    let mut c = state.coordinator(case.config())?;
+    let mut steps = Vec::new();
+    for step in 0..STEPS {
+        for _ in 0..MICRO - 1 {
+            let mut g = c.no_sync()?;
+            for k in (0..SIZES.len()).rev() {
+                g.fetch(&[ParamId(k as u32)])?;
+                g.release(&[ParamId(k as u32)])?;
+            }
+            g.end_step()?;
+        }
+        for k in (0..SIZES.len()).rev() {
+            let id = ParamId(k as u32);
+            c.fetch(&[id])?;
+            if has_grad(case, step, k) {
+                let g = |m: usize, i: usize| round(p, grad_value(step, m, me, k, i));
+                let sum: Vec<f32> = (0..SIZES[k])
+                    .map(|i| (1..MICRO).fold(round(r, g(0, i)), |acc, m| round(r, acc + g(m, i))))
+                    .collect();
+                let mut buf = be.alloc(SIZES[k] * r.size()).map_err(backend)?;
+                be.write_from_host(&mut buf, 0, &encode(r, &sum)).map_err(backend)?;
+                c.grad_ready_on_device(id, &buf)?;
+                be.free(buf, Some(&be.record(Stream::Compute).map_err(backend)?));
+            }
+            c.release(&[id])?;
+        }
+        c.end_step()?;
+        let mut seen = Vec::new();
+        if step == 0 {
+            c.update_shards(sgd_hook(&mut seen))?;
+        } else {
+            c.take_grad_shards(|g| {
+                assert_eq!(g.device, be.device(), "a gradient given on the device left it");
+                seen.push((g.param.index(), g.param_offset, decode(g.elem, &read(&be, &g))));
+            })?;
+            for (k, off, g) in &seen {
+                state.write_shard(ParamId(*k as u32), |at, w| {
+                    assert_eq!(at, *off);
+                    let new: Vec<f32> = decode(p, w).iter().zip(g).map(|(x, g)| x - LR * g).collect();
+                    w.copy_from_slice(&encode(p, &new));
+                })?;
+            }
+        }
+        steps.push(seen);
+    }
+    let all: Vec<ParamId> = (0..SIZES.len() as u32).map(ParamId).collect();
+    let v = c.fetch(&all)?;
+    let mut fin = Vec::new();
+    for &id in &all {
+        let mut host = vec![0; SIZES[id.index()] * p.size()];
+        v.copy_to_host(id, &mut host)?;
+        fin.push(decode(p, &host));
+    }
+    drop(v);
+    c.release(&all)?;
+    c.end_step()?;
+    Ok((steps, fin))
+}
+
+/// [`device_rank`] on every rank of `case`'s world of `OnDevice` local ranks.
 fn sharded_on_device(case: &Case) -> Vec<Seen> {
     let plan = case.plan();
     let bytes: Vec<Vec<u8>> = case.init().iter().map(|v| encode(elem(case.dtype), v)).collect();
     let refs: Vec<&[u8]> = bytes.iter().map(Vec::as_slice).collect();
-    let (p, r) = (elem(case.dtype), elem(case.reduce));
-    let results = world(case.world)
-        .run(|rank| -> Result<Seen, RuntimeError> {
-            let state = ModelState::new(Arc::new(OnDevice(rank)), &plan, &refs)?;
-            let be = Arc::clone(state.backend());
-            let me = be.rank();
-            let mut c = state.coordinator(case.config())?;
-            let mut steps = Vec::new();
-            for step in 0..STEPS {
-                for _ in 0..MICRO - 1 {
-                    let mut g = c.no_sync()?;
-                    for k in (0..SIZES.len()).rev() {
-                        g.fetch(&[ParamId(k as u32)])?;
-                        g.release(&[ParamId(k as u32)])?;
-                    }
-                    g.end_step()?;
-                }
-                for k in (0..SIZES.len()).rev() {
-                    let id = ParamId(k as u32);
-                    c.fetch(&[id])?;
-                    if has_grad(case, step, k) {
-                        let g = |m: usize, i: usize| round(p, grad_value(step, m, me, k, i));
-                        let sum: Vec<f32> = (0..SIZES[k])
-                            .map(|i| (1..MICRO).fold(round(r, g(0, i)), |acc, m| round(r, acc + g(m, i))))
-                            .collect();
-                        let mut buf = be.alloc(SIZES[k] * r.size()).map_err(backend)?;
-                        be.write_from_host(&mut buf, 0, &encode(r, &sum)).map_err(backend)?;
-                        c.grad_ready_on_device(id, &buf)?;
-                        be.free(buf, Some(&be.record(Stream::Compute).map_err(backend)?));
-                    }
-                    c.release(&[id])?;
-                }
-                c.end_step()?;
-                let mut seen = Vec::new();
-                if step == 0 {
-                    c.update_shards(sgd_hook(&mut seen))?;
-                } else {
-                    c.take_grad_shards(|g| {
-                        assert_eq!(g.device, Some(0), "a gradient given on the device left it");
-                        // SAFETY: OnDevice's device addresses are the local backend's host
-                        // addresses; the region is valid until the next call into `c`.
-                        let b = unsafe { std::slice::from_raw_parts(g.ptr, g.numel * g.elem.size()) };
-                        seen.push((g.param.index(), g.param_offset, decode(g.elem, b)));
-                    })?;
-                    for (k, off, g) in &seen {
-                        state.write_shard(ParamId(*k as u32), |at, w| {
-                            assert_eq!(at, *off);
-                            let new: Vec<f32> = decode(p, w).iter().zip(g).map(|(x, g)| x - LR * g).collect();
-                            w.copy_from_slice(&encode(p, &new));
-                        })?;
-                    }
-                }
-                steps.push(seen);
-            }
-            let all: Vec<ParamId> = (0..SIZES.len() as u32).map(ParamId).collect();
-            let v = c.fetch(&all)?;
-            let mut fin = Vec::new();
-            for &id in &all {
-                let mut host = vec![0; SIZES[id.index()] * p.size()];
-                v.copy_to_host(id, &mut host)?;
-                fin.push(decode(p, &host));
-            }
-            drop(v);
-            c.release(&all)?;
-            c.end_step()?;
-            Ok((steps, fin))
-        })
-        .expect("ranks");
+    let read = |_: &OnDevice<LocalRank>, g: &GradRegion| {
+        // SAFETY: OnDevice's device addresses are the local backend's host addresses; the
+        // region is valid until the next call into the coordinator.
+        unsafe { std::slice::from_raw_parts(g.ptr, g.numel * g.elem.size()) }.to_vec()
+    };
+    let results =
+        world(case.world).run(|rank| device_rank(case, &plan, &refs, OnDevice(rank), &read)).expect("ranks");
     results
         .into_iter()
         .enumerate()
@@ -705,6 +716,32 @@ fn backend(e: BackendError) -> RuntimeError {
     RuntimeError::Plan { rank: 0, what: format!("test backend call: {e}") }
 }
 
+/// `case`'s reduced gradients and final parameters from `ranks` equal the reference's bit for
+/// bit, and every gradient element reached exactly one optimizer per shard group.
+fn check_device(case: &Case, ranks: &[Seen]) {
+    let (grads, params) = reference(case);
+    for (step, want) in grads.iter().enumerate() {
+        let mut cover: Vec<Vec<usize>> = SIZES.iter().map(|&n| vec![0; n]).collect();
+        for (r, (steps, _)) in ranks.iter().enumerate() {
+            for (p, off, g) in &steps[step] {
+                assert_eq!(
+                    bits(g),
+                    bits(&want[*p][*off..off + g.len()]),
+                    "{case:?}: step {step}, rank {r}, p{p}"
+                );
+                cover[*p][*off..off + g.len()].iter_mut().for_each(|c| *c += 1);
+            }
+        }
+        let copies = case.groups().len();
+        assert!(cover.iter().flatten().all(|&n| n == copies), "{case:?}: step {step}: coverage {cover:?}");
+    }
+    for (r, (_, fin)) in ranks.iter().enumerate() {
+        for (k, (got, want)) in fin.iter().zip(&params).enumerate() {
+            assert_eq!(bits(got), bits(want), "{case:?}: rank {r}: final p{k} differs");
+        }
+    }
+}
+
 #[test]
 fn gradients_given_on_a_device_match_the_reference_and_stay_there() {
     // Every strategy; f32, and bf16 parameters reduced in f32; a parameter without a gradient.
@@ -712,34 +749,53 @@ fn gradients_given_on_a_device_match_the_reference_and_stay_there() {
         for (k, sharding) in strategies(world).into_iter().enumerate() {
             let (dtype, reduce) = [(DType::F32, DType::F32), (DType::BF16, DType::F32)][k % 2];
             let case = Case { dtype, reduce, world, sharding, pre: None, post: None, missing: world == 3 };
-            let (grads, params) = reference(&case);
-            let ranks = sharded_on_device(&case);
-            for (step, want) in grads.iter().enumerate() {
-                let mut cover: Vec<Vec<usize>> = SIZES.iter().map(|&n| vec![0; n]).collect();
-                for (r, (steps, _)) in ranks.iter().enumerate() {
-                    for (p, off, g) in &steps[step] {
-                        assert_eq!(
-                            bits(g),
-                            bits(&want[*p][*off..off + g.len()]),
-                            "{case:?}: step {step}, rank {r}, p{p}"
-                        );
-                        cover[*p][*off..off + g.len()].iter_mut().for_each(|c| *c += 1);
-                    }
-                }
-                let copies = case.groups().len();
-                assert!(
-                    cover.iter().flatten().all(|&n| n == copies),
-                    "{case:?}: step {step}: coverage {cover:?}"
-                );
-            }
-            for (r, (_, fin)) in ranks.iter().enumerate() {
-                for (k, (got, want)) in fin.iter().zip(&params).enumerate() {
-                    assert_eq!(bits(got), bits(want), "{case:?}: rank {r}: final p{k} differs");
-                }
-            }
+            check_device(&case, &sharded_on_device(&case));
         }
     }
 }
+
+/// The same on GPUs (one per rank, NCCL): exact at 1 and 2 ranks, where NCCL's f32 sum is one
+/// addition (see `tests/gpu_demo.rs`).
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a GPU: COLLSCHED_GPU=1 cargo nextest run --all-features --run-ignored only (fails without a device)"]
+fn gradients_given_on_gpus_match_the_reference_and_stay_there() {
+    use collsched::backend::cuda::{CudaBackend, CudaBuffer, CudaWorld};
+    let n = gpu::gpus("gradients_given_on_gpus_match_the_reference_and_stay_there", 2);
+    for world in 1..=n {
+        for (k, sharding) in [Sharding::EvenSplit, Sharding::Flat, Sharding::Greedy].into_iter().enumerate() {
+            let (dtype, reduce) = [(DType::F32, DType::F32), (DType::BF16, DType::F32)][k % 2];
+            let case = Case { dtype, reduce, world, sharding, pre: None, post: None, missing: k == 2 };
+            let plan = case.plan();
+            let bytes: Vec<Vec<u8>> = case.init().iter().map(|v| encode(elem(case.dtype), v)).collect();
+            let refs: Vec<&[u8]> = bytes.iter().map(Vec::as_slice).collect();
+            let read = |be: &CudaBackend, g: &GradRegion| {
+                let mut host = vec![0; g.numel * g.elem.size()];
+                // SAFETY: the region is device memory of this rank, valid until the next call
+                // into the coordinator; the view is dropped before that.
+                let view = unsafe { CudaBuffer::from_raw(g.ptr as u64, host.len()) };
+                be.read_to_host(&view, 0, &mut host).expect("gradient region to the host");
+                host
+            };
+            let ranks: Vec<Seen> = CudaWorld::new(world)
+                .expect("CUDA world")
+                .run(|be| device_rank(&case, &plan, &refs, be, &read))
+                .expect("ranks")
+                .into_iter()
+                .enumerate()
+                .map(|(r, x)| {
+                    x.unwrap_or_else(|_| panic!("{case:?}: rank {r} panicked"))
+                        .unwrap_or_else(|e| panic!("{case:?}: rank {r} on a GPU: {e}"))
+                })
+                .collect();
+            check_device(&case, &ranks);
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+#[path = "support/gpu.rs"]
+mod gpu;
 
 #[test]
 fn device_gradients_under_no_sync_mixed_with_host_ones_or_short_are_refused() {
