@@ -321,83 +321,14 @@ fn grad_ready_after_waits_for_its_event_and_changes_nothing_when_it_does_not_com
 #[allow(dead_code)]
 mod loopback;
 
-/// The loopback backend with buffers that are not host memory to the runtime (like a
-/// device's): `host_bytes` is `None`, everything else delegates.
-struct DeviceLike(loopback::Loopback);
-
-impl Backend for DeviceLike {
-    type Buffer = loopback::Buf;
-    type Event = loopback::Done;
-    fn rank(&self) -> usize {
-        self.0.rank()
-    }
-    fn world_size(&self) -> usize {
-        self.0.world_size()
-    }
-    fn timeout(&self) -> Duration {
-        self.0.timeout()
-    }
-    fn alloc(&self, bytes: usize) -> Result<loopback::Buf, collsched::backend::BackendError> {
-        self.0.alloc(bytes)
-    }
-    fn free(&self, buffer: loopback::Buf, after: Option<&loopback::Done>) {
-        self.0.free(buffer, after)
-    }
-    fn write_from_host(
-        &self,
-        buffer: &mut loopback::Buf,
-        offset: usize,
-        src: &[u8],
-    ) -> Result<(), collsched::backend::BackendError> {
-        self.0.write_from_host(buffer, offset, src)
-    }
-    fn read_to_host(
-        &self,
-        buffer: &loopback::Buf,
-        offset: usize,
-        dst: &mut [u8],
-    ) -> Result<(), collsched::backend::BackendError> {
-        self.0.read_to_host(buffer, offset, dst)
-    }
-    fn record(&self, stream: Stream) -> Result<loopback::Done, collsched::backend::BackendError> {
-        self.0.record(stream)
-    }
-    fn wait_event(
-        &self,
-        stream: Stream,
-        event: &loopback::Done,
-    ) -> Result<(), collsched::backend::BackendError> {
-        self.0.wait_event(stream, event)
-    }
-    fn launch_group(
-        &self,
-        stream: Stream,
-        after: &[loopback::Done],
-        ops: Vec<collsched::backend::Collective<loopback::Buf>>,
-    ) -> Result<collsched::backend::InFlight<Self>, collsched::backend::LaunchError<loopback::Buf>> {
-        // The loopback runs collectives at launch: hand the buffers back in a completed
-        // InFlight of this backend.
-        let flight = self.0.launch_group(stream, after, ops)?;
-        let ops = flight.try_finish().map_err(|_| unreachable_launch())?;
-        // Never dropped unfinished (it is complete): nothing to defer.
-        let on_drop: collsched::backend::OnDrop<DeviceLike> = Arc::new(|_, _| {});
-        Ok(collsched::backend::InFlight::new(ops, loopback::Done, on_drop))
-    }
-}
-
-fn unreachable_launch() -> collsched::backend::LaunchError<loopback::Buf> {
-    collsched::backend::LaunchError {
-        error: collsched::backend::BackendError::Unsupported {
-            what: "loopback launch did not complete".into(),
-        },
-        ops: Vec::new(),
-    }
-}
+#[path = "support/device.rs"]
+mod device;
 
 #[test]
 fn on_a_device_backend_bytes_is_a_clear_error_and_buffer_and_host_copies_work() {
     let (set, plan, init) = one_rank_model();
-    let state = ModelState::from_f32(Arc::new(DeviceLike(loopback::Loopback::new())), &plan, &init).unwrap();
+    let state =
+        ModelState::from_f32(Arc::new(device::OnDevice(loopback::Loopback::new())), &plan, &init).unwrap();
     let mut c = state.coordinator(no_prefetch()).unwrap();
     let p = ParamId(1);
     let v = c.fetch(&[p]).unwrap();
