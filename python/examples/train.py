@@ -1,11 +1,11 @@
 """Train a small GPT-like model sharded with collsched, one process per rank:
 
-    torchrun --nproc-per-node 2 python/examples/train.py [--steps 20 --micro 2]
+    torchrun --nproc-per-node 2 python/examples/train.py [--steps 20 --micro 2] [--backend cuda]
 
 Each block is a unit (its parameters are gathered together), the model is the root; AdamW
 runs on each rank's shards; all micro-batches but the last accumulate under ``no_sync``;
 an evaluation pass under ``torch.no_grad()`` runs every few steps. Rank 0 prints the loss
-and collsched's counters of the last step.
+and collsched's counters of the last step. ``--backend cuda`` trains on one GPU per process.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class Model(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
-        mask = torch.ones(t, t, dtype=torch.bool).triu(1)
+        mask = torch.ones(t, t, dtype=torch.bool, device=idx.device).triu(1)
         x = self.embed(idx) + self.pos[:t]
         for block in self.blocks:
             x = block(x, mask)
@@ -63,11 +63,14 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--strategy", default="even", help="even, flat, greedy or hybrid:G")
+    p.add_argument("--backend", default="shm", help="shm (CPU tensors) or cuda (one GPU per process)")
     args = p.parse_args()
 
-    world = cst.init()  # reads torchrun's environment
+    hybrid = {"hybrid_group_size": int(args.strategy[7:])} if args.strategy.startswith("hybrid:") else {}
+    world = cst.init(args.backend, **(hybrid if args.backend == "cuda" else {}))  # reads torchrun's environment
+    device = torch.device("cuda", torch.cuda.current_device()) if args.backend == "cuda" else torch.device("cpu")
     torch.manual_seed(0)  # the same initial values on every rank
-    model = Model(args.vocab, args.dim, 4, args.layers, args.seq)
+    model = Model(args.vocab, args.dim, 4, args.layers, args.seq).to(device)
     for block in model.blocks:
         cst.fully_shard(block)
     cst.fully_shard(model, strategy=args.strategy)
@@ -78,7 +81,7 @@ def main() -> None:
         g = torch.Generator().manual_seed(step * 1000 + micro * 10 + world.rank)
         start = torch.randint(0, args.vocab, (8, 1), generator=g)
         seq = (start + torch.arange(args.seq + 1)) % args.vocab
-        return seq[:, :-1], seq[:, 1:]
+        return seq[:, :-1].to(device), seq[:, 1:].to(device)
 
     for step in range(args.steps):
         for micro in range(args.micro):
