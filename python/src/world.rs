@@ -129,12 +129,33 @@ impl World {
                 .map_err(|e| errors::other(format!("World.cuda: timeout_secs {timeout_secs}: {e}")))?;
             let mut hub =
                 Hub::connect(&env, &HubConfig::from_env().map_err(errors::other)?).map_err(errors::other)?;
-            let mine = match env.rank {
-                0 => UniqueId::generate().map_err(errors::other)?.0.to_vec(),
-                _ => Vec::new(),
+            // Every rank checks its device and rank 0 makes NCCL's id before any of them
+            // enters NCCL's initialization, which would wait for a rank that failed: a
+            // failure anywhere is every rank's error, naming where it happened.
+            let device_ok = match collsched::backend::cuda::device_count() {
+                Ok(n) if device < n => Ok(()),
+                Ok(n) => Err(format!("device {device} does not exist ({n} CUDA devices)")),
+                Err(e) => Err(e.to_string()),
             };
-            let ids = hub.all_gather(&mine).map_err(errors::other)?;
-            let id = UniqueId::from_bytes(&ids[0]).map_err(errors::other)?;
+            let id = match (&device_ok, env.rank) {
+                (Ok(()), 0) => UniqueId::generate().map_err(|e| format!("making NCCL's unique id: {e}")),
+                _ => Ok(UniqueId([0; UniqueId::BYTES])),
+            };
+            let mine = match (&device_ok, &id) {
+                (Ok(()), Ok(id)) => id.0.to_vec(),
+                (Err(e), _) | (_, Err(e)) => e.clone().into_bytes(),
+            };
+            let all = hub.all_gather(&mine).map_err(errors::other)?;
+            let failed: Vec<String> = all
+                .iter()
+                .enumerate()
+                .filter(|(_, b)| b.len() != UniqueId::BYTES)
+                .map(|(r, b)| format!("rank {r}: {}", String::from_utf8_lossy(b)))
+                .collect();
+            if !failed.is_empty() {
+                return Err(errors::other(format!("World.cuda: {}", failed.join("; "))));
+            }
+            let id = UniqueId::from_bytes(&all[0]).map_err(errors::other)?;
             let mut config = CudaConfig::new(env.rank, env.world, device);
             config.timeout = timeout;
             for g in groups {

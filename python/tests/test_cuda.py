@@ -85,12 +85,14 @@ def test_init_cuda_without_a_gpu_is_a_clear_error():
 
 
 @pytest.mark.skipif(GPU, reason="checks the error of a machine without a GPU")
-def test_the_native_cuda_world_without_a_driver_is_an_error_not_a_crash():
-    out = run_all(workers.world_cuda, 1)
-    ok, msg = out[0]
-    assert ok, msg
-    assert msg.startswith("CollschedError"), msg
-    assert "CUDA" in msg or "NCCL" in msg or "nccl" in msg or "cuda" in msg, msg
+def test_the_native_cuda_world_without_a_driver_is_every_ranks_error_not_a_hang():
+    out = run_all(workers.world_cuda, 2)
+    for rank in (0, 1):
+        ok, msg = out[rank]
+        assert ok, msg
+        assert msg.startswith("CollschedError: World.cuda:"), msg
+        # Each rank names every rank that failed, and why (no driver, here).
+        assert "rank 0: " in msg and "rank 1: " in msg and "CUDA" in msg, msg
 
 
 def test_hybrid_groups_are_the_shard_then_the_replica_groups():
