@@ -66,6 +66,25 @@ impl Rank {
     }
 }
 
+/// The job's small exchanges through a Python callable (`exchange(bytes) -> list[bytes]`,
+/// every rank's bytes in rank order; collective): an engine's own, e.g. torch.distributed's
+/// store, which reaches every machine of the job.
+#[cfg(feature = "cuda")]
+struct PyExchange(Py<PyAny>);
+
+#[cfg(feature = "cuda")]
+impl Exchange for PyExchange {
+    fn all_gather_bytes(&mut self, mine: &[u8]) -> Result<Vec<Vec<u8>>, collsched::backend::BackendError> {
+        Python::attach(|py| {
+            let out = self.0.bind(py).call1((PyBytes::new(py, mine),))?;
+            out.extract::<Vec<Vec<u8>>>()
+        })
+        .map_err(|e| collsched::backend::BackendError::Unsupported {
+            what: format!("the job's exchange (a Python callable) failed: {e}"),
+        })
+    }
+}
+
 /// The launcher's environment, or the caller's rank, world and job key (all or none).
 fn launch_env(rank: Option<usize>, world: Option<usize>, job: Option<String>) -> PyResult<LaunchEnv> {
     match (rank, world, job) {
@@ -103,12 +122,14 @@ impl World {
     /// `device`, NCCL on the library's own streams, and `stream` (a `CUstream` handle:
     /// `torch.cuda.current_stream().cuda_stream`) as the compute stream, which must outlive
     /// the world. The ranks meet through the job's hub on this machine (rank, world and job
-    /// as for `World(...)`), where rank 0's NCCL unique id goes to the others. `groups`: the
-    /// rank groups besides the world that plans will use (hybrid sharding's shard and replica
-    /// groups; NCCL makes their communicators now, on every rank alike). `timeout_secs`: how
-    /// long host waits last (the backend's timeout).
+    /// as for `World(...)`), or through `exchange` when given (a callable taking this rank's
+    /// bytes and returning every rank's, in rank order, collectively: the job may then span
+    /// machines; give `rank` and `world` with it, no job key), where rank 0's NCCL unique id
+    /// goes to the others. `groups`: the rank groups besides the world that plans will use
+    /// (hybrid sharding's shard and replica groups; NCCL makes their communicators now, on
+    /// every rank alike). `timeout_secs`: how long host waits last (the backend's timeout).
     #[staticmethod]
-    #[pyo3(signature = (device, stream, rank=None, world=None, job=None, groups=Vec::new(), timeout_secs=300.0))]
+    #[pyo3(signature = (device, stream, rank=None, world=None, job=None, groups=Vec::new(), timeout_secs=300.0, exchange=None))]
     #[allow(clippy::too_many_arguments)]
     fn cuda(
         device: usize,
@@ -118,8 +139,16 @@ impl World {
         job: Option<String>,
         groups: Vec<Vec<usize>>,
         timeout_secs: f64,
+        exchange: Option<Py<PyAny>>,
     ) -> PyResult<World> {
-        let env = launch_env(rank, world, job)?;
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = (device, stream, rank, world, job, groups, timeout_secs, exchange);
+            Err(errors::other(
+                "World.cuda(): this collsched package was built without the cuda backend; rebuild it with \
+                 MATURIN_PEP517_ARGS='--features cuda' pip install ./python",
+            ))
+        }
         #[cfg(feature = "cuda")]
         {
             use collsched::backend::cuda::{CudaBackend, CudaConfig, RawStream, UniqueId};
@@ -127,8 +156,21 @@ impl World {
             use collsched::bootstrap::{Hub, HubConfig};
             let timeout = std::time::Duration::try_from_secs_f64(timeout_secs)
                 .map_err(|e| errors::other(format!("World.cuda: timeout_secs {timeout_secs}: {e}")))?;
-            let mut hub =
-                Hub::connect(&env, &HubConfig::from_env().map_err(errors::other)?).map_err(errors::other)?;
+            let (env, mut hub): (LaunchEnv, Box<dyn Exchange>) = match (exchange, rank, world, &job) {
+                (Some(f), Some(rank), Some(world), None) => {
+                    (launch_env(Some(rank), Some(world), Some(String::new()))?, Box::new(PyExchange(f)))
+                }
+                (Some(_), ..) => return Err(errors::other(
+                    "World.cuda: with an exchange, give rank and world (and no job key: the exchange is the \
+                         job's)",
+                )),
+                (None, ..) => {
+                    let env = launch_env(rank, world, job)?;
+                    let config = HubConfig::from_env().map_err(errors::other)?;
+                    let hub = Hub::connect(&env, &config).map_err(errors::other)?;
+                    (env, Box::new(hub))
+                }
+            };
             // Every rank checks its device and rank 0 makes NCCL's id before any of them
             // enters NCCL's initialization, which would wait for a rank that failed: a
             // failure anywhere is every rank's error, naming where it happened.
@@ -145,7 +187,7 @@ impl World {
                 (Ok(()), Ok(id)) => id.0.to_vec(),
                 (Err(e), _) | (_, Err(e)) => e.clone().into_bytes(),
             };
-            let all = hub.all_gather(&mine).map_err(errors::other)?;
+            let all = hub.all_gather_bytes(&mine).map_err(errors::backend)?;
             let failed: Vec<String> = all
                 .iter()
                 .enumerate()
@@ -166,15 +208,7 @@ impl World {
             // the world (the Python package keeps it until the process ends).
             let backend = unsafe { CudaBackend::with_compute_stream(config, &id, stream as RawStream) }
                 .map_err(errors::other)?;
-            Ok(World { backend: Rank::Cuda(Arc::new(backend)), hub: Box::new(hub) })
-        }
-        #[cfg(not(feature = "cuda"))]
-        {
-            let _ = (env, device, stream, groups, timeout_secs);
-            Err(errors::other(
-                "World.cuda(): this collsched package was built without the cuda backend; rebuild it with \
-                 MATURIN_PEP517_ARGS='--features cuda' pip install ./python",
-            ))
+            Ok(World { backend: Rank::Cuda(Arc::new(backend)), hub })
         }
     }
 

@@ -95,6 +95,20 @@ def test_the_native_cuda_world_without_a_driver_is_every_ranks_error_not_a_hang(
         assert "rank 0: " in msg and "rank 1: " in msg and "CUDA" in msg, msg
 
 
+def test_the_store_exchange_gathers_every_rank_and_carries_the_cuda_world_s_report():
+    out = run(workers.world_cuda_through_the_store, 3, init="torch")
+    for rank, got in enumerate(out):
+        for k in range(2):
+            assert got["rounds"][k] == [f"rank {r} round {k}" * (r + 1) for r in range(3)], (rank, got)
+        assert got["rounds"][2] == ["", "", ""], got
+        # World.cuda met the others through the exchange: one more round.
+        assert got["calls"] == 4, got
+        if not GPU:
+            msg = got["error"]
+            assert msg.startswith("CollschedError: World.cuda:"), msg
+            assert all(f"rank {r}: " in msg for r in range(3)) and "CUDA" in msg, msg
+
+
 def test_hybrid_groups_are_the_shard_then_the_replica_groups():
     assert hybrid_groups(4, 2) == [[0, 1], [2, 3], [0, 2], [1, 3]]
     assert hybrid_groups(6, 3) == [[0, 1, 2], [3, 4, 5], [0, 3], [1, 4], [2, 5]]

@@ -444,3 +444,22 @@ def world_cuda(rank: int, world: int) -> str:
     except Exception as e:  # the message is what the test checks
         return f"{type(e).__name__}: {e}"
     return "no error"
+
+
+def world_cuda_through_the_store(rank: int, world: int) -> dict[str, Any]:
+    """``StoreExchange`` over torch.distributed's store (initialized by the test), on its own
+    and as the native ``World.cuda``'s exchange (which fails here, without a CUDA driver, on
+    every rank: its report goes through the store)."""
+    import torch.distributed as dist
+
+    from collsched import _native
+    from collsched.torch.world import StoreExchange
+
+    ex = StoreExchange(dist.distributed_c10d._get_default_store(), rank, world)
+    rounds = [ex(f"rank {rank} round {k}".encode() * (rank + 1)) for k in range(2)] + [ex(b"")]
+    try:
+        _native.World.cuda(0, 0, rank, world, None, [], 30.0, exchange=ex)
+        err = "no error"
+    except Exception as e:  # the message is what the test checks
+        err = f"{type(e).__name__}: {e}"
+    return {"rounds": [[r.decode() for r in one] for one in rounds], "error": err, "calls": ex.round}

@@ -33,7 +33,9 @@ def init(backend: str = "shm", *, hybrid_group_size: Any = None) -> Any:
     reused. ``backend``: ``"shm"`` (processes of one machine, CPU tensors), ``"mpi"`` (the
     processes of the MPI job ``mpirun`` started, on one machine or many, CPU tensors; a
     package built with the ``mpi`` feature, ``collsched._native.HAS_MPI``) or ``"cuda"``
-    (processes of one machine, one GPU each: device ``LOCAL_RANK``, made current here;
+    (one GPU per process: device ``LOCAL_RANK``, made current here; the ranks meet through
+    torch.distributed's store when it is initialized, and may then span machines, else
+    through the hub of one machine;
     collectives through NCCL on the library's streams, computation on torch's current stream
     at this call, which ``fully_shard``'s hooks wait on instead of blocking the host;
     ``collsched._native.HAS_CUDA``). ``hybrid_group_size``: on ``"cuda"``, the ``G`` of the
@@ -115,8 +117,26 @@ def hybrid_groups(size: int, group_size: int) -> list[list[int]]:
     return [g for g in shard + replica if len(g) < size]
 
 
+class StoreExchange:
+    """The job's small exchanges through torch.distributed's ``store``, which every machine of
+    the job reaches: a call with this rank's bytes returns every rank's, in rank order
+    (collective; each call is one round of keys under ``collsched/x/``)."""
+
+    def __init__(self, store: Any, rank: int, size: int) -> None:
+        self.store, self.rank, self.size, self.round = store, rank, size, 0
+
+    def __call__(self, data: bytes) -> list[bytes]:
+        self.round += 1
+        base = f"collsched/x/{self.round}"
+        # A marker byte: a store's value is never empty.
+        self.store.set(f"{base}/{self.rank}", b"v" + bytes(data))
+        return [bytes(self.store.get(f"{base}/{r}"))[1:] for r in range(self.size)]
+
+
 def _join_cuda(group_size: Any) -> Any:
-    """This process's rank of the cuda backend (collective)."""
+    """This process's rank of the cuda backend (collective): through torch.distributed's store
+    when it is initialized (the job may span machines), else through the hub of this machine
+    from the launcher's environment."""
     global _STREAM
     import torch.distributed as dist
 
@@ -130,9 +150,11 @@ def _join_cuda(group_size: Any) -> Any:
             "init(backend='cuda'): torch sees no CUDA device (torch.cuda.is_available() is False); "
             "use backend='shm' for CPU tensors"
         )
+    exchange = None
     if dist.is_available() and dist.is_initialized():
         rank, size = dist.get_rank(), dist.get_world_size()
-        args: tuple = (rank, size, _job_key(dist.distributed_c10d._get_default_store(), rank, size, "cuda"))
+        exchange = StoreExchange(dist.distributed_c10d._get_default_store(), rank, size)
+        args: tuple = (rank, size, None)
     else:
         rank, size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
         args = (None, None, None)
@@ -140,7 +162,7 @@ def _join_cuda(group_size: Any) -> Any:
     torch.cuda.set_device(device)
     _STREAM = torch.cuda.current_stream()
     groups = [] if group_size is None else hybrid_groups(size, int(group_size))
-    return _native.World.cuda(device, _STREAM.cuda_stream, *args, groups)
+    return _native.World.cuda(device, _STREAM.cuda_stream, *args, groups, exchange=exchange)
 
 
 def adopt(store: Any, rank: int, size: int) -> Any:
