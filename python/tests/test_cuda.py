@@ -52,6 +52,22 @@ def test_no_sync_on_cuda_accumulates_in_the_device_gradients():
 
 
 @needs_gpu
+def test_bf16_no_sync_on_cuda_accumulates_in_the_reduction_dtype():
+    spec = {
+        "model": "mlp",
+        "steps": 3,
+        "micro": 3,
+        "dtype": torch.bfloat16,
+        "reduce_dtype": torch.float32,
+        "opt": "sgd",
+        "bucket_mb": 0.0005,
+        "backend": "cuda",
+    }
+    runs = run(workers.train, 2, spec)
+    parity.check(runs, models.reference(spec, 2), torch.bfloat16)
+
+
+@needs_gpu
 def test_bf16_parameters_reduced_in_f32_on_cuda():
     spec = {
         "model": "gpt",

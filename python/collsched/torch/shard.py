@@ -158,6 +158,9 @@ class _State:
         # reduction dtype, and under no_sync they accumulate in the full parameters' .grad).
         self.device = torch.device("cpu")
         self.withheld = False
+        # Device gradients accumulated under no_sync in the reduction dtype where it is not the
+        # parameter's (as FSDP2 does), by parameter id.
+        self.accum: dict[int, torch.Tensor] = {}
         self.gather_buckets: dict[int, tuple[list[str], int]] = {}
         self.unit_buckets: list[list[int]] = []
         self.fwd_rules: dict[int, list[int]] = {}
@@ -557,6 +560,7 @@ class _State:
             self._release(unit, swap=False)
         for p in self.params:
             p.full.grad = None
+        self.accum.clear()
         self.phase = "idle"
         self.queued = False
         self._end_step(deliver=False)
@@ -648,18 +652,27 @@ class _State:
             if g is None:
                 done = False
                 continue
+            want = self.reduce_dtype(p) if on_device else p.dtype
             if on_device and not self.sync:
                 # The library takes device gradients in the synchronized micro-batch only:
-                # they accumulate in .grad until then (FSDP2 keeps them likewise).
+                # until then they accumulate in .grad, or in the reduction dtype where it is
+                # not the parameter's (FSDP2 keeps them likewise).
                 self.withheld = True
                 got.add(p.pid)
+                if g.dtype != want:
+                    full.grad = None
+                    acc = self.accum.get(p.pid)
+                    self.accum[p.pid] = g.to(want) if acc is None else acc.add_(g.to(want))
                 continue
             full.grad = None
             # Host gradients go over in the parameter's dtype (the library casts); device ones
-            # in the reduction dtype (cast here, on the compute stream).
-            want = self.reduce_dtype(p) if on_device else p.dtype
+            # in the reduction dtype (cast here, on the compute stream), with what no_sync
+            # micro-batches accumulated.
             if g.dtype != want or not g.is_contiguous():
                 g = g.contiguous().to(want)
+            acc = self.accum.pop(p.pid, None) if on_device else None
+            if acc is not None:
+                g = acc.add_(g)
             keep.append(g)
             batch.append((p.pid, g.data_ptr(), g.nbytes))
             got.add(p.pid)
