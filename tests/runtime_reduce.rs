@@ -820,6 +820,11 @@ fn device_gradients_under_no_sync_mixed_with_host_ones_or_short_are_refused() {
             c.grad_ready(a, &vec![0; SIZES[0] * 4])?;
             let gb = buf(SIZES[1])?;
             errors.push(c.grad_ready_on_device(b, &gb).expect_err("mixed").to_string());
+            // Refused before anything changed: the same gradient given on the host is taken
+            // (a gradient counted and then dropped would make this a second one).
+            c.grad_ready(b, &vec![0; SIZES[1] * 4])?;
+            c.release(&[a, b])?;
+            c.end_step()?;
             for x in [ga, short, gb] {
                 be.free(x, None);
             }

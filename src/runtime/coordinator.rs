@@ -388,6 +388,14 @@ impl<B: Backend> Coordinator<B> {
         let id = event.map(|_| self.engine_event());
         let shared = &self.state.shared;
         let mut st = shared.lock();
+        // A gradient its bucket cannot take now is refused before the scheduler counts it
+        // (taken, then dropped, it would be reduced as zeros).
+        let on_device = matches!(grad, Fresh::Device(_));
+        if let Some(e) =
+            self.driver.reduce.refuses(&*shared.backend, st.grads_mut(), &self.grad, param, on_device)
+        {
+            return Err(e);
+        }
         let mut cx = ctx!(self, st);
         cx.sched.grad_ready(cx.st.registry_mut(), param, id, &mut self.driver.actions)?;
         self.driver.run(&mut cx, Some(grad))

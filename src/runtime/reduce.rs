@@ -77,8 +77,7 @@ impl<B: Backend> GradStore<B> {
         if self.on_device.iter().all(Option::is_none) {
             return Ok(());
         }
-        let after = be.record(Stream::Compute)?;
-        after.wait(be.timeout())?;
+        be.synchronize(Stream::Compute, be.timeout())?;
         for (j, d) in self.on_device.iter_mut().enumerate() {
             if let Some(buf) = d.take() {
                 let r = be.read_to_host(&buf, 0, self.shards[j].as_bytes_mut());
@@ -87,6 +86,11 @@ impl<B: Backend> GradStore<B> {
             }
         }
         Ok(())
+    }
+
+    /// Whether parameter `p` has a no_sync accumulator waiting for its synchronized step.
+    pub(crate) fn accumulated(&self, p: ParamId) -> bool {
+        self.accumulated.get(p.index()).copied().unwrap_or(false)
     }
 
     /// Marks every reduced shard consumed (the optimizer used them). Shards on the device stay
@@ -218,6 +222,19 @@ fn mixed(rank: usize, param: ParamId, bucket: collsched_buckets::BucketId) -> Ru
     }
 }
 
+/// Bucket `j`'s open gradient buffer (between its `AllocGrad` and its launch).
+fn open_input<'a, T>(
+    inputs: &'a mut [Option<T>],
+    rank: usize,
+    t: &GradTable,
+    j: usize,
+) -> Result<&'a mut T, RuntimeError> {
+    inputs.get_mut(j).and_then(Option::as_mut).ok_or_else(|| RuntimeError::Internal {
+        rank,
+        what: format!("gradient bucket {}: a gradient copy-in before its AllocGrad", t.id),
+    })
+}
+
 fn no_fresh(rank: usize, param: ParamId) -> RuntimeError {
     RuntimeError::Internal {
         rank,
@@ -237,6 +254,29 @@ impl<B: Backend> ReduceSide<B> {
             packed: Vec::new(),
             spare: Vec::with_capacity(n_grad.max(4)),
         }
+    }
+
+    /// Why gradient bucket `j` cannot take `param`'s gradient of this kind (`on_device`) now,
+    /// if it cannot: its open buffer, on a backend without host buffers, already holds
+    /// gradients of the other kind; or a device gradient would have to be added to a no_sync
+    /// accumulator. Asked before anything changes (`grad_ready` refuses then, naming both).
+    pub(crate) fn refuses(
+        &self,
+        be: &B,
+        store: &GradStore<B>,
+        tables: &GradTables,
+        param: ParamId,
+        on_device: bool,
+    ) -> Option<RuntimeError> {
+        let j = tables.params.get(param.index())?.bucket as usize;
+        let t = tables.grad.get(j)?;
+        if on_device && store.accumulated(param) {
+            return Some(device_accumulated(self.rank, param));
+        }
+        let open = self.inputs.get(j).and_then(Option::as_ref)?;
+        let flag = if on_device { &self.staged } else { &self.packed };
+        let other_kind = flag.get(j).copied().unwrap_or(false) && be.host_bytes(open).is_none();
+        other_kind.then(|| mixed(self.rank, param, t.id))
     }
 
     /// Reductions in flight.
@@ -302,10 +342,7 @@ impl<B: Backend> ReduceSide<B> {
         t: &GradTable,
         j: usize,
     ) -> Result<&'a mut [u8], RuntimeError> {
-        let input = inputs.get_mut(j).and_then(Option::as_mut).ok_or_else(|| RuntimeError::Internal {
-            rank,
-            what: format!("gradient bucket {}: a gradient copy-in before its AllocGrad", t.id),
-        })?;
+        let input = open_input(inputs, rank, t, j)?;
         Ok(match be.host_bytes_mut(input) {
             Some(bytes) => bytes,
             None => staging[j].as_bytes_mut(),
@@ -332,12 +369,7 @@ impl<B: Backend> ReduceSide<B> {
         let p = param.index();
         let fresh = match fresh {
             Some(Fresh::Device(grad)) if source == GradSource::Fresh => {
-                let input = self.inputs.get_mut(j).and_then(Option::as_mut).ok_or_else(|| {
-                    RuntimeError::Internal {
-                        rank,
-                        what: format!("gradient bucket {}: a gradient copy-in before its AllocGrad", t.id),
-                    }
-                })?;
+                let input = open_input(&mut self.inputs, rank, t, j)?;
                 if self.staged[j] && be.host_bytes_mut(input).is_none() {
                     return Err(mixed(rank, param, t.id));
                 }
@@ -370,14 +402,7 @@ impl<B: Backend> ReduceSide<B> {
                 (store.accumulators[p].as_bytes(), t.elem)
             }
         };
-        let staging = be
-            .host_bytes_mut(self.inputs.get_mut(j).and_then(Option::as_mut).ok_or_else(|| {
-                RuntimeError::Internal {
-                    rank,
-                    what: format!("gradient bucket {}: a gradient copy-in before its AllocGrad", t.id),
-                }
-            })?)
-            .is_none();
+        let staging = be.host_bytes_mut(open_input(&mut self.inputs, rank, t, j)?).is_none();
         if staging && self.packed[j] {
             return Err(mixed(rank, param, t.id));
         }
@@ -454,7 +479,6 @@ impl<B: Backend> ReduceSide<B> {
         // A bucket no host gradient went into is made on the device (zeros where none came).
         let packed = self.packed.get(j).copied().unwrap_or(false)
             || (be.device().is_some() && !self.staged.get(j).copied().unwrap_or(false));
-        let mut own_fences: Option<Vec<B::Event>> = None;
         match be.host_bytes_mut(&mut input) {
             Some(bytes) => {
                 for p in &t.params {
@@ -486,12 +510,11 @@ impl<B: Backend> ReduceSide<B> {
                         zeroed = zeroed.and_then(|()| be.zero(Stream::Compute, &mut input, at, len));
                     }
                 }
-                match zeroed.and_then(|()| be.record(Stream::Compute)) {
-                    Ok(written) => own_fences = Some([fences, &[written]].concat()),
-                    Err(e) => {
-                        be.free(input, be.record(Stream::Compute).ok().as_ref());
-                        return Err(err("reduce_scatter copy-in")(e));
-                    }
+                // The reduction's stream waits for the compute stream's writes.
+                let fenced = be.record(Stream::Compute).and_then(|written| be.wait_event(l.stream, &written));
+                if let Err(e) = zeroed.and(fenced) {
+                    be.free(input, be.record(Stream::Compute).ok().as_ref());
+                    return Err(err("reduce_scatter copy-in")(e));
                 }
             }
             None => {
@@ -506,7 +529,6 @@ impl<B: Backend> ReduceSide<B> {
                 }
             }
         }
-        let fences = own_fences.as_deref().unwrap_or(fences);
         let output = be.alloc(t.shard_bytes).map_err(err(first_op))?;
         let mut ops = self.spare.pop().unwrap_or_default();
         ops.push(Collective { desc: t.stages[0].clone(), input: Some(input), output });

@@ -173,15 +173,31 @@ impl<B: Backend> Shards<B> {
 
     /// Where bytes `range` of bucket `g`'s shard start: a host address, or the device address
     /// and the device's ordinal.
-    pub(crate) fn address(&mut self, be: &B, g: usize, range: Range<usize>) -> (*mut u8, Option<usize>) {
-        match &mut self.shards[g] {
+    ///
+    /// # Errors
+    /// [`RuntimeError::Internal`] if a device backend gives no address for its buffer.
+    pub(crate) fn address(
+        &mut self,
+        be: &B,
+        g: usize,
+        range: Range<usize>,
+    ) -> Result<(*mut u8, Option<usize>), RuntimeError> {
+        Ok(match &mut self.shards[g] {
             Shard::Host(b) => (b.as_bytes_mut()[range].as_mut_ptr(), None),
-            Shard::Device(shard, _) => {
-                let base = be.device_address(shard).unwrap_or(0);
-                ((base + range.start as u64) as usize as *mut u8, be.device())
-            }
-        }
+            Shard::Device(shard, _) => ((device_address(be, shard)? + range.start) as *mut u8, be.device()),
+        })
     }
+}
+
+/// The device address of `buffer`, which a device backend always has.
+///
+/// # Errors
+/// [`RuntimeError::Internal`] if the backend gives none.
+pub(crate) fn device_address<B: Backend>(be: &B, buffer: &B::Buffer) -> Result<usize, RuntimeError> {
+    be.device_address(buffer).map(|a| a as usize).ok_or_else(|| RuntimeError::Internal {
+        rank: be.rank(),
+        what: "a device backend gave no address for one of its buffers (Backend::device_address)".into(),
+    })
 }
 
 /// Every shard as host bytes, inside [`Shards::with_host`].

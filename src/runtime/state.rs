@@ -14,8 +14,8 @@ use super::bytes::Bytes;
 use super::flight::{backend_err, DriverCounters};
 use super::gather::{Finish, GatherSide, How};
 use super::reduce::GradStore;
-use super::shards::Shards;
-use super::tables::GatherTables;
+use super::shards::{device_address, Shards};
+use super::tables::{GatherTables, GradTables, ShardRun};
 use super::RuntimeError;
 use crate::backend::{Backend, Stream};
 
@@ -184,48 +184,61 @@ impl<B: Backend> RankState<B> {
         ))?;
         let grads = &self.grads;
         let visited = self.shards.with_host(be, "update_shards", |shards| {
-            let mut visited = 0;
-            for (i, slot) in grad.params.iter().enumerate() {
-                let j = slot.bucket as usize;
-                if slot.bucket == u32::MAX {
-                    continue;
-                }
-                let Some(gshard) = grads.shard(j) else { continue };
-                let p = ParamId(i as u32);
-                let pslot = t.params[i];
-                let g = pslot.gather;
-                let es = pslot.elem_size;
-                let elem = t.gather[g].elem;
-                let grad_elem = grad.grad[j].elem;
-                let gs = grad_elem.size();
-                let (glo, ghi) = slot.shard_runs;
-                let gruns = &grad.shard_runs[glo as usize..ghi as usize];
-                let pruns = t.runs_of(p);
-                if gruns.len() != pruns.len() {
-                    return Err(mismatch(rank, p, t.gather[g].id, grad.grad[j].id));
-                }
-                for (pr, gr) in pruns.iter().zip(gruns) {
-                    if pr.param_offset != gr.param_offset || pr.numel != gr.numel {
-                        return Err(mismatch(rank, p, t.gather[g].id, grad.grad[j].id));
-                    }
-                    let values = &mut shards.get(g)[pr.shard_offset * es..(pr.shard_offset + pr.numel) * es];
-                    let gbytes = &gshard[gr.shard_offset * gs..(gr.shard_offset + gr.numel) * gs];
+            each_run(
+                t,
+                &grad,
+                |j| grads.shard(j).is_some(),
+                |p, j, pr, gr| {
+                    let g = t.params[p.index()].gather;
+                    let (elem, grad_elem) = (t.gather[g].elem, grad.grad[j].elem);
+                    let (es, gs) = (elem.size(), grad_elem.size());
+                    let gshard = grads.shard(j).unwrap_or_default();
                     f(ShardUpdate {
                         param: p,
                         param_offset: pr.param_offset,
-                        values,
-                        grad: gbytes,
+                        values: &mut shards.get(g)[pr.shard_offset * es..(pr.shard_offset + pr.numel) * es],
+                        grad: &gshard[gr.shard_offset * gs..(gr.shard_offset + gr.numel) * gs],
                         elem,
                         grad_elem,
                     });
-                    visited += 1;
-                }
-            }
-            Ok(visited)
+                    Ok(())
+                },
+            )
         })?;
         self.grads.consume();
         Ok(visited)
     }
+}
+
+/// Every run of every trainable parameter whose gradient bucket `j` `has` a reduced shard:
+/// `f(parameter, j, its run in the gather shard, its run in the gradient shard)`, the two
+/// checked to cover the same elements. Returns how many runs `f` got.
+fn each_run(
+    t: &GatherTables,
+    grad: &GradTables,
+    has: impl Fn(usize) -> bool,
+    mut f: impl FnMut(ParamId, usize, &ShardRun, &ShardRun) -> Result<(), RuntimeError>,
+) -> Result<usize, RuntimeError> {
+    let mut visited = 0;
+    for (i, slot) in grad.params.iter().enumerate() {
+        let j = slot.bucket as usize;
+        if slot.bucket == u32::MAX || !has(j) {
+            continue;
+        }
+        let p = ParamId(i as u32);
+        let gruns = &grad.shard_runs[slot.shard_runs.0 as usize..slot.shard_runs.1 as usize];
+        let pruns = t.runs_of(p);
+        let same = |(a, b): (&ShardRun, &ShardRun)| a.param_offset == b.param_offset && a.numel == b.numel;
+        if gruns.len() != pruns.len() || !pruns.iter().zip(gruns).all(same) {
+            let g = t.params[i].gather;
+            return Err(mismatch(t.rank, p, t.gather[g].id, grad.grad[j].id));
+        }
+        for (pr, gr) in pruns.iter().zip(gruns) {
+            f(p, j, pr, gr)?;
+            visited += 1;
+        }
+    }
+    Ok(visited)
 }
 
 impl<B: Backend> RankState<B> {
@@ -237,37 +250,18 @@ impl<B: Backend> RankState<B> {
         f: &mut dyn FnMut(GradRegion),
     ) -> Result<usize, RuntimeError> {
         let Some(grad) = self.grads.tables().cloned() else { return Ok(0) };
-        let mut visited = 0;
-        for (i, slot) in grad.params.iter().enumerate() {
-            let j = slot.bucket as usize;
-            if slot.bucket == u32::MAX {
-                continue;
-            }
-            let (base, device) = match (self.grads.device_shard(j), self.grads.shard(j)) {
-                (Some(d), _) => (be.device_address(d).unwrap_or(0) as usize, be.device()),
-                (None, Some(h)) => (h.as_ptr() as usize, None),
-                (None, None) => continue,
+        let grads = &self.grads;
+        let has = |j| grads.device_shard(j).is_some() || grads.shard(j).is_some();
+        let visited = each_run(t, &grad, has, |p, j, _, gr| {
+            let (base, device) = match (grads.device_shard(j), grads.shard(j)) {
+                (Some(d), _) => (device_address(be, d)?, be.device()),
+                (None, h) => (h.unwrap_or_default().as_ptr() as usize, None),
             };
-            let p = ParamId(i as u32);
             let elem = grad.grad[j].elem;
-            let (glo, ghi) = slot.shard_runs;
-            let gruns = &grad.shard_runs[glo as usize..ghi as usize];
-            let pruns = t.runs_of(p);
-            if gruns.len() != pruns.len()
-                || pruns
-                    .iter()
-                    .zip(gruns)
-                    .any(|(a, b)| a.param_offset != b.param_offset || a.numel != b.numel)
-            {
-                let g = t.params[i].gather;
-                return Err(mismatch(t.rank, p, t.gather[g].id, grad.grad[j].id));
-            }
-            for gr in gruns {
-                let ptr = (base + gr.shard_offset * elem.size()) as *const u8;
-                f(GradRegion { param: p, param_offset: gr.param_offset, numel: gr.numel, elem, ptr, device });
-                visited += 1;
-            }
-        }
+            let ptr = (base + gr.shard_offset * elem.size()) as *const u8;
+            f(GradRegion { param: p, param_offset: gr.param_offset, numel: gr.numel, elem, ptr, device });
+            Ok(())
+        })?;
         self.grads.consume();
         Ok(visited)
     }
@@ -661,7 +655,7 @@ impl<B: Backend> ModelState<B> {
         let elem = self.shared.tables.gather[g].elem;
         let numel = range.len() / elem.size();
         let mut st = self.shared.lock();
-        let (ptr, device) = st.shards.address(&*self.shared.backend, g, range);
+        let (ptr, device) = st.shards.address(&*self.shared.backend, g, range)?;
         Ok(ShardRegion { param_offset, numel, elem, ptr, device })
     }
 }
