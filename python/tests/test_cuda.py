@@ -52,30 +52,21 @@ def test_no_sync_on_cuda_accumulates_in_the_device_gradients():
 
 
 @needs_gpu
-def test_bf16_no_sync_on_cuda_accumulates_in_the_reduction_dtype():
+@pytest.mark.parametrize(
+    "model, micro, bucket_mb",
+    [("gpt", 1, 0.002), ("mlp", 3, 0.0005)],
+    ids=["gpt", "mlp-no_sync-accumulated-in-f32"],
+)
+def test_bf16_parameters_reduced_in_f32_on_cuda(model, micro, bucket_mb):
+    # With micro-batches, the no_sync ones accumulate in the reduction dtype (f32).
     spec = {
-        "model": "mlp",
+        "model": model,
         "steps": 3,
-        "micro": 3,
+        "micro": micro,
         "dtype": torch.bfloat16,
         "reduce_dtype": torch.float32,
         "opt": "sgd",
-        "bucket_mb": 0.0005,
-        "backend": "cuda",
-    }
-    runs = run(workers.train, 2, spec)
-    parity.check(runs, models.reference(spec, 2), torch.bfloat16)
-
-
-@needs_gpu
-def test_bf16_parameters_reduced_in_f32_on_cuda():
-    spec = {
-        "model": "gpt",
-        "steps": 3,
-        "dtype": torch.bfloat16,
-        "reduce_dtype": torch.float32,
-        "opt": "sgd",
-        "bucket_mb": 0.002,
+        "bucket_mb": bucket_mb,
         "backend": "cuda",
     }
     runs = run(workers.train, 2, spec)
