@@ -2,12 +2,14 @@
 //! (`python/collsched/`). Plans (`plan::plan_json`), the collective bench (`bench::bench`), a
 //! rank of the `shm` backend (`world::World`), a sharded model and its engines
 //! (`model::Model`, `model::Engine`), and library memory exported to torch without copies
-//! (`region::Region`, the crate's only `unsafe`), and collectives on torch tensors for the
+//! (`region::Region`, the crate's only `unsafe`), the saved-tensor hooks of a model's passes
+//! (`hooks::Hooks`), and collectives on torch tensors for the
 //! `"collsched"` torch.distributed backend (`comm::Comm`, `comm::Work`).
 
 mod bench;
 mod comm;
 mod errors;
+mod hooks;
 mod model;
 mod plan;
 mod region;
@@ -33,5 +35,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<model::Model>()?;
     m.add_class::<model::Engine>()?;
     m.add_class::<region::Region>()?;
+    m.add_class::<hooks::Hooks>()?;
+    m.add_class::<hooks::Saved>()?;
     Ok(())
 }

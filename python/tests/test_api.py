@@ -139,6 +139,55 @@ def test_a_region_is_a_dlpack_tensor_over_the_same_memory():
         assert r["refs"] == [1, 0, 1, 0], r["refs"]
 
 
+def test_saved_tensor_hooks_keep_references_to_shown_parameters_only():
+    """The native saved-tensor hooks: a view of a shown unit's parameter (at any offset, in
+    another dtype) packs to a reference to that parameter; anything else passes through;
+    unpacking views the parameter's value as last shown, or asks Python while its unit is
+    hidden or the backward has not begun."""
+    from collsched import _native
+
+    asked = []
+
+    def unpack_saved(saved):
+        asked.append(saved.pid)
+        return "from python"
+
+    hooks = _native.Hooks(2, [0, 0, 1], unpack_saved)
+    w0, w1, w2 = (torch.arange(12.0).view(3, 4) + 100 * i for i in range(3))
+    hooks.set_spans(0, [(w.data_ptr(), w.nbytes, pid, w) for pid, w in ((0, w0), (1, w1))])
+    hooks.set_spans(1, [(w2.data_ptr(), w2.nbytes, 2, w2)])
+    activation = torch.ones(3)
+    # Nothing is shown: everything passes through.
+    view = w0.t()
+    assert hooks.pack(view) is view
+    hooks.show(0)
+    saved = hooks.pack(w1[1:].t())
+    assert type(saved) is _native.Saved and saved.pid == 1 and saved.offset == 4
+    as_int = hooks.pack(w0.view(torch.int32)[2])
+    assert type(as_int) is _native.Saved and as_int.pid == 0 and as_int.dtype == torch.int32
+    assert hooks.pack(activation) is activation
+    assert hooks.pack(w2) is w2  # unit 1 is hidden
+    assert hooks.unpack(activation) is activation
+    # Before the backward begins, Python is asked.
+    assert hooks.unpack(saved) == "from python" and asked == [1]
+    hooks.backward = True
+    torch.testing.assert_close(hooks.unpack(saved), w1[1:].t(), rtol=0, atol=0)
+    torch.testing.assert_close(hooks.unpack(as_int), w0.view(torch.int32)[2], rtol=0, atol=0)
+    # The parameter moved: the new view is read.
+    moved = w1 + 0.5
+    hooks.set_spans(0, [(w0.data_ptr(), w0.nbytes, 0, w0), (moved.data_ptr(), moved.nbytes, 1, moved)])
+    torch.testing.assert_close(hooks.unpack(saved), moved[1:].t(), rtol=0, atol=0)
+    hooks.hide(0)
+    assert hooks.unpack(saved) == "from python" and asked == [1, 1]
+    assert hooks.take_seconds() > 0.0 and hooks.take_seconds() == 0.0
+    with pytest.raises(collsched.CollschedError, match="unit 2 out of range"):
+        hooks.show(2)
+    with pytest.raises(collsched.CollschedError, match="parameter id 3 out of range"):
+        hooks.set_spans(1, [(w2.data_ptr(), w2.nbytes, 3, w2)])
+    with pytest.raises(collsched.CollschedError, match="unit 5 out of range"):
+        _native.Hooks(2, [5], unpack_saved)
+
+
 def test_trainability_refreshed_by_hand():
     frozen = {s: ["blocks.1."] for s in (1, 2)}
     spec = {"model": "mlp", "steps": 4, "frozen": frozen, "auto_refresh_trainable": False, "bucket_mb": 0.0005}

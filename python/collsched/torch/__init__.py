@@ -20,7 +20,8 @@ How it works (one rank):
   later ones prefetched along the recorded order) and swaps in full-size parameters whose data
   are views of the gathered buffers (no copy); after its forward they are released and the
   shards swapped back. Tensors autograd saves that view gathered parameters are kept as
-  references (``saved_tensors_hooks``), not as memory, and fetched again in backward.
+  references, not as memory, and fetched again in backward (``saved_tensors_hooks``, in
+  native code: torch calls them for every tensor saved, activations included).
 - **Backward.** A unit is fetched again when autograd first needs one of its saved
   parameters. Its tensor arguments that need a gradient pass through an autograd function in
   the forward, whose backward runs once the unit's backward is done (FSDP2's post-backward

@@ -37,19 +37,6 @@ def _tensor(region: Any, dtype: torch.dtype, shape: Any, device: torch.device) -
     return torch.from_dlpack(region.dlpack(_FROM_TORCH[dtype], list(shape)))
 
 
-class _Saved:
-    """What a saved tensor that views a gathered parameter becomes: a reference."""
-
-    __slots__ = ("pid", "size", "stride", "offset", "dtype")
-
-    def __init__(self, pid: int, t: torch.Tensor) -> None:
-        self.pid = pid
-        self.size = t.size()
-        self.stride = t.stride()
-        self.offset = t.storage_offset()
-        self.dtype = t.dtype
-
-
 class _Param:
     """One parameter of a sharded model: its shard (registered in the modules), the full-size
     parameter forward and backward use, and where it lives."""
@@ -60,6 +47,7 @@ class _Param:
         "shape",
         "dtype",
         "numel",
+        "nbytes",
         "shard",
         "full",
         "placeholder",
@@ -74,6 +62,7 @@ class _Param:
         self.shape = shape
         self.dtype = dtype
         self.numel = shape.numel()
+        self.nbytes = self.numel * dtype.itemsize
         # Right shape, one element of memory, reads as zeros: what the full parameter holds
         # while it is not gathered (autograd checks shapes, never reads it).
         self.placeholder = (
@@ -104,7 +93,6 @@ class _Unit:
         "params",
         "shared",
         "known",
-        "addrs",
         "fetched",
         "grads",
     )
@@ -120,10 +108,9 @@ class _Unit:
         # Whether another unit fetches one of these parameters too (a tied parameter): its
         # full parameter may then view another address than this unit's last fetch left.
         self.shared = False
-        # The addresses of the parameters' full values at this unit's last fetch, as a list
-        # (what the library is told it knows) and by address (the saved-tensor lookup).
+        # The addresses of the parameters' full values at this unit's last fetch (what the
+        # library is told it knows).
         self.known: list[int] = []
-        self.addrs: dict[int, int] = {}
         self.fetched: Any = None
         # The trainable parameters this unit owns: their gradients are its to hand over.
         self.grads: list[_Param] = []
@@ -138,8 +125,8 @@ class _State:
         self.opts = opts
         self.units: list[_Unit] = []
         self.params: list[_Param] = []
-        # The fetched units' parameter addresses (unit index -> address -> parameter id).
-        self.live: dict[int, dict[int, int]] = {}
+        # The saved-tensor hooks (native): the fetched units' parameter spans by address.
+        self.hooks: Any = None
         self.sync = True
         self.unsynced = False
         self.phase = "idle"
@@ -299,6 +286,7 @@ class _State:
             u.known = [0] * len(u.ids)
         self.mask = [bool(p.shard.requires_grad) for p in self.params]
         self._own_grads()
+        self.hooks = _native.Hooks(len(self.units), [p.unit for p in self.params], self._unpack_saved)
 
     def _own_grads(self) -> None:
         for u in self.units:
@@ -409,7 +397,7 @@ class _State:
         self.engine = engine
         self.host_s += _clock() - t0
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            with torch.autograd.graph.saved_tensors_hooks(self.hooks.pack, self.hooks.unpack):
                 out = self._unit_forward(self.units[0], call, args, kwargs)
         except BaseException:
             self._abort(engine)
@@ -500,7 +488,8 @@ class _State:
         regions = engine.fetch(unit.ids, known)
         native = _clock() - t0
         unit.fetched = engine
-        if any(regions):
+        moved = any(regions)
+        if moved:
             # Some buffers are at new addresses: rebind those parameters.
             for p, region in zip(unit.params, regions):
                 if region is None:
@@ -515,10 +504,10 @@ class _State:
                 p.full.data = view
                 p.addr = addr
             unit.known = [p.addr for p in unit.params]
-            unit.addrs = {p.addr: p.pid for p in unit.params}
-        elif unit.shared:
-            unit.addrs = {p.addr: p.pid for p in unit.params}
-        self.live[unit.index] = unit.addrs
+        if moved or unit.shared:
+            # The saved-tensor hooks' spans, and the tensors they view the parameters through.
+            self.hooks.set_spans(unit.index, [(p.addr, p.nbytes, p.pid, p.views[p.addr]) for p in unit.params])
+        self.hooks.show(unit.index)
         if swap:
             for params, name, full, _ in unit.swaps:
                 params[name] = full
@@ -533,9 +522,9 @@ class _State:
             for params, name, _, shard in unit.swaps:
                 params[name] = shard
         # The full parameters keep viewing the buffers (nothing outside a pass reaches them;
-        # saved tensors are references, see _pack): the next fetch at the same addresses has
+        # saved tensors are references, see Hooks): the next fetch at the same addresses has
         # nothing to redo.
-        del self.live[unit.index]
+        self.hooks.hide(unit.index)
         unit.fetched = None
         t0 = _clock()
         engine.release(unit.ids)
@@ -563,6 +552,7 @@ class _State:
         self.accum.clear()
         self.phase = "idle"
         self.queued = False
+        self.hooks.backward = False
         self._end_step(deliver=False)
 
     def _step_boundary(self) -> None:
@@ -587,26 +577,9 @@ class _State:
 
     # ---- saved tensors -----------------------------------------------------------------
 
-    def _pack(self, t: torch.Tensor) -> Any:
-        live = self.live
-        if not live:
-            return t
-        t0 = _clock()
-        try:
-            ptr = t.untyped_storage().data_ptr()
-        except (RuntimeError, NotImplementedError):  # sparse, nested: never a view of ours
-            return t
-        for addrs in live.values():
-            pid = addrs.get(ptr)
-            if pid is not None:
-                t = _Saved(pid, t)
-                break
-        self.host_s += _clock() - t0
-        return t
-
-    def _unpack(self, x: Any) -> torch.Tensor:
-        if type(x) is not _Saved:
-            return x
+    def _unpack_saved(self, x: Any) -> torch.Tensor:
+        """The tensor a saved reference (``_native.Saved``) stands for: the parameter's full
+        value viewed as the saved tensor was, its unit fetched again if released."""
         t0 = _clock()
         if not self.queued:
             self._begin_backward()
@@ -633,6 +606,7 @@ class _State:
         if self.phase == "idle":
             self._step_boundary()
         self.queued = True
+        self.hooks.backward = True
         self.phase = "backward"
         self.train.begin_backward()
         self.train.set_no_sync(not self.sync)
@@ -706,6 +680,7 @@ class _State:
         for unit in self.units:
             native += self._release(unit, swap=False)
         self.queued = False
+        self.hooks.backward = False
         self.phase = "idle"
         self.host_s += _clock() - t0 - native
         self._end_step()
@@ -715,7 +690,8 @@ class _State:
         to the shards' ``.grad`` (``deliver=False``: takes them and drops them)."""
         self.got.clear()
         stats = self.train.end_step()
-        stats["host_us_per_unit"] = 1e6 * self.host_s / max(self.host_units, 1)
+        host_s = self.host_s + self.hooks.take_seconds()
+        stats["host_us_per_unit"] = 1e6 * host_s / max(self.host_units, 1)
         self.host_s = 0.0
         self.host_units = 0
         self.last = stats
