@@ -9,8 +9,9 @@ the root; each implementation runs in processes of its own that every torchrun r
 rank's); peak RSS per rank (VmHWM of its process: shared pages count whole in every process
 that touched them) and PSS at the end of the run (shared pages shared out); bytes
 all-gathered and reduce-scattered per step (full-size buffers: collsched's counters; FSDP2's
-collectives counted by wrapping torch.distributed's); collsched's host time per unit (median
-of the timed steps) and peak gathered bytes; every step's loss; the ratios. A third run
+collectives counted by wrapping torch.distributed's); the host time of the hooks per unit
+(median of the timed steps: collsched's ``host_us_per_unit``, and FSDP2's hooks timed the same
+way, see ``Fsdp2HookTime``); collsched's peak gathered bytes; every step's loss; the ratios. A third run
 trains the model unsharded with no communication at all (each rank alone): its forward and
 backward time plus its optimizer time divided by the ranks is the floor under any sharded
 step on this machine, printed beside the two.
@@ -98,6 +99,89 @@ class CommCounter:
         dist.reduce_scatter_single = reduce_scatter_single
 
 
+class Fsdp2HookTime:
+    """FSDP2's host time per unit, by collsched's measure (``host_us_per_unit``): wall time in
+    its hooks (pre- and post-forward, pre- and post-backward, the final callback) minus the time
+    in its collective functions (``unshard`` and ``wait_for_unshard``: the all-gather, its wait
+    and its copies in and out; ``reshard``: freeing the gathered parameters; ``foreach_reduce``:
+    the reduce-scatter and its copies; waits on a ``Work``), what collsched does in calls into
+    the library; per unit forward. Wraps the
+    methods of torch's FSDP2 (torch 2.15's ``_fully_shard`` modules) before ``fully_shard``
+    registers them; ``ok`` is False where they are not found."""
+
+    def __init__(self) -> None:
+        self.hook_s = 0.0
+        self.excluded_s = 0.0
+        self.units = 0
+        self.depth = 0
+        # Inside an excluded call (the calls it makes are excluded with it).
+        self.inside = False
+        self.ok = False
+        try:
+            from torch.distributed.fsdp._fully_shard import _fsdp_param_group as pg
+            from torch.distributed.fsdp._fully_shard import _fsdp_state as st
+        except ImportError:
+            return
+        hooks = [
+            (st.FSDPState, "_pre_forward"),
+            (st.FSDPState, "_post_forward"),
+            (st.FSDPState, "_pre_backward"),
+            (st.FSDPState, "_root_post_backward_final_callback"),
+            (pg.FSDPParamGroup, "post_backward"),
+        ]
+        library = [
+            (pg.FSDPParamGroup, "unshard"),
+            (pg.FSDPParamGroup, "wait_for_unshard"),
+            (pg.FSDPParamGroup, "reshard"),
+            (pg, "foreach_reduce"),
+            (dist.Work, "wait"),
+        ]
+        if not all(hasattr(owner, name) for owner, name in hooks + library):
+            return
+        for owner, name in hooks:
+            setattr(owner, name, self._hook(getattr(owner, name), count=name == "_pre_forward"))
+        for owner, name in library:
+            setattr(owner, name, self._library(getattr(owner, name)))
+        self.ok = True
+
+    def _hook(self, f: Callable[..., Any], count: bool) -> Callable[..., Any]:
+        def timed(*a: Any, **k: Any) -> Any:
+            if count:
+                self.units += 1
+            if self.depth:
+                return f(*a, **k)
+            self.depth += 1
+            excluded, t0 = self.excluded_s, time.perf_counter()
+            try:
+                return f(*a, **k)
+            finally:
+                self.hook_s += time.perf_counter() - t0 - (self.excluded_s - excluded)
+                self.depth -= 1
+
+        return timed
+
+    def _library(self, f: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*a: Any, **k: Any) -> Any:
+            if not self.depth or self.inside:
+                return f(*a, **k)
+            t0 = time.perf_counter()
+            self.inside = True
+            try:
+                return f(*a, **k)
+            finally:
+                self.inside = False
+                self.excluded_s += time.perf_counter() - t0
+
+        return timed
+
+    def take_us_per_unit(self) -> float:
+        """The host time per unit since the last call."""
+        out = 1e6 * self.hook_s / max(self.units, 1)
+        self.hook_s = self.excluded_s = 0.0
+        self.units = 0
+        return out
+
+
 def batch(args: argparse.Namespace, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * step + rank)
     idx = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
@@ -108,7 +192,7 @@ def train(
     args: argparse.Namespace, model: nn.Module, rank: int, probe: Callable[[], float] | None = None
 ) -> dict[str, Any]:
     """Trains ``args.warmup + args.steps`` steps; medians over the timed ones (and of
-    ``probe()`` after each, as ``probe``, when given)."""
+    ``probe()``, called after every step, as ``probe``, when given)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     times, passes, opts, losses, probed = [], [], [], [], []
     for step in range(args.warmup + args.steps):
@@ -122,12 +206,13 @@ def train(
         opt.step()
         opt.zero_grad()
         t2 = time.perf_counter()
+        probed_now = probe() if probe is not None else None
         if step >= args.warmup:
             times.append(t2 - t0)
             passes.append(t1 - t0)
             opts.append(t2 - t1)
-            if probe is not None:
-                probed.append(probe())
+            if probed_now is not None:
+                probed.append(probed_now)
         losses.append(loss.item())
     return {
         "median_s": statistics.median(times),
@@ -177,6 +262,7 @@ def run_plain(args: argparse.Namespace, rank: int) -> dict[str, Any]:
 def run_fsdp2(args: argparse.Namespace, rank: int, counter: CommCounter) -> dict[str, Any]:
     from torch.distributed.fsdp import fully_shard
 
+    hooks = Fsdp2HookTime()
     torch.manual_seed(args.seed)
     model = Gpt(args.vocab, args.dim, args.heads, args.blocks, args.seq)
     for b in model.blocks:
@@ -185,9 +271,10 @@ def run_fsdp2(args: argparse.Namespace, rank: int, counter: CommCounter) -> dict
     # gloo's AVG reduce-scatter can silently sum (pytorch#162338): reduce with SUM, divide after.
     model.set_force_sum_reduction_for_comms(True)
     g0, r0 = counter.gathered, counter.reduced
-    out = train(args, model, rank)
+    out = train(args, model, rank, probe=hooks.take_us_per_unit if hooks.ok else None)
     total = args.warmup + args.steps
     out.update(gathered=(counter.gathered - g0) // total, reduced=(counter.reduced - r0) // total)
+    out["host_us"] = out.pop("probe", None)
     return out
 
 
@@ -274,9 +361,9 @@ def report(args: argparse.Namespace, world: int, results: dict[str, dict[str, An
     )
     for name in ("fsdp2", "collsched"):
         r = results[name]
-        extra = (
-            f"  host {r['host_us']:.0f} us/unit, prefetch hits {r['hits']} misses {r['misses']}, "
-            f"peak gathered {r['peak_gathered'] / 2**20:.1f} MiB"
+        host = "n/a" if r.get("host_us") is None else f"{r['host_us']:.0f}"
+        extra = f"  host {host} us/unit" + (
+            f", prefetch hits {r['hits']} misses {r['misses']}, peak gathered {r['peak_gathered'] / 2**20:.1f} MiB"
             if name == "collsched"
             else ""
         )
