@@ -53,10 +53,17 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(dim)
         self.fc = nn.Linear(dim, 3 * dim)
         self.out = nn.Linear(3 * dim, dim)
+        # The MLP under activation checkpointing: None, or torch.utils.checkpoint's use_reentrant.
+        self.recompute_mlp: bool | None = None
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(F.gelu(self.fc(self.ln2(x))))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+        if self.recompute_mlp is None:
+            return x + self.mlp(x)
+        return x + torch.utils.checkpoint.checkpoint(self.mlp, x, use_reentrant=self.recompute_mlp)
 
 
 class Gpt(nn.Module):
@@ -65,6 +72,9 @@ class Gpt(nn.Module):
 
     def __init__(self, dim: int = 24, heads: int = 3, layers: int = 2, vocab: int = VOCAB, seq: int = SEQ) -> None:
         super().__init__()
+        # The blocks' calls under activation checkpointing: None, or torch.utils.checkpoint's
+        # use_reentrant.
+        self.recompute: bool | None = None
         self.tok = nn.Embedding(vocab, dim)
         self.pos = nn.Embedding(seq, dim)
         self.blocks = nn.ModuleList([Block(dim, heads) for _ in range(layers)])
@@ -75,13 +85,38 @@ class Gpt(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
         for b in self.blocks:
-            x = b(x)
+            if self.recompute is None:
+                x = b(x)
+            else:
+                x = torch.utils.checkpoint.checkpoint(b, x, use_reentrant=self.recompute)
         return self.head(self.ln(x))
 
 
-def build(name: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
+# Where a gpt's activation checkpointing goes (``recompute``): around each block's call in the
+# model's forward ("call"), in a ``checkpoint_wrapper`` around each block, as torchtitan applies
+# it before sharding ("wrapper"), or around each block's MLP inside the block ("inner").
+RECOMPUTE = ("call", "wrapper", "inner")
+
+
+def build(
+    name: str, seed: int = 0, dtype: torch.dtype = torch.float32, recompute: tuple[str, bool] | None = None
+) -> nn.Module:
+    """Model ``name`` with ``seed``'s values; ``recompute`` (a gpt's): ``(where, use_reentrant)``
+    of its activation checkpointing (``RECOMPUTE``)."""
     torch.manual_seed(seed)
     model = {"mlp": Mlp, "gpt": Gpt}[name]()
+    if recompute is not None:
+        where, reentrant = recompute
+        if where == "call":
+            model.recompute = reentrant
+        elif where == "inner":
+            for b in model.blocks:
+                b.recompute_mlp = reentrant
+        else:
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+            impl = CheckpointImpl.REENTRANT if reentrant else CheckpointImpl.NO_REENTRANT
+            model.blocks = nn.ModuleList(checkpoint_wrapper(b, checkpoint_impl=impl) for b in model.blocks)
     return model.to(dtype)
 
 
@@ -117,6 +152,8 @@ def reference(spec: dict[str, Any], world: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     name, dtype = spec["model"], spec.get("dtype", torch.float32)
     rdtype = spec.get("reduce_dtype") or dtype
+    # Activation checkpointing (``recompute``) changes what is kept, not what is computed: the
+    # reference runs without it.
     model = build(name, spec.get("seed", 0), dtype)
     params = dict(model.named_parameters())
     opt = optimizer(spec.get("opt", "adamw"), model.parameters())

@@ -106,6 +106,23 @@ def test_one_all_gather_per_bucket_per_pass_and_prefetch_hits_bf16_deepspeed_145
             assert st["reduce_scatters"] == grad_buckets(r["plan"])
 
 
+@pytest.mark.parametrize("where", models.RECOMPUTE)
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_recomputes_with_the_units_gathered(where, reentrant):
+    """torch.utils.checkpoint around the blocks' calls, a checkpoint_wrapper around each block
+    (torchtitan's order: wrap, then shard), or around a block's MLP inside it; reentrant or
+    not; with no_sync micro-batches. The recomputation in the backward reads the gathered
+    parameters: the same losses and parameters as plain PyTorch without checkpointing, one
+    all-gather per bucket per pass, nothing left gathered."""
+    spec = {"model": "gpt", "steps": 3, "micro": 2, "bucket_mb": 0.002, "recompute": (where, reentrant)}
+    runs = run(workers.train, 2, spec)
+    parity.check(runs, models.reference(spec, 2))
+    for rank, r in enumerate(runs):
+        n = gather_buckets(r["plan"])
+        assert [st["all_gathers"] for st in r["stats"]] == [2 * n] * 6, f"rank {rank}: {n} buckets"
+        assert r["live"] == 0, f"rank {rank}: {r['live']} bytes still gathered"
+
+
 def test_forward_only_passes_leave_nothing_in_flight():
     spec = {"model": "gpt", "steps": 3, "bucket_mb": 0.002}
     runs = run(workers.forward_only, 2, spec)

@@ -27,7 +27,8 @@ def shard(model: torch.nn.Module, spec: dict[str, Any]) -> torch.nn.Module:
 
 
 def snapshot(values: dict[str, torch.Tensor]) -> dict[str, list]:
-    return {n: v.float().flatten().tolist() for n, v in values.items()}
+    # A checkpoint_wrapper's module adds a level to the names; the reference has none.
+    return {n.replace("._checkpoint_wrapped_module", ""): v.float().flatten().tolist() for n, v in values.items()}
 
 
 def train(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
@@ -36,7 +37,8 @@ def train(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     import collsched.torch as cst
 
     name, dtype = spec["model"], spec.get("dtype", torch.float32)
-    model = shard(models.build(name, spec.get("seed", 0), dtype), spec)
+    recompute = spec.get("recompute")
+    model = shard(models.build(name, spec.get("seed", 0), dtype, recompute and tuple(recompute)), spec)
     if spec.get("validate_first"):
         # A validation trainer wraps the model and evaluates; a fitting trainer wraps it again.
         with torch.no_grad():
@@ -79,7 +81,8 @@ def train(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
         losses.append(row)
         after.append(snapshot(cst.full_parameters(model)))
     plan = cst.plan(model)
-    return {"losses": losses, "params": after, "stats": stats, "evals": evals, "plan": plan}
+    live = cst.live_bytes(model)
+    return {"losses": losses, "params": after, "stats": stats, "evals": evals, "plan": plan, "live": live}
 
 
 def gradcache(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:

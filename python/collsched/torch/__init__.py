@@ -22,10 +22,14 @@ How it works (one rank):
   shards swapped back. Tensors autograd saves that view gathered parameters are kept as
   references, not as memory, and fetched again in backward (``saved_tensors_hooks``, in
   native code: torch calls them for every tensor saved, activations included).
-- **Backward.** A unit is fetched again when autograd first needs one of its saved
-  parameters. Its tensor arguments that need a gradient pass through an autograd function in
-  the forward, whose backward runs once the unit's backward is done (FSDP2's post-backward
-  hook): then the unit's accumulated gradients go to the library in one call, gradient
+- **Backward.** A unit is fetched again, its full parameters back in its modules, once the
+  gradient of one of its outputs is computed (FSDP2's pre-backward hook), or when autograd
+  first needs one of its saved parameters if that comes first. A forward that activation
+  checkpointing (``torch.utils.checkpoint``, reentrant or not, ``checkpoint_wrapper``) runs
+  again in the backward finds them there; a unit's forward recomputed so keeps its unit
+  fetched until the unit's backward is done. Its tensor arguments that need a gradient pass
+  through an autograd function in the forward, whose backward runs once the unit's backward
+  is done (FSDP2's post-backward hook): then the unit's accumulated gradients go to the library in one call, gradient
   buckets are reduce-scattered as they fill, and the unit is released. Gradients not in by
   then (a tied parameter's, a unit without such arguments, the root) go at the end of the
   backward, when the step ends and each shard's ``.grad`` gets the reduced (mean over ranks)

@@ -94,6 +94,7 @@ class _Unit:
         "shared",
         "known",
         "fetched",
+        "swapped",
         "grads",
     )
 
@@ -112,6 +113,9 @@ class _Unit:
         # library is told it knows).
         self.known: list[int] = []
         self.fetched: Any = None
+        # Whether the full parameters are in the modules now (in the unit's forward, and from
+        # its pre-backward to its release).
+        self.swapped = False
         # The trainable parameters this unit owns: their gradients are its to hand over.
         self.grads: list[_Param] = []
 
@@ -383,6 +387,8 @@ class _State:
     # ---- passes ------------------------------------------------------------------------
 
     def forward(self, module: nn.Module, call: Any, args: Any, kwargs: Any) -> Any:
+        if _recomputing(self):
+            return self._recompute(self.units[0], call, args, kwargs)
         t0 = _clock()
         grad = torch.is_grad_enabled()
         if self.phase == "backward":
@@ -424,16 +430,41 @@ class _State:
     def _unit_forward(self, unit: _Unit, call: Any, args: Any, kwargs: Any) -> Any:
         t0 = _clock()
         native = self._fetch(unit, self.engine, swap=True)
-        if self.engine is self.train and torch.is_grad_enabled():
+        training = self.engine is self.train and torch.is_grad_enabled()
+        if training:
             args, kwargs = self._watch(unit, args, kwargs)
         self.host_s += _clock() - t0 - native
         try:
-            return call(*args, **kwargs)
+            out = call(*args, **kwargs)
+            if training:
+                t1 = _clock()
+                self._hook_pre_backward(unit, out)
+                self.host_s += _clock() - t1
+            return out
         finally:
             t1 = _clock()
-            native = self._release(unit, swap=True)
+            native = self._release(unit)
             self.host_s += _clock() - t1 - native
             self.host_units += 1
+
+    def _hook_pre_backward(self, unit: _Unit, out: Any) -> None:
+        """Once the gradient of one of ``out``'s tensors (the unit's outputs) is computed, the
+        unit's backward is about to run: :meth:`_pre_backward` (FSDP2's pre-backward hook).
+        Leaf tensors are left alone (a unit that returns one computed nothing on it, and a
+        hook would stay on it after the step)."""
+        for t in _needing_grad(out):
+            if t.grad_fn is not None:
+                t.register_hook(lambda _g, unit=unit: self._pre_backward(unit))
+
+    def _pre_backward(self, unit: _Unit) -> None:
+        """The unit's backward is about to run: it is fetched for it, its full parameters in
+        its modules (a forward recomputed by activation checkpointing reads them there),
+        until its post-backward or the backward's end releases it."""
+        t0 = _clock()
+        if not self.queued:
+            self._begin_backward()
+        native = self._fetch(unit, self.train, swap=True)
+        self.host_s += _clock() - t0 - native
 
     def _watch(self, unit: _Unit, args: Any, kwargs: Any) -> tuple[Any, Any]:
         """Passes the unit's tensor arguments that need a gradient through
@@ -475,12 +506,30 @@ class _State:
             # A unit's forward outside its root's forward: the root's forward is the pass.
             if unit is None:
                 return call(*args, **kwargs)
+            if _recomputing(self):
+                return self._recompute(unit, call, args, kwargs)
             return self.forward(module, lambda *a, **k: self._unit_forward(unit, call, a, k), args, kwargs)
         return self._unit_forward(unit, call, args, kwargs)
 
+    def _recompute(self, unit: _Unit, call: Any, args: Any, kwargs: Any) -> Any:
+        """A unit's forward run again inside the backward: activation checkpointing
+        (``torch.utils.checkpoint``) recomputing what it did not keep. The unit is fetched
+        for the backward and stays fetched until its post-backward (or the backward's end)
+        releases it: the tensors the recomputation saves view its gathered parameters
+        directly. No saved-tensor hooks of ours: the checkpoint's own take what is saved
+        (non-reentrant), or the recomputed graph is differentiated at once (reentrant)."""
+        self._pre_backward(unit)
+        t0 = _clock()
+        args, kwargs = self._watch(unit, args, kwargs)
+        self.host_s += _clock() - t0
+        return call(*args, **kwargs)
+
     def _fetch(self, unit: _Unit, engine: Any, swap: bool) -> float:
-        """Fetches ``unit`` on ``engine``; returns the seconds spent in the library."""
+        """Fetches ``unit`` on ``engine`` (``swap``: and puts its full parameters in its
+        modules); returns the seconds spent in the library."""
         if unit.fetched is not None:
+            if swap and not unit.swapped:
+                self._swap_in(unit)
             return 0.0
         # A tied parameter's full value may view what another unit fetched last.
         known = [p.addr for p in unit.params] if unit.shared else unit.known
@@ -509,18 +558,24 @@ class _State:
             self.hooks.set_spans(unit.index, [(p.addr, p.nbytes, p.pid, p.views[p.addr]) for p in unit.params])
         self.hooks.show(unit.index)
         if swap:
-            for params, name, full, _ in unit.swaps:
-                params[name] = full
+            self._swap_in(unit)
         return native
 
-    def _release(self, unit: _Unit, swap: bool) -> float:
-        """Releases ``unit``; returns the seconds spent in the library."""
+    def _swap_in(self, unit: _Unit) -> None:
+        for params, name, full, _ in unit.swaps:
+            params[name] = full
+        unit.swapped = True
+
+    def _release(self, unit: _Unit) -> float:
+        """Releases ``unit`` (its shards back in its modules); returns the seconds spent in the
+        library."""
         engine = unit.fetched
         if engine is None:
             return 0.0
-        if swap:
+        if unit.swapped:
             for params, name, _, shard in unit.swaps:
                 params[name] = shard
+            unit.swapped = False
         # The full parameters keep viewing the buffers (nothing outside a pass reaches them;
         # saved tensors are references, see Hooks): the next fetch at the same addresses has
         # nothing to redo.
@@ -536,7 +591,7 @@ class _State:
         forward continues it)."""
         for unit in self.units:
             if unit.fetched is engine:
-                self._release(unit, swap=True)
+                self._release(unit)
         if engine is self.eval:
             engine.end_step()
 
@@ -546,7 +601,7 @@ class _State:
         at the next forward, after the caller's ``zero_grad``: the next step would add to
         them otherwise)."""
         for unit in self.units:
-            self._release(unit, swap=False)
+            self._release(unit)
         for p in self.params:
             p.full.grad = None
         self.accum.clear()
@@ -669,7 +724,7 @@ class _State:
             self._begin_backward()
         native, done = self._hand(unit.grads)
         if done:
-            native += self._release(unit, swap=False)
+            native += self._release(unit)
         self.host_s += _clock() - t0 - native
 
     def _end_backward(self) -> None:
@@ -678,7 +733,7 @@ class _State:
         for unit in self.units:
             native += self._hand(unit.grads)[0]
         for unit in self.units:
-            native += self._release(unit, swap=False)
+            native += self._release(unit)
         self.queued = False
         self.hooks.backward = False
         self.phase = "idle"
@@ -730,6 +785,12 @@ class _State:
         self.eval.release(ids)
         self.eval.end_step()
         return out
+
+
+def _recomputing(state: _State) -> bool:
+    """Whether a unit's forward called now is a recomputation in the backward (autograd is
+    running a backward on this thread, outside any forward pass of ``state``'s)."""
+    return state.engine is None and torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1
 
 
 def _needing_grad(out: Any) -> list[torch.Tensor]:
