@@ -144,8 +144,9 @@ def reference(spec: dict[str, Any], world: int) -> dict[str, Any]:
     """Plain unsharded PyTorch on one model: every rank's micro-batches, gradients averaged
     over ranks as DDP and FSDP do (each rank's micro-batch gradients summed in order, in the
     reduction dtype, then the ranks' sums added in rank order and divided by the world), the
-    same optimizer. Returns the losses (by step, micro-batch, rank) and the parameters after
-    every step (and, with ``eval_between``, every rank's evaluation losses). ``worlds`` gives
+    same optimizer (after ``clip_grad_norm_`` with ``clip``). Returns the losses (by step,
+    micro-batch, rank) and the parameters after every step (and, with ``eval_between``, every
+    rank's evaluation losses; with ``clip``, every step's gradient norm). ``worlds`` gives
     each step's world, for a run that changes its world size at a checkpoint."""
     # The ranks compute with one thread each; so does the reference (a kernel's summation
     # order can depend on its thread count).
@@ -157,7 +158,7 @@ def reference(spec: dict[str, Any], world: int) -> dict[str, Any]:
     model = build(name, spec.get("seed", 0), dtype)
     params = dict(model.named_parameters())
     opt = optimizer(spec.get("opt", "adamw"), model.parameters())
-    losses, after, evals = [], [], [[] for _ in range(world)]
+    losses, after, evals, norms = [], [], [[] for _ in range(world)], []
     worlds = spec.get("worlds", [world] * spec["steps"])
     for step in range(spec["steps"]):
         world = worlds[step]
@@ -196,8 +197,11 @@ def reference(spec: dict[str, Any], world: int) -> dict[str, Any]:
                     part = part + acc[r][n]
                 total = part if total is None else total + part
             p.grad = (total / world).to(dtype)
+        if spec.get("clip"):
+            kind = spec.get("clip_norm", 2.0)
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), spec["clip"], kind)))
         opt.step()
         opt.zero_grad()
         losses.append(step_losses)
         after.append({n: p.detach().clone() for n, p in params.items()})
-    return {"losses": losses, "params": after, "evals": evals}
+    return {"losses": losses, "params": after, "evals": evals, "norms": norms}

@@ -123,6 +123,40 @@ def test_activation_checkpointing_recomputes_with_the_units_gathered(where, reen
         assert r["live"] == 0, f"rank {rank}: {r['live']} bytes still gathered"
 
 
+@pytest.mark.parametrize(
+    ("world", "strategy", "norm"), [(2, "even", 2.0), (4, "hybrid:2", 2.0), (3, "greedy", float("inf"))]
+)
+def test_gradient_clipping_takes_the_norm_over_every_rank(world, strategy, norm):
+    """An unmodified loop's torch.nn.utils.clip_grad_norm_(model.parameters(), ...) on the
+    shards: the norm of the whole model's gradient (hybrid replicas counted once), every rank
+    scaled alike, as plain PyTorch clips the unsharded model. SGD: AdamW's step turns the
+    last-bit difference of the clip factor (the norm summed in another order) into visible ones
+    on gradients that are zero but for rounding (the attention's key bias)."""
+    spec = {
+        "model": "gpt",
+        "steps": 3,
+        "strategy": strategy,
+        "bucket_mb": 0.002,
+        "clip": 0.05,
+        "clip_norm": norm,
+        "opt": "sgd",
+    }
+    runs = run(workers.train, world, spec)
+    ref = models.reference(spec, world)
+    assert len(ref["norms"]) == spec["steps"] and all(n > spec["clip"] for n in ref["norms"]), ref["norms"]
+    parity.check(runs, ref)
+    for rank, r in enumerate(runs):
+        torch.testing.assert_close(
+            torch.tensor(r["norms"]), torch.tensor(ref["norms"]), rtol=1e-5, atol=0, msg=f"rank {rank}"
+        )
+
+
+def test_clipping_refuses_shards_mixed_with_other_tensors():
+    for message in run(workers.clip_mixed, 2):
+        assert "shards of collsched.torch.fully_shard and other tensors" in message, message
+        assert "(3, 2)" in message, message
+
+
 def test_forward_only_passes_leave_nothing_in_flight():
     spec = {"model": "gpt", "steps": 3, "bucket_mb": 0.002}
     runs = run(workers.forward_only, 2, spec)

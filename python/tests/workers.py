@@ -53,7 +53,7 @@ def train(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
             a.set_modules_to_forward_prefetch([b])
             b.set_modules_to_backward_prefetch([a])
     opt = models.optimizer(spec.get("opt", "adamw"), model.parameters())
-    losses, after, stats, evals = [], [], [], []
+    losses, after, stats, evals, norms = [], [], [], [], []
     micro_n = spec.get("micro", 1)
     for step in range(spec["steps"]):
         frozen = spec.get("frozen", {}).get(step, [])
@@ -76,13 +76,25 @@ def train(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
                 with torch.no_grad():
                     ex, ey = models.batch(name, 99, step, 0, rank, dtype)
                     evals.append(models.loss_fn(name, model(ex), ey).item())
+        if spec.get("clip"):
+            # torch's own function, as an unmodified loop calls it.
+            kind = spec.get("clip_norm", 2.0)
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), spec["clip"], kind)))
         opt.step()
         opt.zero_grad()
         losses.append(row)
         after.append(snapshot(cst.full_parameters(model)))
     plan = cst.plan(model)
     live = cst.live_bytes(model)
-    return {"losses": losses, "params": after, "stats": stats, "evals": evals, "plan": plan, "live": live}
+    return {
+        "losses": losses,
+        "params": after,
+        "stats": stats,
+        "evals": evals,
+        "plan": plan,
+        "live": live,
+        "norms": norms,
+    }
 
 
 def gradcache(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
@@ -113,6 +125,25 @@ def gradcache(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
         opt.zero_grad()
         after.append(snapshot(cst.full_parameters(model)))
     return {"params": after, "stats": stats, "plan": cst.plan(model)}
+
+
+def clip_mixed(rank: int, world: int) -> str:
+    """Clips a sharded model's parameters together with a plain tensor: the error's message.
+    torch's own clip still takes plain tensors alone."""
+    import collsched.torch as cst
+
+    model = shard(models.build("mlp"), {})
+    x, y = models.batch("mlp", 0, 0, 0, rank)
+    models.loss_fn("mlp", model(x), y).backward()
+    plain = torch.nn.Parameter(torch.ones(3, 2))
+    plain.grad = torch.full((3, 2), 4.0)
+    norm = torch.nn.utils.clip_grad_norm_([plain], 1.0)
+    assert abs(float(norm) - 4.0 * 6**0.5) < 1e-4 and float(plain.grad.norm()) < 1.0 + 1e-4
+    try:
+        torch.nn.utils.clip_grad_norm_([*model.parameters(), plain], 1.0)
+    except cst.CollschedError as e:
+        return str(e)
+    return "no error"
 
 
 def forward_only(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:

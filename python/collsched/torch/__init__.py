@@ -45,26 +45,34 @@ frees buffers only after what that stream queued so far, gradients go over in th
 dtype on that stream, and under ``no_sync`` they accumulate in the full parameters' ``.grad``
 until the synchronized micro-batch.
 
+Gradient clipping: ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` (importing
+this package makes it sharding-aware), or :func:`clip_grad_norm_` by name, takes the norm over
+every rank's elements, as FSDP2's DTensor parameters do (torch's own, on a rank's shards, would
+clip each rank by its shard's norm).
+
 Knobs are the arguments of :func:`fully_shard` and :func:`init`; errors are
 :class:`collsched.CollschedError` and its subclasses, with the library's message.
 
 The ``"collsched"`` torch.distributed backend (``dist.init_process_group("collsched")``), which
 importing this package registers, is :mod:`collsched.torch.distributed`. The files:
 ``world.py`` (joining the job), ``shard.py`` (``fully_shard`` and its hooks),
-``checkpoint.py`` (checkpoints), ``distributed.py`` (the process group backend).
+``checkpoint.py`` (checkpoints), ``clip.py`` (gradient clipping), ``distributed.py`` (the
+process group backend).
 """
 
 from __future__ import annotations
 
 from .._native import CollschedError
-from . import distributed
+from . import clip, distributed
 from .checkpoint import full_state_dict, load_checkpoint, save_checkpoint, save_full
+from .clip import clip_grad_norm_
 from .shard import CollschedModule, full_parameters, fully_shard, live_bytes, plan, stats
 from .world import flight_record, init, world
 
 __all__ = [
     "CollschedError",
     "CollschedModule",
+    "clip_grad_norm_",
     "flight_record",
     "fully_shard",
     "full_parameters",
@@ -80,3 +88,4 @@ __all__ = [
 ]
 
 distributed.register()
+clip.install()
