@@ -203,6 +203,7 @@ def test_trainability_refreshed_by_hand():
         ("prefetch", ["sometimes"]),
         ("strategy", ["hybrid:0"]),
         ("root_then_block", ["0.weight", "blocks first"]),
+        ("half_after", ["blocks.0.weight", "torch.float16", "before fully_shard"]),
     ],
 )
 def test_fully_shard_errors_name_the_parameter_or_knob(case, words):

@@ -359,6 +359,18 @@ def bad_fully_shard(rank: int, world: int, case: str) -> str:
             cst.fully_shard(m)
             inner = torch.nn.Sequential(m.blocks[0])
             cst.fully_shard(inner)
+        elif case == "half_after":
+            m = models.build("mlp")
+            for b in m.blocks:
+                cst.fully_shard(b)
+            cst.fully_shard(m)
+            before = {n: (p.data_ptr(), p.dtype) for n, p in m.named_parameters()}
+            m.float().to("cpu")  # no change: allowed
+            try:
+                m.half()
+            finally:
+                after = {n: (p.data_ptr(), p.dtype) for n, p in m.named_parameters()}
+                assert after == before, "the shards were not put back"
     except Exception as e:
         return f"{type(e).__module__}.{type(e).__name__}: {e}"
     return "no error"

@@ -614,6 +614,26 @@ class _State:
         if self.opts["auto_refresh_trainable"] and not self.unsynced:
             self.refresh_trainable()
 
+    def check_shards_in_place(self, module: str) -> None:
+        """Every shard still views collsched's memory; those that do not are put back, and the
+        first is named in the error."""
+        moved = []
+        for p in self.params:
+            region, _, numel = self.model.shard(p.pid)
+            if region is None:
+                continue
+            data = p.shard.data
+            if data.data_ptr() != region.address or data.dtype != p.dtype or data.device != self.device:
+                moved.append((p, data.dtype, data.device))
+                p.shard.data = _tensor(region, p.dtype, [numel], self.device)
+        if moved:
+            p, dtype, device = moved[0]
+            raise CollschedError(
+                f"{module}: a conversion (module.to(), .half(), .share_memory(), ...) moved parameter {p.name} "
+                f"({len(moved)} parameters in all) out of collsched's memory, to {dtype} on {device}; the shards are "
+                f"put back ({p.dtype} on {self.device}). Convert or move the module before fully_shard"
+            )
+
     def refresh_trainable(self) -> bool:
         mask = [bool(p.shard.requires_grad) for p in self.params]
         if mask == self.mask:
@@ -834,6 +854,17 @@ class CollschedModule:
         if state.root is self:
             return state.forward(self, call, args, kwargs)  # type: ignore[arg-type]
         return state.unit_forward(self, call, args, kwargs)  # type: ignore[arg-type]
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        """``module.to()``, ``.half()``, ``.share_memory()``, ...: a conversion that keeps the
+        shards where they are (the same dtype and device) changes nothing; one that would move
+        a shard out of collsched's memory is undone and raises (the gathers would go on
+        reading the old values while the optimizer updated the copy)."""
+        out = super()._apply(fn, recurse)  # type: ignore[misc]
+        state: _State | None = self.__dict__.get("_collsched_state")
+        if state is not None and state.model is not None:
+            state.check_shards_in_place(type(self).__name__)
+        return out
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
         """``False``: backward passes accumulate gradients locally and reduce nothing, until a
