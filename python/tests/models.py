@@ -3,6 +3,7 @@ with. Nothing here uses collsched."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -128,6 +129,13 @@ def batch(name: str, seed: int, step: int, micro: int, rank: int, dtype: torch.d
     return idx[:, :-1], idx[:, 1:]
 
 
+def autocast(spec: dict[str, Any]) -> Any:
+    """The forward's mixed precision: ``torch.autocast`` to the spec's ``autocast`` dtype on the
+    CPU, or nothing."""
+    dtype = spec.get("autocast")
+    return torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
+
 def loss_fn(name: str, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     if name == "mlp":
         return ((out.float() - target.float()) ** 2).mean()
@@ -172,7 +180,9 @@ def reference(spec: dict[str, Any], world: int) -> dict[str, Any]:
             row = []
             for r in range(world):
                 x, y = batch(name, spec.get("seed", 0), step, micro, r, dtype)
-                loss = loss_fn(name, model(x), y)
+                with autocast(spec):
+                    out = model(x)
+                loss = loss_fn(name, out, y)
                 grads = torch.autograd.grad(loss, list(live.values()), allow_unused=True)
                 for n, g in zip(live, grads):
                     g = torch.zeros_like(live[n]) if g is None else g

@@ -37,3 +37,19 @@ def test_bf16_parameters_reduced_in_f32():
     }
     runs = run(workers.train, 2, spec)
     parity.check(runs, models.reference(spec, 2), torch.bfloat16)
+
+
+@pytest.mark.parametrize("recompute", [None, ("wrapper", False)])
+def test_autocast_bf16_forward_of_f32_parameters(recompute):
+    """The forward under torch.autocast (bf16 on the CPU), with no_sync micro-batches, and with
+    activation checkpointing: the same as plain PyTorch under the same autocast."""
+    spec = {
+        "model": "gpt",
+        "steps": 3,
+        "micro": 2,
+        "autocast": torch.bfloat16,
+        "bucket_mb": 0.002,
+        "recompute": recompute,
+    }
+    runs = run(workers.train, 2, spec)
+    parity.check(runs, models.reference(spec, 2))

@@ -68,7 +68,9 @@ def train(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
                 x, y = x.cuda(), y.cuda()
             ctx = model.no_sync() if micro + 1 < micro_n else contextlib.nullcontext()
             with ctx:
-                loss = models.loss_fn(name, model(x), y)
+                with models.autocast(spec):
+                    out = model(x)
+                loss = models.loss_fn(name, out, y)
                 loss.backward()
             stats.append(cst.stats(model))
             row.append(loss.item())
