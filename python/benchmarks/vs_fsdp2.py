@@ -14,7 +14,8 @@ collectives counted by wrapping torch.distributed's); the host time of the hooks
 way, see ``Fsdp2HookTime``); collsched's peak gathered bytes; every step's loss; the ratios. A third run
 trains the model unsharded with no communication at all (each rank alone): its forward and
 backward time plus its optimizer time divided by the ranks is the floor under any sharded
-step on this machine, printed beside the two.
+step on this machine, printed beside the two. With ``--ac`` every block of all three runs is
+under activation checkpointing (``checkpoint_wrapper``, wrapped before sharding).
 """
 
 from __future__ import annotations
@@ -182,6 +183,18 @@ class Fsdp2HookTime:
         return out
 
 
+def build(args: argparse.Namespace) -> Gpt:
+    """The model from ``args.seed``; with ``--ac`` each block in a ``checkpoint_wrapper``
+    (activation checkpointing, not reentrant), applied before sharding as torchtitan does."""
+    torch.manual_seed(args.seed)
+    model = Gpt(args.vocab, args.dim, args.heads, args.blocks, args.seq)
+    if args.ac:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        model.blocks = nn.ModuleList(checkpoint_wrapper(b) for b in model.blocks)
+    return model
+
+
 def batch(args: argparse.Namespace, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * step + rank)
     idx = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
@@ -227,8 +240,7 @@ def run_collsched(args: argparse.Namespace, rank: int) -> dict[str, Any]:
     import collsched.torch as cst
 
     cst.init()
-    torch.manual_seed(args.seed)
-    model = Gpt(args.vocab, args.dim, args.heads, args.blocks, args.seq)
+    model = build(args)
     for b in model.blocks:
         cst.fully_shard(b)
     cst.fully_shard(
@@ -254,8 +266,7 @@ def run_collsched(args: argparse.Namespace, rank: int) -> dict[str, Any]:
 
 def run_plain(args: argparse.Namespace, rank: int) -> dict[str, Any]:
     """The model unsharded and alone on each rank: no hooks, no collectives."""
-    torch.manual_seed(args.seed)
-    model = Gpt(args.vocab, args.dim, args.heads, args.blocks, args.seq)
+    model = build(args)
     return train(args, model, rank)
 
 
@@ -263,8 +274,7 @@ def run_fsdp2(args: argparse.Namespace, rank: int, counter: CommCounter) -> dict
     from torch.distributed.fsdp import fully_shard
 
     hooks = Fsdp2HookTime()
-    torch.manual_seed(args.seed)
-    model = Gpt(args.vocab, args.dim, args.heads, args.blocks, args.seq)
+    model = build(args)
     for b in model.blocks:
         fully_shard(b)
     fully_shard(model)
@@ -293,6 +303,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--prefetch-mb", type=float, default=None, help="collsched's prefetch budget")
     p.add_argument("--max-inflight", type=int, default=None, help="collsched's buckets ahead")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ac", action="store_true", help="activation checkpointing of every block, in all three runs")
     p.add_argument("--impl", choices=["collsched", "fsdp2", "plain"], help=argparse.SUPPRESS)
     return p.parse_args()
 
@@ -356,6 +367,7 @@ def report(args: argparse.Namespace, world: int, results: dict[str, dict[str, An
     print(
         f"model: {n / 1e6:.1f}M parameters, {args.blocks} blocks, dim {args.dim}; {world} ranks; "
         f"batch {args.batch}x{args.seq}; {args.steps} timed steps after {args.warmup}; "
+        f"{'activation checkpointing of every block; ' if args.ac else ''}"
         f"torch {torch.__version__}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}; "
         "each implementation in processes of its own"
     )
