@@ -110,6 +110,8 @@ def test_the_store_exchange_gathers_every_rank_and_carries_the_cuda_world_s_repo
         assert got["rounds"][2] == ["", "", ""], got
         # World.cuda met the others through the exchange: one more round.
         assert got["calls"] == 4, got
+        # Only the last round's keys are left in the store.
+        assert got["kept"] == [[False] * 3] * 3 + [[True] * 3], got["kept"]
         if not GPU:
             msg = got["error"]
             assert msg.startswith("CollschedError: World.cuda:"), msg

@@ -510,4 +510,8 @@ def world_cuda_through_the_store(rank: int, world: int) -> dict[str, Any]:
         err = "no error"
     except Exception as e:  # the message is what the test checks
         err = f"{type(e).__name__}: {e}"
-    return {"rounds": [[r.decode() for r in one] for one in rounds], "error": err, "calls": ex.round}
+    # Every rank is past the last round: the keys left are that round's.
+    dist.barrier()
+    store = dist.distributed_c10d._get_default_store()
+    kept = [[store.check([ex.key(k, r)]) for r in range(world)] for k in range(1, ex.round + 1)]
+    return {"rounds": [[r.decode() for r in one] for one in rounds], "error": err, "calls": ex.round, "kept": kept}

@@ -120,17 +120,24 @@ def hybrid_groups(size: int, group_size: int) -> list[list[int]]:
 class StoreExchange:
     """The job's small exchanges through torch.distributed's ``store``, which every machine of
     the job reaches: a call with this rank's bytes returns every rank's, in rank order
-    (collective; each call is one round of keys under ``collsched/x/``)."""
+    (collective; each call is one round of keys under ``collsched/x/``). A rank's key of a round
+    is deleted once every rank wrote the next (each read it before): the store keeps the last
+    round's alone."""
 
     def __init__(self, store: Any, rank: int, size: int) -> None:
         self.store, self.rank, self.size, self.round = store, rank, size, 0
 
+    def key(self, round: int, rank: int) -> str:
+        return f"collsched/x/{round}/{rank}"
+
     def __call__(self, data: bytes) -> list[bytes]:
         self.round += 1
-        base = f"collsched/x/{self.round}"
         # A marker byte: a store's value is never empty.
-        self.store.set(f"{base}/{self.rank}", b"v" + bytes(data))
-        return [bytes(self.store.get(f"{base}/{r}"))[1:] for r in range(self.size)]
+        self.store.set(self.key(self.round, self.rank), b"v" + bytes(data))
+        out = [bytes(self.store.get(self.key(self.round, r)))[1:] for r in range(self.size)]
+        if self.round > 1:
+            self.store.delete_key(self.key(self.round - 1, self.rank))
+        return out
 
 
 def _join_cuda(group_size: Any) -> Any:
