@@ -73,17 +73,21 @@ def clip_grad_norm_(
     p = float(norm_type)
     if p <= 0 and not math.isinf(p):
         raise CollschedError(f"clip_grad_norm_: norm_type={norm_type}; expected a positive number or inf")
-    local = 0.0
+    # This rank's part, summed on the gradients' device and read once (one host sync).
+    parts = []
+    replicas: dict[int, int] = {}
     for s in shards:
         g = s.grad
         if g is None or g.numel() == 0:
             continue
         state = s._collsched_param[0]
-        g64 = g.detach().to(torch.float64)
-        if math.isinf(p):
-            local = max(local, float(g64.abs().max()))
-        else:
-            local += float(g64.abs().pow(p).sum()) / _replicas(state)
+        k = replicas.setdefault(id(state), _replicas(state))
+        g64 = g.detach().to(torch.float64).abs()
+        parts.append(g64.max() if math.isinf(p) else g64.pow(p).sum() / k)
+    local = 0.0
+    if parts:
+        joined = torch.stack(parts)
+        local = float(joined.max() if math.isinf(p) else joined.sum())
     every = [struct.unpack("<d", b)[0] for b in world().all_gather(struct.pack("<d", local))]
     total = max(every) if math.isinf(p) else math.fsum(every) ** (1.0 / p)
     if error_if_nonfinite and not math.isfinite(total):

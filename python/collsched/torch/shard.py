@@ -49,6 +49,7 @@ class _Param:
         "numel",
         "nbytes",
         "shard",
+        "home",
         "full",
         "placeholder",
         "unit",
@@ -71,6 +72,9 @@ class _Param:
             else torch.zeros((), dtype=dtype, device=device)
         )
         self.shard: nn.Parameter = nn.Parameter(torch.empty(0, dtype=dtype, device=device))
+        # The shard's data as the library placed it (a view of its memory), kept to check and
+        # restore what the module's conversions do to the shard.
+        self.home = self.shard.data
         self.full: nn.Parameter = nn.Parameter(self.placeholder, requires_grad=False)
         self.unit = 0
         # Views of gathered buffers made for this parameter, by address (buffers come back
@@ -142,7 +146,7 @@ class _State:
         self.last: dict[str, Any] = {}
         self.host_s = 0.0
         self.host_units = 0
-        self.queued = False
+        self._queued = False
         self.got: set[int] = set()
         # Where the shards, the full parameters and their gradients live: the CPU, or the
         # CUDA device of a world on the cuda backend (gradients then go to the library in the
@@ -156,6 +160,18 @@ class _State:
         self.unit_buckets: list[list[int]] = []
         self.fwd_rules: dict[int, list[int]] = {}
         self.bwd_rules: dict[int, list[int]] = {}
+
+    @property
+    def queued(self) -> bool:
+        """Whether this step's backward has begun (its end is queued on autograd's engine)."""
+        return self._queued
+
+    @queued.setter
+    def queued(self, on: bool) -> None:
+        # The native unpack hook views parameters without Python only once the backward began.
+        self._queued = on
+        if self.hooks is not None:
+            self.hooks.backward = on
 
     # ---- building ----------------------------------------------------------------------
 
@@ -275,6 +291,7 @@ class _State:
             data = _tensor(region, p.dtype, [numel], self.device)
             assert data.numel() == numel
             p.shard.data = data
+            p.home = data
             p.shard._collsched_param = (self, p)
             p.full.requires_grad_(p.shard.requires_grad)
         for m, name, pid in (s for u in self.units for s in u.slots):
@@ -607,7 +624,6 @@ class _State:
         self.accum.clear()
         self.phase = "idle"
         self.queued = False
-        self.hooks.backward = False
         self._end_step(deliver=False)
 
     def _step_boundary(self) -> None:
@@ -619,13 +635,10 @@ class _State:
         first is named in the error."""
         moved = []
         for p in self.params:
-            region, _, numel = self.model.shard(p.pid)
-            if region is None:
-                continue
             data = p.shard.data
-            if data.data_ptr() != region.address or data.dtype != p.dtype or data.device != self.device:
+            if data.data_ptr() != p.home.data_ptr() or data.dtype != p.dtype or data.device != self.device:
                 moved.append((p, data.dtype, data.device))
-                p.shard.data = _tensor(region, p.dtype, [numel], self.device)
+                p.shard.data = p.home
         if moved:
             p, dtype, device = moved[0]
             raise CollschedError(
@@ -681,7 +694,6 @@ class _State:
         if self.phase == "idle":
             self._step_boundary()
         self.queued = True
-        self.hooks.backward = True
         self.phase = "backward"
         self.train.begin_backward()
         self.train.set_no_sync(not self.sync)
@@ -755,7 +767,6 @@ class _State:
         for unit in self.units:
             native += self._release(unit)
         self.queued = False
-        self.hooks.backward = False
         self.phase = "idle"
         self.host_s += _clock() - t0 - native
         self._end_step()
