@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Installs what a fresh machine lacks: Debian packages for hwloc and Open MPI, the CUDA pip wheels for the
-# NVRTC/ptxas checks. Idempotent; quick when everything is there.
+# Installs what a fresh machine lacks: Debian packages for hwloc and Open MPI, the CUDA 12 and CUDA 13
+# pip wheels for the NVRTC/ptxas checks. Idempotent; quick when everything is there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source ci/env.sh
@@ -25,5 +25,14 @@ if [ ! -x "$COLLSCHED_PTXAS" ] || [ ! -d "$COLLSCHED_NVRTC_LIB" ] || [ ! -d "$CO
   python3 -m pip install -q --disable-pip-version-check --no-deps --upgrade --target "$COLLSCHED_CUDA_WHEELS" \
     'nvidia-cuda-nvrtc-cu12==12.9.*' 'nvidia-cuda-runtime-cu12==12.9.*' 'nvidia-cuda-nvcc-cu12==12.9.*'
   chmod +x "$COLLSCHED_PTXAS" || true
+fi
+# CUDA 13 (NVRTC 13.0 as torch's cu130 builds ship it): one more NVRTC run and ptxas in ci/ptx.sh.
+if [ ! -x "$COLLSCHED_CUDA13_PTXAS" ] || [ ! -f "$COLLSCHED_CUDA13_NVRTC_LIB/libnvrtc.so.13" ] \
+  || [ ! -f "$COLLSCHED_CUDA13_INCLUDE/cuda_fp16.h" ] || [ ! -d "$COLLSCHED_CUDA13_INCLUDE/cccl" ]; then
+  echo "ci/setup: pip install --target $COLLSCHED_CUDA13_WHEELS (CUDA 13 NVRTC, runtime and CCCL headers, ptxas)"
+  mkdir -p "$COLLSCHED_CUDA13_WHEELS"
+  python3 -m pip install -q --disable-pip-version-check --no-deps --upgrade --target "$COLLSCHED_CUDA13_WHEELS" \
+    'nvidia-cuda-nvrtc==13.0.*' 'nvidia-cuda-runtime==13.0.*' 'nvidia-cuda-cccl==13.0.*' 'nvidia-cuda-nvcc==13.0.*'
+  chmod +x "$COLLSCHED_CUDA13_PTXAS" || true
 fi
 echo "ci/setup: ok"

@@ -1,13 +1,14 @@
 //! CUDA C twins of the CPU kernels, compiled by NVRTC (feature `cuda`).
 //!
-//! - [`loader`]: opens the CUDA driver, NVRTC and NCCL without cudarc's panics;
+//! - [`loader`]: opens the CUDA driver, NVRTC and NCCL (CUDA 12 or 13) without cudarc's panics;
 //! - [`SOURCES`]: the CUDA C sources (`kernels/cuda/*.cu`, built in with `include_str!`);
-//! - [`compile`] / [`compile_ptx`] / [`compiled`]: NVRTC to PTX or a CUBIN, cached once per
-//!   process per (architecture, kind);
-//! - [`KernelModule`]: the kernels loaded into a CUDA context (a CUBIN for the device, PTX for
-//!   `compute_80` as the fallback), with one launch function per
-//!   kernel that takes raw device pointers and a raw stream (so the backend can run them on
-//!   streams and memory an engine owns).
+//! - [`nvrtc`]: NVRTC through its own function table ([`compile`], [`compile_ptx`],
+//!   [`supported_archs`], [`include_dirs`]); [`compiled`] caches once per process per
+//!   (architecture, kind);
+//! - [`KernelModule`]: the kernels loaded into a CUDA context (a CUBIN for the device, PTX as
+//!   the fallback, for architectures NVRTC supports: [`load_targets`]), with one launch
+//!   function per kernel that takes raw device pointers and a raw stream (so the backend can
+//!   run them on streams and memory an engine owns).
 //!
 //! The semantics are those of the CPU kernels in this crate ([`crate::copy_in`],
 //! [`crate::copy_out`], [`crate::reduce`], [`crate::accumulate`], [`crate::cast`]); the GPU
@@ -16,21 +17,23 @@
 //! # Knobs
 //! | variable | default | meaning |
 //! |---|---|---|
-//! | `COLLSCHED_CUDA_INCLUDE` | unset | `:`-separated directories with `cuda_fp16.h` / `cuda_bf16.h` (the `nvidia-cuda-runtime-cu12` wheel's `nvidia/cuda_runtime/include`); after it, `$CUDA_HOME/include`, `$CUDA_PATH/include` and `/usr/local/cuda/include` are tried |
-//! | `COLLSCHED_NVRTC_LIB`, `COLLSCHED_CUDA_DRIVER_LIB` | unset | where the libraries are (see [`loader`]) |
+//! | `COLLSCHED_CUDA_INCLUDE` | unset | where `cuda_fp16.h` / `cuda_bf16.h` are (see [`nvrtc`]) |
+//! | `COLLSCHED_NVRTC_LIB`, `COLLSCHED_CUDA_DRIVER_LIB`, `COLLSCHED_CUDA_SEARCH` | unset | where the libraries are (see [`loader`]) |
 
 pub mod loader;
+pub mod nvrtc;
 
 use std::collections::HashMap;
 use std::ffi::{c_void, CStr, CString};
-use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::{result as cu, sys as cusys};
-use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
 
 use crate::{CopySegment, ElemType, KernelError};
 pub use loader::{CudaLibrary, LoadError};
+pub use nvrtc::{
+    compile, compile_ptx, include_dirs, include_dirs_in, nvrtc_version, supported_archs, CodeKind,
+};
 
 /// One CUDA C source file and the kernels it defines.
 #[derive(Clone, Copy, Debug)]
@@ -132,6 +135,21 @@ pub enum CudaKernelError {
         /// NVRTC's result code.
         code: String,
     },
+    /// NVRTC cannot compile for the architecture asked for.
+    #[error(
+        "NVRTC {}.{} ({path}) cannot compile for sm_{arch}: it supports {}; {}",
+        .version.0, .version.1, fmt_archs(.supported), arch_hint(*.arch, .supported)
+    )]
+    UnsupportedArch {
+        /// The compute capability asked for.
+        arch: u32,
+        /// NVRTC's `(major, minor)`.
+        version: (i32, i32),
+        /// Where NVRTC was loaded from.
+        path: String,
+        /// What it supports (`nvrtcGetSupportedArchs`), ascending.
+        supported: Vec<u32>,
+    },
     /// The source did not compile; NVRTC's log says why.
     #[error("NVRTC could not compile {file} for compute_{arch} (include path {include:?}): {log}")]
     Compile {
@@ -154,119 +172,41 @@ pub enum CudaKernelError {
     },
 }
 
-/// Include directories for NVRTC: the knob's, then the usual toolkit places, those that exist.
-pub fn include_dirs() -> Vec<PathBuf> {
-    let mut dirs: Vec<PathBuf> = Vec::new();
-    if let Ok(v) = std::env::var("COLLSCHED_CUDA_INCLUDE") {
-        dirs.extend(v.split(':').filter(|s| !s.is_empty()).map(PathBuf::from));
-    }
-    for var in ["CUDA_HOME", "CUDA_PATH"] {
-        if let Ok(v) = std::env::var(var) {
-            dirs.push(Path::new(&v).join("include"));
-        }
-    }
-    dirs.push(PathBuf::from("/usr/local/cuda/include"));
-    dirs.retain(|d| d.join("cuda_fp16.h").is_file());
-    dirs.dedup();
-    dirs
+fn fmt_archs(archs: &[u32]) -> String {
+    archs.iter().map(|a| format!("sm_{a}")).collect::<Vec<_>>().join(", ")
 }
 
-/// Destroys an NVRTC program when dropped (errors ignored: nothing to do about them).
-struct Program(nvrtc_sys::nvrtcProgram);
-
-impl Drop for Program {
-    fn drop(&mut self) {
-        // SAFETY: the program came from `create_program` and is destroyed only here.
-        let _ = unsafe { nvrtc::destroy_program(self.0) };
+fn arch_hint(arch: u32, supported: &[u32]) -> &'static str {
+    match supported.first() {
+        Some(&oldest) if arch < oldest => {
+            "a GPU older than this NVRTC's oldest architecture needs an older NVRTC (CUDA 13 dropped \
+             sm_50 to sm_72; CUDA 12's, the nvidia-cuda-nvrtc-cu12 wheel, supports sm_50 and newer): \
+             set COLLSCHED_NVRTC_LIB to the directory holding its libnvrtc.so.12"
+        }
+        _ => {
+            "for a GPU newer than NVRTC, PTX for an older compute_ architecture runs through the \
+             driver's JIT (KernelModule::load falls back to it), or use a newer NVRTC"
+        }
     }
 }
 
-/// What NVRTC produces.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum CodeKind {
-    /// PTX for `compute_{arch}`: JIT-compiled by the driver, runs on that and later GPUs, but
-    /// needs a driver at least as new as NVRTC's PTX version.
-    Ptx,
-    /// A CUBIN (machine code) for `sm_{arch}`: no JIT, runs on drivers older than NVRTC.
-    Cubin,
+/// The images [`KernelModule::load`] tries for a GPU of compute capability `arch`, given the
+/// architectures NVRTC supports.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LoadTargets {
+    /// A CUBIN for `sm_{arch}`, tried first, when NVRTC supports `arch`.
+    pub cubin: Option<u32>,
+    /// PTX for the newest supported `compute_` at or below `min(arch, 80)`, the fallback: it
+    /// runs on `arch` through the driver's JIT. `None` when NVRTC supports nothing that old
+    /// (CUDA 13's NVRTC and an sm_70 GPU).
+    pub ptx: Option<u32>,
 }
 
-/// Compiles one source to PTX for `compute_{arch}` (e.g. 80, 90), uncached.
-///
-/// # Errors
-/// [`CudaKernelError::Load`] without NVRTC; [`CudaKernelError::Compile`] with NVRTC's log.
-pub fn compile_ptx(source: &KernelSource, arch: u32, include: &[PathBuf]) -> Result<String, CudaKernelError> {
-    let image = compile(source, arch, CodeKind::Ptx, include)?;
-    Ok(String::from_utf8_lossy(&image).into_owned())
-}
-
-/// Compiles one source for `arch` to PTX or a CUBIN, uncached. PTX comes without the final NUL.
-///
-/// # Errors
-/// [`CudaKernelError::Load`] without NVRTC; [`CudaKernelError::Compile`] with NVRTC's log.
-pub fn compile(
-    source: &KernelSource,
-    arch: u32,
-    kind: CodeKind,
-    include: &[PathBuf],
-) -> Result<Vec<u8>, CudaKernelError> {
-    loader::nvrtc()?;
-    let nv = |api: &'static str| {
-        move |e: nvrtc::NvrtcError| CudaKernelError::Nvrtc {
-            api,
-            file: source.file,
-            arch,
-            code: format!("{:?}", e.0),
-        }
-    };
-    // The sources are ours and contain no NUL.
-    let src = CString::new(source.source).unwrap_or_default();
-    let name = CString::new(source.file).unwrap_or_default();
-    let prog = Program(nvrtc::create_program(&src, Some(&name)).map_err(nv("nvrtcCreateProgram"))?);
-    let target = match kind {
-        CodeKind::Ptx => format!("--gpu-architecture=compute_{arch}"),
-        CodeKind::Cubin => format!("--gpu-architecture=sm_{arch}"),
-    };
-    let mut options = vec![
-        target,
-        "--std=c++17".to_string(),
-        // The kernels spell out every rounding; keep the compiler from fusing anything anyway.
-        "--fmad=false".to_string(),
-        "--prec-div=true".to_string(),
-        "--ftz=false".to_string(),
-    ];
-    let include_strs: Vec<String> = include.iter().map(|d| d.to_string_lossy().into_owned()).collect();
-    options.extend(include_strs.iter().map(|d| format!("--include-path={d}")));
-    // SAFETY: `prog` is a live program created above.
-    if let Err(e) = unsafe { nvrtc::compile_program(prog.0, &options) } {
-        // SAFETY: as above.
-        let log = unsafe { nvrtc::get_program_log(prog.0) }
-            .map(|raw| {
-                let bytes: Vec<u8> = raw.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect();
-                String::from_utf8_lossy(&bytes).into_owned()
-            })
-            .unwrap_or_else(|_| format!("{:?} (no log)", e.0));
-        return Err(CudaKernelError::Compile { file: source.file, arch, include: include_strs, log });
-    }
-    match kind {
-        CodeKind::Ptx => {
-            // SAFETY: as above; the program compiled.
-            let raw = unsafe { nvrtc::get_ptx(prog.0) }.map_err(nv("nvrtcGetPTX"))?;
-            Ok(raw.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect())
-        }
-        CodeKind::Cubin => {
-            let mut size = 0usize;
-            // SAFETY: as above; `size` is a live local.
-            unsafe { nvrtc_sys::nvrtcGetCUBINSize(prog.0, &mut size) }
-                .result()
-                .map_err(nv("nvrtcGetCUBINSize"))?;
-            let mut image = vec![0u8; size];
-            // SAFETY: `image` has the size NVRTC asked for.
-            unsafe { nvrtc_sys::nvrtcGetCUBIN(prog.0, image.as_mut_ptr().cast()) }
-                .result()
-                .map_err(nv("nvrtcGetCUBIN"))?;
-            Ok(image)
-        }
+/// What [`KernelModule::load`] asks NVRTC for on a GPU of compute capability `arch`.
+pub fn load_targets(arch: u32, supported: &[u32]) -> LoadTargets {
+    LoadTargets {
+        cubin: supported.contains(&arch).then_some(arch),
+        ptx: supported.iter().copied().filter(|&a| a <= arch.min(80)).max(),
     }
 }
 
@@ -448,24 +388,34 @@ impl KernelModule {
     /// Compiles (once per process, see [`compiled`]) and loads every kernel for a device of
     /// compute capability `arch` (e.g. 80) into the context current on this thread.
     ///
-    /// First a CUBIN for `sm_{arch}` (no JIT, so a driver older than NVRTC is fine); if NVRTC
-    /// does not know that GPU or the driver refuses the CUBIN, PTX for `compute_80` (JIT, for
-    /// GPUs newer than NVRTC; `compute_{arch}` below sm_80).
+    /// The images of [`load_targets`]: first a CUBIN for `sm_{arch}` (no JIT, so a driver older
+    /// than NVRTC is fine); if NVRTC does not know that GPU or the driver refuses the CUBIN,
+    /// PTX for `compute_80` (JIT, for GPUs newer than NVRTC; the newest supported
+    /// `compute_` at or below `arch` for older GPUs).
     ///
     /// # Errors
-    /// [`CudaKernelError`] if a library is missing, NVRTC fails, or the driver refuses both
-    /// images (no current context, a driver older than the PTX).
+    /// [`CudaKernelError`] if a library is missing, NVRTC fails or supports no image for
+    /// `arch` ([`CudaKernelError::UnsupportedArch`]), or the driver refuses both images (no
+    /// current context, a driver older than the PTX).
     pub fn load(arch: u32) -> Result<Self, CudaKernelError> {
         loader::driver()?;
-        let first = compiled(arch, CodeKind::Cubin).and_then(|k| Self::load_images(&k));
-        match first {
-            Ok(m) => Ok(m),
-            Err(CudaKernelError::Load(e)) => Err(CudaKernelError::Load(e)),
-            Err(first_err) => {
-                let fallback = compiled(arch.min(80), CodeKind::Ptx).and_then(|k| Self::load_images(&k));
-                fallback.map_err(|_| first_err)
+        let targets = load_targets(arch, supported_archs()?);
+        let mut first_err = None;
+        if let Some(cubin) = targets.cubin {
+            match compiled(cubin, CodeKind::Cubin).and_then(|k| Self::load_images(&k)) {
+                Ok(m) => return Ok(m),
+                Err(CudaKernelError::Load(e)) => return Err(CudaKernelError::Load(e)),
+                Err(e) => first_err = Some(e),
             }
         }
+        if let Some(ptx) = targets.ptx {
+            match compiled(ptx, CodeKind::Ptx).and_then(|k| Self::load_images(&k)) {
+                Ok(m) => return Ok(m),
+                Err(e) => return Err(first_err.unwrap_or(e)),
+            }
+        }
+        // Neither image exists when NVRTC does not support `arch` or anything older.
+        Err(first_err.unwrap_or_else(|| nvrtc::unsupported_arch(arch)))
     }
 
     fn load_images(compiled: &CompiledKernels) -> Result<Self, CudaKernelError> {
@@ -713,24 +663,6 @@ pub fn reduce_post_divisor(op: crate::ReduceOp, scaling: crate::Scaling, inputs:
     }
 }
 
-/// NVRTC's version, `(major, minor)`.
-///
-/// # Errors
-/// [`CudaKernelError::Load`] without NVRTC.
-pub fn nvrtc_version() -> Result<(i32, i32), CudaKernelError> {
-    loader::nvrtc()?;
-    let (mut major, mut minor) = (0, 0);
-    // SAFETY: NVRTC is loaded (checked above); the pointers are to live locals.
-    let r = unsafe { nvrtc_sys::nvrtcVersion(&mut major, &mut minor) };
-    r.result().map_err(|e| CudaKernelError::Nvrtc {
-        api: "nvrtcVersion",
-        file: "-",
-        arch: 0,
-        code: format!("{:?}", e.0),
-    })?;
-    Ok((major, minor))
-}
-
 /// Returns the string `CStr` of a driver-owned C string, or `""` for null.
 ///
 /// # Safety
@@ -746,6 +678,41 @@ pub unsafe fn c_str<'a>(p: *const std::ffi::c_char) -> &'a str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `nvrtcGetSupportedArchs` of NVRTC 12.9 and 13.0.
+    const CUDA12: &[u32] = &[50, 52, 53, 60, 61, 62, 70, 72, 75, 80, 86, 87, 89, 90, 100, 101, 103, 120, 121];
+    const CUDA13: &[u32] = &[75, 80, 86, 87, 88, 89, 90, 100, 103, 110, 120, 121];
+
+    #[test]
+    fn load_asks_nvrtc_only_for_architectures_it_supports() {
+        let t = |cubin, ptx| LoadTargets { cubin, ptx };
+        assert_eq!(load_targets(90, CUDA13), t(Some(90), Some(80)));
+        assert_eq!(load_targets(90, CUDA12), t(Some(90), Some(80)));
+        // A GPU newer than NVRTC: PTX for compute_80 only.
+        assert_eq!(load_targets(130, CUDA13), t(None, Some(80)));
+        assert_eq!(load_targets(110, CUDA12), t(None, Some(80)));
+        // Volta: CUDA 12 compiles for it, CUDA 13 has nothing that old.
+        assert_eq!(load_targets(70, CUDA12), t(Some(70), Some(70)));
+        assert_eq!(load_targets(70, CUDA13), t(None, None));
+        assert_eq!(load_targets(75, CUDA13), t(Some(75), Some(75)));
+    }
+
+    #[test]
+    fn unsupported_arch_says_what_nvrtc_supports_and_what_to_do() {
+        let e = CudaKernelError::UnsupportedArch {
+            arch: 70,
+            version: (13, 0),
+            path: "/site/nvidia/cu13/lib/libnvrtc.so.13".into(),
+            supported: CUDA13.to_vec(),
+        };
+        let s = e.to_string();
+        assert!(
+            s.starts_with("NVRTC 13.0 (/site/nvidia/cu13/lib/libnvrtc.so.13) cannot compile for sm_70"),
+            "{s}"
+        );
+        assert!(s.contains("sm_75, sm_80"), "{s}");
+        assert!(s.contains("COLLSCHED_NVRTC_LIB"), "{s}");
+    }
 
     #[test]
     fn segments_split_into_pieces_and_check_bounds_like_the_cpu() {
