@@ -40,7 +40,7 @@ struct Span {
 
 /// The spans of the units whose parameters are gathered now, looked up by address, and the
 /// hooks over them.
-#[pyclass(module = "collsched._native", unsendable)]
+#[pyclass(module = "collsched._native")]
 pub struct Hooks {
     /// Each unit's spans, as last set (shown or not).
     spans: Vec<Vec<Span>>,

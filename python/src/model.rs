@@ -16,7 +16,9 @@ use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyDict};
 
 use crate::errors;
-use crate::region::{tensor_bytes, Region};
+use crate::region::{host_tensor_bytes, Region};
+#[cfg(feature = "cuda")]
+use crate::region::tensor_span;
 use crate::world::{Rank, World};
 
 #[cfg(feature = "cuda")]
@@ -88,7 +90,7 @@ fn fetch_regions<B: Backend>(
 /// full initial value of every parameter (`init`: `(address, bytes)` of a contiguous CPU
 /// tensor per parameter, read during the call). Collective: every rank builds its model at
 /// the same point with the same plan.
-#[pyclass(module = "collsched._native", unsendable)]
+#[pyclass(module = "collsched._native")]
 pub struct Model {
     state: St,
     plan_json: String,
@@ -101,7 +103,7 @@ impl Model {
     fn new(
         world: &World,
         params: &str,
-        init: Vec<(usize, usize)>,
+        init: Vec<Bound<'_, PyAny>>,
         strategy: &str,
         bucket_mb: f64,
         align: usize,
@@ -109,10 +111,24 @@ impl Model {
     ) -> PyResult<Model> {
         let ranks = u32::try_from(world.backend.rank_world().1).map_err(errors::other)?;
         let plan = crate::plan::build(params, ranks, strategy, bucket_mb, align, bucket_by)?;
-        // SAFETY: the Python caller passes each parameter's contiguous CPU tensor, which it
-        // holds for the duration of this call (`tensor_bytes`' contract); the bytes are copied
-        // into the shards before the call returns.
-        let full: Vec<&[u8]> = init.iter().map(|&(addr, len)| unsafe { tensor_bytes(addr, len) }).collect();
+        let names = plan.layout().params().specs().iter().map(|p| p.name.as_str());
+        if init.len() != plan.layout().params().len() {
+            return Err(errors::other(format!(
+                "Model: {} initial values for {} parameters; give one tensor per parameter, in the \
+                 parameter file's order",
+                init.len(),
+                plan.layout().params().len()
+            )));
+        }
+        let full = init
+            .iter()
+            .zip(names)
+            .map(|(t, name)| {
+                // SAFETY: `host_tensor_bytes`' contract: `init` holds the tensors for the whole
+                // call, and the bytes are copied into the shards before it returns.
+                unsafe { host_tensor_bytes(t, &format!("Model: parameter {name}'s initial value")) }
+            })
+            .collect::<PyResult<Vec<&[u8]>>>()?;
         let state = match &world.backend {
             Rank::Host(b) => St::Host(ModelState::new(Arc::clone(b), &plan, &full).map_err(errors::runtime)?),
             #[cfg(feature = "cuda")]
@@ -168,16 +184,17 @@ impl Model {
         &self,
         path: std::path::PathBuf,
         step: u64,
-        extras: Vec<(String, u32, String, usize, usize)>,
+        extras: Vec<(String, u32, String, Bound<'_, PyAny>)>,
         meta: &str,
     ) -> PyResult<String> {
         let meta: serde_json::Value = serde_json::from_str(meta).map_err(errors::other)?;
         let mut states = Vec::with_capacity(extras.len());
-        for (name, id, dtype, addr, len) in extras {
+        for (name, id, dtype, tensor) in extras {
             let dtype: DType = dtype.parse().map_err(|e| errors::other(format!("state {name}: {e}")))?;
-            // SAFETY: `tensor_bytes`' contract: the Python caller passes a contiguous CPU
-            // tensor it holds for the duration of this call; the bytes are copied here.
-            let data = unsafe { tensor_bytes(addr, len) }.to_vec();
+            // SAFETY: `host_tensor_bytes`' contract: `extras` holds the tensor for the call;
+            // the bytes are copied here.
+            let data = unsafe { host_tensor_bytes(&tensor, &format!("save: state {name} of parameter id {id}")) }?
+                .to_vec();
             states.push(checkpoint::ExtraState { name, param: ParamId(id), dtype, data });
         }
         let index = each!(St, &self.state, s => checkpoint::save_with(s, &path, step, &states, meta))
@@ -256,7 +273,7 @@ impl Model {
 
 /// A coordinator on a [`Model`]: fetch, release, gradients, no_sync, steps. Several engines on
 /// one model (training and evaluation) share its gathered buffers.
-#[pyclass(module = "collsched._native", unsendable)]
+#[pyclass(module = "collsched._native")]
 pub struct Engine {
     coord: Co,
     /// The model (owner of every region handed out).
@@ -348,37 +365,48 @@ impl Engine {
         .map_err(errors::runtime)
     }
 
-    /// The full gradient of parameter `id`: `bytes` bytes at `addr`. On a host backend a
-    /// contiguous CPU tensor of the parameter's dtype the caller holds during the call, copied
-    /// in before return; on CUDA a contiguous tensor of the reduction dtype on the rank's
-    /// device, written on the compute stream, packed in on that stream (the caller may drop it
-    /// after the call: torch reuses its memory in that stream's order). Not under no_sync on
-    /// CUDA (the caller accumulates).
-    fn grad_ready(&mut self, id: u32, addr: usize, bytes: usize) -> PyResult<()> {
+    /// The full gradient of parameter `id`, `grad` (a contiguous tensor). On a host backend a
+    /// CPU tensor of the parameter's dtype, copied in before return; on CUDA a tensor of the
+    /// reduction dtype on the rank's device, written on the compute stream, packed in on that
+    /// stream (the caller may drop it after the call: torch reuses its memory in that stream's
+    /// order). Not under no_sync on CUDA (the caller accumulates). A tensor on another device
+    /// than the backend's is refused, never read.
+    fn grad_ready(&mut self, id: u32, grad: Bound<'_, PyAny>) -> PyResult<()> {
+        let what = format!("grad_ready: parameter id {id}'s gradient");
         match &mut self.coord {
             Co::Host(c) => {
-                // SAFETY: `tensor_bytes`' contract: the Python caller passes a contiguous CPU
-                // tensor it holds for the duration of this call; grad_ready copies it before
-                // returning.
-                let grad = unsafe { tensor_bytes(addr, bytes) };
-                c.grad_ready(ParamId(id), grad).map_err(errors::runtime)
+                // SAFETY: `host_tensor_bytes`' contract: `grad` is held for the call, and
+                // grad_ready copies the bytes before returning.
+                let bytes = unsafe { host_tensor_bytes(&grad, &what) }?;
+                c.grad_ready(ParamId(id), bytes).map_err(errors::runtime)
             }
             #[cfg(feature = "cuda")]
             Co::Cuda(c) => {
-                // SAFETY: the Python caller passes a contiguous tensor of `bytes` bytes on the
-                // rank's device, alive during the call; the copy that reads it is queued on the
-                // compute stream, so torch reuses the memory only after it (stream order).
-                let grad = unsafe { collsched::backend::cuda::CudaBuffer::from_raw(addr as u64, bytes) };
-                c.grad_ready_on_device(ParamId(id), &grad).map_err(errors::runtime)
+                let span = tensor_span(&grad, &what)?;
+                let device = collsched::backend::Backend::device(&**c.model().backend());
+                if span.device != device {
+                    return Err(errors::other(format!(
+                        "{what}: on {}, where this rank's device is cuda:{}; move it there first",
+                        span.device.map_or_else(|| "cpu".to_string(), |d| format!("cuda:{d}")),
+                        device.unwrap_or(0)
+                    )));
+                }
+                // SAFETY: the tensor says it is `span.len` contiguous bytes on the rank's
+                // device (checked above), alive during the call; the copy that reads it is
+                // queued on the compute stream, so torch reuses the memory only after it
+                // (stream order).
+                let buffer =
+                    unsafe { collsched::backend::cuda::CudaBuffer::from_raw(span.addr as u64, span.len) };
+                c.grad_ready_on_device(ParamId(id), &buffer).map_err(errors::runtime)
             }
         }
     }
 
-    /// [`Engine::grad_ready`] for each `(id, addr, bytes)` of `grads`, in order (one call for
-    /// a unit's gradients); the first failure stops there and is raised.
-    fn grad_ready_many(&mut self, grads: Vec<(u32, usize, usize)>) -> PyResult<()> {
-        for (id, addr, bytes) in grads {
-            self.grad_ready(id, addr, bytes)?;
+    /// [`Engine::grad_ready`] for each `(id, grad)` of `grads`, in order (one call for a
+    /// unit's gradients); the first failure stops there and is raised.
+    fn grad_ready_many(&mut self, grads: Vec<(u32, Bound<'_, PyAny>)>) -> PyResult<()> {
+        for (id, grad) in grads {
+            self.grad_ready(id, grad)?;
         }
         Ok(())
     }

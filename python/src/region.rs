@@ -266,6 +266,78 @@ impl Region {
     }
 }
 
+/// Where a tensor the engine hands over lies: `len` bytes at `addr`, on the host (`device`
+/// `None`) or on CUDA device `device`. Read from the tensor itself ([`tensor_span`]), never
+/// from an address the caller asserts is host memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TensorSpan {
+    /// The first byte (`t.data_ptr()`).
+    pub addr: usize,
+    /// Bytes (`t.nbytes`).
+    pub len: usize,
+    /// The CUDA device the bytes are on, `None` for host memory.
+    pub device: Option<usize>,
+}
+
+/// DLPack's `kDLCUDAHost`: page-locked host memory, readable by the host.
+const DL_CUDA_HOST: i32 = 3;
+
+/// Where tensor `t` lies, by its own account: `__dlpack_device__()` (DLPack's device type and
+/// ordinal, which torch and every array library answer), `data_ptr()` and `nbytes`. `what`
+/// names the tensor in errors (e.g. "parameter h.0.weight's initial value").
+///
+/// # Errors
+/// A tensor that is not contiguous, or on a device that is neither the host nor CUDA.
+pub fn tensor_span(t: &Bound<'_, PyAny>, what: &str) -> PyResult<TensorSpan> {
+    let (kind, ordinal): (i32, i64) = t.call_method0("__dlpack_device__")?.extract()?;
+    let device = match kind {
+        dl::CPU | DL_CUDA_HOST => None,
+        dl::CUDA => Some(usize::try_from(ordinal).map_err(|_| {
+            PyValueError::new_err(format!("{what}: CUDA device ordinal {ordinal} is not a device"))
+        })?),
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "{what}: on a device of DLPack type {other}; collsched takes host (CPU) and CUDA tensors"
+            )))
+        }
+    };
+    if !t.call_method0("is_contiguous")?.extract::<bool>()? {
+        return Err(PyValueError::new_err(format!("{what}: not contiguous; pass t.contiguous()")));
+    }
+    let addr = t.call_method0("data_ptr")?.extract()?;
+    let len = t.getattr("nbytes")?.extract()?;
+    Ok(TensorSpan { addr, len, device })
+}
+
+/// The place of a device name for messages: `cpu` or `cuda:N`.
+fn place(device: Option<usize>) -> String {
+    device.map_or_else(|| "cpu".to_string(), |d| format!("cuda:{d}"))
+}
+
+/// The bytes of tensor `t` in host memory, for the duration of one call; `what` names it.
+///
+/// # Errors
+/// A tensor on a CUDA device (its address is not host memory: reading it would be a crash or
+/// garbage), or one [`tensor_span`] refuses.
+///
+/// # Safety
+/// Nothing may write the tensor's memory while the slice is alive: the caller holds `t` (so
+/// the memory stays allocated) and does not return to Python before it is done with the
+/// bytes.
+pub unsafe fn host_tensor_bytes<'a>(t: &'a Bound<'_, PyAny>, what: &str) -> PyResult<&'a [u8]> {
+    let span = tensor_span(t, what)?;
+    if span.device.is_some() {
+        return Err(PyValueError::new_err(format!(
+            "{what}: on {}, where the library reads it from host memory; move it to the CPU first \
+             (t.to(\"cpu\"))",
+            place(span.device)
+        )));
+    }
+    // SAFETY: the tensor says it is contiguous host memory of `span.len` bytes at `span.addr`;
+    // it stays allocated while `t` is held ('a), and the caller's contract keeps writers out.
+    Ok(unsafe { tensor_bytes(span.addr, span.len) })
+}
+
 /// The bytes of a tensor the engine hands over by address (`t.data_ptr()`, `t.numel() *
 /// t.element_size()`), for the duration of one call.
 ///

@@ -3,7 +3,7 @@
 //! process on the `cuda` backend (NCCL; a build with the `cuda` feature).
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use collsched::backend::local::LocalRank;
 use collsched::backend::shm::{join, ShmConfig};
@@ -21,13 +21,15 @@ use crate::errors;
 /// knows them from `torch.distributed`, with a job key it agreed on through its store).
 /// Collective: every rank of the job makes its `World`, and they meet. `World.mpi()` joins the
 /// MPI job this process was started in instead (`mpirun`; a build with the `mpi` feature).
-#[pyclass(module = "collsched._native", unsendable)]
+#[pyclass(module = "collsched._native")]
 pub struct World {
     /// Dropped before `hub`: the rank's streams finish before the job closes (for MPI, before
     /// MPI_Finalize).
     pub(crate) backend: Rank,
-    /// The job's small exchanges: the bootstrap hub (`shm`) or the MPI job (`mpi`).
-    hub: Box<dyn Exchange>,
+    /// The job's small exchanges: the bootstrap hub (`shm`) or the MPI job (`mpi`). Behind a
+    /// lock so that the world is usable from any thread (autograd calls the package's hooks
+    /// from its device threads on CUDA); the exchanges are collective and rare.
+    hub: Mutex<Box<dyn Exchange>>,
 }
 
 /// Whether this build has the `mpi` backend.
@@ -41,6 +43,23 @@ pub(crate) enum Rank {
     Host(Arc<LocalRank>),
     #[cfg(feature = "cuda")]
     Cuda(Arc<collsched::backend::cuda::CudaBackend>),
+}
+
+impl World {
+    /// The job's exchange. Exchanges are collective, one at a time: a second thread's call
+    /// while one runs is refused (waiting for the lock while holding the interpreter could
+    /// deadlock with an exchange that calls into Python). A poisoned lock only means a panic
+    /// elsewhere; the hub is intact.
+    fn exchange(&self) -> PyResult<MutexGuard<'_, Box<dyn Exchange>>> {
+        match self.hub.try_lock() {
+            Ok(g) => Ok(g),
+            Err(std::sync::TryLockError::Poisoned(p)) => Ok(p.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => Err(errors::other(
+                "World: an exchange of this rank is running on another thread; exchanges are collective, \
+                 make them from one thread at a time",
+            )),
+        }
+    }
 }
 
 impl Rank {
@@ -115,7 +134,7 @@ impl World {
         let env = launch_env(rank, world, job)?;
         let config = ShmConfig::from_env().map_err(errors::other)?;
         let (backend, hub) = join(&env, &config).map_err(errors::backend)?;
-        Ok(World { backend: Rank::Host(Arc::new(backend)), hub: Box::new(hub) })
+        Ok(World { backend: Rank::Host(Arc::new(backend)), hub: Mutex::new(Box::new(hub)) })
     }
 
     /// This process's rank of a job with one GPU per process (collective): CUDA device
@@ -208,7 +227,7 @@ impl World {
             // the world (the Python package keeps it until the process ends).
             let backend = unsafe { CudaBackend::with_compute_stream(config, &id, stream as RawStream) }
                 .map_err(errors::other)?;
-            Ok(World { backend: Rank::Cuda(Arc::new(backend)), hub })
+            Ok(World { backend: Rank::Cuda(Arc::new(backend)), hub: Mutex::new(hub) })
         }
     }
 
@@ -221,7 +240,7 @@ impl World {
             use collsched::backend::mpi::{join, MpiConfig};
             let config = MpiConfig::from_env().map_err(errors::other)?;
             let (backend, job) = join(&config).map_err(errors::backend)?;
-            Ok(World { backend: Rank::Host(Arc::new(backend)), hub: Box::new(job) })
+            Ok(World { backend: Rank::Host(Arc::new(backend)), hub: Mutex::new(Box::new(job)) })
         }
         #[cfg(not(feature = "mpi"))]
         Err(errors::other(
@@ -254,7 +273,7 @@ impl World {
 
     /// Every rank's `data`, by rank (collective; small exchanges: error reports, agreement).
     fn all_gather<'py>(&mut self, py: Python<'py>, data: &[u8]) -> PyResult<Vec<Bound<'py, PyBytes>>> {
-        let all = self.hub.all_gather_bytes(data).map_err(errors::backend)?;
+        let all = self.exchange()?.all_gather_bytes(data).map_err(errors::backend)?;
         Ok(all.iter().map(|b| PyBytes::new(py, b)).collect())
     }
 
@@ -272,6 +291,6 @@ impl World {
 
     /// Waits until every rank called it (collective).
     fn barrier(&mut self) -> PyResult<()> {
-        self.hub.all_gather_bytes(&[]).map(drop).map_err(errors::backend)
+        self.exchange()?.all_gather_bytes(&[]).map(drop).map_err(errors::backend)
     }
 }

@@ -121,6 +121,21 @@ def test_shards_are_one_dimensional_views_the_gathers_read():
             torch.testing.assert_close(torch.tensor(r["full"][name]), want, rtol=0, atol=0)
 
 
+def test_tensors_are_read_by_their_own_account_of_their_device():
+    """A CUDA tensor handed to a host world (the initial value of a block's parameter that
+    fully_shard gathered on the GPU, a gradient, a saved state) is refused, named, where it was
+    read as host memory (a crash on a GPU); so is a strided one."""
+    for r in run(workers.tensors_by_their_device, 2):
+        for key in ("init_on_cuda", "grad_on_cuda", "save_on_cuda"):
+            assert "on cuda:0" in r[key] and "host memory" in r[key], (key, r[key])
+        assert "parameter b's initial value" in r["init_on_cuda"], r["init_on_cuda"]
+        assert "parameter id 1's gradient" in r["grad_on_cuda"], r["grad_on_cuda"]
+        assert "state m of parameter id 0" in r["save_on_cuda"], r["save_on_cuda"]
+        assert "not contiguous" in r["init_strided"] and "parameter w's" in r["init_strided"], r["init_strided"]
+        assert "not contiguous" in r["grad_strided"], r["grad_strided"]
+        assert "1 initial values for 2 parameters" in r["init_count"], r["init_count"]
+
+
 def test_a_region_is_a_dlpack_tensor_over_the_same_memory():
     for r in run(workers.dlpack_views, 2):
         numel = r["numel"]

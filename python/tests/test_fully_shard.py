@@ -26,6 +26,24 @@ def test_gpt_every_strategy_at_4_ranks(strategy):
     parity.check(runs, models.reference(spec, 4))
 
 
+@pytest.mark.parametrize("micro", [1, 2])
+def test_the_backward_on_another_thread_as_autograd_runs_it_on_cuda(micro):
+    """On CUDA, autograd runs backward functions and saved-tensor hooks on its own device
+    thread: the package's native objects (made on the thread that sharded the model) are used
+    from it. Here every backward runs on a new thread, with activation checkpointing (whose
+    recomputation fetches from that thread) and no_sync micro-batches."""
+    spec = {
+        "model": "gpt",
+        "steps": 2,
+        "micro": micro,
+        "bucket_mb": 0.002,
+        "backward_thread": True,
+        "recompute": ("wrapper", False),
+    }
+    runs = run(workers.train, 2, spec)
+    parity.check(runs, models.reference(spec, 2))
+
+
 def test_bf16_parameters_reduced_in_f32():
     spec = {
         "model": "gpt",

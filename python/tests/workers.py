@@ -26,6 +26,26 @@ def shard(model: torch.nn.Module, spec: dict[str, Any]) -> torch.nn.Module:
     return cst.fully_shard(model, **opts)
 
 
+def on_thread(fn: Any) -> Any:
+    """``fn()`` on a new thread, joined; its exception raised here."""
+    import threading
+
+    out: dict[str, Any] = {}
+
+    def body() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # handed to the caller's thread
+            out["error"] = e
+
+    t = threading.Thread(target=body, name="collsched-test-backward")
+    t.start()
+    t.join()
+    if "error" in out:
+        raise out["error"]
+    return out.get("value")
+
+
 def snapshot(values: dict[str, torch.Tensor]) -> dict[str, list]:
     # A checkpoint_wrapper's module adds a level to the names; the reference has none.
     return {n.replace("._checkpoint_wrapped_module", ""): v.float().flatten().tolist() for n, v in values.items()}
@@ -71,7 +91,12 @@ def train(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
                 with models.autocast(spec):
                     out = model(x)
                 loss = models.loss_fn(name, out, y)
-                loss.backward()
+                if spec.get("backward_thread"):
+                    # As autograd does on CUDA: the backward (our hooks and backward
+                    # functions) on a thread other than the one that sharded the model.
+                    on_thread(loss.backward)
+                else:
+                    loss.backward()
             stats.append(cst.stats(model))
             row.append(loss.item())
             if spec.get("eval_between") and micro + 1 < micro_n:
@@ -279,6 +304,63 @@ def shard_views(rank: int, world: int) -> dict[str, Any]:
         for p in model.parameters():
             p.add_(float(rank + 1))
     return {"sizes": sizes, "full": snapshot(cst.full_parameters(model)), "plan": cst.plan(model)}
+
+
+class OnCuda:
+    """A tensor that says it lies on CUDA device 0, as a CUDA tensor of torch answers, over
+    host bytes: what the library must refuse to read as host memory (it reads no further
+    than the tensor's own account)."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self._t = t
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (2, 0)  # kDLCUDA, device 0
+
+    def is_contiguous(self) -> bool:
+        return True
+
+    def data_ptr(self) -> int:
+        return self._t.data_ptr()
+
+    @property
+    def nbytes(self) -> int:
+        return self._t.nbytes
+
+
+def tensors_by_their_device(rank: int, world: int) -> dict[str, str]:
+    """The native model's initial values, gradients and saved states are read from the
+    tensors' own account of where they lie: a CUDA tensor on a host world, or a strided one,
+    is an error naming it, never a host read."""
+    import collsched.torch as cst
+    from collsched import _native
+
+    cst.init()
+    w = cst.world()
+    text = '{"params": [{"name": "w", "shape": [4, 6], "dtype": "f32"}, {"name": "b", "shape": [6], "dtype": "f32"}]}'
+    w_init, b_init = torch.arange(24, dtype=torch.float32).view(4, 6), torch.ones(6)
+    out: dict[str, str] = {}
+
+    def error(fn: Any) -> str:
+        try:
+            fn()
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+        return "no error"
+
+    out["init_on_cuda"] = error(lambda: _native.Model(w, text, [w_init, OnCuda(b_init)], "even", 1.0))
+    out["init_strided"] = error(lambda: _native.Model(w, text, [w_init.t(), b_init], "even", 1.0))
+    out["init_count"] = error(lambda: _native.Model(w, text, [w_init], "even", 1.0))
+    model = _native.Model(w, text, [w_init, b_init], "even", 1.0)
+    engine = model.engine("none")
+    engine.fetch([0, 1])
+    engine.release([0, 1])
+    out["grad_on_cuda"] = error(lambda: engine.grad_ready_many([(0, torch.zeros(24)), (1, OnCuda(torch.zeros(6)))]))
+    out["grad_strided"] = error(lambda: engine.grad_ready(0, torch.zeros(6, 4).t()))
+    out["save_on_cuda"] = error(
+        lambda: model.save("/nonexistent-collsched-dir", 0, [("m", 0, "f32", OnCuda(b_init))], "{}")
+    )
+    return out
 
 
 def dlpack_views(rank: int, world: int) -> dict[str, Any]:

@@ -40,7 +40,7 @@ def save_checkpoint(module: nn.Module, optimizer: torch.optim.Optimizer | None, 
                     # The library reads states from host memory.
                     v = v.detach().to("cpu").contiguous()
                     keep.append(v)
-                    extras.append((k, p.pid, _FROM_TORCH[v.dtype], v.data_ptr(), v.numel() * v.element_size()))
+                    extras.append((k, p.pid, _FROM_TORCH[v.dtype], v))
                 elif torch.is_tensor(v) and v.numel() == 1:
                     scalars.setdefault(p.name, {})[k] = {
                         "value": v.item(),

@@ -263,9 +263,8 @@ class _State:
             for p in self.params
         ]
         text = params_json(entries)
-        init = [(t.data_ptr(), t.numel() * t.element_size()) for t in full]
-        self.model = _native.Model(w, text, init, self.opts["strategy"], float(self.opts["bucket_mb"]), 256, "module")
-        del full, init
+        self.model = _native.Model(w, text, full, self.opts["strategy"], float(self.opts["bucket_mb"]), 256, "module")
+        del full
         o = self.opts
         # The plan's gather buckets, parsed once: id -> (parameter names, bytes of parameters).
         by_name = {p.name: p for p in self.params}
@@ -374,11 +373,12 @@ class _State:
         out = []
         for p in values:
             prev = getattr(p, "_collsched_param", None)
+            # The library reads the initial values from host memory: a block's gathered value
+            # is on the device of a world on the cuda backend.
             if prev is not None:
                 st, old = prev
-                out.append(gathered[id(st)][old.pid])
+                out.append(gathered[id(st)][old.pid].to("cpu").contiguous())
             else:
-                # The library reads the initial values from host memory.
                 out.append(p.detach().to("cpu").contiguous())
                 # The original full-size memory is no longer needed once the shards are cut.
         return out
@@ -735,7 +735,7 @@ class _State:
             if acc is not None:
                 g = acc.add_(g)
             keep.append(g)
-            batch.append((p.pid, g.data_ptr(), g.nbytes))
+            batch.append((p.pid, g))
             got.add(p.pid)
         if not batch:
             return 0.0, done

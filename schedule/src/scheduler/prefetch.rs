@@ -39,8 +39,10 @@ pub enum Offer {
 /// Decides which gather buckets to launch ahead of their fetch.
 ///
 /// Implementations must be deterministic functions of the calls they receive (never of time):
-/// all ranks must launch the same collectives in the same order.
-pub trait PrefetchPolicy: std::fmt::Debug + Send {
+/// all ranks must launch the same collectives in the same order. `Send + Sync`, so that a
+/// scheduler may be used from whichever thread an engine calls from (autograd calls hooks
+/// from its device threads) while another holds a reference to it.
+pub trait PrefetchPolicy: std::fmt::Debug + Send + Sync {
     /// A short name for logs and counters.
     fn name(&self) -> &'static str;
     /// The engine fetched `bucket` (the first fetch by this scheduler since it last held it).
