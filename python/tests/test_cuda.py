@@ -1,8 +1,10 @@
 """collsched.torch on the cuda backend (one GPU per process, NCCL): an unmodified training
 loop against plain unsharded PyTorch on the CPU, shards, gradients and the optimizer on the
 device, gradient accumulation under no_sync kept in the device gradients. These run with
-``COLLSCHED_GPU=1`` on a machine with at least 2 CUDA devices and are skipped otherwise. CUDA's
-matrix products sum in another order than the CPU's: parity is to 1e-4 relative.
+``COLLSCHED_GPU=1`` on a machine with a CUDA device, one rank per device (NCCL takes one rank
+per device), at 2 ranks where there are 2 devices and at 1 where there is one; skipped
+otherwise. CUDA's matrix products sum in another order than the CPU's: parity is to 1e-4
+relative.
 
 Without a GPU (here): ``init(backend="cuda")`` and the native ``World.cuda`` are clear errors."""
 
@@ -30,19 +32,28 @@ def devices() -> int:
     return torch.cuda.device_count() if GPU else 0
 
 
+def ranks() -> int:
+    """Ranks of a GPU test: one per device, at most 2."""
+    n = min(2, devices())
+    assert n >= 1, "COLLSCHED_GPU=1 but torch sees no CUDA device"
+    return n
+
+
 @needs_gpu
 @pytest.mark.parametrize("strategy", ["even", "flat", "greedy"])
 def test_fully_shard_on_cuda_matches_plain_pytorch(strategy):
     spec = {"model": "gpt", "steps": 3, "strategy": strategy, "bucket_mb": 0.002, "backend": "cuda"}
-    runs = run(workers.train, 2, spec)
-    parity.check(runs, models.reference(spec, 2), tol=TOL)
+    n = ranks()
+    runs = run(workers.train, n, spec)
+    parity.check(runs, models.reference(spec, n), tol=TOL)
 
 
 @needs_gpu
 def test_no_sync_on_cuda_accumulates_in_the_device_gradients():
     spec = {"model": "mlp", "steps": 3, "micro": 3, "strategy": "even", "bucket_mb": 0.0005, "backend": "cuda"}
-    runs = run(workers.train, 2, spec)
-    parity.check(runs, models.reference(spec, 2), tol=TOL)
+    n = ranks()
+    runs = run(workers.train, n, spec)
+    parity.check(runs, models.reference(spec, n), tol=TOL)
     for rank, r in enumerate(runs):
         synced = [s["reduce_scatters"] for s in r["stats"][2::3]]
         assert all(n > 0 for n in synced), f"rank {rank}: a synchronized micro-batch reduced nothing: {synced}"
@@ -69,8 +80,9 @@ def test_bf16_parameters_reduced_in_f32_on_cuda(model, micro, bucket_mb):
         "bucket_mb": bucket_mb,
         "backend": "cuda",
     }
-    runs = run(workers.train, 2, spec)
-    parity.check(runs, models.reference(spec, 2), torch.bfloat16)
+    n = ranks()
+    runs = run(workers.train, n, spec)
+    parity.check(runs, models.reference(spec, n), torch.bfloat16)
 
 
 @needs_gpu
