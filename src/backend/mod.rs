@@ -1,4 +1,5 @@
-//! Backends: where the scheduler's actions run (`local` threads, the `sim` clock, `cuda`).
+//! Backends: where the scheduler's actions run (`local` threads, `shm` processes, `mpi` hosts,
+//! `cuda` GPUs; the simulator runs the scheduler on its own virtual clock, `crate::sim`).
 //!
 //! # The contract
 //! A [`Backend`] is **one rank's** handle on a world of ranks (a CUDA device with its NCCL
@@ -84,6 +85,7 @@ mod inflight;
 pub mod local;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+pub mod ondevice;
 pub mod shm;
 
 pub use chain::{ChainError, Chained};

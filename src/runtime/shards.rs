@@ -5,17 +5,28 @@
 //! as device tensors, [`ModelState::shard_region`](super::ModelState::shard_region)) and where a
 //! gather copies them in from, on its stream, after everything the compute stream ran so far
 //! (the engine's optimizer runs there). Host reads and writes of a device shard (checkpoints,
-//! [`Coordinator::update_shards`](super::Coordinator::update_shards)) wait for the compute
-//! stream first and copy through the host.
+//! [`Coordinator::update_shards`](super::Coordinator::update_shards)) copy through the host,
+//! ordered against every stream that touches the shards:
+//! - a host **read** waits for the streams that write them: the compute stream;
+//! - a host **write** (and the read of a read-modify-write before it) waits for those and for
+//!   the streams that read them: every stream a gather copied a shard in on (the all-gather
+//!   stream), so that a gather still queued there copies the values it was launched for, not
+//!   the new ones halfway.
+//!
+//! The waits are host waits on events recorded on each stream (all recorded first, then waited
+//! for within one backend timeout): any backend's `read_to_host` / `write_from_host` may then
+//! copy at once.
 
 use std::ops::Range;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::time::Instant;
 
 use collsched_kernels::CopySegment;
 
 use super::bytes::Bytes;
 use super::flight::backend_err;
 use super::RuntimeError;
-use crate::backend::{Backend, BackendError, Stream};
+use crate::backend::{Backend, BackendError, BackendEvent, Stream};
 
 /// One gather bucket's shard.
 enum Shard<B: Backend> {
@@ -28,6 +39,22 @@ enum Shard<B: Backend> {
 /// This rank's shard of every gather bucket, by position in the plan.
 pub(crate) struct Shards<B: Backend> {
     shards: Vec<Shard<B>>,
+    /// The streams a gather copied a device shard in on, one bit per [`Stream::index`].
+    readers: AtomicU8,
+}
+
+/// The streams that write device shards: the compute stream (the engine's optimizer).
+const WRITERS: [Stream; 1] = [Stream::Compute];
+
+/// Waits on the host until each of `streams` passed everything queued on it so far: an event
+/// recorded on each (all first), then waited for, within one backend timeout in all.
+fn settle<B: Backend>(be: &B, streams: &[Stream]) -> Result<(), BackendError> {
+    let events = streams.iter().map(|&s| be.record(s)).collect::<Result<Vec<_>, _>>()?;
+    let start = Instant::now();
+    for e in events {
+        e.wait(be.timeout().saturating_sub(start.elapsed()))?;
+    }
+    Ok(())
 }
 
 impl<B: Backend> Shards<B> {
@@ -37,7 +64,7 @@ impl<B: Backend> Shards<B> {
     /// # Errors
     /// The backend's failure to allocate or copy (nothing is kept then).
     pub(crate) fn new(be: &B, cut: Vec<Bytes>) -> Result<Shards<B>, BackendError> {
-        let mut shards = Shards { shards: Vec::with_capacity(cut.len()) };
+        let mut shards = Shards { shards: Vec::with_capacity(cut.len()), readers: AtomicU8::new(0) };
         if be.device().is_none() {
             shards.shards.extend(cut.into_iter().map(Shard::Host));
             return Ok(shards);
@@ -67,6 +94,17 @@ impl<B: Backend> Shards<B> {
         Ok(shards)
     }
 
+    /// The streams a host write must wait for: the writers, and every stream a gather copied
+    /// a shard in on.
+    fn touching(&self) -> Vec<Stream> {
+        let readers = self.readers.load(Ordering::Acquire);
+        let mut streams = WRITERS.to_vec();
+        streams.extend(
+            Stream::ALL.into_iter().filter(|s| readers & (1 << s.index()) != 0 && !WRITERS.contains(s)),
+        );
+        streams
+    }
+
     /// Gives the device buffers back to the backend's pool (the rank's streams are done with
     /// them: the model state's teardown synchronized them).
     pub(crate) fn release(&mut self, be: &B) {
@@ -90,6 +128,8 @@ impl<B: Backend> Shards<B> {
         match &self.shards[g] {
             Shard::Host(b) => be.write_from_host(input, 0, b.as_bytes()),
             Shard::Device(shard, len) => {
+                // Before the copy is queued: a host write that comes after it waits for `stream`.
+                self.readers.fetch_or(1 << stream.index(), Ordering::AcqRel);
                 let written = be.record(Stream::Compute)?;
                 be.wait_event(stream, &written)?;
                 let whole = CopySegment { buffer: 0, buffer_offset: 0, packed_offset: 0, len: *len };
@@ -99,7 +139,8 @@ impl<B: Backend> Shards<B> {
         }
     }
 
-    /// `f` on bytes `range` of bucket `g`'s shard (a host copy of a device shard).
+    /// `f` on bytes `range` of bucket `g`'s shard (a host copy of a device shard, read once
+    /// the streams that write shards passed what they hold now).
     pub(crate) fn read<R>(
         &self,
         be: &B,
@@ -110,7 +151,7 @@ impl<B: Backend> Shards<B> {
         match &self.shards[g] {
             Shard::Host(b) => Ok(f(&b.as_bytes()[range])),
             Shard::Device(shard, _) => {
-                be.synchronize(Stream::Compute, be.timeout())?;
+                settle(be, &WRITERS)?;
                 let mut host = vec![0; range.len()];
                 be.read_to_host(shard, range.start, &mut host)?;
                 Ok(f(&host))
@@ -119,7 +160,8 @@ impl<B: Backend> Shards<B> {
     }
 
     /// `f` on bytes `range` of bucket `g`'s shard to overwrite (through a host copy of a
-    /// device shard, written back when `f` returns).
+    /// device shard, read once every stream that touches shards passed what it holds now, and
+    /// written back when `f` returns).
     pub(crate) fn write<R>(
         &mut self,
         be: &B,
@@ -127,10 +169,11 @@ impl<B: Backend> Shards<B> {
         range: Range<usize>,
         f: impl FnOnce(&mut [u8]) -> R,
     ) -> Result<R, BackendError> {
+        let touching = self.touching();
         match &mut self.shards[g] {
             Shard::Host(b) => Ok(f(&mut b.as_bytes_mut()[range])),
             Shard::Device(shard, _) => {
-                be.synchronize(Stream::Compute, be.timeout())?;
+                settle(be, &touching)?;
                 let mut host = vec![0; range.len()];
                 be.read_to_host(shard, range.start, &mut host)?;
                 let r = f(&mut host);
@@ -141,7 +184,8 @@ impl<B: Backend> Shards<B> {
     }
 
     /// `f` on every shard as host bytes ([`HostShards::get`]; device shards through host copies,
-    /// written back when `f` returns `Ok`); `op` names the copies' failures. Host shards are
+    /// made once every stream that touches shards passed what it holds now, and written back
+    /// when `f` returns `Ok`); `op` names the copies' failures. Host shards are
     /// handed over as they are (nothing allocated).
     pub(crate) fn with_host<R>(
         &mut self,
@@ -152,7 +196,8 @@ impl<B: Backend> Shards<B> {
         let err = |e| backend_err(be.rank(), op, None)(e);
         let mut copies: Vec<Vec<u8>> = Vec::new();
         if self.shards.iter().any(|s| matches!(s, Shard::Device(..))) {
-            be.synchronize(Stream::Compute, be.timeout()).map_err(err)?;
+            // Written back below: wait for the readers too.
+            settle(be, &self.touching()).map_err(err)?;
             for s in &self.shards {
                 let mut host = Vec::new();
                 if let Shard::Device(shard, len) = s {

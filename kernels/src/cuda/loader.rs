@@ -131,6 +131,8 @@ impl CudaLibrary {
                 "cuModuleUnload",
                 "cuLaunchKernel",
                 "cuLaunchHostFunc",
+                "cuMemHostAlloc",
+                "cuMemFreeHost",
             ],
             CudaLibrary::Nvrtc => &[
                 "nvrtcVersion",

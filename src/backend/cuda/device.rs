@@ -1,37 +1,35 @@
-//! Devices, streams, events and the device buffer pool with deferred frees.
+//! Devices, streams and events.
 //!
-//! # Deferred frees (the safe form of `record_stream`)
-//! PyTorch's `record_stream` keeps a block away from its allocator until *every* stream that
-//! used it has passed the point of the record, judged at the next allocation on the owning
-//! stream, which over-allocates when consumers run late. Here a freed buffer carries the events
-//! it must wait for ([`BufferPool::free_after`]); the pool hands it out again only once
-//! `cuEventQuery` says every one of them completed, and nothing is ever returned to the driver
-//! while in use. A buffer dropped or freed without events is fenced by one event on each stream
-//! of its rank, recorded at the free: conservative, never unsafe.
+//! The device memory pool with deferred frees is [`super::pool`]; how host waits poll is
+//! [`super::wait`]; what an event's [`Watch`] checks while the host waits is [`super::comms`].
 //!
-//! # Pool
-//! Sizes are rounded up to size classes (8 per power of two, at least 512 bytes), so a
-//! steady-state step reuses the blocks of the step before and allocates nothing from the
-//! driver. When `cuMemAlloc` fails, the pool waits for its deferred blocks, reuses what it can,
-//! then returns its cached blocks to the driver and tries once more.
+//! # Memory and streams the library does not own
+//! [`CudaBuffer::from_raw`](super::CudaBuffer::from_raw) wraps an engine's device pointer; such
+//! a buffer is never freed or pooled by us. [`StreamHandle::borrowed`] wraps an engine's
+//! stream; it is never destroyed.
 //!
-//! # Memory the library does not own
-//! [`CudaBuffer::from_raw`] wraps an engine's device pointer; such a buffer is never freed or
-//! pooled by us. [`StreamHandle::borrowed`] wraps an engine's stream; it is never destroyed.
+//! # Bounded waits only
+//! Nothing here blocks the host without a bound: there is no `cuStreamSynchronize` or
+//! `cuEventSynchronize`. [`CudaEvent::wait_for`] and [`StreamHandle::drain`] poll as
+//! [`super::wait`] says and give up at their timeout. A device whose streams could not drain at
+//! teardown is marked *wedged* ([`Device::wedge`]): its `Drop` then leaks its events and its
+//! context instead of destroying them under running work.
 
-use std::collections::BTreeMap;
 use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use collsched_kernels::cuda::{check, loader, DriverCallError, KernelModule};
 use cudarc::driver::result as cu;
 use cudarc::driver::sys as cusys;
 
+use super::comms::Watch;
 use super::error::CudaError;
 use super::park::ErrorPark;
+use super::wait::{wait_until, HostClock};
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+pub(super) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     // A poisoned lock only means a thread panicked while holding it; the data is still valid.
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
@@ -46,6 +44,8 @@ pub struct Device {
     kernels: OnceLock<KernelModule>,
     free_events: Mutex<Vec<cusys::CUevent>>,
     park: ErrorPark,
+    /// Set when work may still run on the device at teardown ([`Device::wedge`]).
+    wedged: AtomicBool,
 }
 
 // SAFETY: the context and device handles are process-wide driver handles valid on any thread;
@@ -101,6 +101,7 @@ impl Device {
             kernels: OnceLock::new(),
             free_events: Mutex::new(Vec::new()),
             park,
+            wedged: AtomicBool::new(false),
         };
         // From here on Drop releases the context.
         this.bind()?;
@@ -163,6 +164,18 @@ impl Device {
         Ok(self.kernels.get_or_init(|| k))
     }
 
+    /// Marks the device wedged: teardown could not drain its streams, so work may still run
+    /// on it. Its `Drop` then leaks its events and its context (destroying them could wait for
+    /// that work without a bound); the process should exit.
+    pub fn wedge(&self) {
+        self.wedged.store(true, Ordering::SeqCst);
+    }
+
+    /// Whether [`Device::wedge`] was called.
+    pub fn is_wedged(&self) -> bool {
+        self.wedged.load(Ordering::SeqCst)
+    }
+
     fn take_event(&self) -> Result<cusys::CUevent, CudaError> {
         if let Some(e) = lock(&self.free_events).pop() {
             return Ok(e);
@@ -183,6 +196,12 @@ impl Device {
 
 impl Drop for Device {
     fn drop(&mut self) {
+        if self.is_wedged() {
+            tracing::error!(target: "collsched::init", "CUDA device {}: work may still run on it after a failed teardown; its kernels, events and context are left to the process's exit", self.ordinal);
+            // Unloading the module could wait for that work: leave it loaded.
+            std::mem::forget(self.kernels.take());
+            return;
+        }
         // Kernels and events need the context current; the context is released regardless.
         if self.bind().is_ok() {
             drop(self.kernels.take());
@@ -226,6 +245,8 @@ pub struct StreamHandle {
     owned: bool,
     role: StreamRole,
     device: Arc<Device>,
+    /// What events recorded here watch by default (the communicators of this stream).
+    watch: OnceLock<Watch>,
 }
 
 // SAFETY: a CUstream may be used from any thread with its context bound; the handle is not
@@ -261,7 +282,7 @@ impl StreamHandle {
                     DriverCallError::new("cuStreamCreateWithPriority", e),
                 )
             })?;
-        Ok(StreamHandle { raw, rank, owned: true, role, device: Arc::clone(device) })
+        Ok(StreamHandle { raw, rank, owned: true, role, device: Arc::clone(device), watch: OnceLock::new() })
     }
 
     /// Wraps a stream the engine owns (e.g. `torch.cuda.current_stream().cuda_stream`).
@@ -276,7 +297,7 @@ impl StreamHandle {
         raw: cusys::CUstream,
         role: StreamRole,
     ) -> Self {
-        StreamHandle { raw, rank, owned: false, role, device: Arc::clone(device) }
+        StreamHandle { raw, rank, owned: false, role, device: Arc::clone(device), watch: OnceLock::new() }
     }
 
     /// The raw handle.
@@ -289,14 +310,34 @@ impl StreamHandle {
         self.role
     }
 
-    /// Records a fresh event on this stream.
+    /// Sets what events recorded here watch by default ([`StreamHandle::record`]). Once.
+    pub fn set_watch(&self, watch: Watch) {
+        let _ = self.watch.set(watch);
+    }
+
+    /// Records a fresh event on this stream, watching this stream's communicators (if set:
+    /// [`StreamHandle::set_watch`]).
     ///
     /// # Errors
     /// A driver error.
     pub fn record(&self) -> Result<CudaEvent, CudaError> {
+        self.record_with(self.watch.get().cloned())
+    }
+
+    /// Records a fresh event on this stream that watches `watch` (nothing with `None`: work
+    /// that uses no communicator).
+    ///
+    /// # Errors
+    /// A driver error.
+    pub fn record_with(&self, watch: Option<Watch>) -> Result<CudaEvent, CudaError> {
         let raw = self.device.take_event()?;
-        let event =
-            CudaEvent(Arc::new(EventInner { raw, rank: self.rank, device: Arc::clone(&self.device) }));
+        let event = CudaEvent(Arc::new(EventInner {
+            raw,
+            rank: self.rank,
+            device: Arc::clone(&self.device),
+            watch,
+            seen_done: AtomicBool::new(false),
+        }));
         self.device.bind()?;
         // SAFETY: `raw` is a live event and `self.raw` a live stream of the bound context.
         let r = unsafe { cu::event::record(raw, self.raw) };
@@ -319,16 +360,14 @@ impl StreamHandle {
             .map_err(|e| CudaError::driver(format!("making the {:?} stream wait", self.role), e))
     }
 
-    /// Blocks the host until the stream is idle.
+    /// Waits (on the host, at most `timeout`) until everything queued on the stream so far
+    /// completed: `Ok(false)` if it had not by then. Polls as [`super::wait`] says; checks no
+    /// communicator (callers that want that wait on a [`StreamHandle::record`]ed event).
     ///
     /// # Errors
     /// A driver error (including a failure of earlier work).
-    pub fn synchronize(&self) -> Result<(), CudaError> {
-        self.device.bind()?;
-        // SAFETY: `self.raw` is a live stream.
-        let r = unsafe { cu::stream::synchronize(self.raw) };
-        check("cuStreamSynchronize", r)
-            .map_err(|e| CudaError::driver(format!("synchronizing the {:?} stream", self.role), e))
+    pub fn drain(&self, timeout: Duration) -> Result<bool, CudaError> {
+        self.record_with(None)?.wait_for(timeout)
     }
 }
 
@@ -352,16 +391,23 @@ struct EventInner {
     raw: cusys::CUevent,
     rank: usize,
     device: Arc<Device>,
+    watch: Option<Watch>,
+    /// Set once a query saw it complete (what comes after cannot undo that).
+    seen_done: AtomicBool,
 }
 
 // SAFETY: a CUevent is a driver handle usable from any thread; it is only recorded once, at
-// creation, and only queried afterwards.
+// creation, and only queried afterwards; the other fields are Send and Sync.
 unsafe impl Send for EventInner {}
 // SAFETY: as above.
 unsafe impl Sync for EventInner {}
 
 impl Drop for EventInner {
     fn drop(&mut self) {
+        // A wedged device's events may still be pending forever: leave them be.
+        if self.device.is_wedged() {
+            return;
+        }
         // Back to the device's event pool; a recorded-but-pending event may be re-recorded
         // later, which the driver allows (a record replaces the previous one).
         self.device.give_event(self.raw);
@@ -378,15 +424,16 @@ impl fmt::Debug for CudaEvent {
     }
 }
 
-/// How often [`CudaEvent::wait_for`] polls.
-pub const EVENT_POLL: Duration = Duration::from_micros(50);
-
 impl CudaEvent {
-    /// `true` once the work before it completed.
+    /// `true` once the work before it completed (the device's word alone: `cuEventQuery`;
+    /// [`BackendEvent::query`](crate::backend::BackendEvent::query) adds the watch).
     ///
     /// # Errors
     /// A driver error (a failure of the work before it).
     pub fn is_complete(&self) -> Result<bool, CudaError> {
+        if self.0.seen_done.load(Ordering::Acquire) {
+            return Ok(true);
+        }
         self.0.device.bind()?;
         // SAFETY: the event is live.
         match unsafe { cu::event::query(self.0.raw) } {
@@ -396,32 +443,28 @@ impl CudaEvent {
         }
     }
 
-    /// Polls until complete or `timeout`; `Ok(false)` on timeout.
+    /// Polls until complete or `timeout` (as [`super::wait`] says: spin, yield, then capped
+    /// sleeps); `Ok(false)` on timeout. Checks no communicator.
     ///
     /// # Errors
     /// As [`CudaEvent::is_complete`].
     pub fn wait_for(&self, timeout: Duration) -> Result<bool, CudaError> {
-        let start = Instant::now();
-        loop {
-            if self.is_complete()? {
-                return Ok(true);
-            }
-            if start.elapsed() >= timeout {
-                return Ok(false);
-            }
-            std::thread::sleep(EVENT_POLL);
-        }
+        wait_until(timeout, &mut HostClock::start(), || self.is_complete(), || Ok(()))
     }
 
-    /// Blocks the host until complete (`cuEventSynchronize`).
-    ///
-    /// # Errors
-    /// A driver error.
-    pub fn synchronize(&self) -> Result<(), CudaError> {
-        self.0.device.bind()?;
-        // SAFETY: the event is live.
-        let r = unsafe { cu::event::synchronize(self.0.raw) };
-        check("cuEventSynchronize", r).map_err(|e| CudaError::driver("waiting for an event", e))
+    /// The communicators its work uses, if any (see [`super::comms`]).
+    pub fn watch(&self) -> Option<&Watch> {
+        self.0.watch.as_ref()
+    }
+
+    /// Whether a query already saw it complete.
+    pub fn seen_done(&self) -> bool {
+        self.0.seen_done.load(Ordering::Acquire)
+    }
+
+    /// Remembers that a query saw it complete (and no failure of its communicators before).
+    pub(crate) fn mark_done(&self) {
+        self.0.seen_done.store(true, Ordering::Release);
     }
 
     /// The raw handle.
@@ -433,304 +476,9 @@ impl CudaEvent {
     pub fn rank(&self) -> usize {
         self.0.rank
     }
-}
 
-/// Size class of a request: 8 classes per power of two, at least 512 bytes.
-pub fn size_class(bytes: usize) -> usize {
-    let b = bytes.max(512);
-    let step = (b.next_power_of_two() / 8).max(512);
-    b.div_ceil(step) * step
-}
-
-struct Deferred {
-    ptr: u64,
-    class: usize,
-    after: Vec<CudaEvent>,
-}
-
-struct PoolState {
-    free: BTreeMap<usize, Vec<u64>>,
-    deferred: Vec<Deferred>,
-    fresh_allocations: u64,
-    cached_bytes: usize,
-}
-
-/// The device memory pool of one rank.
-pub struct BufferPool {
-    device: Arc<Device>,
-    state: Mutex<PoolState>,
-    /// Streams fencing a free without events (one event each, recorded at the free).
-    fence_streams: OnceLock<Vec<Arc<StreamHandle>>>,
-}
-
-impl fmt::Debug for BufferPool {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let s = lock(&self.state);
-        f.debug_struct("BufferPool")
-            .field("cached_bytes", &s.cached_bytes)
-            .field("deferred", &s.deferred.len())
-            .field("fresh_allocations", &s.fresh_allocations)
-            .finish()
-    }
-}
-
-impl BufferPool {
-    /// An empty pool on `device`.
-    pub fn new(device: Arc<Device>) -> Arc<Self> {
-        Arc::new(BufferPool {
-            device,
-            state: Mutex::new(PoolState {
-                free: BTreeMap::new(),
-                deferred: Vec::new(),
-                fresh_allocations: 0,
-                cached_bytes: 0,
-            }),
-            fence_streams: OnceLock::new(),
-        })
-    }
-
-    /// Sets the streams that fence a free without events (the rank's streams). Once.
-    pub fn set_fence_streams(&self, streams: Vec<Arc<StreamHandle>>) {
-        let _ = self.fence_streams.set(streams);
-    }
-
-    /// How many blocks came from `cuMemAlloc` so far (steady-state steps add none).
-    pub fn fresh_allocations(&self) -> u64 {
-        lock(&self.state).fresh_allocations
-    }
-
-    /// Blocks waiting for their events.
-    pub fn deferred_count(&self) -> usize {
-        lock(&self.state).deferred.len()
-    }
-
-    /// Moves deferred blocks whose events all completed to the free lists. A failing event
-    /// (the work before it failed) keeps its block and parks the error.
-    pub fn reclaim(&self) {
-        let mut s = lock(&self.state);
-        let mut keep = Vec::new();
-        for d in std::mem::take(&mut s.deferred) {
-            let mut done = true;
-            for e in &d.after {
-                match e.is_complete() {
-                    Ok(true) => {}
-                    Ok(false) => {
-                        done = false;
-                        break;
-                    }
-                    Err(err) => {
-                        self.device.park.park(err);
-                        done = false;
-                        break;
-                    }
-                }
-            }
-            if done {
-                s.free.entry(d.class).or_default().push(d.ptr);
-            } else {
-                keep.push(d);
-            }
-        }
-        s.deferred = keep;
-    }
-
-    /// A buffer of `bytes` bytes (contents unspecified), from the pool if possible.
-    ///
-    /// # Errors
-    /// [`CudaError::Driver`] with `CUDA_ERROR_OUT_OF_MEMORY` when even an emptied pool cannot
-    /// get the memory.
-    pub fn alloc(self: &Arc<Self>, bytes: usize) -> Result<CudaBuffer, CudaError> {
-        let class = size_class(bytes);
-        self.reclaim();
-        if let Some(ptr) = lock(&self.state).free.get_mut(&class).and_then(Vec::pop) {
-            return Ok(CudaBuffer { ptr, len: bytes, owner: Owner::Pool { pool: Arc::clone(self), class } });
-        }
-        self.device.bind()?;
-        let mut attempt = 0;
-        loop {
-            // SAFETY: the context is bound; the memory is handed out uninitialised, as documented.
-            match unsafe { cu::malloc_sync(class) } {
-                Ok(ptr) => {
-                    let mut s = lock(&self.state);
-                    s.fresh_allocations += 1;
-                    s.cached_bytes += class;
-                    tracing::debug!(target: "collsched::alloc", "cuMemAlloc {class} bytes (request {bytes})");
-                    return Ok(CudaBuffer {
-                        ptr,
-                        len: bytes,
-                        owner: Owner::Pool { pool: Arc::clone(self), class },
-                    });
-                }
-                Err(e) if e.0 == cusys::CUresult::CUDA_ERROR_OUT_OF_MEMORY && attempt < 2 => {
-                    attempt += 1;
-                    if attempt == 1 {
-                        // Wait for deferred blocks and reuse one of the class if there is one.
-                        let pending: Vec<CudaEvent> =
-                            lock(&self.state).deferred.iter().flat_map(|d| d.after.clone()).collect();
-                        for ev in pending {
-                            ev.synchronize()?;
-                        }
-                        self.reclaim();
-                        if let Some(ptr) = lock(&self.state).free.get_mut(&class).and_then(Vec::pop) {
-                            return Ok(CudaBuffer {
-                                ptr,
-                                len: bytes,
-                                owner: Owner::Pool { pool: Arc::clone(self), class },
-                            });
-                        }
-                    } else {
-                        self.trim()?;
-                    }
-                }
-                Err(e) => {
-                    return Err(CudaError::driver(
-                        format!("device {}: allocating {bytes} bytes (class {class})", self.device.ordinal),
-                        DriverCallError::new("cuMemAlloc", e),
-                    ))
-                }
-            }
-        }
-    }
-
-    /// Returns every cached free block to the driver (deferred blocks stay).
-    ///
-    /// # Errors
-    /// The first `cuMemFree` error.
-    pub fn trim(&self) -> Result<(), CudaError> {
-        self.device.bind()?;
-        let blocks: Vec<(usize, u64)> = {
-            let mut s = lock(&self.state);
-            let blocks = std::mem::take(&mut s.free)
-                .into_iter()
-                .flat_map(|(c, v)| v.into_iter().map(move |p| (c, p)))
-                .collect::<Vec<_>>();
-            s.cached_bytes -= blocks.iter().map(|(c, _)| c).sum::<usize>();
-            blocks
-        };
-        let mut first = None;
-        for (_, ptr) in blocks {
-            // SAFETY: a free-list block is ours, idle (its events completed) and freed once.
-            if let Err(e) = unsafe { cu::free_sync(ptr) } {
-                first.get_or_insert(CudaError::driver(
-                    "returning pooled memory",
-                    DriverCallError::new("cuMemFree", e),
-                ));
-            }
-        }
-        first.map_or(Ok(()), Err)
-    }
-
-    /// Gives `buffer` back once every event in `after` completed. With no events, fences it
-    /// with one event per stream of the rank, recorded now.
-    pub fn free_after(&self, buffer: CudaBuffer, after: &[CudaEvent]) {
-        let mut buffer = buffer;
-        let owner = std::mem::replace(&mut buffer.owner, Owner::Borrowed);
-        if let Owner::Pool { class, .. } = owner {
-            self.defer(buffer.ptr, class, after.to_vec());
-        }
-    }
-
-    fn defer(&self, ptr: u64, class: usize, mut after: Vec<CudaEvent>) {
-        if after.is_empty() {
-            for s in self.fence_streams.get().map(Vec::as_slice).unwrap_or(&[]) {
-                match s.record() {
-                    Ok(e) => after.push(e),
-                    Err(e) => self.device.park.park(e),
-                }
-            }
-        }
-        lock(&self.state).deferred.push(Deferred { ptr, class, after });
-    }
-}
-
-impl Drop for BufferPool {
-    fn drop(&mut self) {
-        // Wait for deferred blocks (their events), then free everything.
-        let deferred = std::mem::take(&mut lock(&self.state).deferred);
-        for d in deferred {
-            for e in &d.after {
-                if let Err(err) = e.synchronize() {
-                    self.device.park.park(err);
-                }
-            }
-            lock(&self.state).free.entry(d.class).or_default().push(d.ptr);
-        }
-        if let Err(e) = self.trim() {
-            self.device.park.park(e);
-        }
-    }
-}
-
-enum Owner {
-    Pool { pool: Arc<BufferPool>, class: usize },
-    Borrowed,
-}
-
-/// Device memory: from a rank's pool (given back on drop, fenced by the rank's streams), or an
-/// engine's (never freed by us).
-pub struct CudaBuffer {
-    ptr: u64,
-    len: usize,
-    owner: Owner,
-}
-
-impl fmt::Debug for CudaBuffer {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let kind = if matches!(self.owner, Owner::Borrowed) { "borrowed" } else { "pooled" };
-        write!(f, "CudaBuffer({:#x}, {} bytes, {kind})", self.ptr, self.len)
-    }
-}
-
-impl CudaBuffer {
-    /// Wraps memory an engine owns (a tensor's `data_ptr()`); never freed or pooled by us.
-    ///
-    /// # Safety
-    /// `ptr` is device memory of the rank's device with at least `len` bytes, valid (and not
-    /// freed by its owner) while this buffer or any work using it is alive.
-    pub unsafe fn from_raw(ptr: u64, len: usize) -> Self {
-        CudaBuffer { ptr, len, owner: Owner::Borrowed }
-    }
-
-    /// The device address.
-    pub fn ptr(&self) -> u64 {
-        self.ptr
-    }
-
-    /// Size in bytes (of the request; the block may be larger).
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Whether it has no bytes.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Whether the engine owns it ([`CudaBuffer::from_raw`]).
-    pub fn is_borrowed(&self) -> bool {
-        matches!(self.owner, Owner::Borrowed)
-    }
-}
-
-impl Drop for CudaBuffer {
-    fn drop(&mut self) {
-        if let Owner::Pool { pool, class } = std::mem::replace(&mut self.owner, Owner::Borrowed) {
-            pool.defer(self.ptr, class, Vec::new());
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::size_class;
-
-    #[test]
-    fn size_classes_cover_the_request_with_little_waste() {
-        for bytes in [0usize, 1, 511, 512, 513, 4096, 4097, 1 << 20, (1 << 20) + 1, 3 << 27, 123_456_789] {
-            let c = size_class(bytes);
-            assert!(c >= bytes && c >= 512, "{bytes} -> {c}");
-            assert!(c as f64 <= (bytes.max(512) as f64) * 1.25 + 512.0, "{bytes} -> {c} wastes too much");
-            assert_eq!(size_class(c), c, "a class is its own class");
-        }
+    /// The device it was recorded on.
+    pub fn device(&self) -> &Arc<Device> {
+        &self.0.device
     }
 }

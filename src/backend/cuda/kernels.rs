@@ -1,9 +1,13 @@
 //! The CUDA backend's own kernels on its streams: copy-in, copy-out, reduce, accumulate and
 //! cast on device buffers (the CUDA C twins of the CPU kernels), with their scratch uploads.
+//!
+//! An argument table (copy pieces, input pointers) goes to a device scratch buffer of the pool
+//! through pinned host staging (`super::staging`): the copy never blocks the host, and the
+//! staging block is reused only once the copy that read it completed. The scratch buffer goes
+//! back to the pool behind the kernel's event.
 
 use collsched_kernels::cuda::{device_segments, reduce_post_divisor, DeviceRegion, DeviceSegment};
 use collsched_kernels::{CopySegment, ElemType, ReduceOp, Scaling};
-use cudarc::driver::result as cu;
 
 use super::{CudaBackend, CudaBuffer, CudaError, CudaEvent, StreamHandle};
 use crate::backend::Stream;
@@ -16,13 +20,9 @@ impl CudaBackend {
     ) -> Result<CudaBuffer, CudaError> {
         let bytes: &[u8] = bytemuck::cast_slice(data);
         let buf = self.pool.alloc(bytes.len().max(1))?;
-        if !bytes.is_empty() {
-            // SAFETY: `buf` has at least `bytes.len()` bytes; a copy from pageable memory
-            // returns once the source was staged, so `data` may go away afterwards.
-            let r = unsafe { cu::memcpy_htod_async(buf.ptr(), bytes, stream.raw()) };
-            collsched_kernels::cuda::check("cuMemcpyHtoDAsync", r)
-                .map_err(|e| CudaError::driver(format!("rank {}: uploading a kernel table", self.rank), e))?;
-        }
+        // SAFETY: `buf` has at least `bytes.len()` bytes and goes back to the pool only behind
+        // the kernel's event (`finish_kernel`), which follows the copy on `stream`.
+        unsafe { self.staging.copy_to_device(stream, buf.ptr(), bytes) }?;
         Ok(buf)
     }
 

@@ -1,10 +1,11 @@
 //! Launching collectives on a CUDA backend: the checks a launch passes before anything is
-//! enqueued, and the NCCL calls (with the divide kernels around reductions) it enqueues.
+//! enqueued, and the NCCL calls (with the divide kernels around reductions) it enqueues on the
+//! communicator of its (group, stream), which the caller holds ([`super::comms::CommTable::launch`]).
 
 use collsched_kernels::cuda::reduce_post_divisor;
 use collsched_kernels::ReduceOp;
 
-use super::{CallSite, CudaBackend, CudaBuffer, CudaError, Group, NcclOp};
+use super::{CallSite, Communicator, CudaBackend, CudaBuffer, CudaError, Group, NcclOp};
 use crate::backend::CollectiveKind;
 use crate::backend::{BackendError, CollDesc, CollRef, Collective, Stream};
 
@@ -27,7 +28,6 @@ impl CudaBackend {
                 what: format!("rank {}: launch_group with no collectives", self.rank),
             });
         };
-        let comms = self.comms.lock().unwrap_or_else(|p| p.into_inner());
         for op in ops {
             let d = &op.desc;
             if d.group != first.desc.group {
@@ -47,7 +47,7 @@ impl CudaBackend {
                     format!("rank {} is not a member of group {}", self.rank, d.group),
                 ));
             }
-            if !comms.contains_key(&(d.group.clone(), stream)) {
+            if !self.comms.contains(&d.group, stream) {
                 return Err(self.invalid(
                     d,
                     stream,
@@ -122,8 +122,14 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Enqueues the ops (validated) on `stream`: pre-divides, one NCCL group, post-divides.
-    pub(super) fn enqueue(&self, stream: Stream, ops: &[Collective<CudaBuffer>]) -> Result<(), CudaError> {
+    /// Enqueues the ops (validated, all over one group) on `stream` with `comm`, the
+    /// communicator of (that group, `stream`): pre-divides, one NCCL group, post-divides.
+    pub(super) fn enqueue(
+        &self,
+        stream: Stream,
+        ops: &[Collective<CudaBuffer>],
+        comm: &Communicator,
+    ) -> Result<(), CudaError> {
         let s = self.stream(stream).raw();
         let needs_kernels = ops.iter().any(|op| {
             op.desc.kind.reduces()
@@ -150,14 +156,9 @@ impl CudaBackend {
             }
             .map_err(kdrv(&format!("pre-divide of {}", op.desc)))?;
         }
-        let comms = self.comms.lock().unwrap_or_else(|p| p.into_inner());
         let group = Group::start(self.park.clone())?;
         for op in ops {
             let d = &op.desc;
-            let comm = comms.get(&(d.group.clone(), stream)).ok_or_else(|| CudaError::Invalid {
-                op: format!("rank {}: {d}", self.rank),
-                what: format!("no communicator for group {} on stream {stream}; declare the group in CudaConfig::groups", d.group),
-            })?;
             let pos = d.group.position(self.rank).unwrap_or(0);
             let site = CallSite::op(d.kind.name()).bucket(d.tag as usize).rank(self.rank);
             let es = d.elem.size() as u64;
@@ -194,7 +195,6 @@ impl CudaBackend {
             }
         }
         group.end()?;
-        drop(comms);
         for op in ops.iter().filter(|op| op.desc.kind.reduces()) {
             let post = reduce_post_divisor(op.desc.op, op.desc.scaling, op.desc.group.len());
             if post == 1.0 {

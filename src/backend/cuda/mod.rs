@@ -10,7 +10,9 @@
 //!
 //! Layers (STYLE 5), bottom up: [`collsched_kernels::cuda::loader`] (dlopen without panics),
 //! cudarc's `driver::result` (CUDA calls), [`nccl`] (our NCCL layer over `cudarc::nccl::sys`
-//! types), [`device`] (device, streams, events, pool), then [`CudaBackend`].
+//! types), [`comms`] (the communicators of a rank and their failures), [`wait`] (how the host
+//! waits), [`device`] (device, streams, events), [`pool`] (device memory), the pinned staging of
+//! kernel tables, then [`CudaBackend`].
 //!
 //! Without a GPU every constructor returns `no CUDA driver found: ...` (as
 //! [`CudaError::Load`]); nothing panics.
@@ -34,6 +36,25 @@
 //! - Mismatched collectives across ranks cannot be detected by NCCL (they hang or corrupt):
 //!   the plan fingerprint exchange above the backend is what guards against them; a hang ends
 //!   with [`BackendError::EventTimeout`] on the host side.
+//! - **Failures of NCCL** ([`comms`]): a host wait on an event of a collective (or of a stream
+//!   with collectives) checks NCCL's asynchronous errors while it waits, so a dead peer ends it
+//!   with an error naming the collective rather than at the timeout; that error, an NCCL call
+//!   failing at launch, and a wait that gave up after the backend's timeout abort the
+//!   communicators of the (group, stream) (`ncclCommAbort`), after which every collective on
+//!   it fails with [`BackendError::Aborted`].
+//! - **Host copies are fenced**: [`Backend::read_to_host`] and [`Backend::write_from_host`]
+//!   run on the copy stream after everything queued so far on the rank's other streams (a
+//!   `cuStreamWaitEvent` of an event recorded on each), so a host read never sees a buffer a
+//!   gather or the compute stream is still writing, and a write never overwrites one a queued
+//!   gather still reads. The host waits for those events first, bounded by the backend's
+//!   timeout and watching their communicators (a copy into pageable memory returns only once
+//!   done, so enqueuing it behind a hung stream would block inside the driver without a
+//!   bound), then for the copy.
+//! - **Teardown is bounded**: dropping the backend waits for its streams at most the backend's
+//!   timeout; if they have not drained by then (or NCCL reports a failure), it aborts every
+//!   communicator and waits [`wait::ABORT_GRACE`] more. A device still busy after that is
+//!   marked wedged: its memory, pinned staging, events and context are left to the process's
+//!   exit instead of freed under running work (the error is logged: `collsched::init`).
 //!
 //! # Embedding (an engine that owns memory and streams)
 //! Compiled in CI, run only where a GPU is (`no_run`):
@@ -65,35 +86,44 @@
 //! | `COLLSCHED_CUDA_TIMEOUT_SECS` | 300 | [`Backend::timeout`] of a CUDA backend built from the environment |
 //! | see [`collsched_kernels::cuda::loader`], [`rendezvous`] | | where the libraries are, the rendezvous |
 
+pub mod comms;
 pub mod device;
 pub mod error;
+mod events;
+mod fences;
 mod kernels;
 mod launch;
 pub mod nccl;
 pub mod park;
+pub mod pool;
 pub mod rendezvous;
+mod staging;
+pub mod wait;
 pub mod world;
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use collsched_kernels::CopySegment;
 use cudarc::driver::result as cu;
 use cudarc::driver::sys as cusys;
 
-pub use device::{device_count, BufferPool, CudaBuffer, CudaEvent, Device, StreamHandle, StreamRole};
+pub use comms::CommTable;
+pub use device::{device_count, CudaEvent, Device, StreamHandle, StreamRole};
 pub use error::CudaError;
 pub use nccl::{CallSite, Communicator, Group, NcclCallError, NcclError, NcclOp, UniqueId};
 pub use park::ErrorPark;
+pub use pool::{BufferPool, CudaBuffer};
 pub use rendezvous::{FileRendezvous, RendezvousError};
 pub use world::CudaWorld;
 
 use super::{
-    Backend, BackendBuffer, BackendError, BackendEvent, Collective, InFlight, LaunchError, OnDrop, RankGroup,
-    Stream,
+    Backend, BackendBuffer, BackendError, Collective, InFlight, LaunchError, OnDrop, RankGroup, Stream,
 };
 use crate::bootstrap::{EnvError, LaunchEnv};
+use comms::{Scope, Watch};
+use staging::PinnedStaging;
 
 /// A raw CUDA stream handle (`CUstream`, the same as the runtime's `cudaStream_t`).
 pub type RawStream = cusys::CUstream;
@@ -149,20 +179,6 @@ impl CudaError {
     }
 }
 
-impl BackendEvent for CudaEvent {
-    fn query(&self) -> Result<bool, BackendError> {
-        self.is_complete().map_err(|e| to_backend(self.rank(), e))
-    }
-
-    fn wait(&self, timeout: Duration) -> Result<(), BackendError> {
-        match self.wait_for(timeout) {
-            Ok(true) => Ok(()),
-            Ok(false) => Err(BackendError::EventTimeout { waited: timeout }),
-            Err(e) => Err(to_backend(self.rank(), e)),
-        }
-    }
-}
-
 impl BackendBuffer for CudaBuffer {
     fn len(&self) -> usize {
         CudaBuffer::len(self)
@@ -179,7 +195,8 @@ pub struct CudaBackend {
     streams: [Arc<StreamHandle>; 3],
     copy: Arc<StreamHandle>,
     pool: Arc<BufferPool>,
-    comms: Mutex<HashMap<(RankGroup, Stream), Communicator>>,
+    staging: PinnedStaging,
+    comms: Arc<CommTable>,
     park: ErrorPark,
     on_drop: OnDrop<CudaBackend>,
 }
@@ -292,7 +309,7 @@ impl CudaBackend {
         };
         let streams = [mk(StreamRole::AllGather)?, mk(StreamRole::ReduceScatter)?, compute];
         let copy = mk(StreamRole::Copy)?;
-        let pool = BufferPool::new(Arc::clone(&device));
+        let pool = BufferPool::new(Arc::clone(&device), timeout);
         let mut fences: Vec<Arc<StreamHandle>> = streams.to_vec();
         fences.push(Arc::clone(&copy));
         pool.set_fence_streams(fences);
@@ -316,6 +333,11 @@ impl CudaBackend {
             }
         }
         drop(base);
+        let comms = Arc::new(CommTable::new(rank, comms, park.clone()));
+        // Events recorded on a stream watch its communicators (the copy stream has none).
+        for s in Stream::ALL {
+            streams[s.index()].set_watch(Watch::new(&comms, Scope::streams(&[s]), timeout));
+        }
         tracing::info!(target: "collsched::init", "CUDA backend rank {rank}/{world} on device {}: {} communicators", device.ordinal(), comms.len());
 
         let pool_for_drop = Arc::clone(&pool);
@@ -328,18 +350,8 @@ impl CudaBackend {
                     pool_for_drop.free_after(op.output, std::slice::from_ref(event));
                 }
             });
-        Ok(CudaBackend {
-            rank,
-            world,
-            timeout,
-            device,
-            streams,
-            copy,
-            pool,
-            comms: Mutex::new(comms),
-            park,
-            on_drop,
-        })
+        let staging = PinnedStaging::new(Arc::clone(&device));
+        Ok(CudaBackend { rank, world, timeout, device, staging, streams, copy, pool, comms, park, on_drop })
     }
 
     /// The device.
@@ -350,6 +362,12 @@ impl CudaBackend {
     /// The pool (for statistics: [`BufferPool::fresh_allocations`], deferred blocks).
     pub fn pool(&self) -> &Arc<BufferPool> {
         &self.pool
+    }
+
+    /// How many pinned staging blocks the kernels' argument tables used so far (steady-state
+    /// steps add none).
+    pub fn staging_blocks(&self) -> u64 {
+        self.staging.fresh_blocks()
     }
 
     /// The raw CUDA stream behind `stream` (to hand to an engine).
@@ -421,12 +439,14 @@ impl Backend for CudaBackend {
         if src.is_empty() {
             return Ok(());
         }
-        // SAFETY: range checked; the copy stream is synchronized before returning.
-        let r = unsafe { cu::memcpy_htod_async(buffer.ptr() + offset as u64, src, self.copy.raw()) };
-        collsched_kernels::cuda::check("cuMemcpyHtoDAsync", r)
-            .map_err(|e| CudaError::driver("writing from the host", e))
-            .and_then(|()| self.copy.synchronize())
-            .map_err(|e| self.be(e))
+        let op = format!("rank {}: write_from_host of {} bytes at {offset}", self.rank, src.len());
+        let dst = buffer.ptr() + offset as u64;
+        self.host_copy(&op, "cuMemcpyHtoDAsync", |copy| {
+            // SAFETY: range checked; from pageable memory the call returns once `src` was
+            // staged by the driver, so `src` may go away afterwards; the buffer is not read or
+            // written by other streams before their fences (see `host_copy`).
+            unsafe { cu::memcpy_htod_async(dst, src, copy) }
+        })
     }
 
     fn read_to_host(&self, buffer: &CudaBuffer, offset: usize, dst: &mut [u8]) -> Result<(), BackendError> {
@@ -444,12 +464,14 @@ impl Backend for CudaBackend {
         if dst.is_empty() {
             return Ok(());
         }
-        // SAFETY: range checked; the copy stream is synchronized before `dst` is used.
-        let r = unsafe { cu::memcpy_dtoh_async(dst, buffer.ptr() + offset as u64, self.copy.raw()) };
-        collsched_kernels::cuda::check("cuMemcpyDtoHAsync", r)
-            .map_err(|e| CudaError::driver("reading to the host", e))
-            .and_then(|()| self.copy.synchronize())
-            .map_err(|e| self.be(e))
+        let op = format!("rank {}: read_to_host of {} bytes at {offset}", self.rank, dst.len());
+        let src = buffer.ptr() + offset as u64;
+        self.host_copy(&op, "cuMemcpyDtoHAsync", |copy| {
+            // SAFETY: range checked; into pageable memory the call returns only once the copy
+            // completed, so `dst` is written before it is used (and `host_copy` waits for the
+            // copy stream besides).
+            unsafe { cu::memcpy_dtoh_async(dst, src, copy) }
+        })
     }
 
     fn device(&self) -> Option<usize> {
@@ -536,29 +558,49 @@ impl Backend for CudaBackend {
                 return Err(LaunchError { error: self.be(e), ops });
             }
         }
-        let enqueued = self.enqueue(stream, &ops).and_then(|()| s.record());
-        match enqueued {
+        // From here on the collective has its sequence number on (group, stream): a failure
+        // leaves this rank out of step with the others there, so it aborts the (group, stream).
+        let launching = match self.comms.launch(&ops[0].desc, stream) {
+            Ok(l) => l,
+            Err(error) => return Err(LaunchError { error, ops }),
+        };
+        let op = launching.op.clone();
+        let enqueued = match launching.comm() {
+            Some(comm) => self.enqueue(stream, &ops, comm),
+            None => Err(CudaError::Invalid {
+                op: format!("rank {}: {op}", self.rank),
+                what: "the communicator was aborted during the launch".into(),
+            }),
+        };
+        drop(launching);
+        let scope = Scope::collective(op.clone());
+        let watch = Watch::new(&self.comms, scope.clone(), self.timeout);
+        match enqueued.and_then(|()| s.record_with(Some(watch))) {
             Ok(event) => Ok(InFlight::new(ops, event, Arc::clone(&self.on_drop))),
             Err(e) => {
-                // Part of the work may be queued: let it drain before the buffers go back.
-                let _ = s.synchronize();
-                Err(LaunchError { error: self.be(e), ops })
+                let error = match self.be(e) {
+                    BackendError::Device { rank, api, detail } => BackendError::Device {
+                        rank,
+                        api,
+                        detail: format!(
+                            "{op}: {detail}; its communicator was aborted, so later collectives on group {} \
+                             stream {stream} fail; rebuild the world",
+                            op.desc.group
+                        ),
+                    },
+                    other => other,
+                };
+                self.comms.abort(&scope, error.clone());
+                // Part of the work may be queued: let it drain (bounded) before the buffers go back.
+                if !self.drain_stream(s) {
+                    self.park.park(format!(
+                        "rank {}: {op}: the {stream} stream did not drain after a failed launch; its buffers \
+                         may still be in use",
+                        self.rank
+                    ));
+                }
+                Err(LaunchError { error, ops })
             }
-        }
-    }
-}
-
-impl Drop for CudaBackend {
-    fn drop(&mut self) {
-        // Let queued work finish before communicators and streams go away.
-        for s in self.streams.iter().chain(std::iter::once(&self.copy)) {
-            if let Err(e) = s.synchronize() {
-                self.park.park(e);
-            }
-        }
-        let leftover = self.park.take();
-        for e in leftover {
-            tracing::error!(target: "collsched::init", "rank {}: CUDA error while shutting down: {e}", self.rank);
         }
     }
 }
