@@ -10,11 +10,17 @@ use std::time::{Duration, Instant};
 use collsched::backend::local::LocalRank;
 use collsched::backend::mpi::{join, MpiConfig};
 use collsched::backend::Backend;
+use collsched::buckets::Sharding;
+use collsched::demo::DemoConfig;
 
 #[path = "support/collectives.rs"]
 mod collectives;
 #[path = "support/faults.rs"]
 mod faults;
+#[path = "support/record.rs"]
+mod record;
+#[path = "support/reference.rs"]
+mod reference;
 use faults::{all_reduce, kill_self};
 
 fn run_child(rank: &LocalRank, me: usize, mode: &str) -> Result<String, String> {
@@ -281,22 +287,31 @@ fn bench_under_mpirun_checks_every_collective() {
     assert!(out.status.success() && text.contains("x_ref") && !text.contains("shm_"), "{text}");
 }
 
-/// `mpirun -np N collsched demo --backend mpi`: parity with the unsharded reference, every
-/// strategy, at 1 to 4 processes (exact but for hybrid's two-stage sums).
+/// `mpirun -np N collsched demo --backend mpi`: at 1 to 4 processes and every strategy, exact
+/// parity with the demo's own reference, and rank 0's record (`--record-out`) bit for bit the
+/// reference computed here (`tests/support/reference.rs`, no code shared with the library):
+/// MPI only carries the bytes, the library's kernels sum in the plan's order, as the
+/// reference does.
 #[test]
 fn demo_under_mpirun_keeps_parity_with_every_strategy() {
     for (np, strategy) in
         [(1, "even"), (2, "flat"), (3, "greedy"), (4, "even"), (3, "flat"), (4, "greedy"), (4, "hybrid:2")]
     {
-        let out =
-            collsched_under_mpirun(np, &["demo", "--backend", "mpi", "--steps", "2", "--strategy", strategy]);
+        let path = record::temp_path(&format!("mpi-{np}-{}", strategy.replace(':', "-")));
+        let path_arg = path.to_str().expect("utf-8 path");
+        let args =
+            ["demo", "--backend", "mpi", "--steps", "2", "--strategy", strategy, "--record-out", path_arg];
+        let out = collsched_under_mpirun(np, &args);
         let text = String::from_utf8_lossy(&out.stdout).into_owned();
         assert!(out.status.success(), "np {np} {strategy}:\n{}", show(&out));
         let last = text.trim_end().lines().last().unwrap_or_default();
-        assert!(last.starts_with("parity: max |loss difference| = "), "np {np} {strategy}: {last}");
-        if !strategy.starts_with("hybrid") {
-            assert!(last.ends_with("= 0e0 over 2 steps"), "np {np} {strategy}: {last}");
-        }
+        assert_eq!(last, "parity: max |loss difference| = 0e0 over 2 steps", "np {np} {strategy}");
         assert_eq!(text.matches("collsched demo:").count(), 1, "only rank 0 reports:\n{text}");
+        let got = record::take(&path);
+        let sharding: Sharding = strategy.parse().expect("a strategy");
+        let cfg = DemoConfig::standard(np, 2, 1);
+        assert_eq!(got.config, cfg, "np {np} {strategy}: the settings the record names");
+        let want = reference::reference(&cfg, sharding);
+        reference::assert_matches(&got.run, &want, 0.0, &format!("np {np} {strategy}"));
     }
 }

@@ -2,11 +2,18 @@
 //! unsharded on one thread, prints both loss curves, and checks parity.
 //!
 //! The last line is `parity: max |loss difference| = X over S steps`; the exit status is
-//! non-zero when X exceeds the tolerance: 0 (bit-identical) for `even`, `flat` and `greedy`,
-//! [`HYBRID_TOLERANCE`] for `hybrid:G`, whose two-stage reduction (reduce-scatter inside the
-//! group, then all-reduce across groups) sums the ranks' gradients in a different order than
-//! the reference's single rank-order sum. `--backend cuda` (feature `cuda`, one GPU per rank)
-//! accepts [`HYBRID_TOLERANCE`] for every strategy: NCCL sums in its own order (ring or tree).
+//! non-zero when the losses or the final parameters differ by more than the tolerance. That is
+//! 0 (bit-identical) on the CPU backends (`local`, `shm`, `mpi`) for every strategy: the
+//! reference sums the ranks' gradients in the order the plan reduces them (for `hybrid:G`
+//! within each group, then across the groups; see [`crate::demo::reference_run`]), with the
+//! kernels the backends reduce with. `--backend cuda` (feature `cuda`, one GPU per rank) is
+//! held to 0 where every stage of the reduction adds at most two ranks' values (NCCL computes
+//! `a + b` once, as the reference does), and to [`REORDERED_SUM_TOLERANCE`] elsewhere, where
+//! NCCL's ring or tree sums in an order of its own.
+//!
+//! `--record-out FILE.json` writes what the sharded run produced (per-step losses, evaluation
+//! losses, final parameters) with the settings that produced it, for a check outside the
+//! program: the tests compare it with a reference that shares no code with the library.
 
 use std::process::ExitCode;
 use std::time::Instant;
@@ -19,7 +26,8 @@ use super::launch::{self, LaunchRole};
 use super::CliError;
 use crate::backend::shm::{self, ShmConfig};
 use crate::demo::{
-    max_differences, reference_run, sharded_run, sharded_run_process, DemoConfig, ShardedOptions,
+    max_differences, reference_run, sharded_run, sharded_run_process, sum_group, DemoConfig, RunRecord,
+    ShardedOptions,
 };
 
 /// Most ranks `collsched demo` runs.
@@ -30,8 +38,19 @@ pub const MAX_STEPS: usize = 100_000;
 /// Most micro-batches per step `collsched demo` runs.
 pub const MAX_MICRO_BATCHES: usize = 1024;
 
-/// Largest loss difference accepted for `hybrid:G` (absolute; the losses are O(0.1..1)).
-pub const HYBRID_TOLERANCE: f32 = 1e-4;
+/// Largest difference (absolute, on every loss and every final parameter; both are O(0.1..1))
+/// accepted where the backend sums the ranks' gradients in an order other than the
+/// reference's: `--backend cuda` where a reduction stage adds more than two ranks' values.
+/// Such a reordering changes a sum in its last bit, now and then, and training carries that
+/// along without amplifying it: the same reordering on the CPU (`hybrid:2` on 4 ranks and
+/// `hybrid:4` on 8, checked against a reference that sums in plain rank order) differs by at
+/// most 6e-8 on the losses and 3e-7 on the parameters after 1000 steps of the demo's model.
+pub const REORDERED_SUM_TOLERANCE: f32 = 1e-5;
+
+/// `format` of the file `--record-out` writes.
+pub const RECORD_FORMAT: &str = "collsched-demo-record";
+/// `version` of the file `--record-out` writes.
+pub const RECORD_VERSION: u32 = 1;
 
 /// Flags of `collsched demo`.
 #[derive(Debug, clap::Args)]
@@ -73,6 +92,15 @@ pub struct DemoArgs {
     /// step is one micro-batch: compare with `--micro-batches 1 --eval-every 0`).
     #[arg(long, value_name = "FILE.json")]
     pub workload_out: Option<std::path::PathBuf>,
+    /// Write the sharded run's results as JSON (rank 0 writes it under `shm` and `mpi`):
+    /// `format` ("collsched-demo-record"), `version` (1), `config` (the settings: `dims`,
+    /// `world`, `steps`, `micro_batches`, `batch`, `lr`, `seed`, `freeze` as `[layer, from,
+    /// until]` or null, `eval_every`, `strategy`, `policy`, `backend`), `steps` (per step
+    /// `loss` and `eval_loss`, null without an evaluation) and `params` (per parameter `name`
+    /// and `values`, row-major). Every number computed in f32 is written as the f64 of that
+    /// f32, so any JSON reader gets it back bit for bit by rounding to f32.
+    #[arg(long, value_name = "FILE.json")]
+    pub record_out: Option<std::path::PathBuf>,
 }
 
 fn parse_policy(s: &str) -> Result<PolicyKind, String> {
@@ -137,6 +165,60 @@ fn run_mpi(
     never: MpiRank,
 ) -> Result<Option<crate::demo::ShardedRun>, CliError> {
     match never {}
+}
+
+/// The parity tolerance of a run (see the module docs): 0 but on `cuda` where a reduction
+/// stage adds more than two ranks' values.
+fn tolerance(backend: BenchBackend, world: usize, strategy: Sharding) -> f32 {
+    let group = sum_group(world, strategy);
+    let most_added = group.max(world / group);
+    if backend == BenchBackend::Cuda && most_added > 2 {
+        REORDERED_SUM_TOLERANCE
+    } else {
+        0.0
+    }
+}
+
+/// The file `--record-out` writes (its format is the flag's documentation).
+fn record_json(cfg: &DemoConfig, args: &DemoArgs, record: &RunRecord) -> String {
+    use serde_json::json;
+    let name = |v: Option<clap::builder::PossibleValue>| v.map(|v| v.get_name().to_owned());
+    let steps: Vec<serde_json::Value> = record
+        .steps
+        .iter()
+        .map(|s| json!({ "loss": f64::from(s.loss), "eval_loss": s.eval_loss.map(f64::from) }))
+        .collect();
+    let params: Vec<serde_json::Value> = cfg
+        .model
+        .params()
+        .iter()
+        .zip(&record.params)
+        .map(|(p, v)| {
+            let values: Vec<f64> = v.iter().map(|&x| f64::from(x)).collect();
+            json!({ "name": p.name, "values": values })
+        })
+        .collect();
+    json!({
+        "format": RECORD_FORMAT,
+        "version": RECORD_VERSION,
+        "config": {
+            "dims": cfg.model.dims,
+            "world": cfg.world,
+            "steps": cfg.steps,
+            "micro_batches": cfg.micro_batches,
+            "batch": cfg.batch,
+            "lr": f64::from(cfg.lr),
+            "seed": cfg.seed,
+            "freeze": cfg.freeze.map(|(layer, from, until)| [layer, from, until]),
+            "eval_every": cfg.eval_every,
+            "strategy": args.strategy.to_string(),
+            "policy": if args.policy == PolicyKind::None { "none" } else { "trace" },
+            "backend": name(clap::ValueEnum::to_possible_value(&args.backend)),
+        },
+        "steps": steps,
+        "params": params,
+    })
+    .to_string()
 }
 
 /// Prints rank 0's mean step time over the steps after the first (which records the prefetch
@@ -237,7 +319,7 @@ pub fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
     }
     let opts = ShardedOptions { sharding: args.strategy, policy: args.policy, ..ShardedOptions::default() };
     let t0 = Instant::now();
-    let reference = reference_run(&cfg);
+    let reference = reference_run(&cfg, args.strategy);
     let t1 = Instant::now();
     let sharded = match (args.backend, process) {
         (BenchBackend::Local, _) => sharded_run(&cfg, &opts)?,
@@ -314,13 +396,14 @@ pub fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
         );
     }
     print_step_time(&cfg, &sharded.cost);
+    if let Some(path) = &args.record_out {
+        std::fs::write(path, record_json(&cfg, &args, &sharded.record))
+            .map_err(|e| format!("--record-out {}: {e}", path.display()))?;
+    }
     let (loss_diff, param_diff) = max_differences(&reference, &sharded.record);
-    let tolerance = match (args.backend, args.strategy) {
-        (BenchBackend::Cuda, _) | (_, Sharding::Hybrid(_)) => HYBRID_TOLERANCE,
-        _ => 0.0,
-    };
+    let tolerance = tolerance(args.backend, cfg.world, args.strategy);
     println!("final parameters: max |difference| = {param_diff:e} (tolerance {tolerance:e})");
-    let ok = loss_diff <= tolerance && param_diff <= tolerance.max(0.0) * 10.0;
+    let ok = loss_diff <= tolerance && param_diff <= tolerance;
     if !ok {
         eprintln!("error: parity failed (tolerance {tolerance:e})");
     }

@@ -1,12 +1,21 @@
 //! The demo model and its unsharded reference run.
 //!
-//! `collsched demo` trains [`model::Mlp`] data-parallel over `world` ranks. The reference in
-//! this module runs the same arithmetic on one thread, unsharded: every "rank" computes its
-//! micro-batch's gradient on whole parameters, gradients are accumulated locally over the
-//! micro-batches of a step (what `no_sync` does), averaged over ranks with the very kernel the
-//! sharded run reduces with (`collsched_kernels::reduce`, f32 accumulation in rank order), and
-//! applied by plain SGD to the parameters that are trainable at that step. A sharded run that
-//! is right therefore produces bit-identical parameters and losses.
+//! `collsched demo` trains [`model::Mlp`] data-parallel over `world` ranks. [`reference_run`]
+//! runs the same arithmetic on one thread, unsharded: every "rank" computes its micro-batch's
+//! gradient on whole parameters, gradients are accumulated locally over the micro-batches of a
+//! step (what `no_sync` does), averaged over ranks in the order the plan reduces them (f32 sums
+//! in rank order; for `hybrid:G` the sums of each group of `G` consecutive ranks, then those
+//! sums in group order; divided by the world at the end) with the kernel the sharded run
+//! reduces with (`collsched_kernels::reduce`), and applied by plain SGD to the parameters that
+//! are trainable at that step. A sharded run that is right therefore produces bit-identical
+//! parameters and losses on the CPU backends.
+//!
+//! This reference is the CLI's own check, and it shares the model code ([`model`],
+//! [`loss_and_grads`]) and the reduction kernel with the run it checks: a bug in either would
+//! be on both sides. The tests compare the sharded run with a reference of their own instead
+//! (`tests/support/reference.rs`: the model, the data and the averaging written again from
+//! their definition, no code of this crate), reading what `collsched demo --record-out`
+//! writes where the run is the CLI's.
 //!
 //! [`sharded_run`] is that sharded run: the same steps over a local world through the
 //! runtime's coordinators (see [`sharded`]).
@@ -21,6 +30,7 @@ pub use sharded::{
     ShardedRun, StepCost,
 };
 
+use collsched_buckets::Sharding;
 use collsched_kernels::{reduce, ElemType, ReduceOp, Scaling};
 
 use self::model::{LayerCache, Mlp};
@@ -172,9 +182,40 @@ fn f32_bytes(v: &[f32]) -> &[u8] {
     bytemuck::cast_slice(v)
 }
 
-/// Runs the demo unsharded on one thread: the reference the sharded run must match.
-pub fn reference_run(cfg: &DemoConfig) -> RunRecord {
+/// Ranks whose gradients the first stage of the reduction sums together under `sharding` over
+/// `world` ranks: `G` consecutive ranks for `hybrid:G` (its reduce-scatter inside the group;
+/// an all-reduce across the groups follows), every rank otherwise (one stage). Never 0.
+pub fn sum_group(world: usize, sharding: Sharding) -> usize {
+    match sharding {
+        Sharding::Hybrid(g) if g > 0 && world.is_multiple_of(g as usize) => g as usize,
+        _ => world.max(1),
+    }
+}
+
+/// The average of one parameter's gradients over the ranks (`per_rank`, in rank order), summed
+/// as the plan reduces them: each group of `group` consecutive ranks in rank order, then the
+/// groups' sums in group order, divided by the number of ranks at the end; `None` without
+/// ranks.
+fn average(per_rank: &[&[f32]], group: usize) -> Option<Vec<f32>> {
+    let len = per_rank.first()?.len();
+    let sum = |inputs: &[&[f32]], post: f32| -> Option<Vec<f32>> {
+        let bytes: Vec<&[u8]> = inputs.iter().map(|g| f32_bytes(g)).collect();
+        let mut out = vec![0f32; len];
+        let scaling = Scaling { pre_divide: 1.0, post_divide: post };
+        reduce(ElemType::F32, ReduceOp::Sum, scaling, bytemuck::cast_slice_mut(&mut out), &bytes).ok()?;
+        Some(out)
+    };
+    let partials = per_rank.chunks(group.max(1)).map(|g| sum(g, 1.0)).collect::<Option<Vec<_>>>()?;
+    let partials: Vec<&[f32]> = partials.iter().map(Vec::as_slice).collect();
+    sum(&partials, per_rank.len() as f32)
+}
+
+/// Runs the demo unsharded on one thread: the reference the sharded run with `sharding` must
+/// match bit for bit on the CPU backends (`sharding` decides only the order in which the
+/// ranks' gradients are summed, see [`sum_group`]).
+pub fn reference_run(cfg: &DemoConfig, sharding: Sharding) -> RunRecord {
     let model = &cfg.model;
+    let group = sum_group(cfg.world, sharding);
     let mut params = model.init(cfg.seed);
     let mut steps = Vec::with_capacity(cfg.steps);
     let mut progress = crate::progress::Progress::new("demo (reference)", cfg.steps as u64);
@@ -204,20 +245,12 @@ pub fn reference_run(cfg: &DemoConfig) -> RunRecord {
             if !cfg.trainable(k, step) {
                 continue;
             }
-            let inputs: Vec<&[u8]> = accumulated.iter().map(|r| f32_bytes(&r[k])).collect();
-            let mut avg = vec![0f32; p.len()];
-            // The only way this reduction fails is without inputs (a world of 0 ranks, or no
-            // micro-batches): then no rank computed a gradient and the parameter stays as it is.
-            let reduced = reduce(
-                ElemType::F32,
-                ReduceOp::Avg,
-                Scaling::default(),
-                bytemuck::cast_slice_mut(&mut avg),
-                &inputs,
-            );
-            if reduced.is_err() {
+            let per_rank: Vec<&[f32]> = accumulated.iter().map(|r| &r[k][..]).collect();
+            // No average without ranks (a world of 0, or no micro-batches): no rank computed a
+            // gradient and the parameter stays as it is.
+            let Some(avg) = average(&per_rank, group) else {
                 continue;
-            }
+            };
             for (w, g) in p.iter_mut().zip(&avg) {
                 *w -= cfg.lr * g;
             }
@@ -268,11 +301,28 @@ mod tests {
         assert_eq!(max_differences(&good, &off).1, 0.5);
     }
 
+    /// The average sums as the plan reduces: `hybrid:2` on 4 ranks adds the two pairs' sums,
+    /// the other strategies add the ranks one after the other, and the two differ where f32
+    /// rounding makes the order matter.
+    #[test]
+    fn the_average_sums_in_the_plans_order() {
+        assert_eq!(sum_group(4, Sharding::Hybrid(2)), 2);
+        assert_eq!(sum_group(4, Sharding::Flat), 4);
+        assert_eq!(sum_group(4, Sharding::Hybrid(3)), 4, "a group that does not divide: no layout");
+        assert_eq!(sum_group(0, Sharding::Greedy), 1);
+        let grads: [&[f32]; 4] = [&[1.0], &[1e8], &[-1e8], &[1.0]];
+        // ((1 + 1e8) + -1e8) + 1 = 1; (1 + 1e8) + (-1e8 + 1) = 0 (1e8 + 1 rounds to 1e8).
+        assert_eq!(average(&grads, 4), Some(vec![0.25]));
+        assert_eq!(average(&grads, 2), Some(vec![0.0]));
+        assert_eq!(average(&grads, 1), Some(vec![0.25]));
+        assert_eq!(average(&[], 2), None);
+    }
+
     #[test]
     fn reference_training_lowers_the_loss() {
         let cfg = DemoConfig::standard(4, 12, 3);
         let before = eval_loss(&cfg, &cfg.model.init(cfg.seed));
-        let run = reference_run(&cfg);
+        let run = reference_run(&cfg, Sharding::EvenSplit);
         let after = eval_loss(&cfg, &run.params);
         assert!(after < 0.9 * before, "held-out loss went from {before} to {after}");
     }
@@ -281,7 +331,7 @@ mod tests {
     fn a_world_of_zero_ranks_trains_nothing_and_does_not_panic() {
         let mut cfg = DemoConfig::standard(0, 2, 1);
         cfg.eval_every = 0;
-        let run = reference_run(&cfg);
+        let run = reference_run(&cfg, Sharding::EvenSplit);
         assert_eq!(run.params, cfg.model.init(cfg.seed), "no rank computed a gradient");
         assert!(run.steps.iter().all(|s| s.loss.is_nan()), "a mean over zero samples is NaN");
     }
@@ -312,7 +362,7 @@ mod tests {
     fn frozen_layer_does_not_move_while_frozen() {
         let mut cfg = DemoConfig::standard(2, 4, 1);
         cfg.freeze = Some((1, 0, 4));
-        let run = reference_run(&cfg);
+        let run = reference_run(&cfg, Sharding::EvenSplit);
         let init = cfg.model.init(cfg.seed);
         assert_eq!(run.params[2], init[2], "l1.weight moved while frozen");
         assert_eq!(run.params[3], init[3], "l1.bias moved while frozen");

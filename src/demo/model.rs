@@ -1,10 +1,12 @@
 //! A small multi-layer perceptron with hand-written forward and backward passes, the model the
-//! demo and the parity tests train.
+//! demo trains.
 //!
 //! Everything is layer-wise so that a sharded run can fetch a layer's parameters, run that
-//! layer, and release them (ZeRO-3), while the unsharded reference runs the very same functions
-//! on whole parameters. All arithmetic is `f32` in a fixed order, so two runs that see the same
-//! parameter values compute bit-identical results.
+//! layer, and release them (ZeRO-3), while [`super::reference_run`] (the CLI's own parity
+//! check) runs the very same functions on whole parameters. All arithmetic is `f32` in a fixed
+//! order, so two runs that see the same parameter values compute bit-identical results; the
+//! parity tests hold this code to a reference of their own (`tests/support/reference.rs`)
+//! that follows the same order.
 
 /// The model's shape: `dims[0]` inputs, `dims[last]` outputs, a `tanh` hidden layer between
 /// each pair, and a linear last layer. Layer `i` has `weight` of shape `[dims[i+1], dims[i]]`

@@ -236,8 +236,8 @@ pub fn sharded_run_process<B: Backend>(
 /// Runs the demo sharded over `cfg.world` GPUs of this process (device `r` for rank `r`, one
 /// thread per GPU, one NCCL world; hybrid sharding's shard and replica groups are declared to
 /// the backends from the plan). Same steps and result as [`sharded_run`]; the reductions go
-/// through NCCL, whose summation order may differ from the local backend's for more than two
-/// ranks.
+/// through NCCL, whose summation order may differ from the local backend's where a reduction
+/// stage adds more than two ranks' values (two are one commutative `a + b`).
 ///
 /// # Errors
 /// [`DemoError::Cuda`] when there is no CUDA driver (`no CUDA driver found: ...`), no NCCL,
