@@ -79,10 +79,12 @@ def plan(
 
 
 def bench(op: str, ranks: int, **kw: Any) -> list[dict]:
-    """Measures a collective over ``ranks`` threads of this process (the local backend), as
-    ``collsched bench`` does; one dict per size (``bytes``, ``time_us``, ``algbw``, ``busbw``,
-    ``wrong`` with ``check=True``, ``memcpy``: this machine's single-thread copy in GB/s).
-    Keywords: ``min_bytes``, ``max_bytes`` (32 MiB each), ``factor`` (2), ``dtype`` (``"f32"``),
+    """Measures a collective over ``ranks`` threads of this process, as ``collsched bench``
+    does, on ``backend="local"`` (host memory) or ``"cuda"`` (a thread per GPU, NCCL); one
+    dict per size (``bytes``, ``time_us``, ``algbw``, ``busbw``, ``wrong`` with
+    ``check=True``, ``memcpy``: this machine's single-thread host copy in GB/s). Keywords:
+    ``min_bytes``, ``max_bytes`` (32 MiB each), ``factor`` (2), ``dtype`` (``"f32"``),
     ``iters`` (20), ``warmup`` (5), ``check`` (False), ``coalesce`` (1), ``inflight`` (2:
-    iterations each rank keeps in flight; 1 times each collective alone)."""
+    iterations each rank keeps in flight; 1 times each collective alone), ``backend``
+    (``"local"``)."""
     return _bench(op, ranks, **kw)

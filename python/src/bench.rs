@@ -1,8 +1,10 @@
-//! `bench`: the collective bench of `collsched bench --backend local`, returning its rows.
+//! `bench`: the collective bench of `collsched bench --backend local` (or `cuda`), returning
+//! its rows.
 
 use std::sync::Mutex;
 
 use collsched::backend::local::{LocalConfig, LocalWorld};
+use collsched::backend::Backend;
 use collsched::bench::{
     bench_rank, first_failure, memcpy_bandwidth, BenchOp, BenchPlan, BenchSpec, Collector,
 };
@@ -16,12 +18,13 @@ use crate::errors;
 type Row = (usize, f64, Option<f64>, u64);
 
 /// Measures `op` ("all_gather", "reduce_scatter", "all_reduce") over `ranks` threads of this
-/// process (the local backend), as `collsched bench` does: one dict per size with `bytes`,
+/// process, as `collsched bench` does, on `backend`: "local" (threads over host memory) or
+/// "cuda" (a thread per GPU, NCCL on the library's streams; a build with the cuda feature): one dict per size with `bytes`,
 /// `elements`, `time_us` (the slowest rank's), `algbw` and `busbw` (GB/s, nccl-tests'
 /// definitions), `wrong` (with `check`), `memcpy` (this machine's single-thread copy, GB/s,
 /// at the largest size: what the table compares with), and `sep_time_us` with `coalesce > 1`.
 #[pyfunction]
-#[pyo3(signature = (op, ranks, min_bytes=32<<20, max_bytes=32<<20, factor=2, dtype="f32", iters=20, warmup=5, check=false, coalesce=1, inflight=2))]
+#[pyo3(signature = (op, ranks, min_bytes=32<<20, max_bytes=32<<20, factor=2, dtype="f32", iters=20, warmup=5, check=false, coalesce=1, inflight=2, backend="local"))]
 #[allow(clippy::too_many_arguments)]
 pub fn bench<'py>(
     py: Python<'py>,
@@ -36,6 +39,7 @@ pub fn bench<'py>(
     check: bool,
     coalesce: usize,
     inflight: usize,
+    backend: &str,
 ) -> PyResult<Vec<Bound<'py, PyDict>>> {
     let op = match op {
         "all_gather" => BenchOp::AllGather,
@@ -63,7 +67,6 @@ pub fn bench<'py>(
     if let Some(available) = collsched::units::memory_available() {
         plan.check_memory(available).map_err(errors::other)?;
     }
-    let world = LocalWorld::with_config(plan.ranks, LocalConfig::default()).map_err(errors::backend)?;
     let collector = Collector::new(plan.ranks);
     let rows: Mutex<Vec<Row>> = Mutex::new(Vec::new());
     let record = |i: usize, r: &[collsched::bench::RankRow]| {
@@ -77,15 +80,35 @@ pub fn bench<'py>(
             wrong,
         ));
     };
-    let outcomes = world
-        .run(|rank| {
-            let r = bench_rank(&rank, &plan, &collector, &record);
-            if let Err(e) = &r {
-                collector.break_with(format!("rank {}: {e}", collsched::backend::Backend::rank(&rank)));
-            }
-            r
-        })
-        .map_err(errors::backend)?;
+    // One rank's run; a failure breaks the others' waits.
+    let body = |rank: usize, r: Result<(), String>| {
+        if let Err(e) = &r {
+            collector.break_with(format!("rank {rank}: {e}"));
+        }
+        r
+    };
+    let outcomes = match backend {
+        "local" => {
+            let world =
+                LocalWorld::with_config(plan.ranks, LocalConfig::default()).map_err(errors::backend)?;
+            world
+                .run(|rank| body(rank.rank(), bench_rank(&rank, &plan, &collector, &record)))
+                .map_err(errors::backend)?
+        }
+        #[cfg(feature = "cuda")]
+        "cuda" => {
+            let world = collsched::backend::cuda::CudaWorld::new(plan.ranks).map_err(errors::other)?;
+            world
+                .run(|rank| body(rank.rank(), bench_rank(&rank, &plan, &collector, &record)))
+                .map_err(errors::other)?
+        }
+        other => {
+            return Err(errors::other(format!(
+                "bench: backend {other:?}; expected \"local\"{}",
+                if cfg!(feature = "cuda") { " or \"cuda\"" } else { " (this build has no cuda backend)" }
+            )))
+        }
+    };
     first_failure(outcomes).map_err(errors::other)?;
     let memcpy = memcpy_bandwidth(plan.sizes.last().copied().unwrap_or(0)) / 1e9;
     let rows = rows.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner);

@@ -6,19 +6,21 @@
 use std::sync::Arc;
 
 use collsched::backend::local::LocalRank;
+use collsched::backend::ondevice::OnDevice;
 use collsched::backend::Backend;
+use collsched::backend::Stream;
 use collsched::buckets::{BucketId, DType, ParamId};
 use collsched::kernels::ElemType;
 use collsched::runtime::StepStats;
 use collsched::schedule::{Explicit, GradReduce, PolicyKind, SchedulerConfig};
-use collsched::{checkpoint, Coordinator, ModelState};
+use collsched::{checkpoint, Coordinator, ModelState, RuntimeError};
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyDict};
 
 use crate::errors;
-use crate::region::{host_tensor_bytes, Region};
 #[cfg(feature = "cuda")]
 use crate::region::tensor_span;
+use crate::region::{host_tensor_bytes, Region};
 use crate::world::{Rank, World};
 
 #[cfg(feature = "cuda")]
@@ -29,6 +31,7 @@ macro_rules! each {
     ($enum:ident, $v:expr, $x:ident => $e:expr) => {
         match $v {
             $enum::Host($x) => $e,
+            $enum::Emulated($x) => $e,
             #[cfg(feature = "cuda")]
             $enum::Cuda($x) => $e,
         }
@@ -38,6 +41,7 @@ macro_rules! each {
 /// The model state on the world's backend.
 enum St {
     Host(ModelState<LocalRank>),
+    Emulated(ModelState<OnDevice<LocalRank>>),
     #[cfg(feature = "cuda")]
     Cuda(ModelState<CudaBackend>),
 }
@@ -45,6 +49,7 @@ enum St {
 /// A coordinator on the world's backend.
 enum Co {
     Host(Coordinator<LocalRank>),
+    Emulated(Coordinator<OnDevice<LocalRank>>),
     #[cfg(feature = "cuda")]
     Cuda(Coordinator<CudaBackend>),
 }
@@ -70,6 +75,7 @@ fn fetch_regions<B: Backend>(
     py: Python<'_>,
     ids: &[ParamId],
     known: Option<&[usize]>,
+    emulated: bool,
 ) -> PyResult<Vec<Option<Region>>> {
     let be = Arc::clone(coord.model().backend());
     let views = coord.fetch(ids).map_err(errors::runtime)?;
@@ -80,9 +86,49 @@ fn fetch_regions<B: Backend>(
         let (addr, device) = located(&*be, buffer, &range)
             .ok_or_else(|| errors::other(format!("fetch: parameter id {p}: its buffer has no address")))?;
         let same = known.is_some_and(|k| k[i] == addr && len > 0);
-        out.push((!same).then(|| Region::on(owner.clone_ref(py), addr as *const u8, len, device)));
+        out.push((!same).then(|| Region::on(owner.clone_ref(py), addr as *const u8, len, device, emulated)));
     }
     Ok(out)
+}
+
+/// The emulated device's compute stream is the host thread (torch computes on the CPU there,
+/// in program order): before Python reads what the stream was to wait for (gathered
+/// parameters, reduced gradients), the host waits for it, as a CUDA compute stream would.
+fn host_is_compute<B: Backend>(c: &Coordinator<B>, op: &'static str) -> PyResult<()> {
+    let be = c.model().backend();
+    be.synchronize(Stream::Compute, be.timeout())
+        .map_err(|source| RuntimeError::Backend { rank: c.model().rank(), op, bucket: None, source })
+        .map_err(errors::runtime)
+}
+
+/// [`Engine::release`] on a device backend: the buckets are freed once the compute stream
+/// passed the work queued on it so far (which reads them).
+fn release_after_compute<B: Backend>(c: &mut Coordinator<B>, params: &[ParamId]) -> Result<(), RuntimeError> {
+    let done = c.model().backend().record(Stream::Compute).map_err(|source| RuntimeError::Backend {
+        rank: c.model().rank(),
+        op: "release (recording the compute stream's event)",
+        bucket: None,
+        source,
+    })?;
+    c.release_after(params, &done)
+}
+
+/// [`Engine::take_grads`] on a device backend: a region per reduced gradient shard, in the
+/// backend's memory.
+fn device_grads<B: Backend>(
+    c: &mut Coordinator<B>,
+    owner: &Py<PyAny>,
+    py: Python<'_>,
+    emulated: bool,
+    out: &mut Vec<GradShard>,
+) -> PyResult<()> {
+    let mut regions = Vec::new();
+    let r = c.take_grad_shards(|g| regions.push(g));
+    for g in regions {
+        let region = Region::on(owner.clone_ref(py), g.ptr, g.numel * g.elem.size(), g.device, emulated);
+        out.push((g.param.0, g.param_offset, Py::new(py, region)?.into_any(), dtype_name(g.elem)));
+    }
+    r.map(drop).map_err(errors::runtime)
 }
 
 /// One rank's share of one model: its shards (the optimizer's memory), its gradient shards and
@@ -131,6 +177,9 @@ impl Model {
             .collect::<PyResult<Vec<&[u8]>>>()?;
         let state = match &world.backend {
             Rank::Host(b) => St::Host(ModelState::new(Arc::clone(b), &plan, &full).map_err(errors::runtime)?),
+            Rank::Emulated(b) => {
+                St::Emulated(ModelState::new(Arc::clone(b), &plan, &full).map_err(errors::runtime)?)
+            }
             #[cfg(feature = "cuda")]
             Rank::Cuda(b) => St::Cuda(ModelState::new(Arc::clone(b), &plan, &full).map_err(errors::runtime)?),
         };
@@ -171,7 +220,9 @@ impl Model {
     fn shard(slf: Bound<'_, Self>, id: u32) -> PyResult<(Option<Region>, usize, usize)> {
         let r = each!(St, &slf.borrow().state, s => s.shard_region(ParamId(id))).map_err(errors::runtime)?;
         let owner = slf.clone().into_any().unbind();
-        let region = (r.numel > 0).then(|| Region::on(owner, r.ptr, r.numel * r.elem.size(), r.device));
+        let emulated = matches!(slf.borrow().state, St::Emulated(_));
+        let region =
+            (r.numel > 0).then(|| Region::on(owner, r.ptr, r.numel * r.elem.size(), r.device, emulated));
         Ok((region, r.param_offset, r.numel))
     }
 
@@ -193,8 +244,9 @@ impl Model {
             let dtype: DType = dtype.parse().map_err(|e| errors::other(format!("state {name}: {e}")))?;
             // SAFETY: `host_tensor_bytes`' contract: `extras` holds the tensor for the call;
             // the bytes are copied here.
-            let data = unsafe { host_tensor_bytes(&tensor, &format!("save: state {name} of parameter id {id}")) }?
-                .to_vec();
+            let data =
+                unsafe { host_tensor_bytes(&tensor, &format!("save: state {name} of parameter id {id}")) }?
+                    .to_vec();
             states.push(checkpoint::ExtraState { name, param: ParamId(id), dtype, data });
         }
         let index = each!(St, &self.state, s => checkpoint::save_with(s, &path, step, &states, meta))
@@ -264,6 +316,7 @@ impl Model {
         }
         let coord = match &slf.borrow().state {
             St::Host(s) => Co::Host(s.coordinator(config).map_err(errors::runtime)?),
+            St::Emulated(s) => Co::Emulated(s.coordinator(config).map_err(errors::runtime)?),
             #[cfg(feature = "cuda")]
             St::Cuda(s) => Co::Cuda(s.coordinator(config).map_err(errors::runtime)?),
         };
@@ -320,7 +373,13 @@ impl Engine {
             return Err(errors::other("fetch: give one known address per parameter"));
         }
         let known = known.as_deref();
-        each!(Co, &mut self.coord, c => fetch_regions(c, &self.model, py, &ids, known))
+        let emulated = matches!(self.coord, Co::Emulated(_));
+        let regions =
+            each!(Co, &mut self.coord, c => fetch_regions(c, &self.model, py, &ids, known, emulated))?;
+        if let Co::Emulated(c) = &self.coord {
+            host_is_compute(c, "fetch")?;
+        }
+        Ok(regions)
     }
 
     /// The backward pass of this step begins (a policy with backward rules switches to them).
@@ -349,18 +408,9 @@ impl Engine {
     fn release(&mut self, params: Vec<u32>) -> PyResult<()> {
         match &mut self.coord {
             Co::Host(c) => c.release(&ids(&params)),
+            Co::Emulated(c) => release_after_compute(c, &ids(&params)),
             #[cfg(feature = "cuda")]
-            Co::Cuda(c) => {
-                use collsched::backend::Stream;
-                let done = c.model().backend().record(Stream::Compute);
-                let done = done.map_err(|source| collsched::RuntimeError::Backend {
-                    rank: c.model().rank(),
-                    op: "release (recording the compute stream's event)",
-                    bucket: None,
-                    source,
-                });
-                done.and_then(|e| c.release_after(&ids(&params), &e))
-            }
+            Co::Cuda(c) => release_after_compute(c, &ids(&params)),
         }
         .map_err(errors::runtime)
     }
@@ -379,6 +429,37 @@ impl Engine {
                 // grad_ready copies the bytes before returning.
                 let bytes = unsafe { host_tensor_bytes(&grad, &what) }?;
                 c.grad_ready(ParamId(id), bytes).map_err(errors::runtime)
+            }
+            Co::Emulated(c) => {
+                // The emulated device's memory is the host's: the gradient, a CPU tensor in
+                // the reduction dtype, goes into a buffer of the backend's, given as a device
+                // gradient (packed on the compute stream, as on CUDA).
+                // SAFETY: `host_tensor_bytes`' contract: `grad` is held for the call, and the
+                // bytes are copied into the buffer before it returns.
+                let bytes = unsafe { host_tensor_bytes(&grad, &what) }?;
+                let be = Arc::clone(c.model().backend());
+                let rank = c.model().rank();
+                let backend_err = |source| RuntimeError::Backend {
+                    rank,
+                    op: "grad_ready (staging an emulated device gradient)",
+                    bucket: None,
+                    source,
+                };
+                let mut buffer = be.alloc(bytes.len()).map_err(backend_err).map_err(errors::runtime)?;
+                let r = be
+                    .write_from_host(&mut buffer, 0, bytes)
+                    .map_err(backend_err)
+                    .and_then(|()| c.grad_ready_on_device(ParamId(id), &buffer));
+                // The pack that reads the buffer is queued on the compute stream.
+                match be.record(Stream::Compute) {
+                    Ok(after) => be.free(buffer, Some(&after)),
+                    Err(e) => {
+                        // Never given back: the pack may still read it.
+                        std::mem::forget(buffer);
+                        return Err(errors::runtime(backend_err(e)));
+                    }
+                }
+                r.map_err(errors::runtime)
             }
             #[cfg(feature = "cuda")]
             Co::Cuda(c) => {
@@ -442,24 +523,18 @@ impl Engine {
     fn take_grads(&mut self, py: Python<'_>) -> PyResult<Vec<GradShard>> {
         let mut out = Vec::new();
         match &mut self.coord {
-            Co::Host(c) => c.update_shards(|u| {
-                let data = PyByteArray::new(py, u.grad).into_any().unbind();
-                out.push((u.param.0, u.param_offset, data, dtype_name(u.grad_elem)))
-            }),
+            Co::Host(c) => c
+                .update_shards(|u| {
+                    let data = PyByteArray::new(py, u.grad).into_any().unbind();
+                    out.push((u.param.0, u.param_offset, data, dtype_name(u.grad_elem)))
+                })
+                .map(drop)
+                .map_err(errors::runtime),
+            Co::Emulated(c) => device_grads(c, &self.model, py, true, &mut out)
+                .and_then(|()| host_is_compute(c, "take_grads")),
             #[cfg(feature = "cuda")]
-            Co::Cuda(c) => {
-                let mut regions = Vec::new();
-                let r = c.take_grad_shards(|g| regions.push(g));
-                for g in regions {
-                    let region =
-                        Region::on(self.model.clone_ref(py), g.ptr, g.numel * g.elem.size(), g.device);
-                    let data = Py::new(py, region)?.into_any();
-                    out.push((g.param.0, g.param_offset, data, dtype_name(g.elem)));
-                }
-                r
-            }
-        }
-        .map_err(errors::runtime)?;
+            Co::Cuda(c) => device_grads(c, &self.model, py, false, &mut out),
+        }?;
         Ok(out)
     }
 

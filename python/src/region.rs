@@ -120,6 +120,9 @@ pub struct Region {
     len: usize,
     /// The CUDA device the memory is on, `None` for host memory.
     device: Option<usize>,
+    /// Memory of an emulated device (`World.emulated()`): host memory the bindings treat as
+    /// device memory (no buffer protocol), exported to DLPack as the host's.
+    emulated: bool,
     /// Keeps the memory's owner alive.
     _owner: Py<PyAny>,
 }
@@ -127,13 +130,20 @@ pub struct Region {
 impl Region {
     /// A region of `len` bytes of host memory at `addr`, owned by `owner`'s value.
     pub fn new(owner: Py<PyAny>, addr: *const u8, len: usize) -> Region {
-        Region::on(owner, addr, len, None)
+        Region::on(owner, addr, len, None, false)
     }
 
     /// A region of `len` bytes at `addr` on CUDA device `device` (`None`: host memory), owned
-    /// by `owner`'s value.
-    pub fn on(owner: Py<PyAny>, addr: *const u8, len: usize, device: Option<usize>) -> Region {
-        Region { addr: addr as usize, len, device, _owner: owner }
+    /// by `owner`'s value; `emulated`: the device is the emulated one (its memory is the
+    /// host's, exported as such to DLPack, never as a host buffer).
+    pub fn on(
+        owner: Py<PyAny>,
+        addr: *const u8,
+        len: usize,
+        device: Option<usize>,
+        emulated: bool,
+    ) -> Region {
+        Region { addr: addr as usize, len, device, emulated, _owner: owner }
     }
 }
 
@@ -150,10 +160,17 @@ impl Region {
         self.addr
     }
 
-    /// The CUDA device the region is on, `None` for host memory.
+    /// The device the region is on: the CUDA device's ordinal (0 for the emulated device),
+    /// `None` for host memory.
     #[getter]
     fn device(&self) -> Option<usize> {
         self.device
+    }
+
+    /// Whether the device is the emulated one (`World.emulated()`).
+    #[getter]
+    fn emulated(&self) -> bool {
+        self.emulated
     }
 
     /// The buffer protocol: a writable, contiguous byte buffer over the region.
@@ -168,8 +185,10 @@ impl Region {
         let (addr, len) = {
             let r = slf.get();
             if let Some(d) = r.device {
+                let what =
+                    if r.emulated { "the emulated device".to_string() } else { format!("CUDA device {d}") };
                 return Err(PyValueError::new_err(format!(
-                    "a region on CUDA device {d} has no host buffer; view it with torch.from_dlpack(region.dlpack(...))"
+                    "a region on {what} has no host buffer; view it with torch.from_dlpack(region.dlpack(...))"
                 )));
             }
             (r.addr, r.len)
@@ -210,7 +229,7 @@ impl Region {
         });
         let (addr, len, device) = {
             let r = slf.get();
-            (r.addr, r.len, r.device)
+            (r.addr, r.len, if r.emulated { None } else { r.device })
         };
         let device = match device {
             None => dl::Device { device_type: dl::CPU, device_id: 0 },

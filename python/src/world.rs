@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use collsched::backend::local::LocalRank;
+use collsched::backend::ondevice::OnDevice;
 use collsched::backend::shm::{join, ShmConfig};
 use collsched::backend::{Backend, Exchange};
 use collsched::bootstrap::LaunchEnv;
@@ -38,9 +39,11 @@ pub(crate) const HAS_MPI: bool = cfg!(feature = "mpi");
 pub(crate) const HAS_CUDA: bool = cfg!(feature = "cuda");
 
 /// This process's rank: of a host backend (`shm`, `mpi`: one type, the local backend behind
-/// another meeting place) or of the CUDA backend.
+/// another meeting place), of the shm backend seen as a device (`emulated`), or of the CUDA
+/// backend.
 pub(crate) enum Rank {
     Host(Arc<LocalRank>),
+    Emulated(Arc<OnDevice<LocalRank>>),
     #[cfg(feature = "cuda")]
     Cuda(Arc<collsched::backend::cuda::CudaBackend>),
 }
@@ -67,6 +70,7 @@ impl Rank {
     pub(crate) fn rank_world(&self) -> (usize, usize) {
         match self {
             Rank::Host(b) => (b.rank(), b.world_size()),
+            Rank::Emulated(b) => (b.rank(), b.world_size()),
             #[cfg(feature = "cuda")]
             Rank::Cuda(b) => (b.rank(), b.world_size()),
         }
@@ -77,6 +81,9 @@ impl Rank {
         let _ = op; // named in the error of the other kinds
         match self {
             Rank::Host(b) => Ok(b),
+            Rank::Emulated(_) => Err(errors::other(format!(
+                "{op}: this world is the emulated device, which it does not run on; make a World() (shm) for it"
+            ))),
             #[cfg(feature = "cuda")]
             Rank::Cuda(_) => Err(errors::other(format!(
                 "{op}: this world is on the cuda backend, which it does not run on; make a World() (shm) for it"
@@ -135,6 +142,21 @@ impl World {
         let config = ShmConfig::from_env().map_err(errors::other)?;
         let (backend, hub) = join(&env, &config).map_err(errors::backend)?;
         Ok(World { backend: Rank::Host(Arc::new(backend)), hub: Mutex::new(Box::new(hub)) })
+    }
+
+    /// This process's rank of a job on the `shm` backend seen as a device backend (collective;
+    /// rank, world and job as for `World(...)`): shards, gathered parameters and reduced
+    /// gradients live in memory the bindings never read as host memory (its regions refuse
+    /// the buffer protocol, as CUDA's do, and export DLPack tensors of the host), and
+    /// gradients are given in the reduction dtype and packed on the compute stream, as on
+    /// CUDA. What `collsched.torch` does on a GPU then runs on the CPU, for its tests.
+    #[staticmethod]
+    #[pyo3(signature = (rank=None, world=None, job=None))]
+    fn emulated(rank: Option<usize>, world: Option<usize>, job: Option<String>) -> PyResult<World> {
+        let env = launch_env(rank, world, job)?;
+        let config = ShmConfig::from_env().map_err(errors::other)?;
+        let (backend, hub) = join(&env, &config).map_err(errors::backend)?;
+        Ok(World { backend: Rank::Emulated(Arc::new(OnDevice(backend))), hub: Mutex::new(Box::new(hub)) })
     }
 
     /// This process's rank of a job with one GPU per process (collective): CUDA device
@@ -261,11 +283,12 @@ impl World {
         self.backend.rank_world().1
     }
 
-    /// The backend: "host" (`shm`, `mpi`) or "cuda".
+    /// The backend: "host" (`shm`, `mpi`), "emulated" ([`World::emulated`]) or "cuda".
     #[getter]
     fn kind(&self) -> &'static str {
         match self.backend {
             Rank::Host(_) => "host",
+            Rank::Emulated(_) => "emulated",
             #[cfg(feature = "cuda")]
             Rank::Cuda(_) => "cuda",
         }
@@ -282,7 +305,10 @@ impl World {
     /// `dir`, also written there as `rank-R.json` for `collsched flight DIR`. Not collective.
     #[pyo3(signature = (reason="requested", dir=None))]
     fn flight_record(&self, reason: &str, dir: Option<std::path::PathBuf>) -> PyResult<String> {
-        let dump = self.backend.host("flight_record")?.flight_record(reason);
+        let dump = match &self.backend {
+            Rank::Emulated(b) => b.0.flight_record(reason),
+            other => other.host("flight_record")?.flight_record(reason),
+        };
         if let Some(dir) = dir {
             dump.write_to(&dir).map_err(errors::other)?;
         }

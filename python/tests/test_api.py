@@ -136,6 +136,13 @@ def test_tensors_are_read_by_their_own_account_of_their_device():
         assert "1 initial values for 2 parameters" in r["init_count"], r["init_count"]
 
 
+def test_the_emulated_device_s_memory_is_never_read_as_host_memory():
+    for r in run(workers.emulated_regions, 2):
+        assert r["kind"] == "emulated" and r["device"] == 0 and r["emulated"], r
+        assert "emulated device has no host buffer" in r["host_read"], r["host_read"]
+        assert r["view"] == ("cpu", r["want"]) and len(r["want"]) == 12, r
+
+
 def test_a_region_is_a_dlpack_tensor_over_the_same_memory():
     for r in run(workers.dlpack_views, 2):
         numel = r["numel"]

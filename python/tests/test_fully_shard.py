@@ -44,6 +44,44 @@ def test_the_backward_on_another_thread_as_autograd_runs_it_on_cuda(micro):
     parity.check(runs, models.reference(spec, 2))
 
 
+@pytest.mark.parametrize("strategy", ["even", "flat", "greedy"])
+def test_the_device_paths_run_on_the_emulated_device(strategy):
+    """What fully_shard does on a GPU, run on the CPU by the emulated device (the shm backend
+    seen as a device, ``init("emulated")``): blocks then the root sharded (the root reads the
+    blocks' gathered values), gradients given in the reduction dtype and packed on the compute
+    stream, reduced shards read from library memory that refuses host reads, releases after
+    the compute stream's event; against plain PyTorch, exactly."""
+    spec = {"model": "gpt", "steps": 3, "strategy": strategy, "bucket_mb": 0.002, "backend": "emulated"}
+    runs = run(workers.train, 2, spec)
+    parity.check(runs, models.reference(spec, 2))
+
+
+@pytest.mark.parametrize(
+    "dtype, reduce_dtype",
+    [(torch.float32, None), (torch.bfloat16, torch.float32)],
+    ids=["f32", "bf16-reduced-in-f32"],
+)
+def test_no_sync_on_the_emulated_device_accumulates_in_the_full_gradients(dtype, reduce_dtype):
+    """As on CUDA: no_sync micro-batches keep their gradients (in the reduction dtype) out of
+    the library, the synchronized one hands the sum over; one reduction per step."""
+    spec = {
+        "model": "mlp",
+        "steps": 3,
+        "micro": 3,
+        "bucket_mb": 0.0005,
+        "backend": "emulated",
+        "dtype": dtype,
+        "reduce_dtype": reduce_dtype,
+        "opt": "sgd",
+    }
+    runs = run(workers.train, 2, spec)
+    parity.check(runs, models.reference(spec, 2), dtype)
+    for rank, r in enumerate(runs):
+        counts = [s["reduce_scatters"] for s in r["stats"]]
+        assert all(n > 0 for n in counts[2::3]), f"rank {rank}: a synchronized micro-batch reduced nothing: {counts}"
+        assert all(n == 0 for i, n in enumerate(counts) if i % 3 != 2), f"rank {rank}: a no_sync one reduced: {counts}"
+
+
 def test_bf16_parameters_reduced_in_f32():
     spec = {
         "model": "gpt",

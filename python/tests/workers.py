@@ -363,6 +363,34 @@ def tensors_by_their_device(rank: int, world: int) -> dict[str, str]:
     return out
 
 
+def emulated_regions(rank: int, world: int) -> dict[str, Any]:
+    """On the emulated device, library memory is a device's to the package: a shard's region
+    refuses the buffer protocol (a host read) and views through DLPack as a CPU tensor."""
+    import collsched.torch as cst
+    from collsched import _native
+
+    cst.init("emulated")
+    w = cst.world()
+    text = '{"params": [{"name": "w", "shape": [4, 6], "dtype": "f32"}]}'
+    init = torch.arange(24, dtype=torch.float32).view(4, 6)
+    model = _native.Model(w, text, [init], "even", 1.0, 4)
+    region, offset, numel = model.shard(0)
+    try:
+        memoryview(region)
+        host_read = "no error"
+    except Exception as e:
+        host_read = f"{type(e).__name__}: {e}"
+    t = torch.from_dlpack(region.dlpack("f32", [numel]))
+    return {
+        "kind": w.kind,
+        "device": region.device,
+        "emulated": region.emulated,
+        "host_read": host_read,
+        "view": (str(t.device), t.tolist()),
+        "want": init.flatten()[offset : offset + numel].tolist(),
+    }
+
+
 def dlpack_views(rank: int, world: int) -> dict[str, Any]:
     """A shard's region as DLPack tensors: shared memory with the buffer-protocol view, other
     dtypes and shapes over the same bytes, refusals, a capsule taken twice or never, and a

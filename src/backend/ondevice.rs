@@ -6,7 +6,8 @@
 //! on "device 0", and they have device addresses. The runtime then keeps shards in the
 //! backend's buffers, copies them in on a stream, stages host gradients, takes gradients
 //! packed on the compute stream and copies views to the host: the paths CUDA takes, run on the
-//! CPU. The Python package reaches it as `World.emulated()` (`collsched.torch.init("emulated")`),
+//! CPU. Its copies keep a device's ordering: each waits, on the host, for the work queued on
+//! its stream (host copies: on every stream), since the host backend's copies run at once. The Python package reaches it as `World.emulated()` (`collsched.torch.init("emulated")`),
 //! whose regions refuse the buffer protocol (host reads) as CUDA ones do.
 
 use std::time::Duration;
@@ -17,6 +18,20 @@ use super::{Backend, BackendError, Collective, InFlight, LaunchError, Stream};
 
 /// `B` seen as a device backend (see the module docs).
 pub struct OnDevice<B>(pub B);
+
+/// The streams a host copy waits for, as the CUDA backend's do.
+const ALL_STREAMS: [Stream; 3] = [Stream::AllGather, Stream::ReduceScatter, Stream::Compute];
+
+impl<B: Backend> OnDevice<B> {
+    /// The host waits for the work queued on `streams` so far. A device orders its copies
+    /// (pack, unpack, zero) behind the work on their stream, and the CUDA backend's host copies
+    /// behind every stream of the rank; `B`'s copies run on the calling thread at once, so the
+    /// emulation waits first (an all-gather handed out before it completed, as a device
+    /// backend's are, is then complete before its unpack reads it).
+    fn after(&self, streams: &[Stream]) -> Result<(), BackendError> {
+        streams.iter().try_for_each(|&s| self.0.synchronize(s, self.0.timeout()))
+    }
+}
 
 impl<B: Backend> Backend for OnDevice<B> {
     type Buffer = B::Buffer;
@@ -47,10 +62,12 @@ impl<B: Backend> Backend for OnDevice<B> {
     }
 
     fn write_from_host(&self, buffer: &mut B::Buffer, offset: usize, src: &[u8]) -> Result<(), BackendError> {
+        self.after(&ALL_STREAMS)?;
         self.0.write_from_host(buffer, offset, src)
     }
 
     fn read_to_host(&self, buffer: &B::Buffer, offset: usize, dst: &mut [u8]) -> Result<(), BackendError> {
+        self.after(&ALL_STREAMS)?;
         self.0.read_to_host(buffer, offset, dst)
     }
 
@@ -87,6 +104,7 @@ impl<B: Backend> Backend for OnDevice<B> {
         segments: &[CopySegment],
         elem_size: usize,
     ) -> Result<Option<B::Event>, BackendError> {
+        self.after(&[stream])?;
         self.0.pack(stream, packed, sources, segments, elem_size)
     }
 
@@ -97,6 +115,7 @@ impl<B: Backend> Backend for OnDevice<B> {
         offset: usize,
         len: usize,
     ) -> Result<(), BackendError> {
+        self.after(&[stream])?;
         self.0.zero(stream, buffer, offset, len)
     }
 
@@ -108,7 +127,7 @@ impl<B: Backend> Backend for OnDevice<B> {
         segments: &[CopySegment],
         elem_size: usize,
     ) -> Result<Option<B::Event>, BackendError> {
+        self.after(&[stream])?;
         self.0.unpack(stream, dst, packed, segments, elem_size)
     }
 }
-

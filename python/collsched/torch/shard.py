@@ -149,9 +149,11 @@ class _State:
         self._queued = False
         self.got: set[int] = set()
         # Where the shards, the full parameters and their gradients live: the CPU, or the
-        # CUDA device of a world on the cuda backend (gradients then go to the library in the
-        # reduction dtype, and under no_sync they accumulate in the full parameters' .grad).
+        # CUDA device of a world on the cuda backend. On a device backend (cuda, or the
+        # emulated one on the CPU) gradients go to the library in the reduction dtype, and
+        # under no_sync they accumulate in the full parameters' .grad.
         self.device = torch.device("cpu")
+        self.on_device = False
         self.withheld = False
         # Device gradients accumulated under no_sync in the reduction dtype where it is not the
         # parameter's (as FSDP2 does), by parameter id.
@@ -179,6 +181,7 @@ class _State:
         w = world()
         if w.kind == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())
+        self.on_device = w.kind in ("cuda", "emulated")
         root = self.root
         unit_of: dict[int, int] = {}
         self.units = []
@@ -704,7 +707,7 @@ class _State:
         spent there and whether every one of them is in (one still to come, or of a parameter
         this backward does not reach, is not)."""
         batch, keep, done, got = [], [], True, self.got
-        on_device = self.device.type != "cpu"
+        on_device = self.on_device
         for p in params:
             if p.pid in got:
                 continue

@@ -40,15 +40,20 @@ def init(backend: str = "shm", *, hybrid_group_size: Any = None) -> Any:
     at this call, which ``fully_shard``'s hooks wait on instead of blocking the host;
     ``collsched._native.HAS_CUDA``). ``hybrid_group_size``: on ``"cuda"``, the ``G`` of the
     ``"hybrid:G"`` strategy the models of this world will use (NCCL makes the groups'
-    communicators at init, on every rank alike).
+    communicators at init, on every rank alike). ``"emulated"``: the shm backend seen as a
+    device backend (``collsched._native.World.emulated``): CPU tensors, but ``fully_shard``
+    takes the paths it takes on ``"cuda"`` (gradients given in the reduction dtype and packed
+    on the compute stream, reduced shards in library memory that is never read as host
+    memory, ``no_sync`` accumulating in ``.grad``), so that its tests run them on the CPU.
     """
     global _WORLD
     if _WORLD is not None:
         return _WORLD
-    if backend not in ("shm", "mpi", "cuda"):
+    if backend not in ("shm", "mpi", "cuda", "emulated"):
         raise CollschedError(
             f"init(backend={backend!r}): the backends are 'shm' (ranks as processes of one machine), 'mpi' "
-            "(the processes of an MPI job), both on CPU tensors, and 'cuda' (one GPU per process)"
+            "(the processes of an MPI job), both on CPU tensors, 'cuda' (one GPU per process), and 'emulated' "
+            "(shm seen as a device, for tests)"
         )
     import torch.distributed as dist
 
@@ -74,11 +79,13 @@ def init(backend: str = "shm", *, hybrid_group_size: Any = None) -> Any:
         _WORLD = w
         return _WORLD
 
+    make = _native.World.emulated if backend == "emulated" else _native.World
     if dist.is_available() and dist.is_initialized():
         store = dist.distributed_c10d._get_default_store()
-        _WORLD = _join_through(store, dist.get_rank(), dist.get_world_size())
+        rank, size = dist.get_rank(), dist.get_world_size()
+        _WORLD = make(rank, size, _job_key(store, rank, size, backend))
     else:
-        _WORLD = _native.World()
+        _WORLD = make()
     return _WORLD
 
 
@@ -165,6 +172,9 @@ def _join_cuda(group_size: Any) -> Any:
     else:
         rank, size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
         args = (None, None, None)
+    # NVRTC and NCCL from torch's own nvidia-* wheels (the NCCL torch runs on), unless the
+    # environment names a place: the loader searches this site's nvidia/*/lib folders.
+    os.environ.setdefault("COLLSCHED_CUDA_SEARCH", os.path.dirname(os.path.dirname(torch.__file__)))
     device = int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))
     torch.cuda.set_device(device)
     _STREAM = torch.cuda.current_stream()
