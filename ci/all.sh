@@ -11,6 +11,7 @@ step house
 step clippy
 step test
 step python
+step gpu
 for extra in doc ptx fuzz loom sanitize multihost; do
   [ -f "ci/$extra.sh" ] && step "$extra"
 done

@@ -11,16 +11,17 @@ import torch
 import torch.distributed as dist
 
 
-def all_gather_json(obj: Any) -> list[Any]:
-    """Every rank's ``obj`` (JSON-serializable), in rank order. Collective."""
+def all_gather_json(obj: Any, group: Any = None) -> list[Any]:
+    """Every rank's ``obj`` (JSON-serializable), in rank order. Collective (over ``group``,
+    the default group when ``None``)."""
     data = json.dumps(obj).encode()
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
-    dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64))
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=group)
     most = max(int(s.item()) for s in sizes)
     mine = torch.zeros(most, dtype=torch.uint8)
     mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     every = [torch.zeros(most, dtype=torch.uint8) for _ in sizes]
-    dist.all_gather(every, mine)
+    dist.all_gather(every, mine, group=group)
     return [json.loads(bytes(t[: int(s.item())].tolist())) for t, s in zip(every, sizes)]
 
 

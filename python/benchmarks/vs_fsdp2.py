@@ -1,6 +1,7 @@
 """collsched.torch.fully_shard against PyTorch FSDP2 (fully_shard on gloo), in one run.
 
     torchrun --nproc-per-node 2 python/benchmarks/vs_fsdp2.py [--dim 512 --blocks 8 ...]
+    torchrun --nproc-per-node G python/benchmarks/vs_fsdp2.py --device cuda   # one GPU a rank
 
 Both train the same GPT-like model (by default about 25M parameters, 8 blocks) from the same
 initial values on the same data for the same steps (AdamW), each block a unit and the model
@@ -16,12 +17,23 @@ trains the model unsharded with no communication at all (each rank alone): its f
 backward time plus its optimizer time divided by the ranks is the floor under any sharded
 step on this machine, printed beside the two. With ``--ac`` every block of all three runs is
 under activation checkpointing (``checkpoint_wrapper``, wrapped before sharding).
+
+With ``--device cuda`` (rank r on GPU ``LOCAL_RANK``): FSDP2 on NCCL, collsched on its cuda
+backend (NCCL on its own streams, ``init(backend="cuda")``), the model, batches and optimizer
+on the GPU, every timed region closed by ``torch.cuda.synchronize()``; memory is the GPU's:
+torch's peak allocated bytes and the device's used bytes at the end (``mem_get_info``, which
+counts collsched's own pool, outside torch's allocator).
+
+Every rank's losses of every step are compared between FSDP2 and collsched: a NaN, a missing
+step or a difference beyond ``--loss-rtol`` (relative) on any rank fails the run (exit 1),
+after the report says which.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -55,7 +67,7 @@ class Gpt(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
-        x = self.tok(idx) + self.pos(torch.arange(t))
+        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
         for b in self.blocks:
             x = b(x, src_mask=self.mask[:t, :t], is_causal=True)
         return self.head(self.ln(x))
@@ -197,8 +209,21 @@ def build(args: argparse.Namespace) -> Gpt:
 
 def batch(args: argparse.Namespace, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * step + rank)
-    idx = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
+    idx = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g).to(device(args))
     return idx[:, :-1], idx[:, 1:]
+
+
+def device(args: argparse.Namespace) -> torch.device:
+    """This rank's device: the CPU, or GPU ``LOCAL_RANK`` with ``--device cuda``."""
+    if getattr(args, "device", "cpu") == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def sync(args: argparse.Namespace) -> None:
+    """Waits for the GPU's queued work (a timed region ends when the device is done)."""
+    if getattr(args, "device", "cpu") == "cuda":
+        torch.cuda.synchronize()
 
 
 def train(
@@ -210,14 +235,17 @@ def train(
     times, passes, opts, losses, probed = [], [], [], [], []
     for step in range(args.warmup + args.steps):
         x, y = batch(args, step, rank)
+        sync(args)
         dist.barrier()
         t0 = time.perf_counter()
         out = model(x)
         loss = nn.functional.cross_entropy(out.reshape(-1, args.vocab), y.reshape(-1))
         loss.backward()
+        sync(args)
         t1 = time.perf_counter()
         opt.step()
         opt.zero_grad()
+        sync(args)
         t2 = time.perf_counter()
         probed_now = probe() if probe is not None else None
         if step >= args.warmup:
@@ -239,8 +267,8 @@ def train(
 def run_collsched(args: argparse.Namespace, rank: int) -> dict[str, Any]:
     import collsched.torch as cst
 
-    cst.init()
-    model = build(args)
+    cst.init(args.device if args.device == "cuda" else "shm")
+    model = build(args).to(device(args))
     for b in model.blocks:
         cst.fully_shard(b)
     cst.fully_shard(
@@ -266,7 +294,7 @@ def run_collsched(args: argparse.Namespace, rank: int) -> dict[str, Any]:
 
 def run_plain(args: argparse.Namespace, rank: int) -> dict[str, Any]:
     """The model unsharded and alone on each rank: no hooks, no collectives."""
-    model = build(args)
+    model = build(args).to(device(args))
     return train(args, model, rank)
 
 
@@ -274,12 +302,13 @@ def run_fsdp2(args: argparse.Namespace, rank: int, counter: CommCounter) -> dict
     from torch.distributed.fsdp import fully_shard
 
     hooks = Fsdp2HookTime()
-    model = build(args)
+    model = build(args).to(device(args))
     for b in model.blocks:
         fully_shard(b)
     fully_shard(model)
-    # gloo's AVG reduce-scatter can silently sum (pytorch#162338): reduce with SUM, divide after.
-    model.set_force_sum_reduction_for_comms(True)
+    if args.device == "cpu":
+        # gloo's AVG reduce-scatter can silently sum (pytorch#162338): reduce with SUM, divide after.
+        model.set_force_sum_reduction_for_comms(True)
     g0, r0 = counter.gathered, counter.reduced
     out = train(args, model, rank, probe=hooks.take_us_per_unit if hooks.ok else None)
     total = args.warmup + args.steps
@@ -304,6 +333,10 @@ def parse() -> argparse.Namespace:
     p.add_argument("--max-inflight", type=int, default=None, help="collsched's buckets ahead")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ac", action="store_true", help="activation checkpointing of every block, in all three runs")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: one GPU per rank, NCCL")
+    p.add_argument(
+        "--loss-rtol", type=float, default=1e-5, help="largest relative loss difference FSDP2/collsched that passes"
+    )
     p.add_argument("--impl", choices=["collsched", "fsdp2", "plain"], help=argparse.SUPPRESS)
     return p.parse_args()
 
@@ -312,7 +345,11 @@ def child(args: argparse.Namespace) -> None:
     """One implementation on this rank, in a process of its own (its peak RSS is its own)."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = os.environ["COLLSCHED_BENCH_STORE"]
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    if args.device == "cuda":
+        torch.cuda.set_device(device(args))
+    # FSDP2 on a GPU runs on NCCL; the CPU runs and every barrier on gloo.
+    backend = "cpu:gloo,cuda:nccl" if args.device == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
     if args.impl == "collsched":
         out = run_collsched(args, rank)
     elif args.impl == "plain":
@@ -321,6 +358,10 @@ def child(args: argparse.Namespace) -> None:
         out = run_fsdp2(args, rank, CommCounter())
     out["rss"] = peak_rss_mib()
     out["pss"] = pss_mib()
+    if args.device == "cuda":
+        free, total = torch.cuda.mem_get_info()
+        out["gpu_peak_torch"] = torch.cuda.max_memory_allocated() / 2**20
+        out["gpu_used_end"] = (total - free) / 2**20
     dist.barrier()
     dist.destroy_process_group()
     print("RESULT " + json.dumps(out), flush=True)
@@ -352,14 +393,40 @@ def main() -> None:
                 **{k: max(r[k] for r in every) for k in slowest},
                 "rss_all": [r["rss"] for r in every],
                 "pss_all": [r["pss"] for r in every],
+                "losses_all": [r["losses"] for r in every],
+                "gpu_all": [(r["gpu_peak_torch"], r["gpu_used_end"]) for r in every if "gpu_used_end" in r],
             }
     finally:
         # The file stores of the runs, on success or failure.
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
+    problems = compare_losses(
+        "FSDP2", results["fsdp2"]["losses_all"], "collsched", results["collsched"]["losses_all"], args.loss_rtol
+    )
     if rank == 0:
         report(args, world, results)
+        for p in problems:
+            print(f"LOSS MISMATCH: {p}")
     dist.destroy_process_group()
+    if problems:
+        raise SystemExit(1)
+
+
+def compare_losses(a_name: str, a: list[list[float]], b_name: str, b: list[list[float]], rtol: float) -> list[str]:
+    """What differs between two runs' losses (``a``, ``b``: every rank's, every step's): a
+    NaN or infinity, a missing or extra step or rank, a relative difference beyond ``rtol``."""
+    out = []
+    if len(a) != len(b) or not a:
+        return [f"{len(a)} ranks reported {a_name} losses, {len(b)} {b_name}'s"]
+    for rank, (ra, rb) in enumerate(zip(a, b)):
+        if len(ra) != len(rb) or not ra:
+            out.append(f"rank {rank}: {len(ra)} {a_name} steps, {len(rb)} {b_name} steps")
+        for step, (x, y) in enumerate(zip(ra, rb)):
+            if not (math.isfinite(x) and math.isfinite(y)):
+                out.append(f"rank {rank} step {step}: loss {a_name} {x}, {b_name} {y}")
+            elif abs(x - y) > rtol * abs(x):
+                out.append(f"rank {rank} step {step}: loss {a_name} {x!r}, {b_name} {y!r} (beyond rtol {rtol})")
+    return out
 
 
 def report(args: argparse.Namespace, world: int, results: dict[str, dict[str, Any]]) -> None:
@@ -368,6 +435,7 @@ def report(args: argparse.Namespace, world: int, results: dict[str, dict[str, An
         f"model: {n / 1e6:.1f}M parameters, {args.blocks} blocks, dim {args.dim}; {world} ranks; "
         f"batch {args.batch}x{args.seq}; {args.steps} timed steps after {args.warmup}; "
         f"{'activation checkpointing of every block; ' if args.ac else ''}"
+        f"device {args.device}{' ' + torch.cuda.get_device_name() if args.device == 'cuda' else ''}; "
         f"torch {torch.__version__}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}; "
         "each implementation in processes of its own"
     )
@@ -388,8 +456,18 @@ def report(args: argparse.Namespace, world: int, results: dict[str, dict[str, An
             f"{r['reduced'] / 2**20:7.1f} MiB/step{extra}"
         )
     for name in ("fsdp2", "collsched"):
-        print(f"{name:10} losses " + " ".join(f"{x:.5f}" for x in results[name]["losses"]))
-    diff = max(abs(a - b) for a, b in zip(results["fsdp2"]["losses"], results["collsched"]["losses"]))
+        print(f"{name:10} losses (rank 0) " + " ".join(f"{x:.5f}" for x in results[name]["losses"]))
+        for i, (peak, used) in enumerate(results[name]["gpu_all"]):
+            print(
+                f"{name:10} rank {i} GPU: torch's peak allocated {peak:.0f} MiB, device used at the end {used:.0f} MiB"
+            )
+    pairs = [
+        (a, b)
+        for fr, cr in zip(results["fsdp2"]["losses_all"], results["collsched"]["losses_all"])
+        for a, b in zip(fr, cr)
+    ]
+    diff = max((abs(a - b) for a, b in pairs), default=float("nan"))
+    print(f"losses compared: {len(pairs)} (every rank's every step), largest difference {diff:.2e}")
     c, f, p = results["collsched"], results["fsdp2"], results["plain"]
     floor = p["passes_s"] + p["opt_s"] / world
     print(

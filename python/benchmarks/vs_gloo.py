@@ -38,6 +38,7 @@ import collsched.torch  # noqa: F401  (registers "collsched")
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import vs_fsdp2  # noqa: E402
+from exchange import all_gather_json  # noqa: E402
 
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -208,7 +209,7 @@ def fsdp2(args: argparse.Namespace, gloo: Any) -> None:
     fake = fake_group()
     if fake is not None:
         results["no comm (fake)"] = fsdp2_step(args, fake, gloo)
-    report(args, "FSDP2", results)
+    report(args, "FSDP2", results, gloo)
 
 
 def ddp(args: argparse.Namespace, gloo: Any) -> None:
@@ -220,11 +221,26 @@ def ddp(args: argparse.Namespace, gloo: Any) -> None:
         # bucket back as it is does the same.
         "no comm (hook)": ddp_step(args, gloo, gloo, free=True),
     }
-    report(args, "DDP", results)
+    report(args, "DDP", results, gloo)
 
 
-def report(args: argparse.Namespace, kind: str, results: dict[str, dict[str, Any]]) -> None:
-    """Rank 0 prints each implementation's median step and losses, and the ratios to gloo's."""
+PROBLEMS: list[str] = []
+
+
+def report(args: argparse.Namespace, kind: str, results: dict[str, dict[str, Any]], gloo: Any) -> None:
+    """Rank 0 prints each implementation's median step and losses, and the ratios to gloo's.
+    Every rank's losses of every step are compared with gloo's (collective, over ``gloo``): a
+    NaN, a missing step or a difference beyond ``--loss-rtol`` goes to ``PROBLEMS``, which fail
+    the run at its end."""
+    every = all_gather_json({name: r["losses"] for name, r in results.items()}, group=gloo)
+    for name in ("collsched", "collsched+alloc"):
+        if name in results:
+            PROBLEMS.extend(
+                f"{kind} {p}"
+                for p in vs_fsdp2.compare_losses(
+                    "gloo", [e["gloo"] for e in every], name, [e[name] for e in every], args.loss_rtol
+                )
+            )
     if dist.get_rank() != 0:
         return
     n = sum(p.numel() for p in vs_fsdp2.Gpt(args.vocab, args.dim, args.heads, args.blocks, args.seq).parameters())
@@ -237,9 +253,13 @@ def report(args: argparse.Namespace, kind: str, results: dict[str, dict[str, Any
         if name not in results:
             continue
         r = results[name]
-        diff = max(abs(a - b) for a, b in zip(base["losses"], r["losses"]))
+        pairs = [(a, b) for e in every for a, b in zip(e["gloo"], e[name])]
+        diff = max((abs(a - b) for a, b in pairs), default=float("nan"))
         ratio = r["median_s"] / base["median_s"]
-        print(f"  ratio {name}/gloo: {kind} step time {ratio:.2f}x; largest loss difference {diff:.2e}")
+        print(
+            f"  ratio {name}/gloo: {kind} step time {ratio:.2f}x; largest loss difference {diff:.2e} "
+            f"over {len(pairs)} losses (every rank's every step)"
+        )
     for name in ("no comm (fake)", "no comm (hook)"):
         if name in results:
             floor = results[name]["median_s"] / base["median_s"]
@@ -266,6 +286,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--loss-rtol", type=float, default=1e-5, help="largest relative loss difference from gloo's")
     args = p.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group("collsched")
@@ -281,6 +302,10 @@ def main() -> None:
     # times, when it is gone by then).
     del gloo
     gc.collect()
+    for problem in PROBLEMS:
+        print(f"LOSS MISMATCH: {problem}")
+    if PROBLEMS:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The GPU check's preparation, on a machine without a GPU: gpu/pack.sh builds the pack (and
+# fails over its size limit); the pack's abi3 wheel installs into a Python 3.12 virtual
+# environment and imports there; gpu/run.sh dry-runs: every step reports skipped with the
+# reason, none passes or fails.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source ci/env.sh
+export COLLSCHED_GPU_PACK="${COLLSCHED_GPU_PACK:-$(pwd)/${CARGO_TARGET_DIR:-target}/gpu-pack}"
+bash gpu/pack.sh
+
+# The wheel in another Python than the one that built it.
+py312=""
+for c in python3.12 "$(pyenv root 2>/dev/null)/versions/3.12"*/bin/python3.12; do
+  if command -v "$c" >/dev/null 2>&1; then py312=$(command -v "$c"); break; fi
+done
+[ -n "$py312" ] || { echo "ci/gpu: no python3.12 (pyenv install 3.12, or put python3.12 on PATH)"; exit 1; }
+venv312="$COLLSCHED_CI_CACHE/venv312"
+[ -x "$venv312/bin/python" ] || "$py312" -m venv "$venv312"
+"$venv312/bin/python" -m pip install -q --disable-pip-version-check --no-deps --force-reinstall "$COLLSCHED_GPU_PACK"/wheel/*.whl
+"$venv312/bin/python" - <<'PY'
+import sys
+import collsched
+from collsched import _native
+assert sys.version_info[:2] == (3, 12), sys.version
+# The extension works in this interpreter: a plan through the bindings.
+plan = collsched.plan([{"name": "w", "shape": [4, 6], "dtype": "f32"}], world=2)
+assert plan["world"] == 2 and [p["name"] for p in plan["params"]] == ["w"], plan
+shards = [s for b in plan["buckets"] if b["kind"] == "gather" for s in b["shards"]]
+assert sum(seg["numel"] for s in shards for seg in s["segments"]) == 24, shards
+print(f"ci/gpu: the abi3 wheel imports in Python {sys.version.split()[0]}: {_native.__file__}")
+PY
+
+# The dry run: no GPU here, so every step is skipped, saying why.
+dry=$(mktemp -d)
+trap 'rm -rf "$dry"' EXIT
+bash gpu/run.sh "$dry/out"
+steps=$(bash gpu/run.sh --list | wc -l)
+skipped=$(grep -c ' skipped ' "$dry/out/summary.txt" || true)
+if [ "$skipped" -ne "$steps" ] || grep -Eq ' (ok|FAILED) ' "$dry/out/summary.txt"; then
+  cat "$dry/out/summary.txt"; echo "ci/gpu: the dry run should skip all $steps steps, it skipped $skipped"; exit 1
+fi
+grep -q "no GPU here" "$dry/out/summary.txt" || { cat "$dry/out/summary.txt"; echo "ci/gpu: the dry run did not say why"; exit 1; }
+[ -s "$dry/out/logs.tar.gz" ] || { echo "ci/gpu: the dry run wrote no logs.tar.gz"; exit 1; }
+echo "ci/gpu: dry run: all $steps steps skipped (no GPU here)"

@@ -1,0 +1,166 @@
+#!/usr/bin/env bash
+# The GPU check, on a machine with NVIDIA GPUs, over what gpu/pack.sh built elsewhere
+# (gpu/pack/, or $COLLSCHED_GPU_PACK). Needs no Rust toolchain and no network: the driver,
+# python3 with torch (its nvidia-* wheels give NVRTC and NCCL), and this working tree.
+#
+#   bash gpu/run.sh OUTDIR [STEP...]      every step, or the steps named, in order
+#   bash gpu/run.sh --list                the steps
+#
+# Writes, as it goes (a run cut off still reports what it did):
+#   OUTDIR/summary.txt    one line per step: name, ok|FAILED|skipped, seconds, and why
+#   OUTDIR/logs.tar.gz    every step's log (OUTDIR/logs/STEP.log, tarred after each step)
+# Each step runs under its own timeout, inside a total of $COLLSCHED_GPU_TOTAL_SECS (default
+# 480); a step that would not fit in what is left is skipped, saying so. Without a GPU every
+# step reports skipped, with the reason. Exit status: 0 when no step failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+here=$(pwd)
+pack="${COLLSCHED_GPU_PACK:-$here/gpu/pack}"
+total="${COLLSCHED_GPU_TOTAL_SECS:-480}"
+
+# name:timeout_seconds:what it runs
+STEPS=(
+  "probe:30:driver, CUDA, NCCL, torch versions and where the libraries are"
+  "nvrtc:60:every CUDA C source compiled by this machine's NVRTC (tests/cuda_ptx)"
+  "rust-backend:120:the CUDA backend against the CPU kernels (tests/gpu_backend --ignored)"
+  "rust-fences:60:host copies wait for every stream; teardown ends (tests/gpu_fences --ignored)"
+  "rust-runtime:90:device gradients through the runtime (tests/runtime_reduce --ignored)"
+  "rust-demo:120:the demo's ZeRO-3 parity on every visible GPU (tests/gpu_demo --ignored)"
+  "demo:60:collsched demo --backend cuda on every visible GPU (at most 2)"
+  "bench:90:collsched bench --backend cuda, all-gather and reduce-scatter, 1 MiB to 256 MiB"
+  "python:150:python/tests/test_cuda.py (collsched.torch on NCCL, against plain PyTorch)"
+  "vs-nccl:90:python/benchmarks/vs_nccl.py: collsched's collectives beside torch's NCCL and a device copy"
+  "vs-fsdp2:120:python/benchmarks/vs_fsdp2.py --device cuda: step and host time against FSDP2"
+)
+
+if [ "${1:-}" = "--list" ]; then
+  for s in "${STEPS[@]}"; do IFS=: read -r n t w <<<"$s"; printf '%-14s %4ss  %s\n' "$n" "$t" "$w"; done
+  exit 0
+fi
+out="${1:?usage: gpu/run.sh OUTDIR [STEP...] (or --list)}"
+shift
+mkdir -p "$out/logs"
+out=$(cd "$out" && pwd)
+summary="$out/summary.txt"
+: >"$summary"
+start=$(date +%s)
+failed=0
+why_skip=""    # set by the probe: a reason every GPU step is skipped
+
+note() { echo "$*" | tee -a "$summary"; }
+bundle() { tar -C "$out" -czf "$out/logs.tar.gz.part" logs 2>/dev/null && mv "$out/logs.tar.gz.part" "$out/logs.tar.gz"; }
+
+gpus() { nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true; }
+
+# Where the library looks for NVRTC, NCCL and the CUDA headers: torch's site-packages (its
+# nvidia-* wheels; what collsched.torch sets itself), then the system's (the loader's order).
+find_libraries() {
+  local site
+  site=$(python3 -c "import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))" 2>/dev/null || true)
+  if [ -n "$site" ] && [ -z "${COLLSCHED_CUDA_SEARCH:-}" ]; then export COLLSCHED_CUDA_SEARCH="$site"; fi
+}
+
+step_probe() {
+  echo "date: $(date -u +%FT%TZ)"; uname -a
+  nvidia-smi || return 1
+  python3 - <<'PY'
+import torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, "devices", torch.cuda.device_count())
+print("nccl", torch.cuda.nccl.version() if torch.cuda.is_available() else "n/a")
+for i in range(torch.cuda.device_count()):
+    p = torch.cuda.get_device_properties(i)
+    print(f"device {i}: {p.name}, sm_{p.major}{p.minor}, {p.total_memory >> 20} MiB")
+PY
+  echo "python: $(python3 --version) at $(command -v python3)"
+  for k in COLLSCHED_CUDA_SEARCH COLLSCHED_NVRTC_LIB COLLSCHED_NCCL_LIB COLLSCHED_CUDA_INCLUDE CUDA_HOME LD_LIBRARY_PATH; do
+    echo "$k=${!k:-}"
+  done
+  # What the loader will find there (its own report comes with the nvrtc step).
+  find "${COLLSCHED_CUDA_SEARCH:-/nonexistent}/nvidia" /usr/local/cuda/lib64 -maxdepth 3 \
+    \( -name 'libnvrtc.so*' -o -name 'libnccl.so*' -o -name 'cuda_fp16.h' \) 2>/dev/null | head -20
+  cat "$pack/MANIFEST"
+}
+
+# A Rust test binary's GPU tests (ignored elsewhere), one at a time.
+rust_ignored() { COLLSCHED_GPU=1 "$pack/tests/$1" --ignored --test-threads=1 "${@:2}"; }
+
+step_nvrtc() { CI=true "$pack/tests/cuda_ptx" --test-threads=1 --nocapture; }
+step_rust_backend() { rust_ignored gpu_backend; }
+step_rust_fences() { rust_ignored gpu_fences; }
+step_rust_runtime() { rust_ignored runtime_reduce; }
+step_rust_demo() { rust_ignored gpu_demo; }
+step_demo() {
+  local n; n=$(gpus); [ "$n" -gt 2 ] && n=2
+  "$pack/bin/collsched" demo --backend cuda --ranks "$n" --steps 6
+}
+step_bench() {
+  local n; n=$(gpus); [ "$n" -gt 2 ] && n=2
+  for op in all_gather reduce_scatter; do
+    "$pack/bin/collsched" bench --backend cuda --op "$op" --ranks "$n" -b 1M -e 256M -f 4 --check || return 1
+  done
+}
+
+# The wheel, unpacked where python3 finds it (PYTHONPATH; nothing installed system-wide).
+python_site() {
+  local site=/tmp/collsched-gpu-site
+  if [ ! -d "$site/collsched" ]; then
+    python3 -m pip install -q --no-deps --no-index --no-compile --target "$site" "$pack"/wheel/*.whl || return 1
+  fi
+  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+  python3 -c "import collsched, collsched._native; print('collsched from', collsched.__file__)"
+}
+step_python() { python_site && COLLSCHED_GPU=1 python3 -m pytest -q -rs -p no:cacheprovider python/tests/test_cuda.py; }
+step_vs_nccl() { python_site && python3 python/benchmarks/vs_nccl.py; }
+step_vs_fsdp2() {
+  python_site || return 1
+  local n; n=$(gpus); [ "$n" -gt 2 ] && n=2
+  python3 -m torch.distributed.run --standalone --nproc-per-node "$n" python/benchmarks/vs_fsdp2.py --device cuda
+}
+
+run_step() {
+  local name=$1 limit=$2 fn="step_${1//-/_}" log="$out/logs/$1.log" t0 rc secs left
+  left=$(( total - ($(date +%s) - start) ))
+  if [ -n "$why_skip" ] && [ "$name" != probe ]; then
+    note "$(printf '%-14s skipped %4ss  %s' "$name" 0 "$why_skip")"; return
+  fi
+  if [ "$left" -lt "$limit" ]; then
+    note "$(printf '%-14s skipped %4ss  %s' "$name" 0 "${left}s left of the total ${total}s, the step may take ${limit}s")"; return
+  fi
+  t0=$(date +%s)
+  ( "$fn" ) >"$log" 2>&1 &
+  local pid=$!
+  ( sleep "$limit"; kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null; sleep 5; kill -KILL -- "-$pid" 2>/dev/null ) &
+  local watchdog=$!
+  wait "$pid"; rc=$?
+  kill "$watchdog" 2>/dev/null; wait "$watchdog" 2>/dev/null
+  secs=$(( $(date +%s) - t0 ))
+  if [ "$rc" -eq 0 ]; then
+    note "$(printf '%-14s ok      %4ss' "$name" "$secs")"
+  else
+    failed=1
+    local why="exit $rc"
+    [ "$secs" -ge "$limit" ] && why="timed out after ${limit}s"
+    note "$(printf '%-14s FAILED  %4ss  %s; last line: %s' "$name" "$secs" "$why" "$(tail -n 1 "$log" | cut -c1-200)")"
+  fi
+  bundle
+}
+
+set -m  # each step in its own process group, so a timeout ends everything it started
+wanted=("$@")
+if [ ! -d "$pack/tests" ]; then
+  why_skip="no pack at $pack: run gpu/pack.sh on the build machine and carry gpu/pack"
+elif ! command -v nvidia-smi >/dev/null 2>&1 || [ "$(gpus)" -eq 0 ]; then
+  why_skip="no GPU here (nvidia-smi lists none)"
+fi
+[ -z "$why_skip" ] && find_libraries
+for s in "${STEPS[@]}"; do
+  IFS=: read -r name limit _ <<<"$s"
+  if [ ${#wanted[@]} -gt 0 ] && [[ ! " ${wanted[*]} " == *" $name "* ]]; then continue; fi
+  if [ "$name" = probe ] && [ -n "$why_skip" ]; then
+    note "$(printf '%-14s skipped %4ss  %s' probe 0 "$why_skip")"; continue
+  fi
+  run_step "$name" "$limit"
+done
+bundle
+note "total $(( $(date +%s) - start ))s; $( [ "$failed" -eq 0 ] && echo 'no step failed' || echo 'some step FAILED')"
+exit "$failed"
