@@ -11,8 +11,10 @@ bash gpu/pack.sh
 
 # The wheel in another Python than the one that built it.
 py312=""
-for c in python3.12 "$(pyenv root 2>/dev/null)/versions/3.12"*/bin/python3.12; do
-  if command -v "$c" >/dev/null 2>&1; then py312=$(command -v "$c"); break; fi
+# pyenv's own 3.12 before a python3.12 on PATH (pyenv's shim is on PATH but refuses to run a
+# version that is not selected); each candidate must run.
+for c in "$(pyenv root 2>/dev/null)/versions/3.12"*/bin/python3.12 python3.12; do
+  if "$c" -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1; then py312=$(command -v "$c"); break; fi
 done
 [ -n "$py312" ] || { echo "ci/gpu: no python3.12 (pyenv install 3.12, or put python3.12 on PATH)"; exit 1; }
 venv312="$COLLSCHED_CI_CACHE/venv312"

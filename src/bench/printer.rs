@@ -72,6 +72,8 @@ pub struct Printer {
     plan: BenchPlan,
     backend: &'static str,
     memcpy: f64,
+    /// What the copy reference is (the header's line): a single-thread host copy by default.
+    pub copy_name: String,
     /// Optional second reference: (threads, aggregate bytes/s of that many concurrent copies).
     pub concurrent: Option<(usize, f64)>,
     /// Columns of other implementations of the same collective, measured in the same run, in
@@ -112,6 +114,7 @@ impl Printer {
             plan: plan.clone(),
             backend,
             memcpy,
+            copy_name: "single-thread copy".to_string(),
             concurrent: None,
             references: Vec::new(),
             state: Mutex::default(),
@@ -138,7 +141,8 @@ impl Printer {
         );
         let largest = p.sizes.last().copied().unwrap_or(0).max(4096);
         println!(
-            "# memcpy reference: single-thread copy of {} bytes: {:.2} GB/s",
+            "# memcpy reference: {} of {} bytes: {:.2} GB/s",
+            self.copy_name,
             largest,
             self.memcpy / 1e9
         );

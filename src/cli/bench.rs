@@ -279,9 +279,29 @@ fn run_local(plan: &BenchPlan) -> Result<ExitCode, CliError> {
 /// `--backend cuda`: one thread per GPU of this process.
 #[cfg(feature = "cuda")]
 fn run_cuda(plan: &BenchPlan) -> Result<ExitCode, CliError> {
+    use crate::backend::Backend;
     let world = crate::backend::cuda::CudaWorld::new(plan.ranks)?;
+    // The reference measured in the same run: a device-to-device copy of each size's whole
+    // buffer on rank 0's GPU (what one GPU's memory moves; a collective's own copy at one rank).
+    let copies = world.run(|b| {
+        (b.rank() == 0)
+            .then(|| plan.sizes.iter().map(|&s| b.device_copy_seconds(s.max(4), plan.iters)).collect())
+            .transpose()
+    })?;
+    let times: Vec<f64> = match copies.into_iter().next() {
+        Some(Ok(Ok(Some(t)))) => t,
+        Some(Ok(Err(e))) => return Err(format!("rank 0: the device copy reference failed: {e}").into()),
+        _ => return Err("rank 0: the device copy reference did not run".into()),
+    };
     let largest = plan.sizes.last().copied().unwrap_or(0);
-    let printer = Printer::new(plan, "cuda", memcpy_bandwidth(largest));
+    let copy_bw = times.last().map_or(f64::NAN, |t| largest.max(4) as f64 / t);
+    let mut printer = Printer::new(plan, "cuda", copy_bw);
+    printer.copy_name = "device-to-device copy (cuMemcpyDtoDAsync) on GPU 0".to_string();
+    printer.references.push(crate::bench::Reference {
+        tag: "d2d",
+        name: "a device-to-device copy of the whole buffer on GPU 0 (cuMemcpyDtoDAsync)".to_string(),
+        times,
+    });
     printer.header();
     let collector = Collector::new(plan.ranks);
     first_failure(world.run(|b| run_rank(&b, plan, &collector, &printer))?)?;

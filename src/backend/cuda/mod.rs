@@ -370,6 +370,39 @@ impl CudaBackend {
         self.staging.fresh_blocks()
     }
 
+    /// Seconds one device-to-device copy of `bytes` bytes takes on this rank's device, the
+    /// best of `iters` after one warm-up (`cuMemcpyDtoDAsync` on the copy stream, the host
+    /// waiting for each): what `collsched bench --backend cuda` compares a collective with.
+    ///
+    /// # Errors
+    /// An allocation, copy or wait failure, or a copy that outlasts the backend's timeout.
+    pub fn device_copy_seconds(&self, bytes: usize, iters: usize) -> Result<f64, BackendError> {
+        let (src, dst) = (self.alloc(bytes)?, self.alloc(bytes)?);
+        let failed = |e: CudaError| to_backend(self.rank, e);
+        let mut best = f64::INFINITY;
+        for i in 0..=iters.max(1) {
+            self.device.bind().map_err(failed)?;
+            let t0 = std::time::Instant::now();
+            // SAFETY: both buffers are this rank's, at least `bytes` long, and nothing else
+            // uses them: they go back to the pool after the copy stream drained below.
+            unsafe { cu::memcpy_dtod_async(dst.ptr(), src.ptr(), bytes, self.copy.raw()) }.map_err(|e| {
+                failed(CudaError::driver(
+                    format!("rank {}: device_copy_seconds of {bytes} bytes", self.rank),
+                    collsched_kernels::cuda::DriverCallError::new("cuMemcpyDtoDAsync", e),
+                ))
+            })?;
+            if !self.copy.drain(self.timeout).map_err(failed)? {
+                return Err(BackendError::EventTimeout { waited: self.timeout });
+            }
+            if i > 0 {
+                best = best.min(t0.elapsed().as_secs_f64());
+            }
+        }
+        self.free(src, None);
+        self.free(dst, None);
+        Ok(best)
+    }
+
     /// The raw CUDA stream behind `stream` (to hand to an engine).
     pub fn raw_stream(&self, stream: Stream) -> cusys::CUstream {
         self.streams[stream.index()].raw()
