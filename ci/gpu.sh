@@ -45,3 +45,28 @@ fi
 grep -q "no GPU here" "$dry/out/summary.txt" || { cat "$dry/out/summary.txt"; echo "ci/gpu: the dry run did not say why"; exit 1; }
 [ -s "$dry/out/logs.tar.gz" ] || { echo "ci/gpu: the dry run wrote no logs.tar.gz"; exit 1; }
 echo "ci/gpu: dry run: all $steps steps skipped (no GPU here)"
+
+# A rehearsal of the runner's machinery on a fake GPU (an nvidia-smi that lists one, and a pack
+# whose test binaries pass, fail and hang): each outcome is reported as such, a hung step is
+# killed at its timeout with everything it started, and the logs come back.
+fake="$dry/fake"
+mkdir -p "$fake/bin" "$fake/pack/tests" "$fake/pack/bin" "$fake/pack/wheel"
+printf '#!/bin/sh\n[ "$1" = "-L" ] && echo "GPU 0: Fake (UUID: GPU-0)" || echo fake\n' >"$fake/bin/nvidia-smi"
+printf '#!/bin/sh\necho "passing $*"\n' >"$fake/pack/tests/cuda_ptx"
+printf '#!/bin/sh\necho "failing $*"; exit 3\n' >"$fake/pack/tests/gpu_backend"
+printf '#!/bin/sh\necho hanging; exec sleep 300\n' >"$fake/pack/tests/gpu_fences"
+echo "a fake pack" >"$fake/pack/MANIFEST"
+chmod +x "$fake/bin/nvidia-smi" "$fake/pack/tests/"*
+PATH="$fake/bin:$COLLSCHED_VENV/bin:$PATH" COLLSCHED_GPU_PACK="$fake/pack" COLLSCHED_GPU_STEP_SECS=3 \
+  bash gpu/run.sh "$dry/rehearsal" nvrtc rust-backend rust-fences >/dev/null 2>&1 && rc=0 || rc=$?
+s="$dry/rehearsal/summary.txt"
+expect() { grep -Eq "$1" "$s" || { cat "$s"; echo "ci/gpu: the rehearsal's summary lacks: $1"; exit 1; }; }
+expect '^nvrtc +ok '
+expect '^rust-backend +FAILED .*exit 3; last line: failing --ignored'
+expect '^rust-fences +FAILED .*timed out after 3s'
+[ "$rc" -ne 0 ] || { cat "$s"; echo "ci/gpu: the rehearsal failed steps but exited 0"; exit 1; }
+tar -tzf "$dry/rehearsal/logs.tar.gz" | grep -q 'logs/rust-fences.log' || { echo "ci/gpu: no logs from the rehearsal"; exit 1; }
+if pgrep -f "$fake/pack/tests" >/dev/null || pgrep -fx 'sleep 300' >/dev/null; then
+  echo "ci/gpu: the hung step's processes outlived its timeout"; exit 1
+fi
+echo "ci/gpu: rehearsal on a fake GPU: pass, fail and timeout reported, the hung step killed"

@@ -10,7 +10,8 @@
 #   OUTDIR/summary.txt    one line per step: name, ok|FAILED|skipped, seconds, and why
 #   OUTDIR/logs.tar.gz    every step's log (OUTDIR/logs/STEP.log, tarred after each step)
 # Each step runs under its own timeout, inside a total of $COLLSCHED_GPU_TOTAL_SECS (default
-# 480); a step that would not fit in what is left is skipped, saying so. Without a GPU every
+# 480); a step that would not fit in what is left is skipped, saying so. $COLLSCHED_GPU_STEP_SECS,
+# when set, caps every step's timeout (a quick rehearsal). Without a GPU every
 # step reports skipped, with the reason. Exit status: 0 when no step failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -119,6 +120,7 @@ step_vs_fsdp2() {
 
 run_step() {
   local name=$1 limit=$2 fn="step_${1//-/_}" log="$out/logs/$1.log" t0 rc secs left
+  if [ -n "${COLLSCHED_GPU_STEP_SECS:-}" ] && [ "$COLLSCHED_GPU_STEP_SECS" -lt "$limit" ]; then limit=$COLLSCHED_GPU_STEP_SECS; fi
   left=$(( total - ($(date +%s) - start) ))
   if [ -n "$why_skip" ] && [ "$name" != probe ]; then
     note "$(printf '%-14s skipped %4ss  %s' "$name" 0 "$why_skip")"; return

@@ -259,7 +259,7 @@ def post_backward_order(rank: int, world: int, spec: dict[str, Any]) -> dict[str
     looking, once the gradient of the first block's output is computed (the later blocks'
     backward done, the first's and the root's not), at which parameters' gradients the
     library has and which units are released."""
-    from collsched.torch import shard as sh
+    from collsched.torch import module as sh
 
     model = shard(_NestedMlp() if spec.get("nested") else models.build("mlp"), spec)
     state = sh._root_state(model)
@@ -398,7 +398,7 @@ def dlpack_views(rank: int, world: int) -> dict[str, Any]:
     import gc
     import sys
 
-    from collsched.torch import shard as sh
+    from collsched.torch import module as sh
 
     model = shard(models.build("mlp"), {})
     native = sh._root_state(model).model

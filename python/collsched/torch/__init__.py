@@ -55,7 +55,8 @@ Knobs are the arguments of :func:`fully_shard` and :func:`init`; errors are
 
 The ``"collsched"`` torch.distributed backend (``dist.init_process_group("collsched")``), which
 importing this package registers, is :mod:`collsched.torch.distributed`. The files:
-``world.py`` (joining the job), ``shard.py`` (``fully_shard`` and its hooks),
+``world.py`` (joining the job), ``module.py`` (``fully_shard`` and the module's methods),
+``shard.py`` (a root's sharded model and its hooks), ``units.py`` (parameters and units),
 ``checkpoint.py`` (checkpoints), ``clip.py`` (gradient clipping), ``distributed.py`` (the
 process group backend).
 """
@@ -66,7 +67,7 @@ from .._native import CollschedError
 from . import clip, distributed
 from .checkpoint import full_state_dict, load_checkpoint, save_checkpoint, save_full
 from .clip import clip_grad_norm_
-from .shard import CollschedModule, full_parameters, fully_shard, live_bytes, plan, stats
+from .module import CollschedModule, full_parameters, fully_shard, live_bytes, plan, stats
 from .world import flight_record, init, world
 
 __all__ = [

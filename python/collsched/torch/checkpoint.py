@@ -12,7 +12,9 @@ import torch
 from torch import nn
 
 from .._native import CollschedError
-from .shard import _root_state, _State, _tensor
+from .module import _root_state
+from .shard import _State
+from .units import _tensor
 from .world import _FROM_TORCH, _TO_TORCH, world
 
 

@@ -1,0 +1,202 @@
+"""The face of a sharded module: ``fully_shard`` (which makes a module a unit, and a root a
+sharded model, ``_State``), the methods FSDP2 users call on it (``no_sync``,
+``set_requires_gradient_sync``, prefetch lists, ``refresh_trainable``), and the whole-model
+functions (``stats``, ``full_parameters``, ``plan``, ``live_bytes``)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._native import CollschedError
+from .shard import _State
+from .world import _FROM_TORCH
+
+
+class CollschedModule:
+    """Mixed into every module given to :func:`fully_shard` (as FSDP2 does): its forward runs
+    the unit's fetch and release, and the root's adds the pass's bookkeeping."""
+
+    _collsched_unit = True
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:  # noqa: D401
+        state: _State | None = self.__dict__.get("_collsched_state")
+        call = super().forward  # type: ignore[misc]
+        if state is None:
+            return call(*args, **kwargs)
+        if state.root is self:
+            return state.forward(self, call, args, kwargs)  # type: ignore[arg-type]
+        return state.unit_forward(self, call, args, kwargs)  # type: ignore[arg-type]
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        """``module.to()``, ``.half()``, ``.share_memory()``, ...: a conversion that keeps the
+        shards where they are (the same dtype and device) changes nothing; one that would move
+        a shard out of collsched's memory is undone and raises (the gathers would go on
+        reading the old values while the optimizer updated the copy)."""
+        out = super()._apply(fn, recurse)  # type: ignore[misc]
+        state: _State | None = self.__dict__.get("_collsched_state")
+        if state is not None and state.model is not None:
+            state.check_shards_in_place(type(self).__name__)
+        return out
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """``False``: backward passes accumulate gradients locally and reduce nothing, until a
+        backward with ``True`` reduces everything (FSDP2's spelling of ``no_sync``)."""
+        _state_of(self).sync = bool(requires_gradient_sync)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally; the first one after reduces."""
+        state = _state_of(self)
+        before = state.sync
+        state.sync = False
+        try:
+            yield
+        finally:
+            state.sync = before
+
+    def refresh_trainable(self) -> bool:
+        """Applies the parameters' ``requires_grad`` now (between steps); returns whether it
+        changed. Done at every step boundary unless ``auto_refresh_trainable=False``."""
+        return _state_of(self).refresh_trainable()
+
+    def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
+        """In the forward, once this unit is fetched, gather ``modules`` (units) ahead. Makes
+        the model's prefetch explicit (FSDP2's method of the same name). Between steps."""
+        self._set_prefetch(modules, backward=False)
+
+    def set_modules_to_backward_prefetch(self, modules: list[nn.Module]) -> None:
+        """In the backward, once this unit is fetched, gather ``modules`` (units) ahead. Makes
+        the model's prefetch explicit (FSDP2's method of the same name). Between steps."""
+        self._set_prefetch(modules, backward=True)
+
+    def _set_prefetch(self, modules: list[nn.Module], backward: bool) -> None:
+        state = _root_state(self)  # type: ignore[arg-type]
+        me = state.unit_index(self)  # type: ignore[arg-type]
+        targets = [state.unit_index(m) for m in modules]
+        (state.bwd_rules if backward else state.fwd_rules)[me] = targets
+        state.opts["prefetch"] = "explicit"
+        state.apply_explicit()
+
+
+def _state_of(module: nn.Module) -> _State:
+    state = module.__dict__.get("_collsched_state")
+    if state is None:
+        raise CollschedError(f"{type(module).__name__} is not sharded by collsched.torch.fully_shard")
+    return state
+
+
+def fully_shard(
+    module: nn.Module,
+    *,
+    strategy: str = "even",
+    bucket_mb: float = 64.0,
+    prefetch: str = "trace",
+    prefetch_mb: float | None = None,
+    max_inflight: int | None = None,
+    reduce_dtype: Any = None,
+    auto_refresh_trainable: bool = True,
+    sync_module_states: bool = False,
+) -> nn.Module:
+    """Shards ``module`` in place (collective: every rank calls it with the same module
+    structure) and returns it.
+
+    Call it on each block first, then on the root: each call makes ``module`` a unit whose
+    parameters are fetched together, and shards every parameter under it; a call on a module
+    above units re-plans them all as one model (the root's knobs apply). Afterwards
+    ``module.named_parameters()`` yields the same names, each a 1-D ``Parameter`` over this
+    rank's elements; after a synchronized backward each has ``.grad`` (the mean over ranks).
+    A second call on a sharded module (a unit or the root) returns it unchanged: two trainers
+    wrapping one model share its sharding.
+
+    Knobs: ``strategy`` ``"even"`` (every parameter cut in ``world`` pieces), ``"flat"``
+    (buckets cut in equal pieces), ``"greedy"`` (whole parameters per rank), ``"hybrid:G"``
+    (even within groups of G ranks, replicated across); ``bucket_mb`` (64) caps a bucket's
+    bytes; ``prefetch`` ``"trace"`` (record the first step's fetch order, gather along it ahead),
+    ``"explicit"`` (the next unit in the forward, the previous in the backward, or what the
+    units' ``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch`` say) or
+    ``"none"``; ``prefetch_mb`` bounds the bytes gathered ahead beyond the next bucket and
+    ``max_inflight`` the buckets gathered ahead (``None``: about one unit ahead while one
+    computes, as FSDP2 prefetches one module: the largest unit's bytes and its buckets plus
+    one);
+    ``reduce_dtype`` (``None``: the parameter's; or ``torch.float32``, ...) is the dtype
+    gradients are reduced in; ``auto_refresh_trainable`` (True) picks up ``requires_grad``
+    changes at each step boundary; ``sync_module_states`` (False) starts every rank from rank
+    0's values (give it to the units' calls too: a unit's shards are cut when it is sharded).
+    """
+    if not isinstance(module, nn.Module):
+        raise CollschedError(f"fully_shard: expected a torch.nn.Module, got {type(module).__name__}")
+    if module.__dict__.get("_collsched_state") is not None:
+        # Already sharded (a unit or a root): a second trainer's wrapping reuses it.
+        return module
+    if prefetch not in ("trace", "explicit", "none"):
+        raise CollschedError(
+            f"fully_shard: prefetch={prefetch!r}; expected 'trace' (replay the first step's order), 'explicit' "
+            "(the next unit, or the units' set_modules_to_forward_prefetch lists) or 'none'"
+        )
+    if reduce_dtype is not None and not isinstance(reduce_dtype, str):
+        if reduce_dtype not in _FROM_TORCH:
+            raise CollschedError(f"fully_shard: reduce_dtype={reduce_dtype}; expected float32, bfloat16 or float16")
+        reduce_dtype = _FROM_TORCH[reduce_dtype]
+    opts = {
+        "strategy": strategy,
+        "bucket_mb": bucket_mb,
+        "prefetch": prefetch,
+        "prefetch_bytes": None if prefetch_mb is None else int(prefetch_mb * (1 << 20)),
+        "max_inflight": max_inflight,
+        "reduce_dtype": reduce_dtype,
+        "auto_refresh_trainable": auto_refresh_trainable,
+        "sync_module_states": sync_module_states,
+    }
+    state = _State(module, opts)
+    _mark(module)
+    state.build()
+    for unit in state.units:
+        unit.module.__dict__["_collsched_state"] = state
+    return module
+
+
+def _mark(module: nn.Module) -> None:
+    cls = type(module)
+    if issubclass(cls, CollschedModule):
+        return
+    module.__class__ = type(f"Collsched{cls.__name__}", (CollschedModule, cls), {})
+
+
+def _root_state(module: nn.Module) -> _State:
+    state = _state_of(module)
+    if state.model is None:
+        raise CollschedError(f"{type(module).__name__}'s sharding was taken over by a root's fully_shard")
+    return state
+
+
+def stats(module: nn.Module) -> dict[str, Any]:
+    """The last training step's counters of ``module``'s sharded model: ``all_gathers``,
+    ``reduce_scatters``, ``gathered_bytes``, ``reduced_bytes``, ``prefetch_hits``,
+    ``prefetch_misses``, ``wait_ms``, ``peak_gathered_bytes``, ``host_us_per_unit`` (Python
+    time of this package's hooks, the saved-tensor hooks included and calls into the library
+    excluded, per unit forward, for the forward and backward of the step), and more."""
+    return dict(_root_state(module).last)
+
+
+def full_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's full value (a copy), by name. Collective: every rank calls it."""
+    state = _root_state(module)
+    values = state.gather_all()
+    return {p.name: values[p.pid] for p in state.params}
+
+
+def plan(module: nn.Module) -> dict[str, Any]:
+    """The plan of ``module``'s sharded model (the structure ``collsched plan --json``
+    prints: buckets, each rank's shard segments, ops)."""
+    return json.loads(_root_state(module).model.plan)
+
+
+def live_bytes(module: nn.Module) -> int:
+    """Gathered bytes held on this rank for ``module``'s sharded model (0 between passes)."""
+    return int(_root_state(module).train.live_bytes)

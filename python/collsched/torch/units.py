@@ -1,0 +1,109 @@
+"""The pieces of a sharded model that ``fully_shard`` builds: a parameter (``_Param``: its shard,
+its full value's views) and a unit (``_Unit``: a module whose parameters are fetched and
+released together), and ``_tensor``, a tensor over a region of library memory."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .world import _FROM_TORCH
+
+
+def _tensor(region: Any, dtype: torch.dtype, shape: Any, device: torch.device) -> torch.Tensor:
+    """A tensor of ``dtype`` and ``shape`` viewing ``region`` (library memory, on the host or on a
+    CUDA device); an empty tensor on ``device`` for ``None``."""
+    if region is None:
+        return torch.empty(0, dtype=dtype, device=device)
+    if region.device is None:
+        return torch.frombuffer(region, dtype=dtype).view(shape)
+    return torch.from_dlpack(region.dlpack(_FROM_TORCH[dtype], list(shape)))
+
+
+class _Param:
+    """One parameter of a sharded model: its shard (registered in the modules), the full-size
+    parameter forward and backward use, and where it lives."""
+
+    __slots__ = (
+        "pid",
+        "name",
+        "shape",
+        "dtype",
+        "numel",
+        "nbytes",
+        "shard",
+        "home",
+        "full",
+        "placeholder",
+        "unit",
+        "views",
+        "addr",
+    )
+
+    def __init__(self, pid: int, name: str, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> None:
+        self.pid = pid
+        self.name = name
+        self.shape = shape
+        self.dtype = dtype
+        self.numel = shape.numel()
+        self.nbytes = self.numel * dtype.itemsize
+        # Right shape, one element of memory, reads as zeros: what the full parameter holds
+        # while it is not gathered (autograd checks shapes, never reads it).
+        self.placeholder = (
+            torch.zeros(1, dtype=dtype, device=device).expand(shape)
+            if len(shape)
+            else torch.zeros((), dtype=dtype, device=device)
+        )
+        self.shard: nn.Parameter = nn.Parameter(torch.empty(0, dtype=dtype, device=device))
+        # The shard's data as the library placed it (a view of its memory), kept to check and
+        # restore what the module's conversions do to the shard.
+        self.home = self.shard.data
+        self.full: nn.Parameter = nn.Parameter(self.placeholder, requires_grad=False)
+        self.unit = 0
+        # Views of gathered buffers made for this parameter, by address (buffers come back
+        # from the pool at the addresses they had: a view is made once per address), and the
+        # address the full parameter's data views now (0: the placeholder).
+        self.views: dict[int, torch.Tensor] = {}
+        self.addr = 0
+
+
+class _Unit:
+    """A module given to ``fully_shard``: the parameters its forward uses (its own and those
+    of submodules that are not units themselves), fetched together."""
+
+    __slots__ = (
+        "index",
+        "module",
+        "slots",
+        "swaps",
+        "ids",
+        "params",
+        "shared",
+        "known",
+        "fetched",
+        "swapped",
+        "grads",
+    )
+
+    def __init__(self, index: int, module: nn.Module) -> None:
+        self.index = index
+        self.module = module
+        self.slots: list[tuple[nn.Module, str, int]] = []
+        # Per slot: the module's parameter dict, the name, the full parameter, the shard.
+        self.swaps: list[tuple[dict[str, Any], str, nn.Parameter, nn.Parameter]] = []
+        self.ids: list[int] = []
+        self.params: list[_Param] = []
+        # Whether another unit fetches one of these parameters too (a tied parameter): its
+        # full parameter may then view another address than this unit's last fetch left.
+        self.shared = False
+        # The addresses of the parameters' full values at this unit's last fetch (what the
+        # library is told it knows).
+        self.known: list[int] = []
+        self.fetched: Any = None
+        # Whether the full parameters are in the modules now (in the unit's forward, and from
+        # its pre-backward to its release).
+        self.swapped = False
+        # The trainable parameters this unit owns: their gradients are its to hand over.
+        self.grads: list[_Param] = []
