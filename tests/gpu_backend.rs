@@ -349,13 +349,19 @@ fn gpu_collectives_match_the_cpu_on_every_visible_gpu() {
 
 struct Gate(mpsc::Receiver<()>);
 
+/// How long a held stream stays held at most: well inside the step's time for the whole binary
+/// (gpu/run.sh gives rust-backend 120 s), so a stall behind it fails the sender's `send` (the
+/// gate let go by itself) instead of outliving the step.
+const GATE: Duration = Duration::from_secs(20);
+
 unsafe extern "C" fn hold_stream(arg: *mut c_void) {
     // SAFETY: `arg` is the `Box<Gate>` leaked by `block_stream`, reclaimed once, here.
     let gate = unsafe { Box::from_raw(arg.cast::<Gate>()) };
-    let _ = gate.0.recv_timeout(Duration::from_secs(60));
+    let _ = gate.0.recv_timeout(GATE);
 }
 
-/// Blocks `stream` (a host callback that waits) until the returned sender is used or dropped.
+/// Blocks `stream` (a host callback that waits, at most [`GATE`]) until the returned sender is
+/// used or dropped; a `send` fails if the gate let go by itself.
 fn block_stream(b: &CudaBackend, stream: Stream) -> mpsc::Sender<()> {
     let (tx, rx) = mpsc::channel();
     let arg = Box::into_raw(Box::new(Gate(rx))).cast::<c_void>();
@@ -395,7 +401,7 @@ fn gpu_events_and_deferred_frees_wait_for_their_consumers() {
     let after_wait = b.record(Stream::AllGather).unwrap();
     assert!(!after_wait.query().unwrap(), "the all-gather stream ran past an event it waits on");
 
-    release.send(()).unwrap();
+    release.send(()).expect("the gate let go by itself: something stalled behind the held stream");
     consumer_done.wait(WAIT).unwrap();
     after_wait.wait(WAIT).unwrap();
     let again = b.alloc(bytes).unwrap();

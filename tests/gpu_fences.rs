@@ -10,7 +10,7 @@ use std::ffi::c_void;
 use std::sync::mpsc;
 use std::time::Duration;
 
-use collsched::backend::cuda::{CudaBackend, CudaConfig, UniqueId};
+use collsched::backend::cuda::{comms, CudaBackend, CudaConfig, UniqueId};
 use collsched::backend::{Backend, BackendEvent, Stream};
 use collsched_kernels::{copy_in, CopySegment};
 
@@ -27,13 +27,22 @@ fn single(timeout: Duration) -> CudaBackend {
 
 struct Gate(mpsc::Receiver<()>);
 
+/// How long a held stream stays held at most: well inside the step's time for the whole binary
+/// (gpu/run.sh gives rust-fences 60 s), so a stall behind it fails the sender's `send` (the
+/// gate let go by itself) instead of outliving the step.
+const GATE: Duration = Duration::from_secs(20);
+
+/// What a held stream's sender says when the gate let go by itself.
+const STALLED: &str = "the gate let go by itself after 20 s: something stalled behind the held stream";
+
 unsafe extern "C" fn hold_stream(arg: *mut c_void) {
     // SAFETY: `arg` is the `Box<Gate>` leaked by `block_stream`, reclaimed once, here.
     let gate = unsafe { Box::from_raw(arg.cast::<Gate>()) };
-    let _ = gate.0.recv_timeout(Duration::from_secs(120));
+    let _ = gate.0.recv_timeout(GATE);
 }
 
-/// Blocks `stream` (a host callback that waits) until the returned sender is used or dropped.
+/// Blocks `stream` (a host callback that waits, at most [`GATE`]) until the returned sender is
+/// used or dropped; a `send` fails if the gate let go by itself.
 fn block_stream(b: &CudaBackend, stream: Stream) -> mpsc::Sender<()> {
     let (tx, rx) = mpsc::channel();
     let arg = Box::into_raw(Box::new(Gate(rx))).cast::<c_void>();
@@ -64,7 +73,7 @@ fn gpu_host_copies_wait_for_the_rank_s_other_streams() {
         assert!(e.to_string().contains(&format!("the {s} stream")), "{s}: {e}");
         let w = b.write_from_host(&mut buf, 0, &vec![0xCD; n]);
         assert!(w.is_err(), "{s}: a host write went ahead of a stream still to write the buffer");
-        go.send(()).unwrap();
+        go.send(()).expect(STALLED);
         b.synchronize(s, WAIT).unwrap();
         b.read_to_host(&buf, 0, &mut host).unwrap();
         assert!(host.iter().all(|&x| x == 0), "{s}: the read does not see the stream's write");
@@ -97,7 +106,9 @@ fn gpu_kernel_tables_go_through_pinned_staging_reused_only_after_their_copies() 
         for (k, out) in outs.iter().enumerate() {
             last = Some(b.copy_in(Stream::Compute, out, &[&src], &[segment(k)], 4).unwrap());
         }
-        drop(go);
+        if let Some(go) = go {
+            go.send(()).expect(STALLED);
+        }
         last.unwrap().wait(WAIT).unwrap();
         for (k, out) in outs.iter().enumerate() {
             let mut host = vec![0u8; out.len()];
@@ -105,9 +116,20 @@ fn gpu_kernel_tables_go_through_pinned_staging_reused_only_after_their_copies() 
             assert_eq!(host, want(k), "copy-in {k} packed the wrong run: its table was overwritten");
         }
     };
+    // Warm-up, before any stream is held: the first launch of a kernel may still do one-time
+    // work in the driver (the kernels themselves were loaded when the backend was built).
+    let warm_out = b.alloc(1000 * 4).unwrap();
+    b.copy_in(Stream::Compute, &warm_out, &[&src], &[segment(0)], 4).unwrap().wait(WAIT).unwrap();
+    let warm = b.staging_blocks();
+    assert!(warm >= 1, "the warm-up's table went through no staging block");
     run(&b, true);
     let held = b.staging_blocks();
-    assert!(held >= pieces as u64, "{held} staging blocks for {pieces} copies pending at once");
+    // All pending at once: a block each, the warm-up's (idle again) reused, the rest new.
+    let added = held - warm;
+    assert!(
+        held >= pieces as u64 && added <= pieces as u64,
+        "{held} staging blocks ({added} new after the warm-up's {warm}) for {pieces} copies pending at once"
+    );
     run(&b, true);
     assert_eq!(b.staging_blocks(), held, "the blocks of completed copies were not reused");
     run(&b, false);
@@ -126,5 +148,13 @@ fn gpu_teardown_with_a_stream_that_never_drains_ends_and_leaks() {
     // Returns (after the timeout, the abort and its grace) instead of waiting for the stream.
     drop(b);
     assert!(!pending.query().unwrap_or(false), "the held stream drained by itself");
-    go.send(()).unwrap();
+    // The gate is still closed: the drop returned by itself, not because the stream let go.
+    go.send(()).expect(STALLED);
+    // The aborts it started ran on threads of their own (ncclCommAbort may wait for the held
+    // stream); they end once it let go, before the process exits.
+    assert!(
+        comms::wait_for_aborts(WAIT),
+        "{} aborts still running after the stream let go",
+        comms::aborts_running()
+    );
 }

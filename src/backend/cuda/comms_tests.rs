@@ -1,17 +1,52 @@
 //! The communicator table's failure handling on fake communicators: asynchronous errors,
-//! aborts, and what later launches and watches see.
+//! aborts (off the caller's thread, every communicator of the rank for a peer's failure), and
+//! what later launches and watches see.
 
 use std::sync::atomic::AtomicUsize;
+use std::sync::mpsc;
 
 use collsched_kernels::ElemType;
 
 use super::super::nccl::{result_name, NcclCallError};
 use super::*;
 
-/// A fake communicator: its asynchronous status is set by the test; aborts are counted.
+/// How long a test waits for an abort's thread before failing (a bound against a hang, not a
+/// timing: the fakes end at once, or when the test opens their gate).
+const BOUND: Duration = Duration::from_secs(60);
+
+/// Holds fake aborts until the test opens it.
+#[derive(Default)]
+struct AbortGate {
+    open: Mutex<bool>,
+    opened: Condvar,
+}
+
+impl AbortGate {
+    fn open(&self) {
+        *lock(&self.open) = true;
+        self.opened.notify_all();
+    }
+
+    /// Waits until opened (at most [`BOUND`]).
+    fn pass(&self) {
+        let g = lock(&self.open);
+        let _ = self.opened.wait_timeout_while(g, BOUND, |open| !*open);
+    }
+}
+
+/// Where a fake abort ran.
+struct Started {
+    thread: std::thread::ThreadId,
+    name: Option<String>,
+}
+
+/// A fake communicator: its asynchronous status is set by the test; aborts are counted once
+/// they end. With a gate, an abort first says where it runs, then blocks until the gate opens
+/// (as `ncclCommAbort` blocks in `cudaFreeHost` while another communicator's kernels spin).
 struct FakeComm {
     status: Arc<Mutex<Option<i32>>>,
     aborts: Arc<AtomicUsize>,
+    gate: Option<(Arc<AbortGate>, mpsc::Sender<Started>)>,
 }
 
 impl Comm for FakeComm {
@@ -30,6 +65,11 @@ impl Comm for FakeComm {
     }
 
     fn abort(self) -> Result<(), NcclError> {
+        if let Some((gate, started)) = &self.gate {
+            let me = std::thread::current();
+            let _ = started.send(Started { thread: me.id(), name: me.name().map(str::to_owned) });
+            gate.pass();
+        }
         self.aborts.fetch_add(1, Ordering::SeqCst);
         Ok(())
     }
@@ -45,8 +85,13 @@ struct Fixture {
 
 const PATIENCE: Duration = Duration::from_secs(300);
 
-/// Rank 0 of 4, with the world and the pair {0, 1}, on every stream.
+/// Rank 0 of 4, with the world and the pair {0, 1}, on every stream; aborts end at once.
 fn fixture() -> Fixture {
+    fixture_with(None)
+}
+
+/// As [`fixture`], with aborts that block on `gate` after reporting where they run.
+fn fixture_with(gate: Option<(Arc<AbortGate>, mpsc::Sender<Started>)>) -> Fixture {
     let world = RankGroup::world(4);
     let pair = RankGroup::new(vec![0, 1]).unwrap();
     let (mut comms, mut status, mut aborts) = (HashMap::new(), HashMap::new(), HashMap::new());
@@ -54,7 +99,8 @@ fn fixture() -> Fixture {
         for s in Stream::ALL {
             let st = Arc::new(Mutex::new(None));
             let ab = Arc::new(AtomicUsize::new(0));
-            comms.insert((g.clone(), s), FakeComm { status: Arc::clone(&st), aborts: Arc::clone(&ab) });
+            let fake = FakeComm { status: Arc::clone(&st), aborts: Arc::clone(&ab), gate: gate.clone() };
+            comms.insert((g.clone(), s), fake);
             status.insert((g.clone(), s), st);
             aborts.insert((g.clone(), s), ab);
         }
@@ -66,8 +112,13 @@ impl Fixture {
     fn fail(&self, g: &RankGroup, s: Stream, code: i32) {
         *lock(&self.status[&(g.clone(), s)]) = Some(code);
     }
+    /// Aborts that ended on (g, s), once every abort started so far ended.
     fn aborts(&self, g: &RankGroup, s: Stream) -> usize {
+        assert!(self.table.wait_aborts(BOUND), "an abort's thread did not end");
         self.aborts[&(g.clone(), s)].load(Ordering::SeqCst)
+    }
+    fn every(&self) -> Vec<(RankGroup, Stream)> {
+        [&self.world, &self.pair].into_iter().flat_map(|g| Stream::ALL.map(|s| (g.clone(), s))).collect()
     }
     fn launch(&self, g: &RankGroup, s: Stream, tag: u64) -> Result<CollRef, BackendError> {
         let desc = CollDesc::all_gather(g.clone(), ElemType::F32, 16).with_tag(tag);
@@ -76,7 +127,7 @@ impl Fixture {
 }
 
 #[test]
-fn an_async_error_ends_a_watched_wait_naming_the_collective_and_aborts_its_group_and_stream() {
+fn an_async_error_ends_a_watched_wait_naming_the_collective_and_aborts_every_communicator_of_the_rank() {
     let f = fixture();
     let first = f.launch(&f.pair, Stream::AllGather, 3).unwrap();
     assert_eq!(first.seq, Some(0));
@@ -102,24 +153,25 @@ fn an_async_error_ends_a_watched_wait_naming_the_collective_and_aborts_its_group
     ] {
         assert!(s.contains(part), "the error should name {part:?}: {s}");
     }
-    assert_eq!(f.aborts(&f.pair, Stream::AllGather), 1, "the failed (group, stream) was not aborted");
-    for (g, st) in [(&f.pair, Stream::ReduceScatter), (&f.world, Stream::AllGather)] {
-        assert_eq!(f.aborts(g, st), 0, "({g}, {st}) was aborted for another's failure");
+    // A peer's failure: every communicator of the rank is aborted, once.
+    for (g, st) in f.every() {
+        assert_eq!(f.aborts(&g, st), 1, "({g}, {st}) was not aborted for a peer's failure");
     }
 
-    // Later collectives on it fail with Aborted, carrying the first failure; others still run.
-    match f.launch(&f.pair, Stream::AllGather, 6) {
-        Err(BackendError::Aborted { rank: 0, op: Some(later), cause }) => {
-            assert_eq!(later.desc.tag, 6);
-            assert_eq!(*cause, e, "the cause must be the first failure");
+    // Later collectives on any (group, stream) fail with Aborted, carrying the first failure.
+    for (g, st) in f.every() {
+        match f.launch(&g, st, 6) {
+            Err(BackendError::Aborted { rank: 0, op: Some(later), cause }) => {
+                assert_eq!(later.desc.tag, 6);
+                assert_eq!(*cause, e, "the cause must be the first failure");
+            }
+            other => panic!("a launch on ({g}, {st}) after the abort: {other:?}"),
         }
-        other => panic!("a launch after the abort: {other:?}"),
     }
     assert!(matches!(watch.check(), Err(BackendError::Aborted { .. })));
     assert!(matches!(watch.aborted(), Some(BackendError::Aborted { .. })));
-    assert_eq!(f.launch(&f.pair, Stream::ReduceScatter, 6).unwrap().seq, Some(1));
-    assert_eq!(f.launch(&f.world, Stream::AllGather, 6).unwrap().seq, Some(1));
     assert!(f.table.any_aborted());
+    assert_eq!(f.table.aborts_pending(), 0);
 }
 
 #[test]
@@ -134,7 +186,13 @@ fn a_wait_that_gave_up_after_the_timeout_aborts_a_poll_or_short_wait_does_not() 
     assert!(f.launch(&f.world, Stream::ReduceScatter, 10).is_ok());
 
     assert!(watch.abort_after_timeout(PATIENCE));
-    assert_eq!(f.aborts(&f.world, Stream::ReduceScatter), 1);
+    for (g, st) in f.every() {
+        assert_eq!(
+            f.aborts(&g, st),
+            1,
+            "({g}, {st}): a peer missing for the timeout aborts every communicator"
+        );
+    }
     match f.launch(&f.world, Stream::ReduceScatter, 11) {
         Err(BackendError::Aborted { cause, .. }) => {
             let s = cause.to_string();
@@ -148,21 +206,22 @@ fn a_wait_that_gave_up_after_the_timeout_aborts_a_poll_or_short_wait_does_not() 
 }
 
 #[test]
-fn a_stream_wide_watch_checks_and_aborts_only_communicators_that_launched() {
+fn a_stream_wide_watch_checks_only_communicators_that_launched() {
     let f = fixture();
     let watch = Watch::new(&f.table, Scope::streams(&[Stream::AllGather]), PATIENCE);
     f.fail(&f.pair, Stream::AllGather, 6);
     assert_eq!(watch.check(), Ok(()), "a communicator that never launched has nothing of ours to fail");
     assert!(!watch.abort_after_timeout(PATIENCE), "nothing launched on the stream, nothing to abort");
-    assert_eq!(f.aborts(&f.pair, Stream::AllGather) + f.aborts(&f.world, Stream::AllGather), 0);
+    assert!(!f.table.any_aborted());
 
     f.launch(&f.world, Stream::AllGather, 1).unwrap();
     assert_eq!(watch.check(), Ok(()), "the world's communicator has no error");
     f.launch(&f.pair, Stream::AllGather, 1).unwrap();
     let e = watch.check().unwrap_err();
     assert!(e.to_string().contains("work on stream all_gather"), "{e}");
-    assert_eq!(f.aborts(&f.pair, Stream::AllGather), 1);
-    assert_eq!(f.aborts(&f.world, Stream::AllGather), 0, "only the failed group's communicator is aborted");
+    for (g, st) in f.every() {
+        assert_eq!(f.aborts(&g, st), 1, "({g}, {st})");
+    }
 }
 
 #[test]
@@ -179,6 +238,93 @@ fn a_communicator_busy_with_a_launch_is_checked_later_not_waited_for() {
     assert_eq!(watch.check(), Ok(()));
     drop(launching);
     assert!(watch.check().is_err());
+    assert_eq!(f.aborts(&f.pair, Stream::AllGather), 1);
+}
+
+#[test]
+fn an_abort_waiting_for_a_launch_takes_the_communicator_once_the_launch_let_go() {
+    let f = fixture();
+    let desc = CollDesc::all_gather(f.pair.clone(), ElemType::F32, 16).with_tag(1);
+    let launching = f.table.launch(&desc, Stream::AllGather).unwrap();
+    let cause = BackendError::Shutdown { rank: 0, what: "test".into() };
+    // Returns at once although this very thread holds the communicator.
+    f.table.abort_all(cause);
+    assert!(launching.comm().is_some(), "the launch's communicator was taken from under it");
+    drop(launching);
+    assert_eq!(f.aborts(&f.pair, Stream::AllGather), 1);
+    assert!(matches!(f.launch(&f.pair, Stream::AllGather, 2), Err(BackendError::Aborted { .. })));
+}
+
+#[test]
+fn aborts_run_off_the_caller_s_thread_and_one_failure_starts_every_abort_of_the_rank() {
+    // Every fake abort blocks until the gate opens, as ncclCommAbort does while kernels of
+    // another communicator spin: a caller that ran one itself would never return.
+    let gate = Arc::new(AbortGate::default());
+    let (tx, started) = mpsc::channel();
+    let f = fixture_with(Some((Arc::clone(&gate), tx)));
+    let total = f.every().len();
+    let op = f.launch(&f.pair, Stream::AllGather, 3).unwrap();
+    let watch = Watch::new(&f.table, Scope::collective(op), PATIENCE);
+    f.fail(&f.pair, Stream::AllGather, 6);
+
+    let e = watch.check().unwrap_err();
+    assert!(matches!(e, BackendError::Device { .. }), "{e:?}");
+    // The caller is back while every abort is still blocked (none has ended)...
+    let ended: usize = f.aborts.values().map(|a| a.load(Ordering::SeqCst)).sum();
+    assert_eq!(ended, 0, "an abort ended before the gate opened: it did not block, or ran here");
+    // ...and every abort of the rank started, each on a thread of its own, none waiting for
+    // another (all of them are blocked at once).
+    let me = std::thread::current().id();
+    let mut threads = std::collections::HashSet::new();
+    for k in 0..total {
+        let s = started.recv_timeout(BOUND).unwrap_or_else(|_| {
+            panic!("only {k} of {total} aborts started: an abort waits for another before it starts")
+        });
+        assert_ne!(s.thread, me, "an abort ran on the caller's thread");
+        let name = s.name.unwrap_or_default();
+        assert!(name.starts_with("collsched-abort"), "an abort's thread is named {name:?}");
+        threads.insert(s.thread);
+    }
+    assert_eq!(threads.len(), total, "the aborts share threads");
+    assert_eq!(f.table.aborts_pending(), total);
+    assert!(aborts_running() >= total, "the process-wide count misses blocked aborts");
+    // Launches fail at once meanwhile, and a second failure starts nothing more.
+    for (g, st) in f.every() {
+        assert!(matches!(f.launch(&g, st, 4), Err(BackendError::Aborted { .. })), "({g}, {st})");
+    }
+    assert!(matches!(watch.check(), Err(BackendError::Aborted { .. })));
+    assert!(!f.table.wait_aborts(Duration::ZERO), "blocked aborts counted as ended");
+
+    gate.open();
+    for (g, st) in f.every() {
+        assert_eq!(f.aborts(&g, st), 1, "({g}, {st})");
+    }
+    assert_eq!(f.table.aborts_pending(), 0);
+    assert!(wait_for_aborts(BOUND), "the process-wide count kept an ended abort");
+    assert!(started.try_recv().is_err(), "a communicator was aborted twice");
+}
+
+#[test]
+fn a_failed_abort_is_parked() {
+    struct Refuses;
+    impl Comm for Refuses {
+        fn async_error(&self, _: CallSite) -> Result<(), NcclError> {
+            Ok(())
+        }
+        fn abort(self) -> Result<(), NcclError> {
+            Err(NcclError::InvalidArgument { site: CallSite::op("comm_abort"), what: "refused".into() })
+        }
+    }
+    let park = ErrorPark::new();
+    let comms = HashMap::from([((RankGroup::world(2), Stream::AllGather), Refuses)]);
+    let table = CommTable::new(1, comms, park.clone());
+    table.abort_all(BackendError::Shutdown { rank: 1, what: "test".into() });
+    assert!(table.wait_aborts(BOUND));
+    let parked = park.take();
+    assert_eq!(parked.len(), 1, "{parked:?}");
+    for part in ["rank 1", "stream all_gather", "refused"] {
+        assert!(parked[0].contains(part), "the parked error should name {part:?}: {}", parked[0]);
+    }
 }
 
 #[test]

@@ -12,8 +12,12 @@
 //! Nothing here blocks the host without a bound: there is no `cuStreamSynchronize` or
 //! `cuEventSynchronize`. [`CudaEvent::wait_for`] and [`StreamHandle::drain`] poll as
 //! [`super::wait`] says and give up at their timeout. A device whose streams could not drain at
-//! teardown is marked *wedged* ([`Device::wedge`]): its `Drop` then leaks its events and its
-//! context instead of destroying them under running work.
+//! teardown (or whose host copy timed out) is marked *wedged* ([`Device::wedge`]): its `Drop`
+//! then leaks its kernels, events and context, and its streams are not destroyed, instead of
+//! destroying them under running work.
+//!
+//! The kernels are compiled and loaded once, when the backend is built
+//! ([`Device::load_kernels`]); launches only fetch them ([`Device::kernels`]).
 
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -151,11 +155,13 @@ impl Device {
             .map_err(|e| CudaError::driver(format!("binding CUDA device {}", self.ordinal), e))
     }
 
-    /// The kernels, compiled (once per process and architecture) and loaded (once per device).
+    /// Compiles (once per process and architecture) and loads (once per device) the kernels;
+    /// the backend does it when it is built, so that no launch ever compiles or loads (which
+    /// may synchronize the context, behind whatever its streams run).
     ///
     /// # Errors
-    /// [`CudaError::Kernels`] (NVRTC missing, a compile or load error).
-    pub fn kernels(&self) -> Result<&KernelModule, CudaError> {
+    /// [`CudaError::Load`] (NVRTC missing), [`CudaError::Kernels`] (a compile or load error).
+    pub fn load_kernels(&self) -> Result<&KernelModule, CudaError> {
         if let Some(k) = self.kernels.get() {
             return Ok(k);
         }
@@ -164,9 +170,24 @@ impl Device {
         Ok(self.kernels.get_or_init(|| k))
     }
 
-    /// Marks the device wedged: teardown could not drain its streams, so work may still run
-    /// on it. Its `Drop` then leaks its events and its context (destroying them could wait for
-    /// that work without a bound); the process should exit.
+    /// The kernels [`Device::load_kernels`] loaded; never compiles or loads.
+    ///
+    /// # Errors
+    /// [`CudaError::Invalid`] if they were not loaded (a bug: the backend loads them when it
+    /// is built).
+    pub fn kernels(&self) -> Result<&KernelModule, CudaError> {
+        self.kernels.get().ok_or_else(|| CudaError::Invalid {
+            op: format!("device {}: launching a kernel", self.ordinal),
+            what: "the kernels were not loaded when the backend was built (a bug in collsched; please \
+                   report it)"
+                .into(),
+        })
+    }
+
+    /// Marks the device wedged: teardown could not drain its streams (or a host copy did not
+    /// complete in time), so work may still run on it. Its `Drop` then leaks its kernels,
+    /// events and context, the streams and the pool free nothing (destroying them could wait
+    /// for that work without a bound); the process should exit.
     pub fn wedge(&self) {
         self.wedged.store(true, Ordering::SeqCst);
     }
@@ -373,7 +394,9 @@ impl StreamHandle {
 
 impl Drop for StreamHandle {
     fn drop(&mut self) {
-        if !self.owned {
+        // A wedged device's streams are left to the process's exit with its context (and a
+        // driver shut down at the exit would only refuse).
+        if !self.owned || self.device.is_wedged() {
             return;
         }
         let r = self.device.bind().and_then(|()| {

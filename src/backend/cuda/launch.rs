@@ -1,13 +1,22 @@
 //! Launching collectives on a CUDA backend: the checks a launch passes before anything is
 //! enqueued, and the NCCL calls (with the divide kernels around reductions) it enqueues on the
 //! communicator of its (group, stream), which the caller holds ([`super::comms::CommTable::launch`]).
+//! The divide kernels come in with the call, fetched before the collective was numbered and
+//! loaded when the backend was built: nothing here compiles or loads a kernel.
 
-use collsched_kernels::cuda::reduce_post_divisor;
+use collsched_kernels::cuda::{reduce_post_divisor, KernelModule};
 use collsched_kernels::ReduceOp;
 
 use super::{CallSite, Communicator, CudaBackend, CudaBuffer, CudaError, Group, NcclOp};
 use crate::backend::CollectiveKind;
 use crate::backend::{BackendError, CollDesc, CollRef, Collective, Stream};
+
+/// Whether a launch of `desc` runs a divide kernel (a reduction with a pre- or post-divisor).
+pub(super) fn needs_kernels(desc: &CollDesc) -> bool {
+    desc.kind.reduces()
+        && (desc.scaling.pre_divide != 1.0
+            || reduce_post_divisor(desc.op, desc.scaling, desc.group.len()) != 1.0)
+}
 
 impl CudaBackend {
     fn invalid(&self, desc: &CollDesc, stream: Stream, what: String) -> BackendError {
@@ -124,19 +133,22 @@ impl CudaBackend {
 
     /// Enqueues the ops (validated, all over one group) on `stream` with `comm`, the
     /// communicator of (that group, `stream`): pre-divides, one NCCL group, post-divides.
+    /// `kernels` is `Some` when an op [`needs_kernels`].
     pub(super) fn enqueue(
         &self,
         stream: Stream,
         ops: &[Collective<CudaBuffer>],
         comm: &Communicator,
+        kernels: Option<&KernelModule>,
     ) -> Result<(), CudaError> {
         let s = self.stream(stream).raw();
-        let needs_kernels = ops.iter().any(|op| {
-            op.desc.kind.reduces()
-                && (op.desc.scaling.pre_divide != 1.0
-                    || reduce_post_divisor(op.desc.op, op.desc.scaling, op.desc.group.len()) != 1.0)
-        });
-        let kernels = if needs_kernels { Some(self.device.kernels()?) } else { None };
+        if kernels.is_none() && ops.iter().any(|op| needs_kernels(&op.desc)) {
+            return Err(CudaError::Invalid {
+                op: format!("rank {}: launching on stream {stream}", self.rank),
+                what: "a divide kernel is needed but none was passed (a bug in collsched; please report it)"
+                    .into(),
+            });
+        }
         let kdrv = |what: &str| {
             let what = format!("rank {}: {what}", self.rank);
             move |e| CudaError::driver(what, e)

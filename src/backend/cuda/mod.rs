@@ -15,7 +15,10 @@
 //! kernel tables, then [`CudaBackend`].
 //!
 //! Without a GPU every constructor returns `no CUDA driver found: ...` (as
-//! [`CudaError::Load`]); nothing panics.
+//! [`CudaError::Load`]); nothing panics. The backend's kernels (NVRTC compiles them, the driver
+//! loads them) are loaded when it is built, so a missing or unfit NVRTC is the constructor's
+//! error, and no launch compiles or loads anything (which could synchronize the context while
+//! a stream is busy, or fail after a collective was numbered).
 //!
 //! # Semantics the CUDA backend adds to the trait's
 //! - Rank groups other than the world are **declared at construction** ([`CudaConfig::groups`]):
@@ -38,10 +41,11 @@
 //!   with [`BackendError::EventTimeout`] on the host side.
 //! - **Failures of NCCL** ([`comms`]): a host wait on an event of a collective (or of a stream
 //!   with collectives) checks NCCL's asynchronous errors while it waits, so a dead peer ends it
-//!   with an error naming the collective rather than at the timeout; that error, an NCCL call
-//!   failing at launch, and a wait that gave up after the backend's timeout abort the
-//!   communicators of the (group, stream) (`ncclCommAbort`), after which every collective on
-//!   it fails with [`BackendError::Aborted`].
+//!   with an error naming the collective rather than at the timeout; that error and a wait that
+//!   gave up after the backend's timeout (a peer's failure) abort every communicator of the
+//!   rank, an NCCL call failing at launch its own (group, stream) (`ncclCommAbort`, each on a
+//!   thread of its own: it can block until the device is idle), after which every collective
+//!   on an aborted (group, stream) fails with [`BackendError::Aborted`].
 //! - **Host copies are fenced**: [`Backend::read_to_host`] and [`Backend::write_from_host`]
 //!   run on the copy stream after everything queued so far on the rank's other streams (a
 //!   `cuStreamWaitEvent` of an event recorded on each), so a host read never sees a buffer a
@@ -49,12 +53,17 @@
 //!   gather still reads. The host waits for those events first, bounded by the backend's
 //!   timeout and watching their communicators (a copy into pageable memory returns only once
 //!   done, so enqueuing it behind a hung stream would block inside the driver without a
-//!   bound), then for the copy.
+//!   bound), then for the copy; host copies run one at a time per rank, and a fence needs
+//!   only its stream quiet, so they still run after a peer's failure. A copy that outlives
+//!   the timeout wedges the device (below): the DMA may still reach the caller's memory.
 //! - **Teardown is bounded**: dropping the backend waits for its streams at most the backend's
-//!   timeout; if they have not drained by then (or NCCL reports a failure), it aborts every
-//!   communicator and waits [`wait::ABORT_GRACE`] more. A device still busy after that is
-//!   marked wedged: its memory, pinned staging, events and context are left to the process's
-//!   exit instead of freed under running work (the error is logged: `collsched::init`).
+//!   timeout; if they have not drained by then (or NCCL reports a failure), it starts the abort
+//!   of every communicator and waits [`wait::ABORT_GRACE`] more for the streams and the aborts.
+//!   A device still busy after that (or after a host copy that timed out) is marked wedged:
+//!   its memory, pinned staging, events and context are left to the process's exit instead of
+//!   freed under running work. At the process's exit, with the driver already shut down, it
+//!   calls nothing of NCCL's and leaks everything. Errors of the teardown, and of the
+//!   resources dropped after it, are logged (`collsched::init`).
 //!
 //! # Embedding (an engine that owns memory and streams)
 //! Compiled in CI, run only where a GPU is (`no_run`):
@@ -102,9 +111,10 @@ pub mod wait;
 pub mod world;
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use collsched_kernels::cuda::KernelModule;
 use collsched_kernels::CopySegment;
 use cudarc::driver::result as cu;
 use cudarc::driver::sys as cusys;
@@ -199,6 +209,9 @@ pub struct CudaBackend {
     comms: Arc<CommTable>,
     park: ErrorPark,
     on_drop: OnDrop<CudaBackend>,
+    /// Held by a host copy from its fences through its drain ([`CudaBackend::host_copy`]) and
+    /// by a device copy on the copy stream: one at a time.
+    host_copies: Mutex<()>,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -213,13 +226,15 @@ impl std::fmt::Debug for CudaBackend {
 }
 
 impl CudaBackend {
-    /// Builds rank `config.rank`: opens the device, creates the streams and the pool, joins the
-    /// NCCL world named by `id` and splits one communicator per (group, stream). Every rank of
-    /// the world calls this (concurrently: it blocks until all joined).
+    /// Builds rank `config.rank`: opens the device, loads the kernels, creates the streams and
+    /// the pool, joins the NCCL world named by `id` and splits one communicator per (group,
+    /// stream). Every rank of the world calls this (concurrently: it blocks until all joined).
     ///
     /// # Errors
-    /// `no CUDA driver found: ...` without a driver ([`CudaError::Load`]); no NCCL, a bad device
-    /// ordinal, a group that does not fit the world, an NCCL or driver failure.
+    /// `no CUDA driver found: ...` without a driver ([`CudaError::Load`]); no NVRTC (also
+    /// [`CudaError::Load`], naming it) or kernels NVRTC cannot compile or the driver cannot
+    /// load ([`CudaError::Invalid`], naming NVRTC); no NCCL, a bad device ordinal, a group that
+    /// does not fit the world, an NCCL or driver failure.
     pub fn new(config: CudaConfig, id: &UniqueId) -> Result<Self, CudaError> {
         Self::build(config, id, None)
     }
@@ -301,6 +316,21 @@ impl CudaBackend {
         }
         let park = ErrorPark::new();
         let device = Device::open(device, park.clone())?;
+        // Before NCCL: a rank that cannot run its kernels fails before the others wait for it.
+        device.load_kernels().map_err(|e| match e {
+            CudaError::Load(l) => CudaError::Load(l),
+            other => CudaError::Invalid {
+                op: format!(
+                    "rank {rank}: creating the CUDA backend: loading its kernels on device {} (sm_{})",
+                    device.ordinal(),
+                    device.arch()
+                ),
+                what: format!(
+                    "{other}; NVRTC compiles them: point COLLSCHED_NVRTC_LIB (or COLLSCHED_CUDA_SEARCH) at \
+                     an NVRTC no newer than the driver's CUDA version"
+                ),
+            },
+        })?;
         let mk = |role| StreamHandle::new(&device, rank, role).map(Arc::new);
         let compute = match compute {
             // SAFETY: guaranteed by `with_compute_stream`'s caller.
@@ -351,7 +381,20 @@ impl CudaBackend {
                 }
             });
         let staging = PinnedStaging::new(Arc::clone(&device));
-        Ok(CudaBackend { rank, world, timeout, device, staging, streams, copy, pool, comms, park, on_drop })
+        Ok(CudaBackend {
+            rank,
+            world,
+            timeout,
+            device,
+            staging,
+            streams,
+            copy,
+            pool,
+            comms,
+            park,
+            on_drop,
+            host_copies: Mutex::new(()),
+        })
     }
 
     /// The device.
@@ -379,6 +422,8 @@ impl CudaBackend {
     pub fn device_copy_seconds(&self, bytes: usize, iters: usize) -> Result<f64, BackendError> {
         let (src, dst) = (self.alloc(bytes)?, self.alloc(bytes)?);
         let failed = |e: CudaError| to_backend(self.rank, e);
+        // The copy stream is the host copies' too: one at a time (see `host_copy`).
+        let _one_at_a_time = device::lock(&self.host_copies);
         let mut best = f64::INFINITY;
         for i in 0..=iters.max(1) {
             self.device.bind().map_err(failed)?;
@@ -420,6 +465,15 @@ impl CudaBackend {
         self.park.check().map_err(|e| self.be(e.into()))?;
         self.device.bind().map_err(|e| self.be(e))
     }
+
+    /// The kernels a launch of `ops` needs (the divides around a reduction), fetched before
+    /// the collective is numbered: loaded when the backend was built, never here.
+    fn launch_kernels(&self, ops: &[Collective<CudaBuffer>]) -> Result<Option<&KernelModule>, BackendError> {
+        if !ops.iter().any(|op| launch::needs_kernels(&op.desc)) {
+            return Ok(None);
+        }
+        self.device.kernels().map(Some).map_err(|e| self.be(e))
+    }
 }
 
 impl Backend for CudaBackend {
@@ -441,8 +495,8 @@ impl Backend for CudaBackend {
     fn alloc(&self, bytes: usize) -> Result<CudaBuffer, BackendError> {
         self.ready()?;
         self.pool.alloc(bytes).map_err(|e| match e {
-            CudaError::Driver { source, .. } if source.name == "CUDA_ERROR_OUT_OF_MEMORY" => {
-                BackendError::OutOfMemory { rank: self.rank, bytes, what: source.to_string() }
+            CudaError::Driver { context, source } if source.name == "CUDA_ERROR_OUT_OF_MEMORY" => {
+                BackendError::OutOfMemory { rank: self.rank, bytes, what: format!("{context}: {source}") }
             }
             e => self.be(e),
         })
@@ -475,9 +529,12 @@ impl Backend for CudaBackend {
         let op = format!("rank {}: write_from_host of {} bytes at {offset}", self.rank, src.len());
         let dst = buffer.ptr() + offset as u64;
         self.host_copy(&op, "cuMemcpyHtoDAsync", |copy| {
-            // SAFETY: range checked; from pageable memory the call returns once `src` was
-            // staged by the driver, so `src` may go away afterwards; the buffer is not read or
-            // written by other streams before their fences (see `host_copy`).
+            // SAFETY: range checked; the buffer is not read or written by other streams before
+            // their fences (see `host_copy`). `src` is read until the copy completed: from
+            // pageable memory the driver stages it before the call returns; from pinned memory
+            // the DMA reads it later, and `host_copy` returns only once the copy stream
+            // drained, or else (a drain that timed out or failed) wedges the device and tells
+            // the caller that `src` may still be read.
             unsafe { cu::memcpy_htod_async(dst, src, copy) }
         })
     }
@@ -500,9 +557,12 @@ impl Backend for CudaBackend {
         let op = format!("rank {}: read_to_host of {} bytes at {offset}", self.rank, dst.len());
         let src = buffer.ptr() + offset as u64;
         self.host_copy(&op, "cuMemcpyDtoHAsync", |copy| {
-            // SAFETY: range checked; into pageable memory the call returns only once the copy
-            // completed, so `dst` is written before it is used (and `host_copy` waits for the
-            // copy stream besides).
+            // SAFETY: range checked; the buffer is not written by other streams before their
+            // fences (see `host_copy`). `dst` is written until the copy completed: into
+            // pageable memory the call returns only then; into pinned memory the DMA writes it
+            // later, and `host_copy` returns only once the copy stream drained, or else (a
+            // drain that timed out or failed) wedges the device and tells the caller that
+            // `dst` may still be written.
             unsafe { cu::memcpy_dtoh_async(dst, src, copy) }
         })
     }
@@ -585,6 +645,10 @@ impl Backend for CudaBackend {
         if let Err(error) = self.ready().and_then(|()| self.validate(stream, &ops)) {
             return Err(LaunchError { error, ops });
         }
+        let kernels = match self.launch_kernels(&ops) {
+            Ok(k) => k,
+            Err(error) => return Err(LaunchError { error, ops }),
+        };
         let s = self.stream(stream);
         for e in after {
             if let Err(e) = s.wait(e) {
@@ -599,7 +663,7 @@ impl Backend for CudaBackend {
         };
         let op = launching.op.clone();
         let enqueued = match launching.comm() {
-            Some(comm) => self.enqueue(stream, &ops, comm),
+            Some(comm) => self.enqueue(stream, &ops, comm, kernels),
             None => Err(CudaError::Invalid {
                 op: format!("rank {}: {op}", self.rank),
                 what: "the communicator was aborted during the launch".into(),

@@ -12,8 +12,12 @@
 //! # Pool
 //! Sizes are rounded up to size classes (8 per power of two, at least 512 bytes), so a
 //! steady-state step reuses the blocks of the step before and allocates nothing from the
-//! driver. When `cuMemAlloc` fails, the pool waits (at most its timeout) for its deferred
-//! blocks, reuses what it can, then returns its cached blocks to the driver and tries once more.
+//! driver. When `cuMemAlloc` fails, the pool waits (at most its timeout, watching the
+//! communicators of the work, so a peer's failure aborts them and the work ends) for its
+//! deferred blocks and for everything queued on the rank's streams so far, and reuses what it
+//! can. Only if all of that ended does it return its cached blocks to the driver and try once
+//! more: `cuMemFree` may wait for the device to go idle, which work still pending (a collective
+//! whose peer is gone) could put off forever. Otherwise the allocation fails as out of memory.
 //!
 //! # Teardown
 //! Dropping the pool waits for its deferred blocks' events at most the backend's timeout, then
@@ -164,6 +168,8 @@ impl BufferPool {
         }
         self.device.bind()?;
         let mut attempt = 0;
+        // Whether the deferred blocks' events and the rank's streams all passed (attempt 1).
+        let mut quiet = false;
         loop {
             // SAFETY: the context is bound; the memory is handed out uninitialised, as documented.
             match unsafe { cu::malloc_sync(class) } {
@@ -181,21 +187,9 @@ impl BufferPool {
                 Err(e) if e.0 == cusys::CUresult::CUDA_ERROR_OUT_OF_MEMORY && attempt < 2 => {
                     attempt += 1;
                     if attempt == 1 {
-                        // Wait for deferred blocks (all together, at most the timeout) and reuse
-                        // one of the class if there is one.
-                        let pending: Vec<CudaEvent> =
-                            lock(&self.state).deferred.iter().flat_map(|d| d.after.clone()).collect();
-                        let all_done = || -> Result<bool, CudaError> {
-                            for ev in &pending {
-                                if !ev.is_complete()? {
-                                    return Ok(false);
-                                }
-                            }
-                            Ok(true)
-                        };
-                        if !wait_until(self.timeout, &mut HostClock::start(), all_done, || Ok(()))? {
-                            tracing::warn!(target: "collsched::alloc", "device {}: deferred blocks still in use after {:?}; allocating {bytes} bytes without them", self.device.ordinal(), self.timeout);
-                        }
+                        // Wait for deferred blocks and the rank's streams (all together, at
+                        // most the timeout) and reuse a block of the class if there is one.
+                        quiet = self.wait_for_pending(bytes)?;
                         self.reclaim();
                         if let Some(ptr) = lock(&self.state).free.get_mut(&class).and_then(Vec::pop) {
                             return Ok(CudaBuffer {
@@ -205,7 +199,23 @@ impl BufferPool {
                             });
                         }
                     } else {
-                        self.trim()?;
+                        self.reclaim();
+                        let deferred = lock(&self.state).deferred.len();
+                        if quiet && deferred == 0 {
+                            self.trim()?;
+                            continue;
+                        }
+                        return Err(CudaError::driver(
+                            format!(
+                                "device {}: allocating {bytes} bytes (class {class}); the cached blocks were \
+                                 not returned to the driver, since {deferred} deferred blocks or the rank's \
+                                 streams were still busy after {:?} (cuMemFree could wait for them without a \
+                                 bound); free buffers, or wait for the work using them, and retry",
+                                self.device.ordinal(),
+                                self.timeout
+                            ),
+                            DriverCallError::new("cuMemAlloc", e),
+                        ));
                     }
                 }
                 Err(e) => {
@@ -218,7 +228,42 @@ impl BufferPool {
         }
     }
 
-    /// Returns every cached free block to the driver (deferred blocks stay).
+    /// After an allocation failed: waits at most the pool's timeout for the deferred blocks'
+    /// events and for an event recorded now on each of the rank's streams, watching their
+    /// communicators (a failure aborts them, so the work ends; it stays theirs to report).
+    /// Returns whether all of them passed.
+    ///
+    /// # Errors
+    /// A driver error recording or querying an event (the work before it failed).
+    fn wait_for_pending(&self, bytes: usize) -> Result<bool, CudaError> {
+        let mut pending: Vec<CudaEvent> =
+            lock(&self.state).deferred.iter().flat_map(|d| d.after.clone()).collect();
+        for s in self.fence_streams.get().map(Vec::as_slice).unwrap_or(&[]) {
+            pending.push(s.record()?);
+        }
+        let all_done = || -> Result<bool, CudaError> {
+            for ev in &pending {
+                if !ev.is_complete()? {
+                    return Ok(false);
+                }
+            }
+            Ok(true)
+        };
+        let watch = || -> Result<(), CudaError> {
+            for w in pending.iter().filter_map(CudaEvent::watch) {
+                let _ = w.check();
+            }
+            Ok(())
+        };
+        let quiet = wait_until(self.timeout, &mut HostClock::start(), all_done, watch)?;
+        if !quiet {
+            tracing::warn!(target: "collsched::alloc", "device {}: deferred blocks or the rank's streams still busy after {:?}; allocating {bytes} bytes without them", self.device.ordinal(), self.timeout);
+        }
+        Ok(quiet)
+    }
+
+    /// Returns every cached free block to the driver (deferred blocks stay). `cuMemFree` may
+    /// wait for the device to go idle: call it only when nothing of the rank is pending.
     ///
     /// # Errors
     /// The first `cuMemFree` error.

@@ -21,8 +21,9 @@
 //! # Teardown
 //! [`drain`] is the bounded wait of the backend's and the pool's `Drop`: it waits for every
 //! fence up to the backend's timeout; if they are not all passed then (or a watch reports a
-//! failure), it aborts the communicators (their kernels exit, so the streams can drain) and
-//! waits up to [`ABORT_GRACE`] more. What is still pending after that is *wedged*: the caller
+//! failure), it aborts the communicators (their kernels exit, so the streams can drain; the
+//! aborts themselves run on threads of their own, [`super::comms`]) and waits up to
+//! [`ABORT_GRACE`] more. What is still pending after that is *wedged*: the caller
 //! leaks the memory the device may still use rather than free it under running work or hang.
 //!
 //! Everything here is pure logic over a [`WaitClock`]; the tests run it on a virtual clock.
