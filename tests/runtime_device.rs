@@ -65,9 +65,11 @@ fn a_fetch_on_a_device_hands_out_views_before_the_gather_completed() {
         let plan = plan(sharding, 2);
         let out = world(2)
             .run(|rank| -> Result<Vec<Vec<f32>>, RuntimeError> {
-                let go = gate(&rank);
-                let state = ModelState::from_f32(Arc::new(OnDevice(rank)), &plan, &init)?;
+                let rank = Arc::new(OnDevice(rank));
+                let state = ModelState::from_f32(Arc::clone(&rank), &plan, &init)?;
                 let mut c = state.coordinator(no_prefetch())?;
+                // Held once the shards are in (host copies wait for every stream, as CUDA's do).
+                let go = gate(&rank.0);
                 let got = {
                     let v = c.fetch(&ids)?;
                     // Returned with the all-gather held: the host did not wait for it.
@@ -97,9 +99,10 @@ fn a_gather_that_fails_after_the_fetch_is_reported_naming_it() {
     let plan = plan(Sharding::Flat, 2);
     let out = world(2)
         .run(|rank| -> Result<(String, String), RuntimeError> {
-            let fail = gate(&rank);
-            let state = ModelState::from_f32(Arc::new(OnDevice(rank)), &plan, &init)?;
+            let rank = Arc::new(OnDevice(rank));
+            let state = ModelState::from_f32(Arc::clone(&rank), &plan, &init)?;
             let mut c = state.coordinator(no_prefetch())?;
+            let fail = gate(&rank.0);
             let v = c.fetch(&ids)?;
             fail.send(false).expect("gate");
             let read = v.read_f32(ids[0]).map(|_| ()).expect_err("a read of a failed gather").to_string();
