@@ -161,12 +161,6 @@ def test_prefetch_none_gathers_nothing_ahead(knob_runs):
             assert st["peak_gathered_bytes"] > peak, f"rank {rank} step {step}: the default holds no more than none"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="fully_shard's default prefetch budget is the largest unit's bytes less its largest bucket "
-    "(shard.py _one_unit_ahead), and the scheduler counts the first bucket ahead inside prefetch_bytes: the "
-    "default never gathers the next unit whole ahead, unlike the documented 'largest unit's bytes'",
-)
 def test_the_default_prefetch_budget_is_the_documented_one_unit_ahead(knob_runs):
     """The defaults are what ``fully_shard`` documents ("about one unit ahead while one
     computes, as FSDP2 prefetches one module: the largest unit's bytes and its buckets plus

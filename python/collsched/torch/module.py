@@ -120,7 +120,8 @@ def fully_shard(
     bytes; ``prefetch`` ``"trace"`` (record the first step's fetch order, gather along it ahead),
     ``"explicit"`` (the next unit in the forward, the previous in the backward, or what the
     units' ``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch`` say) or
-    ``"none"``; ``prefetch_mb`` bounds the bytes gathered ahead beyond the next bucket and
+    ``"none"``; ``prefetch_mb`` bounds the bytes gathered ahead (the next bucket is gathered ahead whatever
+    its size, and its bytes count) and
     ``max_inflight`` the buckets gathered ahead (``None``: about one unit ahead while one
     computes, as FSDP2 prefetches one module: the largest unit's bytes and its buckets plus
     one);

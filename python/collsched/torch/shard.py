@@ -261,8 +261,9 @@ class _State:
         raise CollschedError(f"{type(module).__name__} is not a unit of this sharded model: give it to fully_shard")
 
     def _one_unit_ahead(self) -> tuple[int, int]:
-        """The default prefetch budget: about one unit ahead, as FSDP2 prefetches one module
-        (bytes beyond the first bucket ahead, and buckets ahead, of the largest unit)."""
+        """The default prefetch budget: one unit ahead, as FSDP2 prefetches one module: the
+        largest unit's bytes (the first bucket ahead counts against them, as the scheduler
+        counts it) and its buckets plus one."""
         # What a bucket held takes, as the budgets count it (the gathered buffer and, for split
         # parameters, the unpacked copy; the unpacked copy alone where the gather places them).
         memory = dict(self.model.gather_memory)
@@ -270,7 +271,7 @@ class _State:
         if not per_unit:
             return 0, 1
         largest = max(per_unit, key=sum)
-        return sum(largest) - max(largest), max(len(v) for v in per_unit) + 1
+        return sum(largest), max(len(v) for v in per_unit) + 1
 
     def _full_values(self, values: list[nn.Parameter], old_states: dict[int, _State]) -> list[torch.Tensor]:
         gathered: dict[int, dict[int, torch.Tensor]] = {k: st.gather_all() for k, st in old_states.items()}

@@ -5,8 +5,8 @@ use crate::buckets::{BucketId, DType};
 use super::error::ScheduleError;
 use super::input::ScheduleInput;
 
-/// Default of [`SchedulerConfig::prefetch_bytes`]: 2 GiB launched ahead (beyond the first
-/// bucket ahead, which is admitted whatever its size), half of [`DEFAULT_MAX_LIVE_BYTES`]:
+/// Default of [`SchedulerConfig::prefetch_bytes`]: 2 GiB launched ahead (the first bucket
+/// ahead is admitted whatever its size, and counts), half of [`DEFAULT_MAX_LIVE_BYTES`]:
 /// room for one transformer block in use and the next one ahead, the memory FSDP2's
 /// one-module-ahead prefetch takes.
 ///
@@ -67,7 +67,7 @@ pub struct SchedulerConfig {
     /// Prefetch policy to start with. Default [`PolicyKind::TraceReplay`].
     pub policy: PolicyKind,
     /// `prefetch_bytes`: bound on the gathered bytes launched ahead of their fetch
-    /// (prefetched by this scheduler and not yet fetched) **beyond the first bucket ahead**.
+    /// (prefetched by this scheduler and not yet fetched), the first bucket ahead counted.
     /// When nothing is launched ahead, the next bucket is admitted whatever its size (so a
     /// bucket larger than this is still prefetched one ahead, like DeepSpeed's
     /// check-before-add and FSDP2's one-module-ahead); once one is ahead, a further bucket is
