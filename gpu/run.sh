@@ -8,7 +8,9 @@
 #
 # Writes, as it goes (a run cut off still reports what it did):
 #   OUTDIR/summary.txt    one line per step: name, ok|FAILED|skipped, seconds, and why
-#   OUTDIR/logs.tar.gz    every step's log (OUTDIR/logs/STEP.log, tarred after each step)
+#   OUTDIR/logs.tar.gz    every step's log (logs/STEP.log, tarred again after each step)
+# and nothing else there (the device tool brings back 8 files at most); the logs themselves
+# are written under $COLLSCHED_GPU_LOGS (default: a new folder in $TMPDIR or /tmp).
 # Each step runs under its own timeout, inside a total of $COLLSCHED_GPU_TOTAL_SECS (default
 # 480); a step that would not fit in what is left is skipped, saying so. $COLLSCHED_GPU_STEP_SECS,
 # when set, caps every step's timeout (a quick rehearsal). Without a GPU every
@@ -40,7 +42,9 @@ if [ "${1:-}" = "--list" ]; then
 fi
 out="${1:?usage: gpu/run.sh OUTDIR [STEP...] (or --list)}"
 shift
-mkdir -p "$out/logs"
+mkdir -p "$out"
+logs="${COLLSCHED_GPU_LOGS:-$(mktemp -d "${TMPDIR:-/tmp}/collsched-gpu-logs.XXXXXX")}"
+mkdir -p "$logs/logs"
 out=$(cd "$out" && pwd)
 summary="$out/summary.txt"
 : >"$summary"
@@ -49,7 +53,7 @@ failed=0
 why_skip=""    # set by the probe: a reason every GPU step is skipped
 
 note() { echo "$*" | tee -a "$summary"; }
-bundle() { tar -C "$out" -czf "$out/logs.tar.gz.part" logs 2>/dev/null && mv "$out/logs.tar.gz.part" "$out/logs.tar.gz"; }
+bundle() { tar -C "$logs" -czf "$out/logs.tar.gz.part" logs 2>/dev/null && mv "$out/logs.tar.gz.part" "$out/logs.tar.gz"; }
 
 gpus() { nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true; }
 
@@ -119,7 +123,7 @@ step_vs_fsdp2() {
 }
 
 run_step() {
-  local name=$1 limit=$2 fn="step_${1//-/_}" log="$out/logs/$1.log" t0 rc secs left
+  local name=$1 limit=$2 fn="step_${1//-/_}" log="$logs/logs/$1.log" t0 rc secs left
   if [ -n "${COLLSCHED_GPU_STEP_SECS:-}" ] && [ "$COLLSCHED_GPU_STEP_SECS" -lt "$limit" ]; then limit=$COLLSCHED_GPU_STEP_SECS; fi
   left=$(( total - ($(date +%s) - start) ))
   if [ -n "$why_skip" ] && [ "$name" != probe ]; then
