@@ -6,8 +6,6 @@
 //! anything. Collectives run on a world of every visible GPU (at most 4), one thread per GPU.
 #![cfg(feature = "cuda")]
 
-use std::ffi::c_void;
-use std::sync::mpsc;
 use std::time::Duration;
 
 use collsched::backend::cuda::{CudaBackend, CudaBuffer, CudaConfig, UniqueId};
@@ -21,6 +19,9 @@ const WAIT: Duration = Duration::from_secs(60);
 
 #[path = "support/gpu.rs"]
 mod gpu;
+#[path = "support/hold.rs"]
+mod hold;
+use hold::{block_stream, STALLED};
 
 /// Number of GPUs to use (at most 4), or `None` (and a printed reason) when the GPU tests must skip.
 fn gpus(test: &str) -> usize {
@@ -347,31 +348,6 @@ fn gpu_collectives_match_the_cpu_on_every_visible_gpu() {
     }
 }
 
-struct Gate(mpsc::Receiver<()>);
-
-/// How long a held stream stays held at most: well inside the step's time for the whole binary
-/// (gpu/run.sh gives rust-backend 120 s), so a stall behind it fails the sender's `send` (the
-/// gate let go by itself) instead of outliving the step.
-const GATE: Duration = Duration::from_secs(20);
-
-unsafe extern "C" fn hold_stream(arg: *mut c_void) {
-    // SAFETY: `arg` is the `Box<Gate>` leaked by `block_stream`, reclaimed once, here.
-    let gate = unsafe { Box::from_raw(arg.cast::<Gate>()) };
-    let _ = gate.0.recv_timeout(GATE);
-}
-
-/// Blocks `stream` (a host callback that waits, at most [`GATE`]) until the returned sender is
-/// used or dropped; a `send` fails if the gate let go by itself.
-fn block_stream(b: &CudaBackend, stream: Stream) -> mpsc::Sender<()> {
-    let (tx, rx) = mpsc::channel();
-    let arg = Box::into_raw(Box::new(Gate(rx))).cast::<c_void>();
-    // SAFETY: the stream is the backend's (its context is bound by the backend calls around);
-    // the callback owns `arg` and never calls CUDA.
-    unsafe { cudarc::driver::result::stream::launch_host_function(b.raw_stream(stream), hold_stream, arg) }
-        .unwrap();
-    tx
-}
-
 #[test]
 #[ignore = "needs a GPU: COLLSCHED_GPU=1 cargo nextest run --all-features --run-ignored only (fails without a device)"]
 fn gpu_events_and_deferred_frees_wait_for_their_consumers() {
@@ -401,7 +377,7 @@ fn gpu_events_and_deferred_frees_wait_for_their_consumers() {
     let after_wait = b.record(Stream::AllGather).unwrap();
     assert!(!after_wait.query().unwrap(), "the all-gather stream ran past an event it waits on");
 
-    release.send(()).expect("the gate let go by itself: something stalled behind the held stream");
+    release.send(()).expect(STALLED);
     consumer_done.wait(WAIT).unwrap();
     after_wait.wait(WAIT).unwrap();
     let again = b.alloc(bytes).unwrap();

@@ -6,8 +6,6 @@
 //! `cargo nextest run --all-features --run-ignored only`; see `tests/support/gpu.rs`.
 #![cfg(feature = "cuda")]
 
-use std::ffi::c_void;
-use std::sync::mpsc;
 use std::time::Duration;
 
 use collsched::backend::cuda::{comms, CudaBackend, CudaConfig, UniqueId};
@@ -16,6 +14,9 @@ use collsched_kernels::{copy_in, CopySegment};
 
 #[path = "support/gpu.rs"]
 mod gpu;
+#[path = "support/hold.rs"]
+mod hold;
+use hold::{block_stream, STALLED};
 
 const WAIT: Duration = Duration::from_secs(60);
 
@@ -23,35 +24,6 @@ const WAIT: Duration = Duration::from_secs(60);
 fn single(timeout: Duration) -> CudaBackend {
     let id = UniqueId::generate().expect("ncclGetUniqueId (is COLLSCHED_NCCL_LIB set?)");
     CudaBackend::new(CudaConfig { timeout, ..CudaConfig::new(0, 1, 0) }, &id).expect("one-rank CUDA backend")
-}
-
-struct Gate(mpsc::Receiver<()>);
-
-/// How long a held stream stays held at most: well inside the step's time for the whole binary
-/// (gpu/run.sh gives rust-fences 60 s), so a stall behind it fails the sender's `send` (the
-/// gate let go by itself) instead of outliving the step.
-const GATE: Duration = Duration::from_secs(20);
-
-/// What a held stream's sender says when the gate let go by itself.
-const STALLED: &str = "the gate let go by itself after 20 s: something stalled behind the held stream";
-
-unsafe extern "C" fn hold_stream(arg: *mut c_void) {
-    // SAFETY: `arg` is the `Box<Gate>` leaked by `block_stream`, reclaimed once, here.
-    let gate = unsafe { Box::from_raw(arg.cast::<Gate>()) };
-    let _ = gate.0.recv_timeout(GATE);
-}
-
-/// Blocks `stream` (a host callback that waits, at most [`GATE`]) until the returned sender is
-/// used or dropped; a `send` fails if the gate let go by itself.
-fn block_stream(b: &CudaBackend, stream: Stream) -> mpsc::Sender<()> {
-    let (tx, rx) = mpsc::channel();
-    let arg = Box::into_raw(Box::new(Gate(rx))).cast::<c_void>();
-    b.record(stream).expect("bind the context on this thread");
-    // SAFETY: the stream is the backend's (its context is bound by the call above); the
-    // callback owns `arg` and never calls CUDA.
-    unsafe { cudarc::driver::result::stream::launch_host_function(b.raw_stream(stream), hold_stream, arg) }
-        .expect("cuLaunchHostFunc");
-    tx
 }
 
 #[test]
