@@ -138,7 +138,7 @@ run_step() {
   ( sleep "$limit"; kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null; sleep 5; kill -KILL -- "-$pid" 2>/dev/null ) &
   local watchdog=$!
   wait "$pid"; rc=$?
-  kill "$watchdog" 2>/dev/null; wait "$watchdog" 2>/dev/null
+  kill -- "-$watchdog" 2>/dev/null || kill "$watchdog" 2>/dev/null; wait "$watchdog" 2>/dev/null
   secs=$(( $(date +%s) - t0 ))
   if [ "$rc" -eq 0 ]; then
     note "$(printf '%-14s ok      %4ss' "$name" "$secs")"
