@@ -14,10 +14,12 @@ fi
 py="$venv/bin/python"
 # maturin's build hooks run the maturin executable from PATH.
 export PATH="$venv/bin:$PATH"
-if ! "$py" -c "import torch, maturin, pytest, ruff, safetensors" >/dev/null 2>&1; then
-  echo "ci/python: pip install torch maturin pytest ruff safetensors into $venv"
+# transformers: python/tests/test_hf.py shards Hugging Face models (small configs, no download).
+if ! "$py" -c "import torch, maturin, pytest, ruff, safetensors, transformers" >/dev/null 2>&1; then
+  echo "ci/python: pip install torch maturin pytest ruff safetensors transformers into $venv"
   "$py" -m pip install -q --disable-pip-version-check --upgrade pip
-  "$py" -m pip install -q --disable-pip-version-check 'torch==2.15.*' 'maturin>=1.9,<2' 'pytest>=8' 'ruff>=0.6' 'safetensors>=0.4'
+  "$py" -m pip install -q --disable-pip-version-check 'torch==2.15.*' 'maturin>=1.9,<2' 'pytest>=8' 'ruff>=0.6' 'safetensors>=0.4' \
+    'transformers>=5,<6'
 fi
 (cd python && "$venv/bin/ruff" check . && "$venv/bin/ruff" format --check .)
 # The scripts of ci/ under the package's rules.

@@ -339,3 +339,70 @@ def fsdp2_allocating(rank: int, world: int, spec: dict[str, Any]) -> dict[str, A
             after.append({n: p.full_tensor().detach().flatten().tolist() for n, p in model.named_parameters()})
         runs.append({"losses": losses, "params": after, "calls": dict(calls)})
     return {"plain": runs[0], "allocating": runs[1]}
+
+
+class Keyed(torch.nn.Module):
+    """A unit whose forward takes keyword-only arguments, and a method that reads the root's
+    embedding other than through ``forward``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 6)
+        self.lin = torch.nn.Linear(6, 6)
+
+    def forward(self, idx: torch.Tensor, *, scale: float = 1.0, mask: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.lin(self.emb(idx)) * scale
+        return h if mask is None else h * mask
+
+    def encode(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.emb(idx).sum(-1)
+
+
+def module_face(rank: int, world: int) -> dict[str, Any]:
+    """A sharded module's interface and hooks against an unsharded copy of it."""
+    import inspect
+
+    import collsched.torch as cst
+
+    cst.init()
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(Keyed(), torch.nn.Linear(6, 3))
+    model = torch.nn.Sequential(Keyed(), torch.nn.Linear(6, 3))
+    model.load_state_dict(ref.state_dict())
+    keyed = model[0]
+    cst.fully_shard(keyed)
+    cst.fully_shard(model)
+    seen: dict[str, Any] = {}
+    keyed.register_forward_pre_hook(lambda m, a: seen.__setitem__("pre", tuple(m.lin.weight.shape)))
+    keyed.register_forward_hook(lambda m, a, o: seen.__setitem__("post", tuple(m.lin.weight.shape)))
+    idx = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    mask = torch.tensor([[1.0], [0.0], [1.0]])
+    out: dict[str, Any] = {
+        "signature": str(inspect.signature(keyed.forward)),
+        "ref_signature": str(inspect.signature(ref[0].forward)),
+        "class": (type(keyed).__name__, type(keyed).__qualname__, type(keyed).forward is Keyed.forward),
+        "keyed": torch.equal(keyed(idx, scale=2.0, mask=mask), ref[0](idx, scale=2.0, mask=mask)),
+        "whole": torch.equal(model(idx), ref(idx)),
+        "hooks": dict(seen),
+        "shard": tuple(keyed.lin.weight.shape),
+        "encode_unregistered": error_text(lambda: keyed.encode(idx)),
+    }
+    cst.register_fsdp_forward_method(keyed, "encode")
+    out["encode"] = torch.equal(keyed.encode(idx), ref[0].encode(idx))
+    out["missing"] = error_text(lambda: cst.register_fsdp_forward_method(keyed, "decode"))
+
+    def boom(m: torch.nn.Module, a: Any, o: Any) -> None:
+        raise ValueError("boom")
+
+    handle = model[1].register_forward_hook(boom)
+    out["raised"] = error_text(lambda: model(idx).sum().backward())
+    out["live_after_raise"] = cst.live_bytes(model)
+    handle.remove()
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    for m, o in ((model, opt), (ref, ref_opt)):
+        m(idx).sum().backward()
+        o.step()
+    full = cst.full_parameters(model)
+    out["after_step"] = all(torch.allclose(full[n], p, rtol=0, atol=0) for n, p in ref.named_parameters())
+    out["names"] = sorted(full) == sorted(n for n, _ in ref.named_parameters())
+    return out

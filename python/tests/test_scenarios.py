@@ -173,7 +173,7 @@ def test_a_unit_hands_its_gradients_over_and_is_released_when_its_backward_is_do
         # reaches the first block; the first block's (its input needs no gradient) and the
         # root's go at the end. With `nested`, the blocks' input is inside a dict.
         assert r["handed"] == ["blocks.1.bias", "blocks.1.weight", "blocks.2.bias", "blocks.2.weight"], r
-        block = "Collsched_DictIn" if nested else "CollschedLinear"
+        block = "_DictIn" if nested else "Linear"
         assert r["units"][2:] == [block, block], r["units"]
         assert r["released"][2:] == [True, True] and not r["released"][0], r["released"]
 

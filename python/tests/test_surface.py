@@ -671,3 +671,22 @@ def test_premul_sum_of_f16_and_bf16():
                 torch.testing.assert_close(mine, want, rtol=rtol, atol=atol, msg=lambda m, w=where: f"{w}: {m}")
         refused = got[-1]
         assert refused.startswith("collsched.CollschedError") and "tensor factor" in refused, refused
+
+
+def test_a_sharded_module_keeps_its_interface_and_hooks_run_around_its_forward():
+    for rank, r in enumerate(run(sw.module_face, 2)):
+        # The class's own forward and signature (keyword-only arguments reach it), its name.
+        assert r["signature"] == r["ref_signature"] and r["signature"].startswith("(idx: 'torch.Tensor', *, scale"), r
+        assert r["class"] == ("Keyed", "Keyed", True), r
+        assert r["keyed"] and r["whole"], (rank, r)
+        # A pre-hook registered after fully_shard sees the full parameters (collsched's runs
+        # first); a forward hook registered after it runs after the release (as FSDP2's).
+        assert r["hooks"] == {"pre": (6, 6), "post": r["shard"]} and len(r["shard"]) == 1, r
+        # A method that reads parameters other than through forward: the shards, unless
+        # registered (then it computes what the unsharded module does).
+        assert "must be 2-D" in r["encode_unregistered"], r
+        assert r["encode"], r
+        assert "has no method 'decode'" in r["missing"] and r["missing"].startswith("collsched.CollschedError"), r
+        # A forward that raises leaves nothing gathered; the next step is plain PyTorch's.
+        assert r["raised"] == "builtins.ValueError: boom", r
+        assert r["live_after_raise"] == 0 and r["after_step"] and r["names"], r

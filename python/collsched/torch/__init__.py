@@ -16,8 +16,9 @@ How it works (one rank):
   replaced in its module by a 1-D ``Parameter`` over this rank's elements of it (the shard,
   in the library's memory: the optimizer updates it in place and the next gather reads it).
   Bucket boundaries follow the units.
-- **Forward.** A unit's forward fetches its parameters (their buckets are all-gathered,
-  later ones prefetched along the recorded order) and swaps in full-size parameters whose data
+- **Forward.** Hooks around a unit's own ``forward`` (the module keeps its class's name,
+  forward and signature) fetch its parameters (their buckets are all-gathered,
+  later ones prefetched along the recorded order) and swap in full-size parameters whose data
   are views of the gathered buffers (no copy); after its forward they are released and the
   shards swapped back. Tensors autograd saves that view gathered parameters are kept as
   references, not as memory, and fetched again in backward (``saved_tensors_hooks``, in
@@ -67,7 +68,15 @@ from .._native import CollschedError
 from . import clip, distributed
 from .checkpoint import full_state_dict, load_checkpoint, save_checkpoint, save_full
 from .clip import clip_grad_norm_
-from .module import CollschedModule, full_parameters, fully_shard, live_bytes, plan, stats
+from .module import (
+    CollschedModule,
+    full_parameters,
+    fully_shard,
+    live_bytes,
+    plan,
+    register_fsdp_forward_method,
+    stats,
+)
 from .world import flight_record, init, world
 
 __all__ = [
@@ -84,6 +93,7 @@ __all__ = [
     "init",
     "live_bytes",
     "plan",
+    "register_fsdp_forward_method",
     "stats",
     "world",
 ]

@@ -6,6 +6,7 @@ functions (``stats``, ``full_parameters``, ``plan``, ``live_bytes``)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -19,19 +20,13 @@ from .world import _FROM_TORCH
 
 
 class CollschedModule:
-    """Mixed into every module given to :func:`fully_shard` (as FSDP2 does): its forward runs
-    the unit's fetch and release, and the root's adds the pass's bookkeeping."""
+    """Mixed into every module given to :func:`fully_shard` (as FSDP2 does): the methods FSDP2
+    users call on a sharded module. The module keeps its class's name, its own ``forward``
+    and its signature (what Hugging Face's ``generate``, the Trainer and ``torch.export``
+    read): hooks run the unit's fetch and release around it (``_pre_forward``,
+    ``_post_forward``)."""
 
     _collsched_unit = True
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:  # noqa: D401
-        state: _State | None = self.__dict__.get("_collsched_state")
-        call = super().forward  # type: ignore[misc]
-        if state is None:
-            return call(*args, **kwargs)
-        if state.root is self:
-            return state.forward(self, call, args, kwargs)  # type: ignore[arg-type]
-        return state.unit_forward(self, call, args, kwargs)  # type: ignore[arg-type]
 
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
         """``module.to()``, ``.half()``, ``.share_memory()``, ...: a conversion that keeps the
@@ -82,6 +77,30 @@ class CollschedModule:
         (state.bwd_rules if backward else state.fwd_rules)[me] = targets
         state.opts["prefetch"] = "explicit"
         state.apply_explicit()
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Makes ``module.<method_name>`` (``generate``, ``encode``, ...) run as its ``forward``
+    does: the unit fetched around the call (FSDP2's function of the same name). A method that
+    calls its submodules other than through ``module(...)`` needs it; Hugging Face's
+    encoder-decoders' ``generate()`` calls the encoder so. ``module`` is sharded already."""
+    _state_of(module)
+    method = getattr(module, method_name, None)
+    if not callable(method):
+        raise CollschedError(f"register_fsdp_forward_method: {type(module).__name__} has no method {method_name!r}")
+
+    @functools.wraps(method)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            args, kwargs = _pre_forward(module, args, kwargs) or (args, kwargs)
+            out = method(*args, **kwargs)
+        except BaseException:
+            _post_forward(module, args, None)
+            raise
+        _post_forward(module, args, out)
+        return out
+
+    module.__dict__[method_name] = run
 
 
 def _state_of(module: nn.Module) -> _State:
@@ -162,11 +181,37 @@ def fully_shard(
     return module
 
 
+# The sharded class of each module class (``CollschedModule`` first), made once.
+_CLASSES: dict[type, type] = {}
+
+
 def _mark(module: nn.Module) -> None:
+    """Makes ``module`` a :class:`CollschedModule` under its class's own name, module and
+    docstring, and hooks its forward: first among its pre-hooks (others see the full
+    parameters), its hook called even when the forward raises."""
     cls = type(module)
     if issubclass(cls, CollschedModule):
         return
-    module.__class__ = type(f"Collsched{cls.__name__}", (CollschedModule, cls), {})
+    sharded = _CLASSES.get(cls)
+    if sharded is None:
+        names = {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__}
+        sharded = _CLASSES[cls] = type(cls.__name__, (CollschedModule, cls), names)
+    module.__class__ = sharded
+    module.register_forward_pre_hook(_pre_forward, prepend=True, with_kwargs=True)
+    module.register_forward_hook(_post_forward, always_call=True)
+
+
+def _pre_forward(module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
+    state: _State | None = module.__dict__.get("_collsched_state")
+    if state is None:
+        return None
+    return state.pre_forward(module, args, kwargs)
+
+
+def _post_forward(module: nn.Module, _args: Any, out: Any) -> None:
+    state: _State | None = module.__dict__.get("_collsched_state")
+    if state is not None:
+        state.post_forward(out)
 
 
 def _root_state(module: nn.Module) -> _State:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import sys
 import time
 from typing import Any
 
@@ -15,7 +16,7 @@ from torch.utils import _pytree
 
 from .. import _native, params_json
 from .._native import CollschedError
-from .units import _Param, _tensor, _Unit
+from .units import _Frame, _Param, _tensor, _Unit
 from .world import _DTYPE_BYTES, _FROM_TORCH, _TO_TORCH, world
 
 # Views kept per parameter, by address of the gathered buffer (the oldest goes first).
@@ -63,6 +64,8 @@ class _State:
         self.unit_buckets: list[list[int]] = []
         self.fwd_rules: dict[int, list[int]] = {}
         self.bwd_rules: dict[int, list[int]] = {}
+        # One per unit forward running (pre-hook to hook), innermost last.
+        self.frames: list[_Frame] = []
 
     @property
     def queued(self) -> bool:
@@ -308,35 +311,74 @@ class _State:
 
     # ---- passes ------------------------------------------------------------------------
 
-    def forward(self, module: nn.Module, call: Any, args: Any, kwargs: Any) -> Any:
+    def pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        """A unit's forward pre-hook (FSDP2's way: the module keeps its own ``forward``). A
+        root's call, or a unit's outside its root's forward, begins a pass: its engine is
+        chosen, the saved-tensor hooks pushed and the root's unit fetched. A unit inside a
+        pass is fetched; one recomputed by activation checkpointing is fetched for the
+        backward. A frame on ``self.frames`` says what :meth:`post_forward` undoes."""
+        frame = _Frame(sys.exc_info()[1])
+        self.frames.append(frame)
+        unit = module.__dict__.get("_collsched_u")
+        if unit is None:
+            return args, kwargs
+        root = module is self.root
+        if not root and self.engine is not None:
+            return self._enter(frame, unit, args, kwargs)
         if _recomputing(self):
-            return self._recompute(self.units[0], call, args, kwargs)
+            self._pre_backward(unit)
+            t0 = _clock()
+            args, kwargs = self._watch(unit, args, kwargs)
+            self.host_s += _clock() - t0
+            return args, kwargs
         t0 = _clock()
-        grad = torch.is_grad_enabled()
         if self.phase == "backward":
             self._recover()
-        if grad:
+        if torch.is_grad_enabled():
             if self.phase == "idle":
                 self._step_boundary()
-            engine = self.train
+            frame.engine = self.train
         else:
-            engine = self.eval
-        outer = self.engine
-        self.engine = engine
+            frame.engine = self.eval
+        frame.outer = self.engine
+        self.engine = frame.engine
+        frame.saved = torch.autograd.graph.saved_tensors_hooks(self.hooks.pack, self.hooks.unpack)
+        frame.saved.__enter__()
         self.host_s += _clock() - t0
+        args, kwargs = self._enter(frame, self.units[0], args, kwargs)
+        if not root:
+            args, kwargs = self._enter(frame, unit, args, kwargs)
+        return args, kwargs
+
+    def post_forward(self, out: Any) -> None:
+        """A unit's forward hook, called whether its forward returned or raised (``always_call``):
+        releases what :meth:`pre_forward` fetched; a pass's end ends an evaluation step, or
+        hooks the backward's beginning to the output, or ends a step nothing can run backward
+        through; a pass that raised releases everything it fetched."""
+        frame = self.frames.pop()
+        ok = sys.exc_info()[1] is frame.raised
+        if frame.engine is None:
+            for unit, training in reversed(frame.entered):
+                self._leave(unit, out, ok and training)
+            return
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self.hooks.pack, self.hooks.unpack):
-                out = self._unit_forward(self.units[0], call, args, kwargs)
+            for unit, training in reversed(frame.entered):
+                self._leave(unit, out, ok and training)
         except BaseException:
-            self._abort(engine)
-            self.engine = outer
+            ok = False
             raise
-        self.engine = outer
-        if outer is not None:
-            return out
+        finally:
+            if frame.saved is not None:
+                frame.saved.__exit__()
+            if not ok:
+                self._abort(frame.engine)
+            self.engine = frame.outer
+        engine = frame.engine
+        if frame.outer is not None:
+            return
         if engine is self.eval:
             engine.end_step()
-            return out
+            return
         needs = _needing_grad(out)
         if needs:
             # The backward begins when the first of these gets its gradient.
@@ -347,26 +389,31 @@ class _State:
         elif self.phase == "idle":
             # Nothing can run backward through this output: the step ends here.
             self._end_step()
-        return out
 
-    def _unit_forward(self, unit: _Unit, call: Any, args: Any, kwargs: Any) -> Any:
+    def _enter(self, frame: _Frame, unit: _Unit, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        """Fetches ``unit`` for a forward (unless a call around this one holds it fetched,
+        which releases it) and, in training, watches its arguments for its post-backward."""
+        if unit.fetched is not None:
+            return args, kwargs
         t0 = _clock()
         native = self._fetch(unit, self.engine, swap=True)
         training = self.engine is self.train and torch.is_grad_enabled()
+        frame.entered.append((unit, training))
         if training:
             args, kwargs = self._watch(unit, args, kwargs)
         self.host_s += _clock() - t0 - native
+        return args, kwargs
+
+    def _leave(self, unit: _Unit, out: Any, hook: bool) -> None:
+        """Releases ``unit`` after its forward (``hook``: first hooks its pre-backward to the
+        forward's outputs)."""
+        t0 = _clock()
         try:
-            out = call(*args, **kwargs)
-            if training:
-                t1 = _clock()
+            if hook:
                 self._hook_pre_backward(unit, out)
-                self.host_s += _clock() - t1
-            return out
         finally:
-            t1 = _clock()
             native = self._release(unit)
-            self.host_s += _clock() - t1 - native
+            self.host_s += _clock() - t0 - native
             self.host_units += 1
 
     def _hook_pre_backward(self, unit: _Unit, out: Any) -> None:
@@ -421,30 +468,6 @@ class _State:
         for i, o in zip(at, outs):
             flat[i] = o
         return _pytree.tree_unflatten(flat, spec)
-
-    def unit_forward(self, module: nn.Module, call: Any, args: Any, kwargs: Any) -> Any:
-        unit = module.__dict__.get("_collsched_u")
-        if unit is None or self.engine is None:
-            # A unit's forward outside its root's forward: the root's forward is the pass.
-            if unit is None:
-                return call(*args, **kwargs)
-            if _recomputing(self):
-                return self._recompute(unit, call, args, kwargs)
-            return self.forward(module, lambda *a, **k: self._unit_forward(unit, call, a, k), args, kwargs)
-        return self._unit_forward(unit, call, args, kwargs)
-
-    def _recompute(self, unit: _Unit, call: Any, args: Any, kwargs: Any) -> Any:
-        """A unit's forward run again inside the backward: activation checkpointing
-        (``torch.utils.checkpoint``) recomputing what it did not keep. The unit is fetched
-        for the backward and stays fetched until its post-backward (or the backward's end)
-        releases it: the tensors the recomputation saves view its gathered parameters
-        directly. No saved-tensor hooks of ours: the checkpoint's own take what is saved
-        (non-reentrant), or the recomputed graph is differentiated at once (reentrant)."""
-        self._pre_backward(unit)
-        t0 = _clock()
-        args, kwargs = self._watch(unit, args, kwargs)
-        self.host_s += _clock() - t0
-        return call(*args, **kwargs)
 
     def _fetch(self, unit: _Unit, engine: Any, swap: bool) -> float:
         """Fetches ``unit`` on ``engine`` (``swap``: and puts its full parameters in its

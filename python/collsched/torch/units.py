@@ -107,3 +107,19 @@ class _Unit:
         self.swapped = False
         # The trainable parameters this unit owns: their gradients are its to hand over.
         self.grads: list[_Param] = []
+
+
+class _Frame:
+    """One unit forward in progress, from its pre-hook to its hook: the exception being
+    handled when it began (``raised``; another one at its end means the forward raised), and
+    for a pass's first call its engine, the engine of the pass around it (``outer``) and the
+    saved-tensor hooks it pushed; the units it fetched and whether in training."""
+
+    __slots__ = ("raised", "engine", "outer", "saved", "entered")
+
+    def __init__(self, raised: BaseException | None) -> None:
+        self.raised = raised
+        self.engine: Any = None
+        self.outer: Any = None
+        self.saved: Any = None
+        self.entered: list[tuple[_Unit, bool]] = []
