@@ -406,3 +406,38 @@ def module_face(rank: int, world: int) -> dict[str, Any]:
     out["after_step"] = all(torch.allclose(full[n], p, rtol=0, atol=0) for n, p in ref.named_parameters())
     out["names"] = sorted(full) == sorted(n for n, _ in ref.named_parameters())
     return out
+
+
+def resharding(rank: int, world: int, spec: dict[str, Any], mode: str) -> dict[str, Any]:
+    """The spec's gpt trained with ``reshard_after_forward`` per ``mode``: ``default`` (not
+    given), ``keep`` (False on every unit), ``root`` (False on the root alone), ``toggle``
+    (default, then ``set_reshard_after_forward(False)`` on the root after the first step).
+    Losses, full parameters and counters per step, and the bytes gathered between each
+    forward and its backward."""
+    import collsched.torch as cst
+
+    cst.init()
+    model = models.build("gpt", spec.get("seed", 0))
+    blocks_flag = {"keep": False}.get(mode)
+    root_flag = {"keep": False, "root": False}.get(mode)
+    for b in model.blocks:
+        cst.fully_shard(b, bucket_mb=spec["bucket_mb"], reshard_after_forward=blocks_flag)
+    cst.fully_shard(model, bucket_mb=spec["bucket_mb"], reshard_after_forward=root_flag)
+    opt = models.optimizer(spec.get("opt", "adamw"), model.parameters())
+    out: dict[str, Any] = {"losses": [], "params": [], "stats": [], "between": [], "after": []}
+    for step in range(spec["steps"]):
+        if mode == "toggle" and step == 1:
+            model.set_reshard_after_forward(False)
+        x, y = models.batch("gpt", spec.get("seed", 0), step, 0, rank)
+        loss = models.loss_fn("gpt", model(x), y)
+        out["between"].append(cst.live_bytes(model))
+        loss.backward()
+        out["after"].append(cst.live_bytes(model))
+        out["stats"].append(cst.stats(model))
+        opt.step()
+        opt.zero_grad()
+        out["losses"].append([loss.item()])
+        out["params"].append(workers.snapshot(cst.full_parameters(model)))
+    out["plan"] = cst.plan(model)
+    out["int"] = error_text(lambda: model.set_reshard_after_forward(2))
+    return out

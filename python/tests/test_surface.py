@@ -690,3 +690,28 @@ def test_a_sharded_module_keeps_its_interface_and_hooks_run_around_its_forward()
         # A forward that raises leaves nothing gathered; the next step is plain PyTorch's.
         assert r["raised"] == "builtins.ValueError: boom", r
         assert r["live_after_raise"] == 0 and r["after_step"] and r["names"], r
+
+
+@pytest.mark.parametrize("mode", ["default", "keep", "root", "toggle"])
+def test_reshard_after_forward_keeps_units_fetched_into_their_backward(mode):
+    """``reshard_after_forward=False`` (a unit's, the root's, or set between steps) keeps a
+    unit fetched from its forward into its backward: one gather fewer per bucket, its buckets'
+    memory held in between, the same training as plain PyTorch, nothing left after."""
+    spec = {"model": "gpt", "steps": 3, "bucket_mb": 0.002}
+    runs = run(sw.resharding, 2, spec, mode)
+    parity.check(runs, models.reference(spec, 2))
+    for rank, r in enumerate(runs):
+        plan = r["plan"]
+        gather = buckets(plan, "gather")
+        root = [b for b in gather if {unit_of(n) for n in b["params"]} == {0}]
+        assert 0 < len(root) < len(gather), plan
+        for step, st in enumerate(r["stats"]):
+            kept = {"default": [], "keep": gather, "root": root, "toggle": gather if step else []}[mode]
+            where = f"rank {rank} step {step} ({mode})"
+            assert st["all_gathers"] == 2 * len(gather) - len(kept), f"{where}: {st}"
+            # Held between forward and backward: the kept buckets, and what prefetch gathered
+            # ahead once a step's order is recorded (a change of the setting records anew).
+            held, recording = sum(memory(plan, b) for b in kept), step == 0 or (mode == "toggle" and step == 1)
+            assert r["between"][step] == held if recording else r["between"][step] >= held, f"{where}: {r['between']}"
+            assert r["after"][step] == 0, f"{where}: {r['after'][step]} bytes left gathered"
+        assert "reshard_after_forward=2" in r["int"] and "not supported" in r["int"], r["int"]

@@ -39,9 +39,11 @@ class CollschedModule:
             state.check_shards_in_place(type(self).__name__)
         return out
 
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """``False``: backward passes accumulate gradients locally and reduce nothing, until a
-        backward with ``True`` reduces everything (FSDP2's spelling of ``no_sync``)."""
+        backward with ``True`` reduces everything (FSDP2's spelling of ``no_sync``). The flag is
+        the sharded model's, whichever of its units it is set on (``recurse`` is taken for
+        FSDP2's signature: one unit's gradients cannot be synchronized apart from the rest)."""
         _state_of(self).sync = bool(requires_gradient_sync)
 
     @contextlib.contextmanager
@@ -54,6 +56,26 @@ class CollschedModule:
             yield
         finally:
             state.sync = before
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Whether this unit (and, with ``recurse``, the units under it) is released after its
+        training forward (True) or kept fetched into its backward (False: no second gather,
+        its full parameters held meanwhile). FSDP2's method of the same name. Between steps."""
+        want = _reshard_flag(reshard_after_forward, "set_reshard_after_forward") is not False
+        state = _state_of(self)  # type: ignore[arg-type]
+        units = [
+            m.__dict__["_collsched_u"]
+            for m in (self.modules() if recurse else [self])  # type: ignore[attr-defined]
+            if m.__dict__.get("_collsched_state") is state and "_collsched_u" in m.__dict__
+        ]
+        if all(u.reshard == want for u in units):
+            return
+        if state.model is not None:
+            # The order of the fetches changes: the trace prefetch records it again.
+            state.retrace("set_reshard_after_forward")
+        for u in units:
+            u.reshard = want
+            u.module.__dict__["_collsched_reshard"] = want
 
     def refresh_trainable(self) -> bool:
         """Applies the parameters' ``requires_grad`` now (between steps); returns whether it
@@ -103,6 +125,16 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     module.__dict__[method_name] = run
 
 
+def _reshard_flag(value: Any, what: str) -> bool | None:
+    if value is None or isinstance(value, bool):
+        return value
+    raise CollschedError(
+        f"{what}: reshard_after_forward={value!r}; expected True (release each unit after its forward), "
+        "False (keep it fetched into its backward) or None (True); resharding to "
+        "a smaller group of ranks (an int) is not supported"
+    )
+
+
 def _state_of(module: nn.Module) -> _State:
     state = module.__dict__.get("_collsched_state")
     if state is None:
@@ -121,6 +153,7 @@ def fully_shard(
     reduce_dtype: Any = None,
     auto_refresh_trainable: bool = True,
     sync_module_states: bool = False,
+    reshard_after_forward: bool | None = None,
 ) -> nn.Module:
     """Shards ``module`` in place (collective: every rank calls it with the same module
     structure) and returns it.
@@ -147,7 +180,12 @@ def fully_shard(
     ``reduce_dtype`` (``None``: the parameter's; or ``torch.float32``, ...) is the dtype
     gradients are reduced in; ``auto_refresh_trainable`` (True) picks up ``requires_grad``
     changes at each step boundary; ``sync_module_states`` (False) starts every rank from rank
-    0's values (give it to the units' calls too: a unit's shards are cut when it is sharded).
+    0's values (give it to the units' calls too: a unit's shards are cut when it is sharded);
+    ``reshard_after_forward`` (``None`` or True: release the module's unit after its training
+    forward; False: keep it fetched into its backward, one gather fewer, its full parameters
+    held from forward to backward) is this call's module's own, kept when a root's call
+    re-plans the units (FSDP2's ``None`` keeps the root fetched: pass False on the root for
+    that).
     """
     if not isinstance(module, nn.Module):
         raise CollschedError(f"fully_shard: expected a torch.nn.Module, got {type(module).__name__}")
@@ -163,6 +201,7 @@ def fully_shard(
         if reduce_dtype not in _FROM_TORCH:
             raise CollschedError(f"fully_shard: reduce_dtype={reduce_dtype}; expected float32, bfloat16 or float16")
         reduce_dtype = _FROM_TORCH[reduce_dtype]
+    module.__dict__["_collsched_reshard"] = _reshard_flag(reshard_after_forward, "fully_shard")
     opts = {
         "strategy": strategy,
         "bucket_mb": bucket_mb,

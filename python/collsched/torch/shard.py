@@ -185,9 +185,9 @@ class _State:
         prefetch_bytes = ahead_bytes if o["prefetch_bytes"] is None else o["prefetch_bytes"]
         max_inflight = ahead_buckets if o["max_inflight"] is None else o["max_inflight"]
         policy = "none" if o["prefetch"] == "explicit" else o["prefetch"]
-        engine_args = (policy, prefetch_bytes, max_inflight, None, o["reduce_dtype"])
-        self.train = self.model.engine(*engine_args)
-        self.eval = self.model.engine(*engine_args)
+        self.engine_args = (policy, prefetch_bytes, max_inflight, None, o["reduce_dtype"])
+        self.train = self.model.engine(*self.engine_args)
+        self.eval = self.model.engine(*self.engine_args)
         if o["prefetch"] == "explicit":
             self.apply_explicit()
         for old in old_states.values():
@@ -208,6 +208,7 @@ class _State:
                 users[pid] = users.get(pid, 0) + 1
         for u in self.units:
             u.module.__dict__["_collsched_u"] = u
+            u.reshard = u.module.__dict__.get("_collsched_reshard") is not False
             u.swaps = [(m._parameters, name, self.params[pid].full, self.params[pid].shard) for m, name, pid in u.slots]
             u.shared = any(users[pid] > 1 for pid in u.ids)
             u.known = [0] * len(u.ids)
@@ -256,6 +257,15 @@ class _State:
 
         self.train.set_explicit(rules(fwd), rules(bwd))
         self.eval.set_explicit(rules(fwd), [])
+
+    def retrace(self, what: str) -> None:
+        """A new training engine, between synchronized steps: the units' fetch order changed,
+        and the trace the old one replays would gather what is already held."""
+        if self.phase != "idle" or self.unsynced:
+            raise CollschedError(f"{what}: call it between synchronized steps (after a backward without no_sync)")
+        self.train = self.model.engine(*self.engine_args)
+        if self.opts["prefetch"] == "explicit":
+            self.apply_explicit()
 
     def unit_index(self, module: nn.Module) -> int:
         for i, u in enumerate(self.units):
@@ -388,13 +398,16 @@ class _State:
             self.host_s += _clock() - t0
         elif self.phase == "idle":
             # Nothing can run backward through this output: the step ends here.
+            for unit in self.units:
+                self._release(unit)
             self._end_step()
 
     def _enter(self, frame: _Frame, unit: _Unit, args: Any, kwargs: Any) -> tuple[Any, Any]:
         """Fetches ``unit`` for a forward (unless a call around this one holds it fetched,
         which releases it) and, in training, watches its arguments for its post-backward."""
-        if unit.fetched is not None:
+        if unit.fetched is not None and not unit.kept:
             return args, kwargs
+        unit.kept = False
         t0 = _clock()
         native = self._fetch(unit, self.engine, swap=True)
         training = self.engine is self.train and torch.is_grad_enabled()
@@ -405,14 +418,18 @@ class _State:
         return args, kwargs
 
     def _leave(self, unit: _Unit, out: Any, hook: bool) -> None:
-        """Releases ``unit`` after its forward (``hook``: first hooks its pre-backward to the
-        forward's outputs)."""
+        """Releases ``unit`` after its forward (``hook``: a training forward that returned,
+        whose outputs get its pre-backward hook; the unit is kept fetched for its backward
+        instead where its ``reshard_after_forward`` is False)."""
         t0 = _clock()
+        native = 0.0
         try:
             if hook:
                 self._hook_pre_backward(unit, out)
+                unit.kept = not unit.reshard
         finally:
-            native = self._release(unit)
+            if not unit.kept:
+                native = self._release(unit)
             self.host_s += _clock() - t0 - native
             self.host_units += 1
 
@@ -515,6 +532,7 @@ class _State:
         """Releases ``unit`` (its shards back in its modules); returns the seconds spent in the
         library."""
         engine = unit.fetched
+        unit.kept = False
         if engine is None:
             return 0.0
         if unit.swapped:

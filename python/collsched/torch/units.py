@@ -85,6 +85,8 @@ class _Unit:
         "fetched",
         "swapped",
         "grads",
+        "reshard",
+        "kept",
     )
 
     def __init__(self, index: int, module: nn.Module) -> None:
@@ -107,6 +109,10 @@ class _Unit:
         self.swapped = False
         # The trainable parameters this unit owns: their gradients are its to hand over.
         self.grads: list[_Param] = []
+        # ``reshard_after_forward``: released after a training forward (True), or kept fetched
+        # into the backward (False; ``kept`` while so held).
+        self.reshard = True
+        self.kept = False
 
 
 class _Frame:
