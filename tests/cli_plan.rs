@@ -3,7 +3,9 @@
 //! The golden file `tests/data/params/small.hybrid2.plan.json` is the plan JSON of
 //! `tests/data/params/small.json` at `--world 4 --strategy hybrid:2 --bucket-mb 0.0005
 //! --align 16`. The format is a contract: if a change to it is intended, regenerate with
-//! `COLLSCHED_BLESS=1 cargo test --test cli_plan golden` and review the diff.
+//! `COLLSCHED_BLESS=1 cargo test --test cli_plan golden`, review the diff, and run the test
+//! again without `COLLSCHED_BLESS` (a blessing run writes the file and fails: a file compared
+//! with itself proves nothing).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -51,6 +53,10 @@ fn golden_small_plan() {
     let golden = data("small.hybrid2.plan.json");
     if std::env::var_os("COLLSCHED_BLESS").is_some() {
         std::fs::write(&golden, serde_json::to_string_pretty(&got).unwrap() + "\n").unwrap();
+        panic!(
+            "COLLSCHED_BLESS: golden rewritten: {}; review its diff, then rerun without COLLSCHED_BLESS",
+            golden.display()
+        );
     }
     let want: Value = serde_json::from_str(&std::fs::read_to_string(&golden).unwrap()).unwrap();
     assert_eq!(got, want, "plan JSON differs from {}; see this file's docs to regenerate", golden.display());

@@ -1,4 +1,5 @@
-//! `plan_json`: the plan of a parameter list, as `collsched plan --json` prints it.
+//! `plan_json`: the plan of a parameter list, as `collsched plan --json` prints it (both write
+//! `Plan::json`, the schedule crate's plan JSON).
 
 use collsched::buckets::{Boundary, Sharding};
 use collsched::schedule::{plan_from_json, Plan, PlanInputError};
@@ -43,9 +44,7 @@ pub fn plan_json(
     json(&plan)
 }
 
-/// A plan as its JSON text.
+/// A plan as its JSON text ([`Plan::json`], the object `collsched plan --json` prints).
 pub fn json(plan: &Plan) -> PyResult<String> {
-    let mut out = Vec::new();
-    collsched::cli::plan::write_json(&mut out, plan).map_err(errors::other)?;
-    String::from_utf8(out).map(|s| s.trim_end().to_string()).map_err(errors::other)
+    serde_json::to_string(&plan.json()).map_err(errors::other)
 }

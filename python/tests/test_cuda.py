@@ -26,6 +26,9 @@ GPU = os.environ.get("COLLSCHED_GPU") == "1"
 needs_gpu = pytest.mark.skipif(not GPU, reason="no GPU here: set COLLSCHED_GPU=1 on a machine with CUDA devices")
 # cuBLAS against the CPU's kernels, over a few AdamW steps.
 TOL = (1e-4, 1e-5)
+# The same in bf16 (parity.py's bf16 default is exact, for the CPU's own kernels): cuBLAS's bf16
+# products round in another order, about a bf16 ulp (2**-7 relative). Not measured on a GPU yet.
+TOL_BF16 = (1e-2, 1e-3)
 
 
 def devices() -> int:
@@ -82,7 +85,7 @@ def test_bf16_parameters_reduced_in_f32_on_cuda(model, micro, bucket_mb):
     }
     n = ranks()
     runs = run(workers.train, n, spec)
-    parity.check(runs, models.reference(spec, n), torch.bfloat16)
+    parity.check(runs, models.reference(spec, n), tol=TOL_BF16)
 
 
 @needs_gpu

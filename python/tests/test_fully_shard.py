@@ -95,6 +95,27 @@ def test_bf16_parameters_reduced_in_f32():
     parity.check(runs, models.reference(spec, 2), torch.bfloat16)
 
 
+@pytest.mark.parametrize("backend", ["shm", "emulated"])
+def test_bf16_parameters_with_no_sync_tell_an_f32_reduction_from_a_bf16_one(backend):
+    """bf16 parameters, three micro-batches per step (two under no_sync), at 2 ranks: with
+    ``reduce_dtype=torch.float32`` the micro-batches' gradients are accumulated and reduced in
+    f32, with ``None`` in bf16 (each addition rounded). Plain PyTorch accumulating in each
+    dtype gives two references that differ; each run is its own reference bit for bit, so a
+    run that reduced in the other dtype fails (an f32 run is 1e-3 from the bf16 reference at
+    most: a tolerance would hide it)."""
+    base = {"model": "mlp", "steps": 3, "micro": 3, "bucket_mb": 0.0005, "dtype": torch.bfloat16, "opt": "sgd"}
+    specs = {rd: {**base, "backend": backend, "reduce_dtype": rd} for rd in (torch.float32, None)}
+    refs = {rd: models.reference(spec, 2) for rd, spec in specs.items()}
+    differ = parity.differing_elements(refs[torch.float32], refs[None])
+    assert differ > 0, "the f32 and bf16 references are equal: this test cannot tell the two reductions apart"
+    for rd, spec in specs.items():
+        runs = run(workers.train, 2, spec)
+        parity.check(runs, refs[rd], torch.bfloat16)
+        other = refs[None if rd is torch.float32 else torch.float32]
+        for rank, r in enumerate(runs):
+            assert parity.differing_elements(r, other) > 0, f"rank {rank}: reduce_dtype={rd} ran the other reduction"
+
+
 @pytest.mark.parametrize("recompute", [None, ("wrapper", False)])
 def test_autocast_bf16_forward_of_f32_parameters(recompute):
     """The forward under torch.autocast (bf16 on the CPU), with no_sync micro-batches, and with

@@ -12,7 +12,7 @@ pub mod plan;
 
 pub use collsched_topo::CollectiveKind;
 pub use fingerprint::{PlanFingerprint, StableHasher};
-pub use plan::{plan_from_json, BufferRole, CopyRun, Op, OpId, Plan, PlanInputError, RankGroups};
+pub use plan::{plan_from_json, BufferRole, CopyRun, Op, OpId, Plan, PlanInputError, PlanJson, RankGroups};
 
 pub mod scheduler;
 pub use scheduler::{

@@ -13,6 +13,8 @@
 //!
 //! Op ids are numbered bucket by bucket in bucket-id order, so the ops of gather buckets keep
 //! their ids when only the trainability mask changes.
+//!
+//! [`Plan::json`] is the plan as `collsched plan --json` prints it ([`json`]).
 
 use std::sync::Arc;
 
@@ -23,6 +25,10 @@ use collsched_buckets::{
 
 use crate::fingerprint::{PlanFingerprint, StableHasher};
 use collsched_topo::CollectiveKind;
+
+pub mod json;
+
+pub use json::PlanJson;
 
 /// Dense index of an op in its [`Plan`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]

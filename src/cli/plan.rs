@@ -8,28 +8,17 @@
 //! The table prints one row per bucket (at most 40; `--json` has all) and totals: collective
 //! counts per kind counting each group, all-gathered bytes per step, padding overhead.
 //!
-//! `--json` streams one JSON object on one line:
-//! - `world`, `strategy` (as given), then `bucket_by` only when it is not `size`,
-//!   `fingerprint` (16 hex digits);
-//! - `params`: `{name, numel, dtype, trainable}` in input order, canonical dtype names;
-//! - `buckets`: `{id, kind: gather|grad, dtype, params: [names], shard_numel, shards: [{rank,
-//!   segments: [{param, param_offset, numel, shard_offset}]}]}`, one shard entry per rank of
-//!   the world (Hybrid replicas included);
-//! - `ops`: `{kind: all_gather|reduce_scatter|all_reduce|broadcast, bucket, group: [ranks],
-//!   bytes_per_rank}`, one entry per group. A broadcast's root is the one rank whose shard has
-//!   segments.
-//!
-//! The golden file `tests/data/params/small.hybrid2.plan.json` pins the format
-//! (`COLLSCHED_BLESS=1 cargo test --test cli_plan golden` regenerates it).
+//! `--json` streams the plan JSON on one line: the format is a contract, documented (and
+//! written) by [`collsched_schedule::plan::json`]; this command writes it to stdout. The golden
+//! file `tests/data/params/small.hybrid2.plan.json` pins it (`tests/cli_plan.rs` says how to
+//! regenerate it).
 
 use std::io::{self, BufWriter, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use serde::ser::{Serialize, SerializeMap, Serializer};
-
-use collsched_buckets::{Boundary, Bucket, Layout, Sharding};
-use collsched_schedule::{plan_from_json, CollectiveKind, Op, Plan, PlanInputError};
+use collsched_buckets::{Boundary, Bucket, Sharding};
+use collsched_schedule::{plan_from_json, CollectiveKind, Plan, PlanInputError};
 
 use super::CliError;
 
@@ -136,128 +125,12 @@ pub fn bucket_bytes(mb: f64) -> Result<usize, CliError> {
     Ok(bytes as usize)
 }
 
-/// Writes the plan as one JSON object (the format in the module docs), streaming: the
-/// per-rank segments are derived while writing, never all held in memory.
-///
-/// # Errors
-/// A failed write.
-pub fn write_json(out: &mut impl Write, plan: &Plan) -> io::Result<()> {
-    serde_json::to_writer(&mut *out, &PlanJson(plan)).map_err(io::Error::other)?;
+/// Writes the plan as one JSON object on one line ([`Plan::json`]; the format is
+/// [`collsched_schedule::plan::json`]'s rustdoc), streaming: the per-rank segments are derived
+/// while writing, never all held in memory.
+fn write_json(out: &mut impl Write, plan: &Plan) -> io::Result<()> {
+    serde_json::to_writer(&mut *out, &plan.json()).map_err(io::Error::other)?;
     out.write_all(b"\n")
-}
-
-struct PlanJson<'a>(&'a Plan);
-
-impl Serialize for PlanJson<'_> {
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        let plan = self.0;
-        let l = plan.layout();
-        let mut m = s.serialize_map(None)?;
-        m.serialize_entry("world", &l.world())?;
-        m.serialize_entry("strategy", &l.sharding().to_string())?;
-        // Only when not the default, so the output of `--bucket-by size` is unchanged.
-        if l.boundary() != Boundary::Size {
-            m.serialize_entry("bucket_by", &l.boundary().to_string())?;
-        }
-        m.serialize_entry("fingerprint", &plan.fingerprint().to_string())?;
-        m.serialize_entry(
-            "params",
-            &Seq(|| l.params().specs().iter().zip(l.params().numels()).map(ParamJson)),
-        )?;
-        m.serialize_entry("buckets", &Seq(|| l.buckets().iter().map(|b| BucketJson(l, b))))?;
-        m.serialize_entry("ops", &Seq(|| plan.ops().iter().flat_map(op_groups)))?;
-        m.end()
-    }
-}
-
-/// A sequence serialized from an iterator made on demand.
-struct Seq<F>(F);
-
-impl<F, I> Serialize for Seq<F>
-where
-    F: Fn() -> I,
-    I: Iterator,
-    I::Item: Serialize,
-{
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.collect_seq((self.0)())
-    }
-}
-
-struct ParamJson<'a>((&'a collsched_buckets::ParamSpec, &'a usize));
-
-impl Serialize for ParamJson<'_> {
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        let (spec, numel) = self.0;
-        let mut m = s.serialize_map(Some(4))?;
-        m.serialize_entry("name", &spec.name)?;
-        m.serialize_entry("numel", numel)?;
-        m.serialize_entry("dtype", spec.dtype.name())?;
-        m.serialize_entry("trainable", &spec.trainable)?;
-        m.end()
-    }
-}
-
-struct BucketJson<'a>(&'a Layout, &'a Bucket);
-
-impl Serialize for BucketJson<'_> {
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        let (l, b) = (self.0, self.1);
-        let set = l.params();
-        let mut m = s.serialize_map(Some(6))?;
-        m.serialize_entry("id", &b.id().0)?;
-        m.serialize_entry("kind", b.kind().name())?;
-        m.serialize_entry("dtype", b.dtype().name())?;
-        m.serialize_entry("params", &Seq(|| b.params().iter().map(|&p| set.name(p))))?;
-        m.serialize_entry("shard_numel", &b.shard_numel())?;
-        m.serialize_entry("shards", &Seq(|| (0..l.world()).map(|rank| ShardJson(l, b, rank))))?;
-        m.end()
-    }
-}
-
-struct ShardJson<'a>(&'a Layout, &'a Bucket, u32);
-
-impl Serialize for ShardJson<'_> {
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        let (l, b, rank) = (self.0, self.1, self.2);
-        let mut m = s.serialize_map(Some(2))?;
-        m.serialize_entry("rank", &rank)?;
-        m.serialize_entry("segments", &Seq(|| b.segments(rank).map(|seg| SegmentJson(l, seg))))?;
-        m.end()
-    }
-}
-
-struct SegmentJson<'a>(&'a Layout, collsched_buckets::Segment);
-
-impl Serialize for SegmentJson<'_> {
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        let seg = &self.1;
-        let mut m = s.serialize_map(Some(4))?;
-        m.serialize_entry("param", self.0.params().name(seg.param))?;
-        m.serialize_entry("param_offset", &seg.param_offset)?;
-        m.serialize_entry("numel", &seg.numel)?;
-        m.serialize_entry("shard_offset", &seg.shard_offset)?;
-        m.end()
-    }
-}
-
-/// One JSON op per rank group of `op`.
-fn op_groups(op: &Op) -> impl Iterator<Item = OpJson<'_>> {
-    (0..op.groups().count()).map(move |g| OpJson(op, g))
-}
-
-struct OpJson<'a>(&'a Op, u32);
-
-impl Serialize for OpJson<'_> {
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        let (op, g) = (self.0, self.1);
-        let mut m = s.serialize_map(Some(4))?;
-        m.serialize_entry("kind", op.kind().name())?;
-        m.serialize_entry("bucket", &op.bucket().0)?;
-        m.serialize_entry("group", &Seq(|| op.groups().ranks(g)))?;
-        m.serialize_entry("bytes_per_rank", &op.bytes_per_rank())?;
-        m.end()
-    }
 }
 
 /// At most this many bucket rows in the table; `--json` has them all.
