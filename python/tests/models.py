@@ -4,6 +4,7 @@ with. Nothing here uses collsched."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 from typing import Any
 
@@ -160,7 +161,12 @@ def reference(spec: dict[str, Any], world: int) -> dict[str, Any]:
     # order can depend on its thread count).
     torch.set_num_threads(1)
     name, dtype = spec["model"], spec.get("dtype", torch.float32)
-    rdtype = spec.get("reduce_dtype") or dtype
+    # Mixed precision (``mp``, a MixedPrecisionPolicy's fields): each step computes on a copy
+    # of the model in ``param_dtype`` (floating inputs cast to it), gradients reduced in
+    # ``reduce_dtype`` (else ``param_dtype``) and applied to the model, its master, in ``dtype``.
+    mp = spec.get("mp") or {}
+    pdtype = mp.get("param_dtype")
+    rdtype = spec.get("reduce_dtype") or mp.get("reduce_dtype") or pdtype or dtype
     # Activation checkpointing (``recompute``) changes what is kept, not what is computed: the
     # reference runs without it.
     model = build(name, spec.get("seed", 0), dtype)
@@ -174,16 +180,20 @@ def reference(spec: dict[str, Any], world: int) -> dict[str, Any]:
         for n, p in params.items():
             p.requires_grad_(not any(n.startswith(f) for f in frozen))
         live = {n: p for n, p in params.items() if p.requires_grad}
+        compute = model if pdtype is None else copy.deepcopy(model).to(pdtype)
+        cparams = dict(compute.named_parameters())
         acc = [dict.fromkeys(live) for _ in range(world)]
         step_losses = []
         for micro in range(spec.get("micro", 1)):
             row = []
             for r in range(world):
                 x, y = batch(name, spec.get("seed", 0), step, micro, r, dtype)
+                if pdtype is not None and x.is_floating_point():
+                    x = x.to(pdtype)
                 with autocast(spec):
-                    out = model(x)
+                    out = compute(x)
                 loss = loss_fn(name, out, y)
-                grads = torch.autograd.grad(loss, list(live.values()), allow_unused=True)
+                grads = torch.autograd.grad(loss, [cparams[n] for n in live], allow_unused=True)
                 for n, g in zip(live, grads):
                     g = torch.zeros_like(live[n]) if g is None else g
                     g = g.to(rdtype)
@@ -194,7 +204,8 @@ def reference(spec: dict[str, Any], world: int) -> dict[str, Any]:
                 with torch.no_grad():
                     for r in range(world):
                         ex, ey = batch(name, 99, step, 0, r, dtype)
-                        evals[r].append(loss_fn(name, model(ex), ey).item())
+                        ex = ex.to(pdtype) if pdtype is not None and ex.is_floating_point() else ex
+                        evals[r].append(loss_fn(name, compute(ex), ey).item())
         # Hybrid sharding (HSDP) reduces in two stages: within each group of G consecutive
         # ranks, then the group sums across groups.
         strategy = spec.get("strategies", [spec.get("strategy", "even")] * spec["steps"])[step]

@@ -441,3 +441,42 @@ def resharding(rank: int, world: int, spec: dict[str, Any], mode: str) -> dict[s
     out["plan"] = cst.plan(model)
     out["int"] = error_text(lambda: model.set_reshard_after_forward(2))
     return out
+
+
+def mixed_face(rank: int, world: int, path: str) -> dict[str, Any]:
+    """FSDP2's own MixedPrecisionPolicy on an mlp: the dtypes a unit sees and gives, the
+    parameters' and gradients' dtypes, the refusals."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    import collsched.torch as cst
+
+    cst.init()
+    bf16, f32 = torch.bfloat16, torch.float32
+    policy = MixedPrecisionPolicy(param_dtype=bf16, output_dtype=f32)
+    model = models.build("mlp", 0)
+    for b in model.blocks:
+        cst.fully_shard(b, mp_policy=policy)
+    cst.fully_shard(model, mp_policy=policy)
+    seen: dict[str, Any] = {}
+    model.blocks[0].register_forward_pre_hook(lambda m, a: seen.__setitem__("input", str(a[0].dtype)))
+    model.blocks[0].register_forward_hook(lambda m, a, o: seen.__setitem__("block_out", str(o.dtype)))
+    x, y = models.batch("mlp", 0, 0, 0, rank)
+    out = model(x)
+    models.loss_fn("mlp", out, y).backward()
+    out_dict: dict[str, Any] = {
+        "seen": seen,
+        "output": str(out.dtype),
+        "params": sorted({str(p.dtype) for p in model.parameters()}),
+        "grads": sorted({str(p.grad.dtype) for p in model.parameters() if p.grad is not None}),
+        "full": sorted({str(v.dtype) for v in cst.full_parameters(model).values()}),
+        "save_full": error_text(lambda: cst.save_full(model, path)),
+        "half": error_text(lambda: model.half()),
+        "after_half": sorted({str(p.dtype) for p in model.parameters()}),
+    }
+    for case, kw in {
+        "not_a_policy": {"mp_policy": "bf16"},
+        "int_dtype": {"mp_policy": cst.MixedPrecisionPolicy(param_dtype=torch.int8)},
+        "conflict": {"mp_policy": cst.MixedPrecisionPolicy(bf16, reduce_dtype=f32), "reduce_dtype": bf16},
+    }.items():
+        out_dict[case] = error_text(lambda kw=kw: cst.fully_shard(models.build("mlp", 0), **kw))
+    return out_dict

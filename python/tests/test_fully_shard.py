@@ -130,3 +130,39 @@ def test_autocast_bf16_forward_of_f32_parameters(recompute):
     }
     runs = run(workers.train, 2, spec)
     parity.check(runs, models.reference(spec, 2))
+
+
+@pytest.mark.parametrize(("name", "reduce"), [("gpt", torch.float32), ("mlp", None)])
+def test_mixed_precision_gathers_in_param_dtype_and_steps_f32_masters(name, reduce):
+    """MixedPrecisionPolicy(param_dtype=bf16): the plan gathers bf16, the optimizer steps f32
+    shards, gradients are reduced in reduce_dtype (else bf16) and land in f32; losses and the
+    f32 parameters (the masters, gathered) as plain PyTorch computing on a bf16 copy of an f32
+    model, with no_sync micro-batches."""
+    mp = {"param_dtype": torch.bfloat16, "reduce_dtype": reduce}
+    spec = {"model": name, "steps": 3, "micro": 2, "bucket_mb": 0.002, "opt": "sgd", "mp": mp}
+    runs = run(workers.train, 2, spec)
+    parity.check(runs, models.reference(spec, 2), torch.float32)
+    # Without the policy the run is another: the check above can tell.
+    plain = models.reference({**spec, "mp": None}, 2)
+    assert parity.differing_elements(runs[0], plain) > 0
+    for r in runs:
+        plan = r["plan"]
+        assert {(b["kind"], b["dtype"]) for b in plan["buckets"]} == {("gather", "bf16"), ("grad", "bf16")}, plan
+        # The synchronized micro-batch reduces every gradient bucket (its every rank's shard)
+        # once, in reduce_dtype.
+        grads = sum(b["shard_numel"] * plan["world"] for b in plan["buckets"] if b["kind"] == "grad")
+        width = 4 if reduce == torch.float32 else 2
+        assert [st["reduced_bytes"] for st in r["stats"][1::2]] == [grads * width] * 3, r["stats"]
+
+
+def test_mixed_precision_checkpoint_keeps_the_f32_masters(tmp_path):
+    """Saved at 2 ranks under the policy, loaded at 3 (flat): the run goes on from the f32
+    masters, not from their bf16 casts."""
+    path = str(tmp_path / "ckpt")
+    mp = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
+    save = {"model": "gpt", "steps": 4, "split": 2, "save_world": 2, "bucket_mb": 0.002, "opt": "sgd", "mp": mp}
+    first = run(workers.checkpointed, 2, save, path, "save")
+    later = run(workers.checkpointed, 3, {**save, "strategy": "flat"}, path, "load")
+    ref = models.reference({**save, "worlds": [2, 2, 3, 3], "strategies": ["even", "even", "flat", "flat"]}, 3)
+    parity.check(first, {"params": ref["params"][:2], "losses": ref["losses"][:2]})
+    parity.check(later, {"params": ref["params"][2:], "losses": ref["losses"][2:]})

@@ -715,3 +715,17 @@ def test_reshard_after_forward_keeps_units_fetched_into_their_backward(mode):
             assert r["between"][step] == held if recording else r["between"][step] >= held, f"{where}: {r['between']}"
             assert r["after"][step] == 0, f"{where}: {r['after'][step]} bytes left gathered"
         assert "reshard_after_forward=2" in r["int"] and "not supported" in r["int"], r["int"]
+
+
+def test_mixed_precision_policy_casts_where_fsdp2_does(tmp_path):
+    for r in run(sw.mixed_face, 2, str(tmp_path / "full.safetensors")):
+        # Units compute in bf16 (their inputs cast), the root's output is cast to f32; the
+        # optimizer's parameters, their gradients and the exported values are f32.
+        assert r["seen"] == {"input": "torch.bfloat16", "block_out": "torch.bfloat16"}, r
+        assert r["output"] == "torch.float32", r
+        assert r["params"] == r["grads"] == r["full"] == r["after_half"] == ["torch.float32"], r
+        assert "save_full" in r["save_full"] and "full_state_dict" in r["save_full"], r["save_full"]
+        assert r["half"].startswith("collsched.CollschedError") and "put back" in r["half"], r["half"]
+        assert "mp_policy='bf16'" in r["not_a_policy"] and "MixedPrecisionPolicy" in r["not_a_policy"], r
+        assert "mp_policy.param_dtype=torch.int8" in r["int_dtype"], r["int_dtype"]
+        assert "differ" in r["conflict"] and r["conflict"].startswith("collsched.CollschedError"), r["conflict"]

@@ -21,6 +21,8 @@ def shard(model: torch.nn.Module, spec: dict[str, Any]) -> torch.nn.Module:
         model.to(torch.device("cuda", torch.cuda.current_device()))
     keys = ("strategy", "bucket_mb", "prefetch", "reduce_dtype", "auto_refresh_trainable")
     opts = {k: spec[k] for k in keys if k in spec}
+    if spec.get("mp"):
+        opts["mp_policy"] = cst.MixedPrecisionPolicy(**spec["mp"])
     for b in model.blocks:
         cst.fully_shard(b, **opts)
     return cst.fully_shard(model, **opts)

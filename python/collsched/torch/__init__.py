@@ -58,6 +58,7 @@ The ``"collsched"`` torch.distributed backend (``dist.init_process_group("collsc
 importing this package registers, is :mod:`collsched.torch.distributed`. The files:
 ``world.py`` (joining the job), ``module.py`` (``fully_shard`` and the module's methods),
 ``shard.py`` (a root's sharded model and its hooks), ``units.py`` (parameters and units),
+``values.py`` (initial values and mixed precision's f32 masters),
 ``checkpoint.py`` (checkpoints), ``clip.py`` (gradient clipping), ``distributed.py`` (the
 process group backend).
 """
@@ -77,11 +78,13 @@ from .module import (
     register_fsdp_forward_method,
     stats,
 )
+from .values import MixedPrecisionPolicy
 from .world import flight_record, init, world
 
 __all__ = [
     "CollschedError",
     "CollschedModule",
+    "MixedPrecisionPolicy",
     "clip_grad_norm_",
     "flight_record",
     "fully_shard",

@@ -12,10 +12,14 @@ import torch
 from torch import nn
 
 from .._native import CollschedError
+from . import values
 from .module import _root_state
 from .shard import _State
 from .units import _tensor
 from .world import _FROM_TORCH, _TO_TORCH, world
+
+# The name under which a mixed-precision parameter's f32 master is saved beside its shard.
+MASTER = "collsched.master"
 
 
 def _between_steps(state: _State, what: str) -> None:
@@ -34,6 +38,13 @@ def save_checkpoint(module: nn.Module, optimizer: torch.optim.Optimizer | None, 
     _between_steps(state, "save_checkpoint")
     keep, extras, scalars = [], [], {}
     groups: list[dict] = []
+    # Mixed precision: the library saves its shards of the gather dtype; the f32 masters go
+    # beside them, per element, as a state of their own.
+    values.push_masters(state)
+    for p in state.masters:
+        v = p.shard.detach().to("cpu").contiguous()
+        keep.append(v)
+        extras.append((MASTER, p.pid, _FROM_TORCH[v.dtype], v))
     if optimizer is not None:
         for p in state.params:
             st = optimizer.state.get(p.shard) or {}
@@ -85,6 +96,15 @@ def load_checkpoint(module: nn.Module, optimizer: torch.optim.Optimizer | None, 
     ]
     text, states = state.model.load(str(path), wanted)
     index = json.loads(text)
+    masters = {pid: got for (pid, name), got in zip(wanted, states) if name == MASTER and got is not None}
+    with torch.no_grad():
+        for p in state.masters:
+            got = masters.get(p.pid)
+            if got is None:
+                # Saved without mixed precision: the loaded shard, cast up.
+                p.shard.copy_(p.home)
+            else:
+                p.shard.copy_(torch.frombuffer(got[1], dtype=_TO_TORCH[got[0]]))
     if optimizer is None:
         return index
     meta = (index.get("meta") or {}).get("optimizer") or {}
@@ -94,7 +114,7 @@ def load_checkpoint(module: nn.Module, optimizer: torch.optim.Optimizer | None, 
                 v = tuple(v)
             g[k] = v
     for (pid, name), got in zip(wanted, states):
-        if got is not None:
+        if got is not None and name != MASTER:
             dtype, data = got
             shard = state.params[pid].shard
             optimizer.state[shard][name] = torch.frombuffer(data, dtype=_TO_TORCH[dtype]).to(shard.device)
@@ -117,6 +137,7 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     Collective: every rank calls it, between steps."""
     state = _root_state(module)
     _between_steps(state, "full_state_dict")
+    values.push_masters(state)
     by_name = {p.name: p for p in state.params}
     out: dict[str, torch.Tensor] = {}
     for names, _ in state.gather_buckets.values():
@@ -127,6 +148,8 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
             out[p.name] = _tensor(region, p.dtype, p.shape, state.device).clone()
         state.eval.release(ids)
         state.eval.end_step()
+    for pid, v in values.master_values(state).items():
+        out[state.params[pid].name] = v
     return {p.name: out[p.name] for p in state.params}
 
 
@@ -137,4 +160,9 @@ def save_full(module: nn.Module, path: Any) -> None:
     bucket at a time; rank 0 writes. Collective: every rank calls it, between steps."""
     state = _root_state(module)
     _between_steps(state, "save_full")
+    if state.masters:
+        raise CollschedError(
+            "save_full: the model gathers in its mixed-precision param_dtype, and the file would hold those values; "
+            "write cst.full_state_dict(module) (the f32 masters) with safetensors.torch.save_file on rank 0"
+        )
     state.model.save_full(str(path))

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .._native import CollschedError
+from . import values
 from .shard import _State
 from .world import _FROM_TORCH
 
@@ -119,8 +120,8 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         except BaseException:
             _post_forward(module, args, None)
             raise
-        _post_forward(module, args, out)
-        return out
+        cast = _post_forward(module, args, out)
+        return out if cast is None else cast
 
     module.__dict__[method_name] = run
 
@@ -154,6 +155,7 @@ def fully_shard(
     auto_refresh_trainable: bool = True,
     sync_module_states: bool = False,
     reshard_after_forward: bool | None = None,
+    mp_policy: Any = None,
 ) -> nn.Module:
     """Shards ``module`` in place (collective: every rank calls it with the same module
     structure) and returns it.
@@ -185,7 +187,9 @@ def fully_shard(
     forward; False: keep it fetched into its backward, one gather fewer, its full parameters
     held from forward to backward) is this call's module's own, kept when a root's call
     re-plans the units (FSDP2's ``None`` keeps the root fetched: pass False on the root for
-    that).
+    that); ``mp_policy`` (``None``: none) a :class:`MixedPrecisionPolicy` (this package's or
+    FSDP2's): gathers in its ``param_dtype`` with f32 shards for the optimizer, and its
+    ``reduce_dtype`` where ``reduce_dtype`` is not given.
     """
     if not isinstance(module, nn.Module):
         raise CollschedError(f"fully_shard: expected a torch.nn.Module, got {type(module).__name__}")
@@ -197,6 +201,17 @@ def fully_shard(
             f"fully_shard: prefetch={prefetch!r}; expected 'trace' (replay the first step's order), 'explicit' "
             "(the next unit, or the units' set_modules_to_forward_prefetch lists) or 'none'"
         )
+    mp = values.policy(mp_policy)
+    if mp is not None and mp.reduce_dtype is not None:
+        if reduce_dtype is not None and reduce_dtype != mp.reduce_dtype:
+            raise CollschedError(
+                f"fully_shard: reduce_dtype={reduce_dtype} and mp_policy.reduce_dtype={mp.reduce_dtype} differ; "
+                "give one of them"
+            )
+        reduce_dtype = mp.reduce_dtype
+    elif mp is not None and reduce_dtype is None:
+        # FSDP2 reduces in param_dtype unless told otherwise.
+        reduce_dtype = mp.param_dtype
     if reduce_dtype is not None and not isinstance(reduce_dtype, str):
         if reduce_dtype not in _FROM_TORCH:
             raise CollschedError(f"fully_shard: reduce_dtype={reduce_dtype}; expected float32, bfloat16 or float16")
@@ -211,6 +226,7 @@ def fully_shard(
         "reduce_dtype": reduce_dtype,
         "auto_refresh_trainable": auto_refresh_trainable,
         "sync_module_states": sync_module_states,
+        "mp": mp,
     }
     state = _State(module, opts)
     _mark(module)
@@ -247,10 +263,9 @@ def _pre_forward(module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any] |
     return state.pre_forward(module, args, kwargs)
 
 
-def _post_forward(module: nn.Module, _args: Any, out: Any) -> None:
+def _post_forward(module: nn.Module, _args: Any, out: Any) -> Any:
     state: _State | None = module.__dict__.get("_collsched_state")
-    if state is not None:
-        state.post_forward(out)
+    return None if state is None else state.post_forward(out)
 
 
 def _root_state(module: nn.Module) -> _State:

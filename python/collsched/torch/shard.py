@@ -4,7 +4,6 @@ How a pass runs is told in the package's docstring."""
 
 from __future__ import annotations
 
-import ctypes
 import json
 import sys
 import time
@@ -16,6 +15,7 @@ from torch.utils import _pytree
 
 from .. import _native, params_json
 from .._native import CollschedError
+from . import values as values_
 from .units import _Frame, _Param, _tensor, _Unit
 from .world import _DTYPE_BYTES, _FROM_TORCH, _TO_TORCH, world
 
@@ -64,6 +64,8 @@ class _State:
         self.unit_buckets: list[list[int]] = []
         self.fwd_rules: dict[int, list[int]] = {}
         self.bwd_rules: dict[int, list[int]] = {}
+        # Mixed precision's parameters: f32 masters apart from the library's shards.
+        self.masters: list[_Param] = []
         # One per unit forward running (pre-hook to hook), innermost last.
         self.frames: list[_Frame] = []
 
@@ -87,6 +89,7 @@ class _State:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.on_device = w.kind in ("cuda", "emulated")
         root = self.root
+        mp = self.opts["mp"]
         unit_of: dict[int, int] = {}
         self.units = []
 
@@ -125,7 +128,7 @@ class _State:
                                 f"above {type(root).__name__}; call fully_shard on the blocks first, then on the root"
                             )
                         old_states[id(st)] = st
-                        shape, dtype, requires_grad = old.shape, old.dtype, p.requires_grad
+                        shape, dtype, requires_grad = old.shape, p.dtype, p.requires_grad
                     else:
                         shape, dtype, requires_grad = p.shape, p.dtype, p.requires_grad
                     if dtype not in _FROM_TORCH:
@@ -138,7 +141,10 @@ class _State:
                             f"fully_shard: parameter {qual} is on {p.device}; this world shards tensors on "
                             f"{self.device} (and takes CPU ones there)"
                         )
-                    info = _Param(len(self.params), qual, shape, dtype, self.device)
+                    # Under mixed precision the library's shards and gathers are of param_dtype;
+                    # the module's shard (the optimizer's) stays of the parameter's dtype.
+                    gather = mp.param_dtype if mp is not None and mp.param_dtype is not None else dtype
+                    info = _Param(len(self.params), qual, shape, gather, self.device)
                     info.unit = u
                     info.shard = (
                         p if prev is not None else nn.Parameter(torch.empty(0, dtype=dtype, device=self.device))
@@ -156,9 +162,9 @@ class _State:
                 seen[pid] = None
             unit.ids = list(seen)
             unit.params = [self.params[pid] for pid in unit.ids]
-        full = self._full_values(values, old_states)
+        full = values_.full_values(values, old_states)
         if self.opts["sync_module_states"]:
-            full = self._from_rank0(full)
+            full = values_.from_rank0(full)
         entries = [
             {
                 "name": p.name,
@@ -170,8 +176,9 @@ class _State:
             for p in self.params
         ]
         text = params_json(entries)
-        self.model = _native.Model(w, text, full, self.opts["strategy"], float(self.opts["bucket_mb"]), 256, "module")
-        del full
+        lib = [v.to(p.dtype) if v.dtype != p.dtype else v for v, p in zip(full, self.params)]
+        self.model = _native.Model(w, text, lib, self.opts["strategy"], float(self.opts["bucket_mb"]), 256, "module")
+        del lib
         o = self.opts
         # The plan's gather buckets, parsed once: id -> (parameter names, bytes of parameters).
         by_name = {p.name: p for p in self.params}
@@ -192,14 +199,21 @@ class _State:
             self.apply_explicit()
         for old in old_states.values():
             old.retire()
-        for p in self.params:
-            region, _, numel = self.model.shard(p.pid)
+        self.masters = []
+        for p, value in zip(self.params, full):
+            region, p.offset, numel = self.model.shard(p.pid)
             data = _tensor(region, p.dtype, [numel], self.device)
             assert data.numel() == numel
-            p.shard.data = data
+            # Under mixed precision the shard is this rank's elements of the f32 full value.
+            mixed = value.dtype != p.dtype
             p.home = data
+            mine = value.reshape(-1)[p.offset : p.offset + numel].to(self.device, copy=True) if mixed else data
+            p.own = p.shard.data = mine
+            if mixed:
+                self.masters.append(p)
             p.shard._collsched_param = (self, p)
             p.full.requires_grad_(p.shard.requires_grad)
+        del full
         for m, name, pid in (s for u in self.units for s in u.slots):
             m._parameters[name] = self.params[pid].shard
         users: dict[int, int] = {}
@@ -259,8 +273,7 @@ class _State:
         self.eval.set_explicit(rules(fwd), [])
 
     def retrace(self, what: str) -> None:
-        """A new training engine, between synchronized steps: the units' fetch order changed,
-        and the trace the old one replays would gather what is already held."""
+        """A new training engine (between synchronized steps): the units' fetch order changed."""
         if self.phase != "idle" or self.unsynced:
             raise CollschedError(f"{what}: call it between synchronized steps (after a backward without no_sync)")
         self.train = self.model.engine(*self.engine_args)
@@ -285,34 +298,6 @@ class _State:
             return 0, 1
         largest = max(per_unit, key=sum)
         return sum(largest), max(len(v) for v in per_unit) + 1
-
-    def _full_values(self, values: list[nn.Parameter], old_states: dict[int, _State]) -> list[torch.Tensor]:
-        gathered: dict[int, dict[int, torch.Tensor]] = {k: st.gather_all() for k, st in old_states.items()}
-        out = []
-        for p in values:
-            prev = getattr(p, "_collsched_param", None)
-            # The library reads the initial values from host memory: a block's gathered value
-            # is on the device of a world on the cuda backend.
-            if prev is not None:
-                st, old = prev
-                out.append(gathered[id(st)][old.pid].to("cpu").contiguous())
-            else:
-                out.append(p.detach().to("cpu").contiguous())
-                # The original full-size memory is no longer needed once the shards are cut.
-        return out
-
-    def _from_rank0(self, full: list[torch.Tensor]) -> list[torch.Tensor]:
-        w = world()
-        mine = (
-            b"".join(ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()) for t in full) if w.rank == 0 else b""
-        )
-        data = w.all_gather(mine)[0]
-        out, at = [], 0
-        for t in full:
-            n = t.numel() * t.element_size()
-            out.append(torch.frombuffer(bytearray(data[at : at + n]), dtype=t.dtype).view(t.shape))
-            at += n
-        return out
 
     def retire(self) -> None:
         """This state's parameters moved to a new root's state (a root over sharded units)."""
@@ -351,6 +336,8 @@ class _State:
         else:
             frame.engine = self.eval
         frame.outer = self.engine
+        if self.masters and frame.outer is None:
+            values_.push_masters(self)
         self.engine = frame.engine
         frame.saved = torch.autograd.graph.saved_tensors_hooks(self.hooks.pack, self.hooks.unpack)
         frame.saved.__enter__()
@@ -360,7 +347,7 @@ class _State:
             args, kwargs = self._enter(frame, unit, args, kwargs)
         return args, kwargs
 
-    def post_forward(self, out: Any) -> None:
+    def post_forward(self, out: Any) -> Any:
         """A unit's forward hook, called whether its forward returned or raised (``always_call``):
         releases what :meth:`pre_forward` fetched; a pass's end ends an evaluation step, or
         hooks the backward's beginning to the output, or ends a step nothing can run backward
@@ -383,12 +370,18 @@ class _State:
             if not ok:
                 self._abort(frame.engine)
             self.engine = frame.outer
+        if not ok:
+            # The forward raised; torch raises it on after this hook.
+            return None
         engine = frame.engine
+        mp = self.opts["mp"]
+        if mp is not None and mp.output_dtype is not None:
+            out = values_.cast_floats(out, mp.output_dtype)
         if frame.outer is not None:
-            return
+            return out
         if engine is self.eval:
             engine.end_step()
-            return
+            return out
         needs = _needing_grad(out)
         if needs:
             # The backward begins when the first of these gets its gradient.
@@ -401,6 +394,7 @@ class _State:
             for unit in self.units:
                 self._release(unit)
             self._end_step()
+        return out
 
     def _enter(self, frame: _Frame, unit: _Unit, args: Any, kwargs: Any) -> tuple[Any, Any]:
         """Fetches ``unit`` for a forward (unless a call around this one holds it fetched,
@@ -409,6 +403,9 @@ class _State:
             return args, kwargs
         unit.kept = False
         t0 = _clock()
+        mp = self.opts["mp"]
+        if mp is not None and mp.cast_forward_inputs and mp.param_dtype is not None:
+            args, kwargs = values_.cast_floats((args, kwargs), mp.param_dtype)
         native = self._fetch(unit, self.engine, swap=True)
         training = self.engine is self.train and torch.is_grad_enabled()
         frame.entered.append((unit, training))
@@ -581,16 +578,16 @@ class _State:
         first is named in the error."""
         moved = []
         for p in self.params:
-            data = p.shard.data
-            if data.data_ptr() != p.home.data_ptr() or data.dtype != p.dtype or data.device != self.device:
+            data, want = p.shard.data, p.own
+            if data.data_ptr() != want.data_ptr() or data.dtype != want.dtype or data.device != self.device:
                 moved.append((p, data.dtype, data.device))
-                p.shard.data = p.home
+                p.shard.data = want
         if moved:
             p, dtype, device = moved[0]
             raise CollschedError(
                 f"{module}: a conversion (module.to(), .half(), .share_memory(), ...) moved parameter {p.name} "
                 f"({len(moved)} parameters in all) out of collsched's memory, to {dtype} on {device}; the shards are "
-                f"put back ({p.dtype} on {self.device}). Convert or move the module before fully_shard"
+                f"put back ({p.own.dtype} on {self.device}). Convert or move the module before fully_shard"
             )
 
     def refresh_trainable(self) -> bool:
@@ -743,8 +740,8 @@ class _State:
                 # Library memory on the device, valid until the next call: copied out here.
                 t = _TO_TORCH[dtype]
                 g = _tensor(data, t, [len(data) // _DTYPE_BYTES[dtype]], self.device).clone()
-            if g.dtype != p.dtype:
-                g = g.to(p.dtype)
+            if g.dtype != p.shard.dtype:
+                g = g.to(p.shard.dtype)
             if p.shard.grad is None:
                 p.shard.grad = g
             else:
@@ -753,7 +750,10 @@ class _State:
     # ---- whole model -------------------------------------------------------------------
 
     def gather_all(self) -> dict[int, torch.Tensor]:
-        """Every parameter's full value (copies), by id. Collective."""
+        """Every parameter's full value (copies; a mixed-precision one's f32 master), by id.
+        Collective."""
+        if self.masters:
+            values_.push_masters(self)
         ids = [p.pid for p in self.params]
         regions = self.eval.fetch(ids)
         out = {}
@@ -761,6 +761,8 @@ class _State:
             out[p.pid] = _tensor(region, p.dtype, p.shape, self.device).clone()
         self.eval.release(ids)
         self.eval.end_step()
+        if self.masters:
+            out.update(values_.master_values(self))
         return out
 
 

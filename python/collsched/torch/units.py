@@ -35,6 +35,8 @@ class _Param:
         "nbytes",
         "shard",
         "home",
+        "own",
+        "offset",
         "full",
         "placeholder",
         "unit",
@@ -60,6 +62,10 @@ class _Param:
         # The shard's data as the library placed it (a view of its memory), kept to check and
         # restore what the module's conversions do to the shard.
         self.home = self.shard.data
+        # What the shard's data is: ``home``, or under mixed precision the f32 master;
+        # ``offset``: its first element's index in the flattened parameter.
+        self.own = self.home
+        self.offset = 0
         self.full: nn.Parameter = nn.Parameter(self.placeholder, requires_grad=False)
         self.unit = 0
         # Views of gathered buffers made for this parameter, by address (buffers come back

@@ -1,0 +1,134 @@
+"""Where a sharded model's values come from and go: the full values a build starts from
+(the module's, a re-planned unit's, or rank 0's), and mixed precision (FSDP2's
+``MixedPrecisionPolicy``): f32 master shards the optimizer updates, cast into the library's
+shards of the gather dtype before a gather reads them, and gathered back whole for export."""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import struct
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree
+
+from .._native import CollschedError
+from .world import _FROM_TORCH, world
+
+if TYPE_CHECKING:
+    from .shard import _State
+
+
+@dataclasses.dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """FSDP2's mixed precision, by its names: ``param_dtype`` is the dtype parameters are
+    gathered and computed in (each shard cast into it before its gather: half the bytes of f32
+    for bf16), while the module's parameters, which the optimizer updates, stay f32 shards;
+    ``reduce_dtype`` the dtype gradients are reduced in (``None``: ``param_dtype``), delivered
+    to the f32 shards' ``.grad`` without rounding to ``param_dtype``; ``output_dtype`` casts the
+    floating-point outputs of the sharded model's forward; ``cast_forward_inputs`` casts each
+    unit's floating-point inputs to ``param_dtype``. FSDP2's own class is taken too."""
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+
+
+def policy(value: Any) -> MixedPrecisionPolicy | None:
+    """``fully_shard``'s ``mp_policy``: this module's class or FSDP2's (read by its fields)."""
+    if value is None:
+        return None
+    try:
+        p = MixedPrecisionPolicy(
+            value.param_dtype, value.reduce_dtype, value.output_dtype, bool(value.cast_forward_inputs)
+        )
+    except AttributeError:
+        raise CollschedError(
+            f"fully_shard: mp_policy={value!r}; expected a MixedPrecisionPolicy (collsched.torch's or FSDP2's)"
+        ) from None
+    for name in ("param_dtype", "reduce_dtype"):
+        d = getattr(p, name)
+        if d is not None and d not in _FROM_TORCH:
+            raise CollschedError(f"fully_shard: mp_policy.{name}={d}; expected float32, bfloat16 or float16")
+    if p.output_dtype is not None and not p.output_dtype.is_floating_point:
+        raise CollschedError(f"fully_shard: mp_policy.output_dtype={p.output_dtype}; expected a floating dtype")
+    return p
+
+
+def cast_floats(tree: Any, dtype: torch.dtype) -> Any:
+    """``tree`` (nested lists, tuples, dicts) with its floating-point tensors cast to ``dtype``."""
+
+    def cast(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+            return x.to(dtype)
+        return x
+
+    return _pytree.tree_map(cast, tree)
+
+
+def full_values(values: list[nn.Parameter], old_states: dict[int, _State]) -> list[torch.Tensor]:
+    """The full values a build starts from, on the host: a parameter's own, or for one a unit's
+    earlier build sharded, its full value gathered from that build (its f32 master under mixed
+    precision)."""
+    gathered: dict[int, dict[int, torch.Tensor]] = {k: st.gather_all() for k, st in old_states.items()}
+    out = []
+    for p in values:
+        prev = getattr(p, "_collsched_param", None)
+        if prev is not None:
+            st, old = prev
+            out.append(gathered[id(st)][old.pid].to("cpu").contiguous())
+        else:
+            out.append(p.detach().to("cpu").contiguous())
+    return out
+
+
+def from_rank0(full: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Rank 0's ``full`` on every rank (``sync_module_states``)."""
+    w = world()
+    mine = b"".join(ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()) for t in full) if w.rank == 0 else b""
+    data = w.all_gather(mine)[0]
+    out, at = [], 0
+    for t in full:
+        n = t.numel() * t.element_size()
+        out.append(torch.frombuffer(bytearray(data[at : at + n]), dtype=t.dtype).view(t.shape))
+        at += n
+    return out
+
+
+def push_masters(state: _State) -> None:
+    """Casts the f32 masters into the library's shards the next gathers read. At every pass's
+    start: an optimizer, or ``p.data`` written by hand (which no version counter sees), may
+    have changed them; it costs a cast of this rank's elements."""
+    with torch.no_grad():
+        for p in state.masters:
+            p.home.copy_(p.shard)
+
+
+_HEAD = struct.Struct("<III")
+
+
+def master_values(state: _State) -> dict[int, torch.Tensor]:
+    """Every mixed-precision parameter's full f32 value (copies, on the state's device), from
+    every rank's masters. Collective (every rank has masters, or none)."""
+    if not state.masters:
+        return {}
+    parts = []
+    for p in state.masters:
+        m = p.shard.detach().to("cpu").contiguous()
+        raw = ctypes.string_at(m.data_ptr(), m.numel() * m.element_size()) if m.numel() else b""
+        parts.append(_HEAD.pack(p.pid, p.offset, m.numel()) + raw)
+    full = {p.pid: torch.empty(p.numel, dtype=p.shard.dtype) for p in state.masters}
+    for blob in world().all_gather(b"".join(parts)):
+        at = 0
+        while at < len(blob):
+            pid, offset, numel = _HEAD.unpack_from(blob, at)
+            at += _HEAD.size
+            t = full[pid]
+            n = numel * t.element_size()
+            if n:
+                t[offset : offset + numel] = torch.frombuffer(bytearray(blob[at : at + n]), dtype=t.dtype)
+            at += n
+    return {p.pid: full[p.pid].view(p.shape).to(state.device) for p in state.masters}
