@@ -125,8 +125,15 @@ def generations(kind: str, model: torch.nn.Module) -> list[torch.Tensor]:
         return []
     b = batch(kind, 99, 0, 0)
     ids, mask = b["input_ids"], b["attention_mask"]
-    out = []
     model.eval()
+    # Under no_grad, as an evaluation: a registered method called with grad enabled would run
+    # as a training pass around generate()'s own no_grad.
+    with torch.no_grad():
+        return _generations(model, ids, mask)
+
+
+def _generations(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
+    out = []
     for use_cache in (True, False):
         out.append(
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False, use_cache=use_cache)

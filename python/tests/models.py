@@ -163,10 +163,11 @@ def reference(spec: dict[str, Any], world: int) -> dict[str, Any]:
     name, dtype = spec["model"], spec.get("dtype", torch.float32)
     # Mixed precision (``mp``, a MixedPrecisionPolicy's fields): each step computes on a copy
     # of the model in ``param_dtype`` (floating inputs cast to it), gradients reduced in
-    # ``reduce_dtype`` (else ``param_dtype``) and applied to the model, its master, in ``dtype``.
+    # ``reduce_dtype`` (else ``dtype``, as torch 2.15's FSDP2) and applied to the model, its
+    # master, in ``dtype``.
     mp = spec.get("mp") or {}
     pdtype = mp.get("param_dtype")
-    rdtype = spec.get("reduce_dtype") or mp.get("reduce_dtype") or pdtype or dtype
+    rdtype = spec.get("reduce_dtype") or mp.get("reduce_dtype") or dtype
     # Activation checkpointing (``recompute``) changes what is kept, not what is computed: the
     # reference runs without it.
     model = build(name, spec.get("seed", 0), dtype)

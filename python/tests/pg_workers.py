@@ -120,6 +120,11 @@ def more_ops(rank: int, world: int) -> dict[str, Any]:
     big = torch.zeros(3, world)
     dist.all_gather_into_tensor(big.t(), torch.full((3,), float(rank)))
     out["noncontiguous"] = plain(big)
+    # all_gather_coalesced: each rank's list of tensors of two shapes, every rank's lists back.
+    mine = [torch.full((2,), float(rank)), torch.arange(3.0) * (rank + 1)]
+    lists = [[torch.empty(2), torch.empty(3)] for _ in range(world)]
+    dist.all_gather_coalesced(lists, mine)
+    out["all_gather_coalesced"] = [[plain(t) for t in row] for row in lists]
     fut = dist.all_reduce(torch.full((5,), float(rank)), async_op=True).get_future()
     out["future"] = plain(fut.wait()[0])
     try:

@@ -452,11 +452,11 @@ def mixed_face(rank: int, world: int, path: str) -> dict[str, Any]:
 
     cst.init()
     bf16, f32 = torch.bfloat16, torch.float32
-    policy = MixedPrecisionPolicy(param_dtype=bf16, output_dtype=f32)
+    # torchtitan's way: the blocks compute in bf16, the root's output goes out in f32.
     model = models.build("mlp", 0)
     for b in model.blocks:
-        cst.fully_shard(b, mp_policy=policy)
-    cst.fully_shard(model, mp_policy=policy)
+        cst.fully_shard(b, mp_policy=MixedPrecisionPolicy(param_dtype=bf16))
+    cst.fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=bf16, output_dtype=f32))
     seen: dict[str, Any] = {}
     model.blocks[0].register_forward_pre_hook(lambda m, a: seen.__setitem__("input", str(a[0].dtype)))
     model.blocks[0].register_forward_hook(lambda m, a, o: seen.__setitem__("block_out", str(o.dtype)))
@@ -479,4 +479,58 @@ def mixed_face(rank: int, world: int, path: str) -> dict[str, Any]:
         "conflict": {"mp_policy": cst.MixedPrecisionPolicy(bf16, reduce_dtype=f32), "reduce_dtype": bf16},
     }.items():
         out_dict[case] = error_text(lambda kw=kw: cst.fully_shard(models.build("mlp", 0), **kw))
+    # Blocks in bf16 under a root without a policy.
+    other = models.build("mlp", 0)
+    for b in other.blocks:
+        cst.fully_shard(b, mp_policy=cst.MixedPrecisionPolicy(param_dtype=bf16))
+    out_dict["unit_policy"] = error_text(lambda: cst.fully_shard(other))
     return out_dict
+
+
+def pass_edges(rank: int, world: int) -> dict[str, Any]:
+    """What a pass leaves after a KeyboardInterrupt in a unit's forward, after an evaluation
+    between a forward and its backward with units kept, and after the setting that keeps them
+    changes with a frozen unit."""
+    import collsched.torch as cst
+
+    cst.init()
+    model = models.build("gpt", 0)
+    for b in model.blocks:
+        cst.fully_shard(b, bucket_mb=0.002)
+    cst.fully_shard(model, bucket_mb=0.002)
+    state = model.__dict__["_collsched_state"]
+    x, y = models.batch("gpt", 0, 0, 0, rank)
+
+    def interrupt(m: torch.nn.Module, a: Any) -> None:
+        raise KeyboardInterrupt
+
+    handle = model.blocks[1].register_forward_pre_hook(interrupt)
+    out: dict[str, Any] = {}
+    try:
+        model(x)
+    except KeyboardInterrupt:
+        out["interrupted"] = True
+    handle.remove()
+    out["after_interrupt"] = (len(state.frames), state.engine is None, cst.live_bytes(model))
+    # Frozen first block, units kept into the backward from the second step, an evaluation
+    # pass between a forward and its backward.
+    for p in model.blocks[0].parameters():
+        p.requires_grad_(False)
+    before = {n: p.detach().clone() for n, p in model.blocks[0].named_parameters()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    gathers = []
+    for step in range(3):
+        if step == 1:
+            model.set_reshard_after_forward(False)
+        loss = models.loss_fn("gpt", model(x), y)
+        with torch.no_grad():
+            model(x)
+        loss.backward()
+        gathers.append(cst.stats(model)["all_gathers"])
+        opt.step()
+        opt.zero_grad()
+    out["gathers"] = gathers
+    out["buckets"] = len([b for b in cst.plan(model)["buckets"] if b["kind"] == "gather"])
+    out["frozen_same"] = all(torch.equal(p.detach(), before[n]) for n, p in model.blocks[0].named_parameters())
+    out["live"] = cst.live_bytes(model)
+    return out

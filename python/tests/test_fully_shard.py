@@ -132,10 +132,10 @@ def test_autocast_bf16_forward_of_f32_parameters(recompute):
     parity.check(runs, models.reference(spec, 2))
 
 
-@pytest.mark.parametrize(("name", "reduce"), [("gpt", torch.float32), ("mlp", None)])
+@pytest.mark.parametrize(("name", "reduce"), [("gpt", None), ("mlp", torch.bfloat16)])
 def test_mixed_precision_gathers_in_param_dtype_and_steps_f32_masters(name, reduce):
     """MixedPrecisionPolicy(param_dtype=bf16): the plan gathers bf16, the optimizer steps f32
-    shards, gradients are reduced in reduce_dtype (else bf16) and land in f32; losses and the
+    shards, gradients are reduced in reduce_dtype (else f32) and land in f32; losses and the
     f32 parameters (the masters, gathered) as plain PyTorch computing on a bf16 copy of an f32
     model, with no_sync micro-batches."""
     mp = {"param_dtype": torch.bfloat16, "reduce_dtype": reduce}
@@ -151,7 +151,7 @@ def test_mixed_precision_gathers_in_param_dtype_and_steps_f32_masters(name, redu
         # The synchronized micro-batch reduces every gradient bucket (its every rank's shard)
         # once, in reduce_dtype.
         grads = sum(b["shard_numel"] * plan["world"] for b in plan["buckets"] if b["kind"] == "grad")
-        width = 4 if reduce == torch.float32 else 2
+        width = 2 if reduce == torch.bfloat16 else 4
         assert [st["reduced_bytes"] for st in r["stats"][1::2]] == [grads * width] * 3, r["stats"]
 
 

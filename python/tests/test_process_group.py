@@ -123,6 +123,11 @@ def test_ops_built_on_the_others_integers_and_what_is_refused():
         want = torch.stack([torch.full((3,), float(q)) for q in range(world)]).t()
         assert torch.equal(_tensor(got["noncontiguous"]).view(3, world), want)
         assert torch.equal(_tensor(got["future"]), torch.full((5,), float(sum(range(world)))))
+        rows = got["all_gather_coalesced"]
+        assert len(rows) == world and all(len(row) == 2 for row in rows), rows
+        for q, (a, b) in enumerate(rows):
+            assert torch.equal(_tensor(a), torch.full((2,), float(q))), (q, a)
+            assert torch.equal(_tensor(b), torch.arange(3.0) * (q + 1)), (q, b)
         assert "does not support send" in got["send"], got["send"]
 
 

@@ -719,8 +719,9 @@ def test_reshard_after_forward_keeps_units_fetched_into_their_backward(mode):
 
 def test_mixed_precision_policy_casts_where_fsdp2_does(tmp_path):
     for r in run(sw.mixed_face, 2, str(tmp_path / "full.safetensors")):
-        # Units compute in bf16 (their inputs cast), the root's output is cast to f32; the
-        # optimizer's parameters, their gradients and the exported values are f32.
+        # Units compute in bf16 (their inputs cast), the root's output_dtype casts its output
+        # (each module's own, as FSDP2); the optimizer's parameters, their gradients and the
+        # exported values are f32.
         assert r["seen"] == {"input": "torch.bfloat16", "block_out": "torch.bfloat16"}, r
         assert r["output"] == "torch.float32", r
         assert r["params"] == r["grads"] == r["full"] == r["after_half"] == ["torch.float32"], r
@@ -729,3 +730,17 @@ def test_mixed_precision_policy_casts_where_fsdp2_does(tmp_path):
         assert "mp_policy='bf16'" in r["not_a_policy"] and "MixedPrecisionPolicy" in r["not_a_policy"], r
         assert "mp_policy.param_dtype=torch.int8" in r["int_dtype"], r["int_dtype"]
         assert "differ" in r["conflict"] and r["conflict"].startswith("collsched.CollschedError"), r["conflict"]
+        assert "give every unit the root's param_dtype" in r["unit_policy"], r["unit_policy"]
+
+
+def test_a_pass_leaves_nothing_behind_at_its_edges():
+    for r in run(sw.pass_edges, 2):
+        # torch runs no forward hook after a KeyboardInterrupt: the module's call unwinds it.
+        assert r["interrupted"] and r["after_interrupt"] == (0, True, 0), r
+        # Kept units stay gathered across an evaluation pass: one gather per bucket in the
+        # training forward, the evaluation's own, none in the backward (the first step
+        # releases after the forward and gathers again in the backward).
+        n = r["buckets"]
+        assert r["gathers"][1:] == [n, n], r
+        # A new engine after the setting changed keeps the frozen block frozen.
+        assert r["frozen_same"] and r["live"] == 0, r

@@ -14,15 +14,17 @@ How it works (one rank):
 - **Sharding.** Each ``fully_shard`` call builds (or, for a root over already-sharded units,
   rebuilds) one collsched model over every parameter under the module. Each parameter is
   replaced in its module by a 1-D ``Parameter`` over this rank's elements of it (the shard,
-  in the library's memory: the optimizer updates it in place and the next gather reads it).
-  Bucket boundaries follow the units.
+  in the library's memory: the optimizer updates it in place and the next gather reads it;
+  under a ``MixedPrecisionPolicy`` it is the parameter's own dtype, cast into the library's
+  shard of ``param_dtype`` at each pass's start). Bucket boundaries follow the units.
 - **Forward.** Hooks around a unit's own ``forward`` (the module keeps its class's name,
   forward and signature) fetch its parameters (their buckets are all-gathered,
   later ones prefetched along the recorded order) and swap in full-size parameters whose data
   are views of the gathered buffers (no copy); after its forward they are released and the
-  shards swapped back. Tensors autograd saves that view gathered parameters are kept as
-  references, not as memory, and fetched again in backward (``saved_tensors_hooks``, in
-  native code: torch calls them for every tensor saved, activations included).
+  shards swapped back (or, with ``reshard_after_forward=False``, kept into its backward).
+  Tensors autograd saves that view gathered parameters are kept as references, not as
+  memory, and fetched again in backward (``saved_tensors_hooks``, in native code: torch calls
+  them for every tensor saved, activations included).
 - **Backward.** A unit is fetched again, its full parameters back in its modules, once the
   gradient of one of its outputs is computed (FSDP2's pre-backward hook), or when autograd
   first needs one of its saved parameters if that comes first. A forward that activation
@@ -36,8 +38,8 @@ How it works (one rank):
   backward, when the step ends and each shard's ``.grad`` gets the reduced (mean over ranks)
   gradient of its elements, added to what is there (``zero_grad`` as usual).
 - **Passes without backward** (``torch.no_grad()``, an output that is dropped, an exception
-  in a forward) leave nothing fetched: evaluation passes run on a second engine of the same
-  model, and an aborted pass releases what it fetched.
+  in a forward, ``KeyboardInterrupt`` included) leave nothing fetched: evaluation passes run
+  on a second engine of the same model, and an aborted pass releases what it fetched.
 
 On the ``cuda`` backend (``init(backend="cuda")``) the same pass runs on the device: the
 shards, the full parameters' views and the reduced gradients are library memory on the GPU

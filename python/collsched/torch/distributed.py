@@ -325,6 +325,15 @@ class _Backend(_C10dBackend):
         work._result = [t for outs in outputs for t in outs]
         return work
 
+    def allgather_coalesced(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> _Work:
+        """``all_gather_coalesced``: ``outputs[r][j]`` gets member ``r``'s ``inputs[j]``."""
+        if len(outputs) != self._n or any(len(row) != len(inputs) for row in outputs):
+            raise CollschedError(
+                f"collsched: all_gather_coalesced needs {self._n} output lists of {len(inputs)} tensors each, got "
+                f"{[len(row) for row in outputs]}"
+            )
+        return self.allgather([[row[j] for row in outputs] for j in range(len(inputs))], inputs, opts)
+
     def _all_gather(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> _Work:
         after: list[Callable[[], None]] = []
         outs = [_contiguous_out(o, after) for o in outputs]

@@ -17,7 +17,7 @@ from torch import nn
 from .._native import CollschedError
 from . import values
 from .shard import _State
-from .world import _FROM_TORCH
+from .world import _FROM_TORCH, _TO_TORCH
 
 
 class CollschedModule:
@@ -28,6 +28,21 @@ class CollschedModule:
     ``_post_forward``)."""
 
     _collsched_unit = True
+
+    def _call_impl(self, *args: Any, **kwargs: Any) -> Any:
+        """torch's call, and for what its hooks miss (torch runs an ``always_call`` hook after an
+        ``Exception``, not after a ``KeyboardInterrupt`` or ``SystemExit``): the forwards this
+        call began are unwound as raised ones, leaving nothing fetched."""
+        state: _State | None = self.__dict__.get("_collsched_state")
+        depth = 0 if state is None else len(state.frames)
+        try:
+            return super()._call_impl(*args, **kwargs)  # type: ignore[misc]
+        except Exception:
+            raise
+        except BaseException:
+            while state is not None and len(state.frames) > depth:
+                state.post_forward(state.frames[-1].module, None)
+            raise
 
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
         """``module.to()``, ``.half()``, ``.share_memory()``, ...: a conversion that keeps the
@@ -106,7 +121,9 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     """Makes ``module.<method_name>`` (``generate``, ``encode``, ...) run as its ``forward``
     does: the unit fetched around the call (FSDP2's function of the same name). A method that
     calls its submodules other than through ``module(...)`` needs it; Hugging Face's
-    encoder-decoders' ``generate()`` calls the encoder so. ``module`` is sharded already."""
+    encoder-decoders' ``generate()`` calls the encoder so. ``module`` is sharded already. A call
+    with grad enabled is a training pass (its fetches begin a training step): call ``generate()``
+    under ``torch.no_grad()``, as an evaluation."""
     _state_of(module)
     method = getattr(module, method_name, None)
     if not callable(method):
@@ -203,20 +220,19 @@ def fully_shard(
         )
     mp = values.policy(mp_policy)
     if mp is not None and mp.reduce_dtype is not None:
-        if reduce_dtype is not None and reduce_dtype != mp.reduce_dtype:
+        if reduce_dtype is not None and _TO_TORCH.get(reduce_dtype, reduce_dtype) != mp.reduce_dtype:
             raise CollschedError(
                 f"fully_shard: reduce_dtype={reduce_dtype} and mp_policy.reduce_dtype={mp.reduce_dtype} differ; "
                 "give one of them"
             )
         reduce_dtype = mp.reduce_dtype
-    elif mp is not None and reduce_dtype is None:
-        # FSDP2 reduces in param_dtype unless told otherwise.
-        reduce_dtype = mp.param_dtype
+    # mp_policy.reduce_dtype None: the parameters' own dtype (torch 2.15's FSDP2), chosen at build.
     if reduce_dtype is not None and not isinstance(reduce_dtype, str):
         if reduce_dtype not in _FROM_TORCH:
             raise CollschedError(f"fully_shard: reduce_dtype={reduce_dtype}; expected float32, bfloat16 or float16")
         reduce_dtype = _FROM_TORCH[reduce_dtype]
     module.__dict__["_collsched_reshard"] = _reshard_flag(reshard_after_forward, "fully_shard")
+    module.__dict__["_collsched_mp"] = mp
     opts = {
         "strategy": strategy,
         "bucket_mb": bucket_mb,
@@ -265,7 +281,7 @@ def _pre_forward(module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any] |
 
 def _post_forward(module: nn.Module, _args: Any, out: Any) -> Any:
     state: _State | None = module.__dict__.get("_collsched_state")
-    return None if state is None else state.post_forward(out)
+    return None if state is None else state.post_forward(module, out)
 
 
 def _root_state(module: nn.Module) -> _State:

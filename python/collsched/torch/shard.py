@@ -16,7 +16,7 @@ from torch.utils import _pytree
 from .. import _native, params_json
 from .._native import CollschedError
 from . import values as values_
-from .units import _Frame, _Param, _tensor, _Unit
+from .units import _Frame, _needing_grad, _Param, _PostBackward, _recomputing, _tensor, _Unit
 from .world import _DTYPE_BYTES, _FROM_TORCH, _TO_TORCH, world
 
 # Views kept per parameter, by address of the gathered buffer (the oldest goes first).
@@ -104,6 +104,15 @@ class _State:
 
         self.units.append(_Unit(0, root))
         visit(root, 0)
+        for u in self.units:
+            # A unit's own output_dtype applies to its outputs; the rest is the root's.
+            own = u.module.__dict__.get("_collsched_mp", mp)
+            u.output_dtype = None if own is None else own.output_dtype
+            if values_.without_output(own) != values_.without_output(mp):
+                raise CollschedError(
+                    f"fully_shard: unit {type(u.module).__name__} was sharded with mp_policy {own}, the root "
+                    f"with {mp}; give every unit the root's param_dtype, reduce_dtype and cast_forward_inputs"
+                )
         # Parameters in module order; a tied parameter belongs to its first unit and is
         # fetched by every unit that uses it.
         found: dict[int, _Param] = {}
@@ -192,6 +201,12 @@ class _State:
         prefetch_bytes = ahead_bytes if o["prefetch_bytes"] is None else o["prefetch_bytes"]
         max_inflight = ahead_buckets if o["max_inflight"] is None else o["max_inflight"]
         policy = "none" if o["prefetch"] == "explicit" else o["prefetch"]
+        if mp is not None and o["reduce_dtype"] is None:
+            # Gradients reduced in the parameters' own dtype (torch 2.15's FSDP2).
+            own = {_FROM_TORCH[v.dtype] for v in full}
+            if len(own) > 1:
+                raise CollschedError(f"fully_shard: parameters of dtypes {sorted(own)}: give mp_policy.reduce_dtype")
+            o["reduce_dtype"] = own.pop()
         self.engine_args = (policy, prefetch_bytes, max_inflight, None, o["reduce_dtype"])
         self.train = self.model.engine(*self.engine_args)
         self.eval = self.model.engine(*self.engine_args)
@@ -277,6 +292,7 @@ class _State:
         if self.phase != "idle" or self.unsynced:
             raise CollschedError(f"{what}: call it between synchronized steps (after a backward without no_sync)")
         self.train = self.model.engine(*self.engine_args)
+        self.train.refresh_trainable(self.mask)
         if self.opts["prefetch"] == "explicit":
             self.apply_explicit()
 
@@ -312,7 +328,7 @@ class _State:
         chosen, the saved-tensor hooks pushed and the root's unit fetched. A unit inside a
         pass is fetched; one recomputed by activation checkpointing is fetched for the
         backward. A frame on ``self.frames`` says what :meth:`post_forward` undoes."""
-        frame = _Frame(sys.exc_info()[1])
+        frame = _Frame(module, sys.exc_info()[1])
         self.frames.append(frame)
         unit = module.__dict__.get("_collsched_u")
         if unit is None:
@@ -323,7 +339,7 @@ class _State:
         if _recomputing(self):
             self._pre_backward(unit)
             t0 = _clock()
-            args, kwargs = self._watch(unit, args, kwargs)
+            args, kwargs = self._watch(unit, *self._cast_inputs(args, kwargs))
             self.host_s += _clock() - t0
             return args, kwargs
         t0 = _clock()
@@ -339,25 +355,31 @@ class _State:
         if self.masters and frame.outer is None:
             values_.push_masters(self)
         self.engine = frame.engine
-        frame.saved = torch.autograd.graph.saved_tensors_hooks(self.hooks.pack, self.hooks.unpack)
-        frame.saved.__enter__()
+        saved = torch.autograd.graph.saved_tensors_hooks(self.hooks.pack, self.hooks.unpack)
+        saved.__enter__()
+        frame.saved = saved
         self.host_s += _clock() - t0
         args, kwargs = self._enter(frame, self.units[0], args, kwargs)
         if not root:
             args, kwargs = self._enter(frame, unit, args, kwargs)
         return args, kwargs
 
-    def post_forward(self, out: Any) -> Any:
+    def post_forward(self, module: nn.Module, out: Any) -> Any:
         """A unit's forward hook, called whether its forward returned or raised (``always_call``):
         releases what :meth:`pre_forward` fetched; a pass's end ends an evaluation step, or
         hooks the backward's beginning to the output, or ends a step nothing can run backward
         through; a pass that raised releases everything it fetched."""
+        if not self.frames or self.frames[-1].module is not module:
+            # Another pre-hook raised before this module's ran: nothing of ours to undo.
+            return None
         frame = self.frames.pop()
         ok = sys.exc_info()[1] is frame.raised
+        unit = frame.module.__dict__.get("_collsched_u")
+        cast = None if unit is None or not ok else unit.output_dtype
         if frame.engine is None:
             for unit, training in reversed(frame.entered):
                 self._leave(unit, out, ok and training)
-            return
+            return None if cast is None else values_.cast_floats(out, cast)
         try:
             for unit, training in reversed(frame.entered):
                 self._leave(unit, out, ok and training)
@@ -365,18 +387,20 @@ class _State:
             ok = False
             raise
         finally:
-            if frame.saved is not None:
-                frame.saved.__exit__()
-            if not ok:
-                self._abort(frame.engine)
-            self.engine = frame.outer
+            try:
+                if frame.saved is not None:
+                    frame.saved.__exit__()
+            finally:
+                # A nested pass's units are released above; the outer pass goes on.
+                if not ok and frame.outer is None:
+                    self._abort(frame.engine)
+                self.engine = frame.outer
         if not ok:
             # The forward raised; torch raises it on after this hook.
             return None
         engine = frame.engine
-        mp = self.opts["mp"]
-        if mp is not None and mp.output_dtype is not None:
-            out = values_.cast_floats(out, mp.output_dtype)
+        if cast is not None:
+            out = values_.cast_floats(out, cast)
         if frame.outer is not None:
             return out
         if engine is self.eval:
@@ -399,19 +423,25 @@ class _State:
     def _enter(self, frame: _Frame, unit: _Unit, args: Any, kwargs: Any) -> tuple[Any, Any]:
         """Fetches ``unit`` for a forward (unless a call around this one holds it fetched,
         which releases it) and, in training, watches its arguments for its post-backward."""
-        if unit.fetched is not None and not unit.kept:
+        args, kwargs = self._cast_inputs(args, kwargs)
+        if unit.fetched is not None and (not unit.kept or self.engine is not self.train):
+            # Held by a call around this one, or kept for its backward (an evaluation pass
+            # between a forward and its backward leaves it so).
             return args, kwargs
         unit.kept = False
         t0 = _clock()
-        mp = self.opts["mp"]
-        if mp is not None and mp.cast_forward_inputs and mp.param_dtype is not None:
-            args, kwargs = values_.cast_floats((args, kwargs), mp.param_dtype)
         native = self._fetch(unit, self.engine, swap=True)
         training = self.engine is self.train and torch.is_grad_enabled()
         frame.entered.append((unit, training))
         if training:
             args, kwargs = self._watch(unit, args, kwargs)
         self.host_s += _clock() - t0 - native
+        return args, kwargs
+
+    def _cast_inputs(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        mp = self.opts["mp"]
+        if mp is not None and mp.cast_forward_inputs and mp.param_dtype is not None:
+            return values_.cast_floats((args, kwargs), mp.param_dtype)
         return args, kwargs
 
     def _leave(self, unit: _Unit, out: Any, hook: bool) -> None:
@@ -764,36 +794,3 @@ class _State:
         if self.masters:
             out.update(values_.master_values(self))
         return out
-
-
-def _recomputing(state: _State) -> bool:
-    """Whether a unit's forward called now is a recomputation in the backward (autograd is
-    running a backward on this thread, outside any forward pass of ``state``'s)."""
-    return state.engine is None and torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1
-
-
-def _needing_grad(out: Any) -> list[torch.Tensor]:
-    """The tensors in ``out`` (nested in lists, tuples and dicts) that need a gradient."""
-    if isinstance(out, torch.Tensor):
-        return [out] if out.requires_grad else []
-    if isinstance(out, (list, tuple)):
-        return [t for o in out for t in _needing_grad(o)]
-    if isinstance(out, dict):
-        return [t for o in out.values() for t in _needing_grad(o)]
-    return []
-
-
-class _PostBackward(torch.autograd.Function):
-    """Passes a unit's arguments through unchanged; its backward runs once their gradients
-    are computed, that is once the unit's own backward is done."""
-
-    @staticmethod
-    def forward(ctx: Any, state: _State, unit: _Unit, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.state = state
-        ctx.unit = unit
-        return inputs
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Any) -> Any:
-        ctx.state._post_backward(ctx.unit)
-        return (None, None, *grads)

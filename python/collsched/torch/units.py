@@ -1,6 +1,7 @@
 """The pieces of a sharded model that ``fully_shard`` builds: a parameter (``_Param``: its shard,
 its full value's views) and a unit (``_Unit``: a module whose parameters are fetched and
-released together), and ``_tensor``, a tensor over a region of library memory."""
+released together), ``_tensor``, a tensor over a region of library memory, and the autograd
+pieces of a pass (``_Frame``, ``_PostBackward``, ``_needing_grad``, ``_recomputing``)."""
 
 from __future__ import annotations
 
@@ -93,6 +94,7 @@ class _Unit:
         "grads",
         "reshard",
         "kept",
+        "output_dtype",
     )
 
     def __init__(self, index: int, module: nn.Module) -> None:
@@ -119,19 +121,55 @@ class _Unit:
         # into the backward (False; ``kept`` while so held).
         self.reshard = True
         self.kept = False
+        # Mixed precision's output_dtype of this unit's own fully_shard call, or None.
+        self.output_dtype: torch.dtype | None = None
 
 
 class _Frame:
-    """One unit forward in progress, from its pre-hook to its hook: the exception being
+    """One unit forward in progress, from its pre-hook to its hook: the module, the exception being
     handled when it began (``raised``; another one at its end means the forward raised), and
     for a pass's first call its engine, the engine of the pass around it (``outer``) and the
     saved-tensor hooks it pushed; the units it fetched and whether in training."""
 
-    __slots__ = ("raised", "engine", "outer", "saved", "entered")
+    __slots__ = ("module", "raised", "engine", "outer", "saved", "entered")
 
-    def __init__(self, raised: BaseException | None) -> None:
+    def __init__(self, module: nn.Module, raised: BaseException | None) -> None:
+        self.module = module
         self.raised = raised
         self.engine: Any = None
         self.outer: Any = None
         self.saved: Any = None
         self.entered: list[tuple[_Unit, bool]] = []
+
+
+def _recomputing(state: Any) -> bool:
+    """Whether a unit's forward called now is a recomputation in the backward (autograd is
+    running a backward on this thread, outside any forward pass of ``state``'s)."""
+    return state.engine is None and torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1
+
+
+def _needing_grad(out: Any) -> list[torch.Tensor]:
+    """The tensors in ``out`` (nested in lists, tuples and dicts) that need a gradient."""
+    if isinstance(out, torch.Tensor):
+        return [out] if out.requires_grad else []
+    if isinstance(out, (list, tuple)):
+        return [t for o in out for t in _needing_grad(o)]
+    if isinstance(out, dict):
+        return [t for o in out.values() for t in _needing_grad(o)]
+    return []
+
+
+class _PostBackward(torch.autograd.Function):
+    """Passes a unit's arguments through unchanged; its backward runs once their gradients
+    are computed, that is once the unit's own backward is done."""
+
+    @staticmethod
+    def forward(ctx: Any, state: Any, unit: _Unit, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.state = state
+        ctx.unit = unit
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        ctx.state._post_backward(ctx.unit)
+        return (None, None, *grads)

@@ -26,10 +26,14 @@ class MixedPrecisionPolicy:
     """FSDP2's mixed precision, by its names: ``param_dtype`` is the dtype parameters are
     gathered and computed in (each shard cast into it before its gather: half the bytes of f32
     for bf16), while the module's parameters, which the optimizer updates, stay f32 shards;
-    ``reduce_dtype`` the dtype gradients are reduced in (``None``: ``param_dtype``), delivered
-    to the f32 shards' ``.grad`` without rounding to ``param_dtype``; ``output_dtype`` casts the
-    floating-point outputs of the sharded model's forward; ``cast_forward_inputs`` casts each
-    unit's floating-point inputs to ``param_dtype``. FSDP2's own class is taken too."""
+    ``reduce_dtype`` the dtype gradients are reduced in (``None``: the parameters' own, as
+    torch 2.15's FSDP2), delivered to the f32 shards' ``.grad`` without rounding to
+    ``param_dtype``; ``output_dtype`` casts the floating-point outputs of the forward of the
+    module given this policy (each unit's own); ``cast_forward_inputs`` casts each unit's
+    floating-point inputs to ``param_dtype``. FSDP2's own class is taken too (without
+    ``param_dtype_override_fn``). The root's ``param_dtype``, ``reduce_dtype`` and
+    ``cast_forward_inputs`` apply to every unit under it: a unit sharded with others is
+    refused."""
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
@@ -41,6 +45,8 @@ def policy(value: Any) -> MixedPrecisionPolicy | None:
     """``fully_shard``'s ``mp_policy``: this module's class or FSDP2's (read by its fields)."""
     if value is None:
         return None
+    if getattr(value, "param_dtype_override_fn", None) is not None:
+        raise CollschedError("fully_shard: mp_policy.param_dtype_override_fn is not supported; give param_dtype alone")
     try:
         p = MixedPrecisionPolicy(
             value.param_dtype, value.reduce_dtype, value.output_dtype, bool(value.cast_forward_inputs)
@@ -56,6 +62,11 @@ def policy(value: Any) -> MixedPrecisionPolicy | None:
     if p.output_dtype is not None and not p.output_dtype.is_floating_point:
         raise CollschedError(f"fully_shard: mp_policy.output_dtype={p.output_dtype}; expected a floating dtype")
     return p
+
+
+def without_output(p: MixedPrecisionPolicy | None) -> MixedPrecisionPolicy | None:
+    """``p`` but for its ``output_dtype`` (which each unit has its own of)."""
+    return None if p is None else dataclasses.replace(p, output_dtype=None)
 
 
 def cast_floats(tree: Any, dtype: torch.dtype) -> Any:
@@ -107,7 +118,7 @@ def push_masters(state: _State) -> None:
             p.home.copy_(p.shard)
 
 
-_HEAD = struct.Struct("<III")
+_HEAD = struct.Struct("<QQQ")
 
 
 def master_values(state: _State) -> dict[int, torch.Tensor]:
