@@ -626,10 +626,12 @@ impl Work {
         };
         py.detach(|| self.finish(timeout)).map(drop).map_err(|e| match e {
             BackendError::EventTimeout { waited } => {
+                // " Timed out " as torch's own backends say it (tools and torch's tests match on it).
                 let msg = format!(
-                    "{}: not complete after waiting {waited:?}; a member may not have launched it (every rank \
-                     of the group must issue the same collectives in the same order)",
-                    self.what
+                    "{}: Timed out waiting {}ms: not complete after waiting {waited:?}; a member may not have \
+                     launched it (every rank of the group must issue the same collectives in the same order)",
+                    self.what,
+                    timeout.as_millis()
                 );
                 let state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
                 if let State::Pending { backend, .. } = &*state {

@@ -5,7 +5,10 @@ the middle of a collective."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -181,6 +184,8 @@ def test_a_rank_that_never_launches_times_its_peer_out_and_the_flight_records_na
     out = run(pg_workers.one_rank_skips, 2, str(tmp_path), init="collsched", timeout=120)
     assert out[1] == "skipped"
     assert "PeerError" in out[0] and "not complete after waiting" in out[0], out[0]
+    # Worded as torch's backends word it: torch's own suite matches " (Timed out|closed|timeout) ".
+    assert re.search(" Timed out waiting 2000ms: ", out[0]), out[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank-0.json", "rank-1.json"]
     verdict = _flight_verdict(tmp_path)
     assert verdict.startswith("ranks [1] never launched collective #1 of group [0, 1] on stream compute"), verdict
@@ -264,3 +269,19 @@ def test_a_rank_killed_mid_collective_fails_the_others_within_seconds(monkeypatc
         gone = r"\branks \[2\] will never arrive\b|\brank 2 (exited|failed)\b"
         assert re.search(gone, got["error"]), f"rank {rank}: the error does not name rank 2 as gone: {got['error']}"
         assert got["seconds"] < 20, f"rank {rank}: took {got['seconds']:.1f} s to fail"
+
+
+def test_init_process_group_finds_collsched_without_an_import(tmp_path):
+    """The package's entry point in torch.distributed.backends: a script that never imports
+    collsched gets the backend by its name."""
+    code = (
+        "import sys, torch, torch.distributed as dist\n"
+        f"dist.init_process_group('collsched', init_method='file://{tmp_path}/store', rank=0, world_size=1)\n"
+        "t = torch.ones(3); dist.all_reduce(t)\n"
+        "print(dist.get_backend(), 'collsched.torch' in sys.modules, t.tolist())\n"
+        "dist.destroy_process_group()\n"
+    )
+    env = {**os.environ, "COLLSCHED_RUN_ID": f"pytest-entry-{os.getpid()}"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[-2] == "collsched True [1.0, 1.0, 1.0]", done.stdout
