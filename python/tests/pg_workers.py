@@ -260,3 +260,21 @@ def recorded(rank: int, world: int, path: str) -> dict:
     dist.all_gather_into_tensor(torch.empty(8 * world), t)
     dist.barrier()
     return cst.flight_record(path)
+
+
+def monitored(rank: int, world: int) -> dict[str, str]:
+    """A monitored barrier every rank reaches, then one the last rank skips (it stays up)."""
+    import datetime
+
+    out = {}
+    dist.monitored_barrier(timeout=datetime.timedelta(seconds=30))
+    out["all"] = "passed"
+    if rank == world - 1:
+        time.sleep(4)
+        return out
+    try:
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=2), wait_all_ranks=True)
+        out["skipped_by_last"] = "passed"
+    except Exception as e:
+        out["skipped_by_last"] = f"{type(e).__name__}: {e}"
+    return out

@@ -285,3 +285,14 @@ def test_init_process_group_finds_collsched_without_an_import(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[-2] == "collsched True [1.0, 1.0, 1.0]", done.stdout
+
+
+def test_monitored_barrier_names_the_rank_that_did_not_come():
+    out = run(pg_workers.monitored, 3, init="collsched", timeout=120)
+    assert [o["all"] for o in out] == ["passed"] * 3, out
+    # gloo's words, which torch's own tests match.
+    assert out[0]["skipped_by_last"] == "RuntimeError: Ranks 2 failed to pass monitoredBarrier in 2000 ms", out
+    assert out[1]["skipped_by_last"].startswith(
+        "RuntimeError: Rank 1 successfully reached monitoredBarrier, but received errors while waiting"
+    ), out
+    assert "skipped_by_last" not in out[2], out

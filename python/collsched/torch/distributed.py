@@ -40,9 +40,11 @@ member that never arrives; at once for one that died).
 
 from __future__ import annotations
 
+import datetime
 import functools
 import queue
 import threading
+import time
 import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -208,6 +210,10 @@ class _Backend(_C10dBackend):
         self._comm = comm
         self._ranks: list[int] = list(comm.ranks)
         self._n = group_size
+        self._me = group_rank
+        # The group's store (torch's, prefixed per group) and the monitored barriers so far.
+        self._store: Any = None
+        self._monitored = 0
 
     def getBackendName(self) -> str:
         return NAME
@@ -363,6 +369,42 @@ class _Backend(_C10dBackend):
     def barrier(self, opts: Any = None) -> _Work:
         return _Work(self._comm.barrier(), [])
 
+    def monitored_barrier(self, opts: Any, wait_all_ranks: bool) -> None:
+        """``dist.monitored_barrier``: every member checks in through the group's store; the
+        group's rank 0 waits for each within the timeout and names those that did not come
+        (the first, or with ``wait_all_ranks`` all of them), in gloo's words; the others wait
+        for rank 0's release."""
+        seconds = _seconds(opts.timeout) or 1800.0
+        ms = int(seconds * 1000)
+        key = f"collsched/monitored_barrier/{self._monitored}"
+        self._monitored += 1
+        self._store.set(f"{key}/{self._me}", b"1")
+        if self._me != 0:
+            try:
+                self._store.wait([f"{key}/released"], datetime.timedelta(seconds=seconds))
+            except Exception:
+                raise RuntimeError(
+                    f"Rank {self._me} successfully reached monitoredBarrier, but received errors while waiting for "
+                    "send/recv from rank 0. Please check rank 0 logs for faulty rank."
+                ) from None
+            return
+        deadline = time.monotonic() + seconds
+        missing = []
+        for r in range(1, self._n):
+            try:
+                left = max(deadline - time.monotonic(), 0.001)
+                self._store.wait([f"{key}/{r}"], datetime.timedelta(seconds=left))
+            except Exception:
+                missing.append(r)
+                if not wait_all_ranks:
+                    break
+        if not missing:
+            self._store.set(f"{key}/released", b"1")
+            return
+        if wait_all_ranks:
+            raise RuntimeError(f"Ranks {', '.join(map(str, missing))} failed to pass monitoredBarrier in {ms} ms")
+        raise RuntimeError(f"Rank {missing[0]} failed to pass monitoredBarrier in {ms} ms")
+
     # -- built on the above -----------------------------------------------------------------
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any) -> _Work:
@@ -436,7 +478,9 @@ def _create(opts: Any, backend_options: Any = None) -> _Backend:
             )
     tag = zlib.crc32(str(opts.group_id).encode())
     comm = _native.Comm(world, sorted(ranks), tag, _seconds(opts.timeout))
-    return _Backend(comm, opts.group_rank, opts.group_size)
+    backend = _Backend(comm, opts.group_rank, opts.group_size)
+    backend._store = opts.store
+    return backend
 
 
 def register() -> None:
