@@ -374,7 +374,11 @@ class _Backend(_C10dBackend):
         group's rank 0 waits for each within the timeout and names those that did not come
         (the first, or with ``wait_all_ranks`` all of them), in gloo's words; the others wait
         for rank 0's release."""
-        seconds = _seconds(opts.timeout) or 1800.0
+        given = getattr(opts, "timeout", None)
+        if given is not None and hasattr(given, "total_seconds") and given.total_seconds() == 0:
+            # No time at all to wait in (negative is unset).
+            raise RuntimeError(f"Rank {self._me} timed out in monitoredBarrier after 0 ms")
+        seconds = _seconds(given) or 1800.0
         ms = int(seconds * 1000)
         key = f"collsched/monitored_barrier/{self._monitored}"
         self._monitored += 1
