@@ -132,10 +132,14 @@ def compare(engine: str, runs: dict[str, list[dict[str, Any]]], args: argparse.N
         for i, (x, y) in enumerate(zip(a, b)):
             if abs(x - y) > args.loss_rtol * abs(x) or math.isnan(y):
                 bad.append(f"{engine} rank {rank} micro-batch {i}: collsched {y!r}, gloo {x!r}")
+    # A loss of 0 divides by the smallest normal; no losses at all (flagged above) print nan.
     worst = max(
-        abs(x - y) / abs(x)
-        for r in range(args.nproc)
-        for x, y in zip(runs["gloo"][r]["losses"], runs["collsched"][r]["losses"])
+        (
+            abs(x - y) / max(abs(x), sys.float_info.min)
+            for r in range(args.nproc)
+            for x, y in zip(runs["gloo"][r]["losses"], runs["collsched"][r]["losses"])
+        ),
+        default=math.nan,
     )
     print(f"{engine}: every rank's losses compared, largest relative difference {worst:.3g}")
     return bad

@@ -205,14 +205,14 @@ class _Backend(_C10dBackend):
     """One process group's backend on this rank: a :class:`collsched._native.Comm` over the
     group's ranks in the job."""
 
-    def __init__(self, comm: Any, group_rank: int, group_size: int) -> None:
+    def __init__(self, comm: Any, group_rank: int, group_size: int, store: Any) -> None:
         super().__init__(group_rank, group_size)
         self._comm = comm
         self._ranks: list[int] = list(comm.ranks)
         self._n = group_size
         self._me = group_rank
         # The group's store (torch's, prefixed per group) and the monitored barriers so far.
-        self._store: Any = None
+        self._store = store
         self._monitored = 0
 
     def getBackendName(self) -> str:
@@ -482,9 +482,7 @@ def _create(opts: Any, backend_options: Any = None) -> _Backend:
             )
     tag = zlib.crc32(str(opts.group_id).encode())
     comm = _native.Comm(world, sorted(ranks), tag, _seconds(opts.timeout))
-    backend = _Backend(comm, opts.group_rank, opts.group_size)
-    backend._store = opts.store
-    return backend
+    return _Backend(comm, opts.group_rank, opts.group_size, opts.store)
 
 
 def register() -> None:

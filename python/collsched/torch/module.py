@@ -76,7 +76,9 @@ class CollschedModule:
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Whether this unit (and, with ``recurse``, the units under it) is released after its
         training forward (True) or kept fetched into its backward (False: no second gather,
-        its full parameters held meanwhile). FSDP2's method of the same name. Between steps."""
+        its full parameters held meanwhile). FSDP2's method of the same name. Between steps, and
+        collective where it changes the setting: every rank calls it alike (the training engine is
+        made anew, which exchanges the plan's fingerprint)."""
         want = _reshard_flag(reshard_after_forward, "set_reshard_after_forward") is not False
         state = _state_of(self)  # type: ignore[arg-type]
         units = [
