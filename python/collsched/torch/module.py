@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from .._native import CollschedError
-from . import values
+from . import state_dict, values
 from .shard import _State
 from .world import _FROM_TORCH, _TO_TORCH
 
@@ -184,6 +184,9 @@ def fully_shard(
     above units re-plans them all as one model (the root's knobs apply). Afterwards
     ``module.named_parameters()`` yields the same names, each a 1-D ``Parameter`` over this
     rank's elements; after a synchronized backward each has ``.grad`` (the mean over ranks).
+    ``module.state_dict()`` gives them as FSDP2 does, DTensors of their global shapes, and
+    ``load_state_dict`` takes full values or DTensors (``state_dict.py``: collective, over
+    torch.distributed's default group).
     A second call on a sharded module (a unit or the root) returns it unchanged: two trainers
     wrapping one model share its sharding.
 
@@ -251,6 +254,7 @@ def fully_shard(
     state.build()
     for unit in state.units:
         unit.module.__dict__["_collsched_state"] = state
+    state_dict.install(state)
     return module
 
 

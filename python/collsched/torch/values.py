@@ -19,6 +19,7 @@ from .world import _FROM_TORCH, world
 
 if TYPE_CHECKING:
     from .shard import _State
+    from .units import _Param
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,17 +122,19 @@ def push_masters(state: _State) -> None:
 _HEAD = struct.Struct("<QQQ")
 
 
-def master_values(state: _State) -> dict[int, torch.Tensor]:
+def master_values(state: _State, params: list[_Param] | None = None) -> dict[int, torch.Tensor]:
     """Every mixed-precision parameter's full f32 value (copies, on the state's device), from
-    every rank's masters. Collective (every rank has masters, or none)."""
-    if not state.masters:
+    every rank's masters, or those of ``params`` (masters; every rank names the same).
+    Collective (every rank has masters, or none)."""
+    masters = state.masters if params is None else params
+    if not masters:
         return {}
     parts = []
-    for p in state.masters:
+    for p in masters:
         m = p.shard.detach().to("cpu").contiguous()
         raw = ctypes.string_at(m.data_ptr(), m.numel() * m.element_size()) if m.numel() else b""
         parts.append(_HEAD.pack(p.pid, p.offset, m.numel()) + raw)
-    full = {p.pid: torch.empty(p.numel, dtype=p.shard.dtype) for p in state.masters}
+    full = {p.pid: torch.empty(p.numel, dtype=p.shard.dtype) for p in masters}
     for blob in world().all_gather(b"".join(parts)):
         at = 0
         while at < len(blob):
@@ -142,4 +145,4 @@ def master_values(state: _State) -> dict[int, torch.Tensor]:
             if n:
                 t[offset : offset + numel] = torch.frombuffer(bytearray(blob[at : at + n]), dtype=t.dtype)
             at += n
-    return {p.pid: full[p.pid].view(p.shape).to(state.device) for p in state.masters}
+    return {p.pid: full[p.pid].view(p.shape).to(state.device) for p in masters}

@@ -1,0 +1,166 @@
+"""Rank functions of ``test_state_dict.py``: a sharded model's ``state_dict()`` and
+``load_state_dict()`` as FSDP2's (DTensors), and torch.distributed.checkpoint on them, each
+against an unsharded model built in the worker."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import models
+from surface_workers import error_text
+
+
+def shard(model: torch.nn.Module, strategy: str, bucket_mb: float, mp: Any = None) -> torch.nn.Module:
+    import collsched.torch as cst
+
+    for b in model.blocks:
+        cst.fully_shard(b, strategy=strategy, bucket_mb=bucket_mb, mp_policy=mp)
+    return cst.fully_shard(model, strategy=strategy, bucket_mb=bucket_mb, mp_policy=mp)
+
+
+def with_tied(full: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``full`` (by the names ``named_parameters`` keeps) with every tied parameter's other
+    names too, as a state dict has them."""
+    first: dict[int, str] = {}
+    out = dict(full)
+    for name, p in model.named_parameters(remove_duplicate=False):
+        first.setdefault(id(p), name)
+        out.setdefault(name, full[first[id(p)]])
+    return out
+
+
+def describe(sd: dict[str, Any], ref: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Per key of ``sd`` (DTensors): its type, placements, local shape, dtype, and whether its
+    full value is ``ref``'s, bit for bit."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for k, v in sd.items():
+        row: dict[str, Any] = {"type": type(v).__name__}
+        if isinstance(v, DTensor):
+            full = v.full_tensor()
+            row.update(
+                placements=[str(p) for p in v.placements],
+                local=list(v.to_local().shape),
+                shape=list(v.shape),
+                dtype=str(v.dtype),
+                equal=k in ref and full.dtype == ref[k].dtype and torch.equal(full, ref[k]),
+            )
+        out[k] = row
+    return out
+
+
+def dtensors(rank: int, world: int, strategy: str) -> dict[str, Any]:
+    """``state_dict()`` of a gpt sharded with ``strategy``, before and after a step, against
+    the unsharded model's; then ``load_state_dict`` of another model's full values and of the
+    DTensors of a model sharded otherwise."""
+    import collsched.torch as cst
+
+    ref = models.build("gpt", 0)
+    model = shard(models.build("gpt", 0), strategy, 0.002)
+    want = {k: v.clone() for k, v in ref.state_dict().items()}
+    out: dict[str, Any] = {"before": describe(model.state_dict(), want), "ref_keys": sorted(want)}
+    # One block alone, under its own prefix.
+    out["block"] = describe(model.blocks[1].state_dict(prefix="blocks.1."), want)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = models.batch("gpt", 0, 0, 0, rank)
+    models.loss_fn("gpt", model(x), y).backward()
+    opt.step()
+    full = with_tied({k: v.clone() for k, v in cst.full_parameters(model).items()}, ref)
+    out["after"] = describe(model.state_dict(), full)
+    # Full values of another model, then DTensors of a model sharded by another strategy.
+    other = models.build("gpt", 1)
+    model.load_state_dict(other.state_dict())
+    got = cst.full_parameters(model)
+    out["loaded_full"] = sorted(k for k, v in other.named_parameters() if not torch.equal(got[k], v))
+    third = shard(models.build("gpt", 2), "flat" if strategy != "flat" else "even", 0.001)
+    model.load_state_dict(third.state_dict())
+    got, want3 = cst.full_parameters(model), cst.full_parameters(third)
+    out["loaded_dtensor"] = sorted(k for k, v in want3.items() if not torch.equal(got[k], v))
+    out["still_trains"] = bool(torch.isfinite(models.loss_fn("gpt", model(x), y)).item())
+    return out
+
+
+def mixed(rank: int, world: int) -> dict[str, Any]:
+    """Under a bf16 MixedPrecisionPolicy the state dict is of the f32 masters."""
+    import collsched.torch as cst
+
+    ref = models.build("mlp", 0)
+    model = shard(models.build("mlp", 0), "even", 0.002, cst.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    out = {"sd": describe(model.state_dict(), dict(ref.state_dict()))}
+    other = models.build("mlp", 3)
+    model.load_state_dict(other.state_dict())
+    got = cst.full_parameters(model)
+    out["loaded"] = sorted(k for k, v in other.named_parameters() if not torch.equal(got[k], v))
+    return out
+
+
+def refusals(rank: int, world: int) -> dict[str, Any]:
+    """What a sharded model's state dict refuses, each with its error."""
+    import torch.distributed as dist
+
+    import collsched.torch as cst
+
+    model = shard(models.build("mlp", 0), "even", 0.002)
+    out: dict[str, Any] = {}
+    ref = models.build("mlp", 1).state_dict()
+    bad = dict(ref)
+    bad["blocks.0.weight"] = bad["blocks.0.weight"][:1]
+    out["shape"] = error_text(lambda: model.load_state_dict(bad))
+    local = dict(ref)
+    local["head.weight"] = model.head.weight.detach().clone()
+    out["local"] = error_text(lambda: model.load_state_dict(local))
+    out["assign"] = error_text(lambda: model.load_state_dict(ref, assign=True))
+    first = dict(models.build("mlp", 0).named_parameters())
+    out["unchanged"] = all(torch.equal(v, first[k]) for k, v in cst.full_parameters(model).items())
+    x, _ = models.batch("mlp", 0, 0, 0, rank)
+    seen: dict[str, str] = {}
+    hook = model.blocks[0].register_forward_hook(lambda m, a, o: seen.__setitem__("in_pass", error_text(m.state_dict)))
+    model(x).sum().backward()
+    hook.remove()
+    out["in_pass"] = seen.get("in_pass", "hook did not run")
+    dist.destroy_process_group()
+    out["no_group"] = error_text(model.state_dict)
+    return out
+
+
+def dcp_round(rank: int, world: int, path: str, how: str, strategy: str) -> dict[str, Any]:
+    """torch.distributed.checkpoint on a sharded gpt: ``dcp.save`` of ``state_dict()`` (``how``
+    ``"save"``, the model of seed 0 after one step), or ``dcp.load`` into the state dict of a
+    model of seed 5 and ``load_state_dict`` (``"load"``); ``get_model_state_dict`` with
+    ``full_state_dict`` and ``set_model_state_dict`` with ``broadcast_from_rank0`` beside."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    import collsched.torch as cst
+
+    seed = 0 if how == "save" else 5
+    model = shard(models.build("gpt", seed), strategy, 0.002)
+    out: dict[str, Any] = {}
+    if how == "save":
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y = models.batch("gpt", 0, 0, 0, rank)
+        models.loss_fn("gpt", model(x), y).backward()
+        opt.step()
+        dcp.save(model.state_dict(), checkpoint_id=path)
+    else:
+        out["before"] = {k: v.flatten().tolist() for k, v in cst.full_parameters(model).items()}
+        sd = model.state_dict()
+        dcp.load(sd, checkpoint_id=path)
+        model.load_state_dict(sd)
+    full = cst.full_parameters(model)
+    out["params"] = {k: v.flatten().tolist() for k, v in full.items()}
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    got = get_model_state_dict(model, options=opts)
+    tied = with_tied(full, models.build("gpt", 0))
+    same = sorted(got) == sorted(tied) and all(torch.equal(got[k], tied[k]) for k in tied)
+    out["get_full"] = same if rank == 0 else True
+    fresh = shard(models.build("gpt", 9), "greedy", 0.002)
+    set_model_state_dict(
+        fresh, got if rank == 0 else {}, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    )
+    again = cst.full_parameters(fresh)
+    out["broadcast"] = sorted(k for k, v in full.items() if not torch.equal(again[k], v))
+    return out
