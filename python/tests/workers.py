@@ -514,7 +514,9 @@ def checkpointed(rank: int, world: int, spec: dict[str, Any], path: str, phase: 
     opt = models.optimizer(spec.get("opt", "adamw"), model.parameters())
     split = spec["split"]
     steps = range(0, split) if phase == "save" else range(split, spec["steps"])
-    if phase == "load":
+    if phase == "load" and spec.get("via") == "dcp":
+        dcp_checkpoint(model, opt, path, "load")
+    elif phase == "load":
         index = cst.load_checkpoint(model, opt, path)
         assert index["step"] == split and index["world"] == spec["save_world"], index
     losses, after = [], []
@@ -526,9 +528,31 @@ def checkpointed(rank: int, world: int, spec: dict[str, Any], path: str, phase: 
         opt.zero_grad()
         losses.append([loss.item()])
         after.append(snapshot(cst.full_parameters(model)))
-    if phase == "save":
+    if phase == "save" and spec.get("via") == "dcp":
+        dcp_checkpoint(model, opt, path, "save")
+    elif phase == "save":
         cst.save_checkpoint(model, opt, path, step=split)
     return {"losses": losses, "params": after}
+
+
+def dcp_checkpoint(model: torch.nn.Module, opt: torch.optim.Optimizer, path: str, phase: str) -> None:
+    """torchtitan's checkpoint: the model's and the optimizer's state dicts (DTensors) through
+    torch.distributed.checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    if phase == "save":
+        dcp.save(sd, checkpoint_id=path)
+        return
+    dcp.load(sd, checkpoint_id=path)
+    set_model_state_dict(model, sd["model"])
+    set_optimizer_state_dict(model, opt, sd["optim"])
 
 
 def export_full(rank: int, world: int, spec: dict[str, Any], path: str) -> dict[str, list]:

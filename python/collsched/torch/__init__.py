@@ -61,7 +61,8 @@ importing this package registers, is :mod:`collsched.torch.distributed`. The fil
 ``world.py`` (joining the job), ``module.py`` (``fully_shard`` and the module's methods),
 ``shard.py`` (a root's sharded model and its hooks), ``units.py`` (parameters and units),
 ``values.py`` (initial values and mixed precision's f32 masters),
-``state_dict.py`` (``state_dict()`` as DTensors, ``load_state_dict``),
+``state_dict.py`` (``state_dict()`` as DTensors, ``load_state_dict``), ``optim_state.py``
+(an optimizer's state dict likewise),
 ``checkpoint.py`` (checkpoints), ``clip.py`` (gradient clipping), ``distributed.py`` (the
 process group backend).
 """

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from .._native import CollschedError
-from . import state_dict, values
+from . import optim_state, state_dict, values
 from .shard import _State
 from .world import _FROM_TORCH, _TO_TORCH
 
@@ -255,6 +255,7 @@ def fully_shard(
     for unit in state.units:
         unit.module.__dict__["_collsched_state"] = state
     state_dict.install(state)
+    optim_state.install()
     return module
 
 

@@ -101,25 +101,33 @@ def _mesh(device: torch.device, what: str) -> Any:
     return mesh
 
 
+def _rows(full: torch.Tensor, mesh: Any) -> tuple[torch.Tensor, list[Any]]:
+    """This rank's part of ``full`` as ``Shard(0)`` places it over ``mesh`` (``torch.chunk``'s
+    rows: ``ceil(rows / ranks)`` each, the last ranks' fewer or none), a copy, and the
+    placements; a 0-dim value is ``Replicate()``d."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    if full.dim() == 0:
+        return full.clone(), [Replicate()]
+    rank, n = mesh.get_local_rank(), mesh.size()
+    rows = -(-full.shape[0] // n)
+    lo, hi = min(full.shape[0], rank * rows), min(full.shape[0], (rank + 1) * rows)
+    return full[lo:hi].clone(), [Shard(0)]
+
+
 def _save_hook(module: nn.Module, sd: dict[str, Any], prefix: str, _meta: Any) -> None:
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import DTensor
 
     entries = _sharded(module, "state_dict")
     if not entries:
         return
     st = entries[0][1]
     mesh = _mesh(st.device, "state_dict")
-    rank, n = mesh.get_local_rank(), mesh.size()
     params = list({p.pid: p for _, _, p in entries}.values())
     local: dict[int, tuple[torch.Tensor, list[Any]]] = {}
 
     def keep(p: _Param, full: torch.Tensor) -> None:
-        if full.dim() == 0:
-            local[p.pid] = (full.clone(), [Replicate()])
-            return
-        rows = -(-full.shape[0] // n)
-        lo, hi = min(full.shape[0], rank * rows), min(full.shape[0], (rank + 1) * rows)
-        local[p.pid] = (full[lo:hi].to(p.shard.dtype, copy=True), [Shard(0)])
+        local[p.pid] = _rows(full.to(p.shard.dtype), mesh)
 
     masters = {p.pid for p in st.masters}
     for pid, full in values_.master_values(st, [p for p in params if p.pid in masters]).items():

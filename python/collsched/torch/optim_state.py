@@ -1,0 +1,145 @@
+"""An optimizer's ``state_dict()`` and ``load_state_dict()`` over a sharded model's parameters,
+as FSDP2's are: each state tensor shaped like a parameter's shard (Adam's moments, SGD's
+momentum) as a ``Shard(0)`` DTensor of the parameter's global shape (``state_dict.py``'s
+placement), so ``torch.distributed.checkpoint``'s ``get_optimizer_state_dict`` /
+``set_optimizer_state_dict`` and ``dcp.save`` / ``dcp.load`` reshard it into any world size
+or strategy; loading takes those DTensors or full values.
+
+An optimizer is hooked at its first ``step()`` over a sharded model's parameters (a global
+optimizer step pre-hook looks once per change of its parameter groups; the checkpoint
+functions of torch.distributed make a step themselves on a fresh optimizer). Both calls are
+collective: the save gathers each parameter's states from every rank (one gather per
+parameter), the load each DTensor's full value.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from .._native import CollschedError
+from .state_dict import _mesh, _rows
+
+_INSTALLED: list[Any] = []
+
+
+def install() -> None:
+    """Registers the global step pre-hook (once)."""
+    if not _INSTALLED:
+        _INSTALLED.append(register_optimizer_step_pre_hook(_on_step))
+
+
+def _on_step(opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+    d = opt.__dict__
+    groups = len(opt.param_groups)
+    if d.get("_collsched_hooked") or d.get("_collsched_groups") == groups:
+        return
+    d["_collsched_groups"] = groups
+    if any(hasattr(p, "_collsched_param") for g in opt.param_groups for p in g["params"]):
+        opt.register_state_dict_post_hook(_save)
+        opt.register_load_state_dict_pre_hook(_load)
+        d["_collsched_hooked"] = True
+
+
+def _ours(opt: torch.optim.Optimizer) -> list[tuple[int, Any, Any]]:
+    """(index in the state dict, state, parameter) of each sharded parameter of ``opt``."""
+    flat = [p for g in opt.param_groups for p in g["params"]]
+    out = []
+    for i, t in enumerate(flat):
+        found = getattr(t, "_collsched_param", None)
+        if found is not None:
+            out.append((i, *found))
+    return out
+
+
+def _sharded_keys(states: dict, p: Any) -> list[str]:
+    n = p.shard.numel()
+    return sorted(k for k, v in states.items() if torch.is_tensor(v) and v.dim() == 1 and v.numel() == n)
+
+
+def _save(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    ours = _ours(opt)
+    if not ours:
+        return sd
+    mesh = _mesh(ours[0][1].device, "optimizer.state_dict")
+    state = dict(sd["state"])
+    for i, st, p in ours:
+        mine = state.get(i, {})
+        keys = _sharded_keys(mine, p)
+        pieces: list[Any] = [None] * dist.get_world_size()
+        sharded = {k: mine[k].detach().to("cpu") for k in keys}
+        dist.all_gather_object(pieces, (p.offset, sharded, {k: v for k, v in mine.items() if k not in sharded}))
+        # The keys some rank holds; a rank without state or without elements adds nothing; the
+        # others' pieces must cover every element.
+        union = sorted({k for piece in pieces if piece is not None for k in piece[1]})
+        if not union:
+            continue
+        full = {k: None for k in union}
+        covered = torch.zeros(p.numel, dtype=torch.bool)
+        for rank, piece in enumerate(pieces):
+            if not piece[1]:
+                continue
+            offset, values, _ = piece
+            missing = [k for k in union if k not in values]
+            if missing:
+                raise CollschedError(
+                    f"optimizer.state_dict: parameter {p.name} has state {missing} on some ranks and not on "
+                    f"rank {rank}; step the optimizer on every rank alike"
+                )
+            for k, v in values.items():
+                if full[k] is None:
+                    full[k] = torch.empty(p.numel, dtype=v.dtype)
+                full[k][offset : offset + v.numel()] = v
+            covered[offset : offset + values[union[0]].numel()] = True
+        if not bool(covered.all()):
+            raise CollschedError(
+                f"optimizer.state_dict: parameter {p.name}'s optimizer state is missing elements (a rank holding some "
+                "has none); step the optimizer on every rank alike"
+            )
+        # A rank without elements of the parameter stepped no state for it: it takes the other
+        # states (Adam's step) of a rank that did, beside its empty rows.
+        out = dict(mine) or dict(next(piece[2] for piece in pieces if piece[1]))
+        for k, v in full.items():
+            value = v.view(p.shape).to(st.device)
+            local_rows, placements = _rows(value, mesh)
+            out[k] = DTensor.from_local(
+                local_rows, mesh, placements, run_check=False, shape=value.shape, stride=value.stride()
+            )
+        state[i] = out
+    return {**sd, "state": state}
+
+
+def _load(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
+    from torch.distributed.tensor import DTensor
+
+    ours = _ours(opt)
+    if not ours:
+        return sd
+    # The saved groups' keys (ids, or names where torch.distributed.checkpoint wrote them)
+    # name this optimizer's parameters in order, as load_state_dict pairs them.
+    keys = [k for g in sd.get("param_groups", []) for k in g["params"]]
+    state = dict(sd.get("state", {}))
+    todo = []
+    for at, _, p in ours:
+        if at >= len(keys):
+            continue
+        i = keys[at]
+        for k, v in (state.get(i) or {}).items():
+            if isinstance(v, DTensor) or (torch.is_tensor(v) and v.dim() > 0 and tuple(v.shape) == tuple(p.shape)):
+                if tuple(v.shape) != tuple(p.shape):
+                    raise CollschedError(
+                        f"optimizer.load_state_dict: state {k!r} of parameter {p.name} is a DTensor of shape "
+                        f"{tuple(v.shape)}; the parameter's is {tuple(p.shape)}; nothing was loaded"
+                    )
+                todo.append((i, k, p, v))
+    for i, k, p, v in todo:
+        if isinstance(v, DTensor):
+            v = v.full_tensor()
+        n = p.shard.numel()
+        state[i] = {**state[i], k: v.detach().reshape(-1)[p.offset : p.offset + n].clone()}
+    return {**sd, "state": state}
