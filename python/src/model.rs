@@ -134,7 +134,8 @@ fn device_grads<B: Backend>(
 /// One rank's share of one model: its shards (the optimizer's memory), its gradient shards and
 /// its in-flight registry, built from the plan of `params` (a parameter file's text) and the
 /// full initial value of every parameter (`init`: `(address, bytes)` of a contiguous CPU
-/// tensor per parameter, read during the call). Collective: every rank builds its model at
+/// tensor per parameter, read during the call; `None`: zero-filled shards, for values written
+/// into them afterwards). Collective: every rank builds its model at
 /// the same point with the same plan.
 #[pyclass(module = "collsched._native")]
 pub struct Model {
@@ -149,7 +150,7 @@ impl Model {
     fn new(
         world: &World,
         params: &str,
-        init: Vec<Bound<'_, PyAny>>,
+        init: Option<Vec<Bound<'_, PyAny>>>,
         strategy: &str,
         bucket_mb: f64,
         align: usize,
@@ -157,6 +158,19 @@ impl Model {
     ) -> PyResult<Model> {
         let ranks = u32::try_from(world.backend.rank_world().1).map_err(errors::other)?;
         let plan = crate::plan::build(params, ranks, strategy, bucket_mb, align, bucket_by)?;
+        let Some(init) = init else {
+            // No values (a model built on the meta device): zero-filled shards, written later.
+            let state = match &world.backend {
+                Rank::Host(b) => St::Host(ModelState::zeroed(Arc::clone(b), &plan).map_err(errors::runtime)?),
+                Rank::Emulated(b) => {
+                    St::Emulated(ModelState::zeroed(Arc::clone(b), &plan).map_err(errors::runtime)?)
+                }
+                #[cfg(feature = "cuda")]
+                Rank::Cuda(b) => St::Cuda(ModelState::zeroed(Arc::clone(b), &plan).map_err(errors::runtime)?),
+            };
+            let plan_json = crate::plan::json(&plan)?;
+            return Ok(Model { state, plan_json });
+        };
         let names = plan.layout().params().specs().iter().map(|p| p.name.as_str());
         if init.len() != plan.layout().params().len() {
             return Err(errors::other(format!(

@@ -164,3 +164,184 @@ def dcp_round(rank: int, world: int, path: str, how: str, strategy: str) -> dict
     again = cst.full_parameters(fresh)
     out["broadcast"] = sorted(k for k, v in full.items() if not torch.equal(again[k], v))
     return out
+
+
+def meta_init(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """torchtitan's start: the gpt built on the meta device, sharded (no full value made on any
+    rank: the build's gathering of values is made to raise), ``to_empty``, rank 0's full
+    state dict broadcast with ``set_model_state_dict``; then trained as the reference is.
+    Returns losses and full parameters after each step, and the refusals beside."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    import collsched.torch as cst
+    from collsched.torch import values
+
+    def no_full_values(*_: Any) -> Any:
+        raise AssertionError("the build of a meta model gathered full values")
+
+    real = values.full_values
+    values.full_values = no_full_values
+    try:
+        with torch.device("meta"):
+            model = models.build("gpt", 0)
+        mp = cst.MixedPrecisionPolicy(**spec["mp"]) if spec.get("mp") else None
+        model = shard(model, spec.get("strategy", "even"), spec["bucket_mb"], mp)
+    finally:
+        values.full_values = real
+    out: dict[str, Any] = {"zeros": all(not p.any() for p in cst.full_parameters(model).values())}
+    model.to_empty(device="cpu")
+    full = models.build("gpt", 0).state_dict() if rank == 0 else {}
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    opt = models.optimizer(spec.get("opt", "adamw"), model.parameters())
+    out["losses"], out["params"] = [], []
+    for step in range(spec["steps"]):
+        x, y = models.batch("gpt", 0, step, 0, rank)
+        loss = models.loss_fn("gpt", model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out["losses"].append([loss.item()])
+        out["params"].append({k: v.float().flatten().tolist() for k, v in cst.full_parameters(model).items()})
+    with torch.device("meta"):
+        half = models.build("mlp", 0)
+    half.head = torch.nn.Linear(9, 5)
+    out["mixed"] = error_text(lambda: cst.fully_shard(half))
+    with torch.device("meta"):
+        synced = models.build("mlp", 0)
+    out["synced"] = error_text(lambda: cst.fully_shard(synced, sync_module_states=True))
+    return out
+
+
+def ignoring(rank: int, world: int) -> dict[str, Any]:
+    """``ignored_params`` (a block's weight, trainable) and a parameter of an integer dtype stay
+    in their modules as they were: full, not reduced (the kept weight's gradient is this rank's
+    own), while the rest trains as plain PyTorch averaging over ranks. One SGD step against an
+    unsharded model that does the same by hand."""
+    import collsched.torch as cst
+
+    cst.init()
+    ref = models.build("mlp", 0)
+    model = models.build("mlp", 0)
+    q = torch.nn.Parameter(torch.arange(3, dtype=torch.int8), requires_grad=False)
+    model.blocks[0].register_parameter("q", q)
+    kept = model.blocks[1].weight
+    for b in model.blocks:
+        cst.fully_shard(b, ignored_params={kept} if b is model.blocks[1] else None)
+    cst.fully_shard(model)
+    out: dict[str, Any] = {
+        "kept": model.blocks[1].weight is kept and tuple(kept.shape) == (11, 13),
+        "q": model.blocks[0].q is q and torch.equal(q, torch.arange(3, dtype=torch.int8)),
+        "sharded": sorted(cst.full_parameters(model)),
+    }
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = models.batch("mlp", 0, 0, 0, rank)
+    models.loss_fn("mlp", model(x), y).backward()
+    out["kept_grad"] = torch.equal(
+        kept.grad, torch.autograd.grad(models.loss_fn("mlp", ref(x), y), ref.blocks[1].weight)[0]
+    )
+    opt.step()
+    # The reference: every rank's gradients averaged (summed in rank order), the kept weight's
+    # this rank's own.
+    grads = [
+        torch.autograd.grad(models.loss_fn("mlp", ref(bx), by), list(ref.parameters()))
+        for bx, by in (models.batch("mlp", 0, 0, 0, r) for r in range(world))
+    ]
+    with torch.no_grad():
+        for i, (n, p) in enumerate(ref.named_parameters()):
+            g = grads[rank][i] if n == "blocks.1.weight" else sum(g[i] for g in grads) / world
+            p.add_(g, alpha=-0.1)
+    want = dict(ref.named_parameters())
+    got = cst.full_parameters(model)
+    out["params"] = {n: float((got[n] - want[n].detach()).abs().max()) for n in got}
+    out["kept_after"] = torch.equal(kept.detach(), want["blocks.1.weight"].detach())
+    out["not_param"] = error_text(lambda: cst.fully_shard(models.build("mlp", 1), ignored_params={torch.ones(2)}))
+    out["foreign"] = error_text(lambda: cst.fully_shard(models.build("mlp", 1), ignored_params={ref.head.weight}))
+    return out
+
+
+def unsharding(rank: int, world: int) -> dict[str, Any]:
+    """``unshard()`` between steps puts a unit's full values in its modules (to read),
+    ``reshard()`` takes them back; a forward after an ``unshard()`` without ``reshard()``
+    trains as ever; FSDP2's backward methods."""
+    import collsched.torch as cst
+
+    cst.init()
+    ref = models.build("mlp", 0)
+    model = models.build("mlp", 0)
+    for b in model.blocks:
+        cst.fully_shard(b)
+    cst.fully_shard(model)
+    # Made from the shards: between unshard() and reshard() the modules hold full values.
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    block = model.blocks[1]
+    out: dict[str, Any] = {"handle": type(block.unshard(async_op=True)).__name__}
+    out["full"] = torch.equal(block.weight, ref.blocks[1].weight) and torch.equal(block.bias, ref.blocks[1].bias)
+    out["live_unsharded"] = cst.live_bytes(model)
+    block.reshard()
+    out["after_reshard"] = (tuple(block.weight.shape), cst.live_bytes(model))
+    block.reshard()  # nothing to release: nothing happens
+    model.unshard()
+    x, y = models.batch("mlp", 0, 0, 0, rank)
+    loss = models.loss_fn("mlp", model(x), y)
+    loss.backward()
+    opt.step()
+    grads = [
+        torch.autograd.grad(models.loss_fn("mlp", ref(bx), by), list(ref.parameters()))
+        for bx, by in (models.batch("mlp", 0, 0, 0, r) for r in range(world))
+    ]
+    with torch.no_grad():
+        for i, p in enumerate(ref.parameters()):
+            p.add_(sum(g[i] for g in grads) / world, alpha=-0.1)
+    got, want = cst.full_parameters(model), dict(ref.named_parameters())
+    out["params"] = {n: float((got[n] - want[n].detach()).abs().max()) for n in want}
+    out["live_end"] = cst.live_bytes(model)
+    model.set_is_last_backward(False)
+    model.set_reshard_after_backward(True)
+    out["keep_after_backward"] = error_text(lambda: model.set_reshard_after_backward(False))
+    return out
+
+
+def titan(rank: int, world: int, spec: dict[str, Any], path: str, phase: str) -> dict[str, Any]:
+    """A torchtitan-style run with collsched.torch in place of FSDP2: a DeviceMesh (``spec
+    ["mesh"][phase]``'s shape: 2-D is HSDP), the model built on the meta device, per-block
+    ``fully_shard`` with FSDP2's own MixedPrecisionPolicy, ``to_empty``; ``save``: rank 0's
+    values broadcast, steps ``[0, split)``, model and optimizer saved with DCP; ``load``: a DCP
+    load, steps ``[split, steps)``. Losses and full parameters after each step."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    import collsched.torch as cst
+
+    import workers
+
+    shape = tuple(spec["mesh"][phase])
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")[-len(shape) :])
+    with torch.device("meta"):
+        model = models.build("gpt", 0)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for b in model.blocks:
+        cst.fully_shard(b, mesh=mesh, mp_policy=mp, bucket_mb=spec["bucket_mb"])
+    cst.fully_shard(model, mesh=mesh, mp_policy=mp, bucket_mb=spec["bucket_mb"])
+    model.to_empty(device="cpu")
+    opt = models.optimizer(spec["opt"], model.parameters())
+    if phase == "save":
+        full = models.build("gpt", 0).state_dict() if rank == 0 else {}
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        steps = range(0, spec["split"])
+    else:
+        workers.dcp_checkpoint(model, opt, path, "load")
+        steps = range(spec["split"], spec["steps"])
+    out: dict[str, Any] = {"losses": [], "params": [], "strategy": cst.plan(model)["strategy"]}
+    for step in steps:
+        x, y = models.batch("gpt", 0, step, 0, rank)
+        loss = models.loss_fn("gpt", model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out["losses"].append([loss.item()])
+        out["params"].append({k: v.float().flatten().tolist() for k, v in cst.full_parameters(model).items()})
+    if phase == "save":
+        workers.dcp_checkpoint(model, opt, path, "save")
+    out["partial_mesh"] = error_text(lambda: cst.fully_shard(models.build("mlp", 0), mesh=mesh["shard"]))
+    return out

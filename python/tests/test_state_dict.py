@@ -100,3 +100,81 @@ def test_dcp_of_model_and_optimizer_resumes_as_plain_pytorch(tmp_path, mp):
     ref = models.reference({**save, "worlds": [3, 3, 2, 2], "strategies": ["even", "even", "flat", "flat"]}, 3)
     parity.check(first, {"params": ref["params"][:2], "losses": ref["losses"][:2]})
     parity.check(later, {"params": ref["params"][2:], "losses": ref["losses"][2:]})
+
+
+@pytest.mark.parametrize(
+    ("world", "spec"),
+    [
+        (2, {"strategy": "even"}),
+        (3, {"strategy": "flat", "mp": {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}}),
+    ],
+    ids=["even-2", "flat-3-bf16"],
+)
+def test_meta_device_init_then_broadcast_from_rank0_trains_as_plain_pytorch(world, spec):
+    """A model built on the meta device is sharded without any rank making its full values
+    (shards of zeros), ``to_empty`` keeps the shards, ``set_model_state_dict`` broadcasts rank
+    0's values; the run is plain PyTorch's from those values. A half-meta model and
+    ``sync_module_states`` on a meta model are refused by name."""
+    spec = {"model": "gpt", "steps": 2, "bucket_mb": 0.002, "opt": "adamw", **spec}
+    runs = run(w.meta_init, world, spec, init="collsched")
+    ref = models.reference(spec, world)
+    parity.check(runs, ref)
+    for r in runs:
+        assert r["zeros"] is True, "a meta model's shards are not zeros before the load"
+        assert "blocks.0.weight is on the meta device and head.weight is not" in r["mixed"], r["mixed"]
+        assert "sync_module_states=True on a model built on the meta device" in r["synced"], r["synced"]
+
+
+def test_ignored_params_and_integer_parameters_stay_as_they_were():
+    for rank, r in enumerate(run(w.ignoring, 3)):
+        assert r["kept"] is True and r["q"] is True, r
+        assert "blocks.1.weight" not in r["sharded"] and "blocks.0.q" not in r["sharded"], r["sharded"]
+        assert sorted(r["params"]) == sorted(r["sharded"]) and len(r["sharded"]) == 7, r["sharded"]
+        assert r["kept_grad"] is True, f"rank {rank}: the ignored weight's gradient is not this rank's own"
+        assert r["kept_after"] is True, f"rank {rank}: the ignored weight did not step on its own gradient"
+        for n, diff in r["params"].items():
+            assert diff <= 2e-7, f"rank {rank}: {n} differs from the reference by {diff}"
+        assert "not a parameter of Mlp" in r["not_param"], r["not_param"]
+        assert "not a parameter of Mlp" in r["foreign"], r["foreign"]
+
+
+def test_unshard_and_reshard_between_steps():
+    for rank, r in enumerate(run(w.unsharding, 2)):
+        assert r["handle"] == "UnshardHandle", r["handle"]
+        assert r["full"] is True, f"rank {rank}: unshard() did not put the full values in the block"
+        assert r["live_unsharded"] > 0, r["live_unsharded"]
+        assert r["after_reshard"][1] == 0 and len(r["after_reshard"][0]) == 1, r["after_reshard"]
+        assert sorted(r["params"]) == [
+            "blocks.0.bias",
+            "blocks.0.weight",
+            "blocks.1.bias",
+            "blocks.1.weight",
+            "blocks.2.bias",
+            "blocks.2.weight",
+            "head.bias",
+            "head.weight",
+        ]
+        for n, diff in r["params"].items():
+            assert diff <= 2e-7, f"rank {rank}: {n} differs from the reference by {diff}"
+        assert r["live_end"] == 0, r["live_end"]
+        assert "set_reshard_after_backward(False)" in r["keep_after_backward"], r["keep_after_backward"]
+
+
+def test_a_torchtitan_style_run_resumes_into_another_world_as_plain_pytorch(tmp_path):
+    """torchtitan's recipe with collsched.torch for FSDP2: at 4 ranks on a 2x2 (replicate,
+    shard) mesh (HSDP), a meta-device model, bf16 parameters with f32 reduction, rank 0's
+    values broadcast, two steps, DCP save; at 2 ranks on a 1-D mesh, DCP load, two more steps:
+    losses and parameters as plain PyTorch's across the change."""
+    path = str(tmp_path / "dcp")
+    mp = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
+    spec = {"model": "gpt", "steps": 4, "split": 2, "bucket_mb": 0.002, "opt": "adamw", "mp": mp}
+    spec["mesh"] = {"save": [2, 2], "load": [2]}
+    first = run(w.titan, 4, spec, path, "save", init="collsched")
+    later = run(w.titan, 2, spec, path, "load", init="collsched")
+    ref = models.reference({**spec, "worlds": [4, 4, 2, 2], "strategies": ["hybrid:2"] * 2 + ["even"] * 2}, 4)
+    parity.check(first, {"params": ref["params"][:2], "losses": ref["losses"][:2]})
+    parity.check(later, {"params": ref["params"][2:], "losses": ref["losses"][2:]})
+    for r in first:
+        assert r["strategy"] == "hybrid:2", r["strategy"]
+        assert "a mesh over part of the job is not supported" in r["partial_mesh"], r["partial_mesh"]
+    assert all(r["strategy"] == "even" for r in later)

@@ -418,6 +418,24 @@ impl<B: Backend> ModelState<B> {
     /// size; [`RuntimeError::Unsupported`] for a dtype collectives cannot move;
     /// [`RuntimeError::Plan`] if the plan's world is not the backend's.
     pub fn new(backend: Arc<B>, plan: &Plan, full: &[&[u8]]) -> Result<ModelState<B>, RuntimeError> {
+        Self::with_values(backend, plan, Some(full))
+    }
+
+    /// This rank's state of the model planned by `plan`, its shards zero-filled: for a model
+    /// whose values are written into the shards afterwards (a model built on torch's meta
+    /// device, loaded from a checkpoint), so that no rank ever holds a full value.
+    ///
+    /// # Errors
+    /// As [`ModelState::new`], but for the initial values.
+    pub fn zeroed(backend: Arc<B>, plan: &Plan) -> Result<ModelState<B>, RuntimeError> {
+        Self::with_values(backend, plan, None)
+    }
+
+    fn with_values(
+        backend: Arc<B>,
+        plan: &Plan,
+        full: Option<&[&[u8]]>,
+    ) -> Result<ModelState<B>, RuntimeError> {
         let rank = backend.rank();
         let layout = plan.layout();
         if layout.world() as usize != backend.world_size() {
@@ -432,56 +450,16 @@ impl<B: Backend> ModelState<B> {
             });
         }
         let set = layout.params();
-        if full.len() != set.len() {
-            return Err(RuntimeError::Param {
-                rank,
-                param: None,
-                what: format!(
-                    "got {} initial parameter buffers, the model has {} parameters; give one per parameter, \
-                     by id",
-                    full.len(),
-                    set.len()
-                ),
-            });
-        }
-        for (id, (spec, buf)) in set.ids().zip(set.specs().iter().zip(full)) {
-            let want = set.numel(id) * spec.dtype.size();
-            if buf.len() != want {
-                return Err(RuntimeError::Param {
-                    rank,
-                    param: Some(spec.name.clone()),
-                    what: format!(
-                        "initial value has {} bytes, expected {want} ({} x {})",
-                        buf.len(),
-                        set.numel(id),
-                        spec.dtype
-                    ),
-                });
-            }
+        if let Some(full) = full {
+            check_values(rank, set, full)?;
         }
         let tables = GatherTables::new(plan, rank)?;
         let mut shards = Vec::with_capacity(tables.gather.len());
         for (g, b) in layout.gather_buckets().iter().enumerate() {
             let mut shard = Bytes::zeroed(tables.gather[g].shard_bytes);
-            let sources: Vec<&[u8]> = b.params().iter().map(|p| full[p.index()]).collect();
-            let mut segs = Vec::new();
-            for (k, &p) in b.params().iter().enumerate() {
-                for r in tables.runs_of(p) {
-                    segs.push(collsched_kernels::CopySegment {
-                        buffer: k,
-                        buffer_offset: r.param_offset,
-                        packed_offset: r.shard_offset,
-                        len: r.numel,
-                    });
-                }
+            if let Some(full) = full {
+                cut_shard(rank, &tables, b, full, shard.as_bytes_mut())?;
             }
-            copy_in(shard.as_bytes_mut(), &sources, &segs, b.dtype().size()).map_err(|e| {
-                RuntimeError::Param {
-                    rank,
-                    param: None,
-                    what: format!("cutting the shard of gather bucket {}: {e}", b.id()),
-                }
-            })?;
             shards.push(shard);
         }
         let shards = Shards::new(&*backend, shards).map_err(backend_err(rank, "placing the shards", None))?;
@@ -675,4 +653,62 @@ pub struct ShardRegion {
     pub ptr: *mut u8,
     /// The device the shard lives on ([`Backend::device`]), `None` for host memory.
     pub device: Option<usize>,
+}
+
+/// Checks `full` has one buffer per parameter of `set`, each of the parameter's bytes.
+fn check_values(rank: usize, set: &collsched_buckets::ParamSet, full: &[&[u8]]) -> Result<(), RuntimeError> {
+    if full.len() != set.len() {
+        return Err(RuntimeError::Param {
+            rank,
+            param: None,
+            what: format!(
+                "got {} initial parameter buffers, the model has {} parameters; give one per parameter, by id",
+                full.len(),
+                set.len()
+            ),
+        });
+    }
+    for (id, (spec, buf)) in set.ids().zip(set.specs().iter().zip(full)) {
+        let want = set.numel(id) * spec.dtype.size();
+        if buf.len() != want {
+            return Err(RuntimeError::Param {
+                rank,
+                param: Some(spec.name.clone()),
+                what: format!(
+                    "initial value has {} bytes, expected {want} ({} x {})",
+                    buf.len(),
+                    set.numel(id),
+                    spec.dtype
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Cuts this rank's shard of gather bucket `b` from the parameters' full values.
+fn cut_shard(
+    rank: usize,
+    tables: &GatherTables,
+    b: &collsched_buckets::Bucket,
+    full: &[&[u8]],
+    shard: &mut [u8],
+) -> Result<(), RuntimeError> {
+    let sources: Vec<&[u8]> = b.params().iter().map(|p| full[p.index()]).collect();
+    let mut segs = Vec::new();
+    for (k, &p) in b.params().iter().enumerate() {
+        for r in tables.runs_of(p) {
+            segs.push(collsched_kernels::CopySegment {
+                buffer: k,
+                buffer_offset: r.param_offset,
+                packed_offset: r.shard_offset,
+                len: r.numel,
+            });
+        }
+    }
+    copy_in(shard, &sources, &segs, b.dtype().size()).map_err(|e| RuntimeError::Param {
+        rank,
+        param: None,
+        what: format!("cutting the shard of gather bucket {}: {e}", b.id()),
+    })
 }

@@ -59,7 +59,7 @@ Knobs are the arguments of :func:`fully_shard` and :func:`init`; errors are
 The ``"collsched"`` torch.distributed backend (``dist.init_process_group("collsched")``), which
 importing this package registers, is :mod:`collsched.torch.distributed`. The files:
 ``world.py`` (joining the job), ``module.py`` (``fully_shard`` and the module's methods),
-``shard.py`` (a root's sharded model and its hooks), ``units.py`` (parameters and units),
+``shard.py`` (a root's sharded model and its hooks), ``build.py`` (its build), ``units.py`` (parameters and units),
 ``values.py`` (initial values and mixed precision's f32 masters),
 ``state_dict.py`` (``state_dict()`` as DTensors, ``load_state_dict``), ``optim_state.py``
 (an optimizer's state dict likewise),
@@ -75,6 +75,7 @@ from .checkpoint import full_state_dict, load_checkpoint, save_checkpoint, save_
 from .clip import clip_grad_norm_
 from .module import (
     CollschedModule,
+    UnshardHandle,
     full_parameters,
     fully_shard,
     live_bytes,
@@ -89,6 +90,7 @@ __all__ = [
     "CollschedError",
     "CollschedModule",
     "MixedPrecisionPolicy",
+    "UnshardHandle",
     "clip_grad_norm_",
     "flight_record",
     "fully_shard",

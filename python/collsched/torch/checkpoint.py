@@ -80,6 +80,7 @@ def load_checkpoint(module: nn.Module, optimizer: torch.optim.Optimizer | None, 
     of another shape or dtype), is incomplete or damaged raises ``CollschedError`` naming it,
     and nothing changes. Returns the index."""
     state = _root_state(module)
+    state.meta = False
     _between_steps(state, "load_checkpoint")
     try:
         with open(os.path.join(str(path), "index.json")) as f:

@@ -55,6 +55,19 @@ class CollschedModule:
             state.check_shards_in_place(type(self).__name__)
         return out
 
+    def to_empty(self, *, device: Any, recurse: bool = True) -> Any:
+        """``nn.Module.to_empty`` (after building on the meta device and sharding): the shards
+        live in collsched's memory already and stay (their values come from a load); buffers,
+        and parameters outside the sharded model, are made empty on ``device``."""
+        state: _State | None = self.__dict__.get("_collsched_state")
+        if state is None:
+            return super().to_empty(device=device, recurse=recurse)  # type: ignore[misc]
+        state.emptying = True
+        try:
+            return super().to_empty(device=device, recurse=recurse)  # type: ignore[misc]
+        finally:
+            state.emptying = False
+
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """``False``: backward passes accumulate gradients locally and reduce nothing, until a
         backward with ``True`` reduces everything (FSDP2's spelling of ``no_sync``). The flag is
@@ -95,6 +108,37 @@ class CollschedModule:
             u.reshard = want
             u.module.__dict__["_collsched_reshard"] = want
 
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """FSDP2's ``unshard``: between steps, gathers this unit's parameters and puts them in
+        its modules (``module.weight`` is then the full value, to read: writes to it are not
+        kept) until :meth:`reshard` or the next forward, which releases them first (a pass
+        gathers on its own schedule). Inside a pass it does nothing: the schedule's prefetch
+        gathers ahead (make optimizers from the shards, not while unsharded). Collective:
+        every rank calls it. ``async_op=True`` returns an
+        :class:`UnshardHandle` whose ``wait()`` returns at once (the gather ran in the call)."""
+        _root_state(self).unshard(self.__dict__["_collsched_u"])  # type: ignore[arg-type]
+        return UnshardHandle() if async_op else None
+
+    def reshard(self) -> None:
+        """FSDP2's ``reshard``: releases what :meth:`unshard` gathered (its shards back in its
+        modules); nothing otherwise. Collective where it releases."""
+        _root_state(self).reshard(self.__dict__["_collsched_u"])  # type: ignore[arg-type]
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """FSDP2's method, taken for its signature: every backward here hands its gradients over
+        and waits for their reductions at its end, last or not (accumulate with ``no_sync`` or
+        ``set_requires_gradient_sync(False)``)."""
+        _state_of(self).last_backward = bool(is_last_backward)
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """FSDP2's method: True (release each unit after its backward) is what collsched does;
+        False (keep units gathered from one backward into the next forward) is refused."""
+        if not reshard_after_backward:
+            raise CollschedError(
+                "set_reshard_after_backward(False): units are released after their backward (the next forward "
+                "gathers them again); accumulate micro-batches with no_sync or set_requires_gradient_sync(False)"
+            )
+
     def refresh_trainable(self) -> bool:
         """Applies the parameters' ``requires_grad`` now (between steps); returns whether it
         changed. Done at every step boundary unless ``auto_refresh_trainable=False``."""
@@ -117,6 +161,13 @@ class CollschedModule:
         (state.bwd_rules if backward else state.fwd_rules)[me] = targets
         state.opts["prefetch"] = "explicit"
         state.apply_explicit()
+
+
+class UnshardHandle:
+    """What ``unshard(async_op=True)`` returns (FSDP2's name): the gather ran in the call."""
+
+    def wait(self) -> None:
+        """Returns at once: the parameters are gathered already."""
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
@@ -143,6 +194,61 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         return out if cast is None else cast
 
     module.__dict__[method_name] = run
+
+
+def _mesh_strategy(mesh: Any, strategy: str) -> str:
+    """The strategy ``fully_shard(mesh=...)`` means (FSDP2's device meshes as collsched's
+    strategies), or a refusal naming what the mesh is."""
+    if mesh is None:
+        return strategy
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from .world import world
+
+    if not isinstance(mesh, DeviceMesh):
+        raise CollschedError(f"fully_shard: mesh={mesh!r}; expected a torch.distributed DeviceMesh")
+    n = world().world
+    ranks = mesh.mesh.flatten().tolist()
+    if ranks != list(range(n)) or mesh.ndim > 2:
+        raise CollschedError(
+            f"fully_shard: mesh of shape {tuple(mesh.mesh.shape)} over ranks {ranks}; collsched shards over the "
+            f"job's {n} ranks in order: give a 1-D mesh of them all, or a 2-D (replicate, shard) one (HSDP); a "
+            "mesh over part of the job is not supported"
+        )
+    if mesh.ndim == 1:
+        return strategy
+    group = int(mesh.mesh.shape[1])
+    if strategy not in ("even", f"hybrid:{group}"):
+        raise CollschedError(
+            f"fully_shard: mesh of shape {tuple(mesh.mesh.shape)} (replicate x shard) is strategy 'hybrid:{group}'; "
+            f"strategy={strategy!r} says otherwise: give one of them"
+        )
+    return f"hybrid:{group}"
+
+
+def _ignored(module: nn.Module, params: Any) -> list[nn.Parameter]:
+    """``ignored_params``, checked: parameters of ``module``, none sharded already."""
+    if params is None:
+        return []
+    try:
+        given = list(params)
+    except TypeError:
+        raise CollschedError(
+            f"fully_shard: ignored_params={params!r}; expected a set of parameters of the module"
+        ) from None
+    mine = {id(p) for p in module.parameters()}
+    for p in given:
+        if not isinstance(p, nn.Parameter) or id(p) not in mine:
+            raise CollschedError(
+                f"fully_shard: ignored_params holds {type(p).__name__} of shape {tuple(getattr(p, 'shape', ()))}, "
+                f"not a parameter of {type(module).__name__}; give the module's own parameters"
+            )
+        if hasattr(p, "_collsched_param"):
+            raise CollschedError(
+                f"fully_shard: ignored_params holds a parameter of shape {tuple(p.shape)} that a fully_shard "
+                "below already sharded; ignore it in that call (the blocks' calls come first)"
+            )
+    return given
 
 
 def _reshard_flag(value: Any, what: str) -> bool | None:
@@ -175,6 +281,8 @@ def fully_shard(
     sync_module_states: bool = False,
     reshard_after_forward: bool | None = None,
     mp_policy: Any = None,
+    ignored_params: Any = None,
+    mesh: Any = None,
 ) -> nn.Module:
     """Shards ``module`` in place (collective: every rank calls it with the same module
     structure) and returns it.
@@ -186,7 +294,10 @@ def fully_shard(
     rank's elements; after a synchronized backward each has ``.grad`` (the mean over ranks).
     ``module.state_dict()`` gives them as FSDP2 does, DTensors of their global shapes, and
     ``load_state_dict`` takes full values or DTensors (``state_dict.py``: collective, over
-    torch.distributed's default group).
+    torch.distributed's default group). A module built on the meta device is sharded without
+    values (zeros in collsched's memory; no rank makes a full value): ``to_empty`` keeps the
+    shards, and a load (``set_model_state_dict(..., broadcast_from_rank0=True)``,
+    ``load_state_dict``, ``load_checkpoint``) writes them.
     A second call on a sharded module (a unit or the root) returns it unchanged: two trainers
     wrapping one model share its sharding.
 
@@ -211,7 +322,13 @@ def fully_shard(
     re-plans the units (FSDP2's ``None`` keeps the root fetched: pass False on the root for
     that); ``mp_policy`` (``None``: none) a :class:`MixedPrecisionPolicy` (this package's or
     FSDP2's): gathers in its ``param_dtype`` with f32 shards for the optimizer, and its
-    ``reduce_dtype`` where ``reduce_dtype`` is not given.
+    ``reduce_dtype`` where ``reduce_dtype`` is not given; ``ignored_params`` (``None``: none) a
+    set of parameters under ``module`` left as they are (FSDP2's: not sharded, their gradients
+    not reduced; expert-parallel or quantized layers keep their own), as are parameters of
+    non-floating dtypes; ``mesh`` (``None``: the job's world) a torch ``DeviceMesh`` over the
+    job's ranks in order, as FSDP2 takes it: 1-D shards over them all (``strategy`` as given),
+    2-D ``(replicate, shard)`` is ``strategy="hybrid:G"`` with ``G`` the shard dimension's size
+    (HSDP); a mesh over part of the job (pipeline or tensor parallelism beside) is refused.
     """
     if not isinstance(module, nn.Module):
         raise CollschedError(f"fully_shard: expected a torch.nn.Module, got {type(module).__name__}")
@@ -223,6 +340,7 @@ def fully_shard(
             f"fully_shard: prefetch={prefetch!r}; expected 'trace' (replay the first step's order), 'explicit' "
             "(the next unit, or the units' set_modules_to_forward_prefetch lists) or 'none'"
         )
+    strategy = _mesh_strategy(mesh, strategy)
     mp = values.policy(mp_policy)
     if mp is not None and mp.reduce_dtype is not None:
         if reduce_dtype is not None and _TO_TORCH.get(reduce_dtype, reduce_dtype) != mp.reduce_dtype:
@@ -236,6 +354,7 @@ def fully_shard(
         if reduce_dtype not in _FROM_TORCH:
             raise CollschedError(f"fully_shard: reduce_dtype={reduce_dtype}; expected float32, bfloat16 or float16")
         reduce_dtype = _FROM_TORCH[reduce_dtype]
+    module.__dict__["_collsched_ignored"] = _ignored(module, ignored_params)
     module.__dict__["_collsched_reshard"] = _reshard_flag(reshard_after_forward, "fully_shard")
     module.__dict__["_collsched_mp"] = mp
     opts = {

@@ -4,7 +4,6 @@ How a pass runs is told in the package's docstring."""
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from typing import Any
@@ -13,11 +12,11 @@ import torch
 from torch import nn
 from torch.utils import _pytree
 
-from .. import _native, params_json
 from .._native import CollschedError
 from . import values as values_
+from .build import build as _build
 from .units import _Frame, _needing_grad, _Param, _PostBackward, _recomputing, _tensor, _Unit
-from .world import _DTYPE_BYTES, _FROM_TORCH, _TO_TORCH, world
+from .world import _DTYPE_BYTES, _FROM_TORCH, _TO_TORCH
 
 # Views kept per parameter, by address of the gathered buffer (the oldest goes first).
 _VIEWS_KEPT = 4
@@ -66,6 +65,13 @@ class _State:
         self.bwd_rules: dict[int, list[int]] = {}
         # Mixed precision's parameters: f32 masters apart from the library's shards.
         self.masters: list[_Param] = []
+        # Built without values (on the meta device), none loaded since: a root's build over
+        # it gathers nothing.
+        self.meta = False
+        # In ``to_empty``: emptied copies of the shards are put back without a word.
+        self.emptying = False
+        # ``set_is_last_backward``'s flag (every backward ends its reductions here).
+        self.last_backward = True
         # One per unit forward running (pre-hook to hook), innermost last.
         self.frames: list[_Frame] = []
 
@@ -84,166 +90,7 @@ class _State:
     # ---- building ----------------------------------------------------------------------
 
     def build(self) -> None:
-        w = world()
-        if w.kind == "cuda":
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        self.on_device = w.kind in ("cuda", "emulated")
-        root = self.root
-        mp = self.opts["mp"]
-        unit_of: dict[int, int] = {}
-        self.units = []
-
-        def visit(m: nn.Module, u: int) -> None:
-            if m is not root and getattr(m, "_collsched_unit", False):
-                u = len(self.units)
-                self.units.append(_Unit(u, m))
-            unit_of[id(m)] = u
-            for c in m.children():
-                if id(c) not in unit_of:
-                    visit(c, u)
-
-        self.units.append(_Unit(0, root))
-        visit(root, 0)
-        for u in self.units:
-            # A unit's own output_dtype applies to its outputs; the rest is the root's.
-            own = u.module.__dict__.get("_collsched_mp", mp)
-            u.output_dtype = None if own is None else own.output_dtype
-            if values_.without_output(own) != values_.without_output(mp):
-                raise CollschedError(
-                    f"fully_shard: unit {type(u.module).__name__} was sharded with mp_policy {own}, the root "
-                    f"with {mp}; give every unit the root's param_dtype, reduce_dtype and cast_forward_inputs"
-                )
-        # Parameters in module order; a tied parameter belongs to its first unit and is
-        # fetched by every unit that uses it.
-        found: dict[int, _Param] = {}
-        values: list[torch.Tensor] = []
-        old_states: dict[int, _State] = {}
-        names = {id(m): q for q, m in root.named_modules(remove_duplicate=False)}
-        inside = set(names)
-        for m in root.modules():
-            u = unit_of[id(m)]
-            for name, p in list(m._parameters.items()):
-                if p is None:
-                    continue
-                info = found.get(id(p))
-                if info is None:
-                    prev = getattr(p, "_collsched_param", None)
-                    qual = f"{names[id(m)]}.{name}" if names[id(m)] else name
-                    if prev is not None:
-                        st, old = prev
-                        if st.model is None or id(st.root) not in inside:
-                            raise CollschedError(
-                                f"fully_shard: parameter {qual} is already sharded by the fully_shard of a module "
-                                f"above {type(root).__name__}; call fully_shard on the blocks first, then on the root"
-                            )
-                        old_states[id(st)] = st
-                        shape, dtype, requires_grad = old.shape, p.dtype, p.requires_grad
-                    else:
-                        shape, dtype, requires_grad = p.shape, p.dtype, p.requires_grad
-                    if dtype not in _FROM_TORCH:
-                        raise CollschedError(
-                            f"fully_shard: parameter {qual} has dtype {dtype}; collsched moves float32, bfloat16 "
-                            "and float16 parameters (cast the module first, e.g. module.to(torch.bfloat16))"
-                        )
-                    if p.device.type not in ("cpu", self.device.type):
-                        raise CollschedError(
-                            f"fully_shard: parameter {qual} is on {p.device}; this world shards tensors on "
-                            f"{self.device} (and takes CPU ones there)"
-                        )
-                    # Under mixed precision the library's shards and gathers are of param_dtype;
-                    # the module's shard (the optimizer's) stays of the parameter's dtype.
-                    gather = mp.param_dtype if mp is not None and mp.param_dtype is not None else dtype
-                    info = _Param(len(self.params), qual, shape, gather, self.device)
-                    info.unit = u
-                    info.shard = (
-                        p if prev is not None else nn.Parameter(torch.empty(0, dtype=dtype, device=self.device))
-                    )
-                    info.shard.requires_grad_(requires_grad)
-                    found[id(p)] = info
-                    self.params.append(info)
-                    values.append(p)
-                self.units[u].slots.append((m, name, info.pid))
-        if not self.params:
-            raise CollschedError(f"fully_shard: {type(root).__name__} has no parameters to shard")
-        for unit in self.units:
-            seen: dict[int, None] = {}
-            for _, _, pid in unit.slots:
-                seen[pid] = None
-            unit.ids = list(seen)
-            unit.params = [self.params[pid] for pid in unit.ids]
-        full = values_.full_values(values, old_states)
-        if self.opts["sync_module_states"]:
-            full = values_.from_rank0(full)
-        entries = [
-            {
-                "name": p.name,
-                "shape": list(p.shape),
-                "dtype": _FROM_TORCH[p.dtype],
-                "trainable": bool(p.shard.requires_grad),
-                "module": f"unit{p.unit}",
-            }
-            for p in self.params
-        ]
-        text = params_json(entries)
-        lib = [v.to(p.dtype) if v.dtype != p.dtype else v for v, p in zip(full, self.params)]
-        self.model = _native.Model(w, text, lib, self.opts["strategy"], float(self.opts["bucket_mb"]), 256, "module")
-        del lib
-        o = self.opts
-        # The plan's gather buckets, parsed once: id -> (parameter names, bytes of parameters).
-        by_name = {p.name: p for p in self.params}
-        self.gather_buckets = {
-            b["id"]: (b["params"], _DTYPE_BYTES[b["dtype"]] * sum(by_name[n].numel for n in b["params"]))
-            for b in json.loads(self.model.plan)["buckets"]
-            if b["kind"] == "gather"
-        }
-        self.unit_buckets = self._unit_buckets()
-        ahead_bytes, ahead_buckets = self._one_unit_ahead()
-        prefetch_bytes = ahead_bytes if o["prefetch_bytes"] is None else o["prefetch_bytes"]
-        max_inflight = ahead_buckets if o["max_inflight"] is None else o["max_inflight"]
-        policy = "none" if o["prefetch"] == "explicit" else o["prefetch"]
-        if mp is not None and o["reduce_dtype"] is None:
-            # Gradients reduced in the parameters' own dtype (torch 2.15's FSDP2).
-            own = {_FROM_TORCH[v.dtype] for v in full}
-            if len(own) > 1:
-                raise CollschedError(f"fully_shard: parameters of dtypes {sorted(own)}: give mp_policy.reduce_dtype")
-            o["reduce_dtype"] = own.pop()
-        self.engine_args = (policy, prefetch_bytes, max_inflight, None, o["reduce_dtype"])
-        self.train = self.model.engine(*self.engine_args)
-        self.eval = self.model.engine(*self.engine_args)
-        if o["prefetch"] == "explicit":
-            self.apply_explicit()
-        for old in old_states.values():
-            old.retire()
-        self.masters = []
-        for p, value in zip(self.params, full):
-            region, p.offset, numel = self.model.shard(p.pid)
-            data = _tensor(region, p.dtype, [numel], self.device)
-            assert data.numel() == numel
-            # Under mixed precision the shard is this rank's elements of the f32 full value.
-            mixed = value.dtype != p.dtype
-            p.home = data
-            mine = value.reshape(-1)[p.offset : p.offset + numel].to(self.device, copy=True) if mixed else data
-            p.own = p.shard.data = mine
-            if mixed:
-                self.masters.append(p)
-            p.shard._collsched_param = (self, p)
-            p.full.requires_grad_(p.shard.requires_grad)
-        del full
-        for m, name, pid in (s for u in self.units for s in u.slots):
-            m._parameters[name] = self.params[pid].shard
-        users: dict[int, int] = {}
-        for u in self.units:
-            for pid in u.ids:
-                users[pid] = users.get(pid, 0) + 1
-        for u in self.units:
-            u.module.__dict__["_collsched_u"] = u
-            u.reshard = u.module.__dict__.get("_collsched_reshard") is not False
-            u.swaps = [(m._parameters, name, self.params[pid].full, self.params[pid].shard) for m, name, pid in u.slots]
-            u.shared = any(users[pid] > 1 for pid in u.ids)
-            u.known = [0] * len(u.ids)
-        self.mask = [bool(p.shard.requires_grad) for p in self.params]
-        self._own_grads()
-        self.hooks = _native.Hooks(len(self.units), [p.unit for p in self.params], self._unpack_saved)
+        _build(self)
 
     def _own_grads(self) -> None:
         for u in self.units:
@@ -296,6 +143,28 @@ class _State:
         if self.opts["prefetch"] == "explicit":
             self.apply_explicit()
 
+    def unshard(self, unit: _Unit) -> None:
+        """``module.unshard()``: between steps, ``unit`` fetched for reading (on the evaluation
+        engine), its full parameters in its modules, until :meth:`reshard`."""
+        if self.engine is not None or self.phase != "idle" or unit.fetched is not None:
+            return
+        self._fetch(unit, self.eval, swap=True)
+        unit.manual = True
+
+    def reshard(self, unit: _Unit) -> None:
+        """``module.reshard()``: releases what :meth:`unshard` fetched."""
+        if not unit.manual:
+            return
+        unit.manual = False
+        self._release(unit)
+        if not any(u.manual for u in self.units):
+            self.eval.end_step()
+
+    def reshard_all(self) -> None:
+        """Releases every unit :meth:`unshard` fetched (a pass, or a gather of everything, starts)."""
+        for u in self.units:
+            self.reshard(u)
+
     def unit_index(self, module: nn.Module) -> int:
         for i, u in enumerate(self.units):
             if u.module is module:
@@ -343,6 +212,8 @@ class _State:
             self.host_s += _clock() - t0
             return args, kwargs
         t0 = _clock()
+        if self.engine is None:
+            self.reshard_all()
         if self.phase == "backward":
             self._recover()
         if torch.is_grad_enabled():
@@ -612,6 +483,9 @@ class _State:
             if data.data_ptr() != want.data_ptr() or data.dtype != want.dtype or data.device != self.device:
                 moved.append((p, data.dtype, data.device))
                 p.shard.data = want
+        if moved and self.emptying and all(d == p.own.dtype and dev == self.device for p, d, dev in moved):
+            # ``to_empty`` on the shards' own device: they are in place already.
+            return
         if moved:
             p, dtype, device = moved[0]
             raise CollschedError(
@@ -782,6 +656,7 @@ class _State:
     def gather_all(self) -> dict[int, torch.Tensor]:
         """Every parameter's full value (copies; a mixed-precision one's f32 master), by id.
         Collective."""
+        self.reshard_all()
         if self.masters:
             values_.push_masters(self)
         ids = [p.pid for p in self.params]

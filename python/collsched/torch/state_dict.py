@@ -166,18 +166,18 @@ def _load_hook(
 
     todo = []
     for mname, m in module.named_modules(prefix=prefix[:-1], remove_duplicate=False):
-        for name, _, p in _sharded(m, "load_state_dict"):
+        for name, st, p in _sharded(m, "load_state_dict"):
             key = f"{mname}.{name}" if mname else name
             v = sd.get(key)
             if v is None or getattr(v, "_collsched_loaded", False):
                 continue
-            todo.append((key, p, v))
+            todo.append((key, st, p, v))
     if todo and meta.get("assign_to_params_buffers", False):
         raise CollschedError(
             f"load_state_dict(assign=True) into {type(module).__name__}: a sharded model's parameters live in "
             "collsched's memory and are copied into, never replaced; load without assign"
         )
-    for key, p, v in todo:
+    for key, _, p, v in todo:
         if not isinstance(v, torch.Tensor) or tuple(v.shape) != tuple(p.shape):
             got = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
             raise CollschedError(
@@ -185,7 +185,8 @@ def _load_hook(
                 f"{tuple(p.shape)}) or a DTensor of it (a local 1-D shard is not one: load those with "
                 "collsched.torch.load_checkpoint); nothing was loaded"
             )
-    for key, p, v in todo:
+    for key, st, p, v in todo:
+        st.meta = False
         if isinstance(v, DTensor):
             v = v.full_tensor()
         n = p.shard.numel()

@@ -94,6 +94,7 @@ class _Unit:
         "grads",
         "reshard",
         "kept",
+        "manual",
         "output_dtype",
     )
 
@@ -121,6 +122,8 @@ class _Unit:
         # into the backward (False; ``kept`` while so held).
         self.reshard = True
         self.kept = False
+        # Fetched by ``module.unshard()`` (between steps, for reading) until ``reshard()``.
+        self.manual = False
         # Mixed precision's output_dtype of this unit's own fully_shard call, or None.
         self.output_dtype: torch.dtype | None = None
 

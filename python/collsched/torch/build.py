@@ -1,0 +1,220 @@
+"""Building a root's sharded model (``_State.build``): the units and parameters found in the
+modules, their initial values (or none, for a model built on the meta device), the plan, the
+library's model and engines, and the shards put in the modules."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from .. import _native, params_json
+from .._native import CollschedError
+from . import values as values_
+from .units import _Param, _tensor, _Unit
+from .world import _DTYPE_BYTES, _FROM_TORCH, world
+
+if TYPE_CHECKING:
+    from .shard import _State
+
+
+def build(st: _State) -> None:
+    """Builds ``st``'s sharded model: its units and parameters from the modules, the plan,
+    the library's model and engines, the shards in the modules."""
+    w = world()
+    if w.kind == "cuda":
+        st.device = torch.device("cuda", torch.cuda.current_device())
+    st.on_device = w.kind in ("cuda", "emulated")
+    root = st.root
+    mp = st.opts["mp"]
+    unit_of: dict[int, int] = {}
+    st.units = []
+
+    def visit(m: nn.Module, u: int) -> None:
+        if m is not root and getattr(m, "_collsched_unit", False):
+            u = len(st.units)
+            st.units.append(_Unit(u, m))
+        unit_of[id(m)] = u
+        for c in m.children():
+            if id(c) not in unit_of:
+                visit(c, u)
+
+    st.units.append(_Unit(0, root))
+    visit(root, 0)
+    for u in st.units:
+        # A unit's own output_dtype applies to its outputs; the rest is the root's.
+        own = u.module.__dict__.get("_collsched_mp", mp)
+        u.output_dtype = None if own is None else own.output_dtype
+        if values_.without_output(own) != values_.without_output(mp):
+            raise CollschedError(
+                f"fully_shard: unit {type(u.module).__name__} was sharded with mp_policy {own}, the root "
+                f"with {mp}; give every unit the root's param_dtype, reduce_dtype and cast_forward_inputs"
+            )
+    # Parameters in module order; a tied parameter belongs to its first unit and is
+    # fetched by every unit that uses it.
+    found: dict[int, _Param] = {}
+    values: list[torch.Tensor] = []
+    # Whether each parameter has no value yet: on the meta device, or of an earlier build of one.
+    metas: dict[str, bool] = {}
+    old_states: dict[int, _State] = {}
+    names = {id(m): q for q, m in root.named_modules(remove_duplicate=False)}
+    inside = set(names)
+    # ``ignored_params`` of every fully_shard call under the root, and every parameter that is
+    # not of a floating dtype: left in the modules as they are.
+    ignored = {id(p) for m in root.modules() for p in m.__dict__.get("_collsched_ignored", ())}
+    for m in root.modules():
+        u = unit_of[id(m)]
+        for name, p in list(m._parameters.items()):
+            if p is None or id(p) in ignored or not (p.is_floating_point() or p.is_complex()):
+                continue
+            info = found.get(id(p))
+            if info is None:
+                prev = getattr(p, "_collsched_param", None)
+                qual = f"{names[id(m)]}.{name}" if names[id(m)] else name
+                if prev is not None:
+                    before, old = prev
+                    if before.model is None or id(before.root) not in inside:
+                        raise CollschedError(
+                            f"fully_shard: parameter {qual} is already sharded by the fully_shard of a module "
+                            f"above {type(root).__name__}; call fully_shard on the blocks first, then on the root"
+                        )
+                    old_states[id(before)] = before
+                    shape, dtype, requires_grad = old.shape, p.dtype, p.requires_grad
+                else:
+                    shape, dtype, requires_grad = p.shape, p.dtype, p.requires_grad
+                if dtype not in _FROM_TORCH:
+                    raise CollschedError(
+                        f"fully_shard: parameter {qual} has dtype {dtype}; collsched moves float32, bfloat16 "
+                        "and float16 parameters (cast the module first, e.g. module.to(torch.bfloat16), or "
+                        "leave it unsharded with ignored_params)"
+                    )
+                if p.device.type not in ("cpu", "meta", st.device.type):
+                    raise CollschedError(
+                        f"fully_shard: parameter {qual} is on {p.device}; this world shards tensors on "
+                        f"{st.device} (and takes CPU and meta ones there)"
+                    )
+                metas[qual] = p.is_meta if prev is None else prev[0].meta
+                # Under mixed precision the library's shards and gathers are of param_dtype;
+                # the module's shard (the optimizer's) stays of the parameter's dtype.
+                gather = mp.param_dtype if mp is not None and mp.param_dtype is not None else dtype
+                info = _Param(len(st.params), qual, shape, gather, st.device)
+                info.unit = u
+                info.shard = p if prev is not None else nn.Parameter(torch.empty(0, dtype=dtype, device=st.device))
+                info.shard.requires_grad_(requires_grad)
+                found[id(p)] = info
+                st.params.append(info)
+                values.append(p)
+            st.units[u].slots.append((m, name, info.pid))
+    if not st.params:
+        raise CollschedError(f"fully_shard: {type(root).__name__} has no parameters to shard")
+    for unit in st.units:
+        seen: dict[int, None] = {}
+        for _, _, pid in unit.slots:
+            seen[pid] = None
+        unit.ids = list(seen)
+        unit.params = [st.params[pid] for pid in unit.ids]
+    st.meta = _no_values(metas, st.opts["sync_module_states"])
+    # The dtypes of the parameters' values (under mixed precision, of the f32 masters).
+    dtypes = [v.dtype for v in values]
+    full: list[torch.Tensor] | None = None
+    if not st.meta:
+        full = values_.full_values(values, old_states)
+        if st.opts["sync_module_states"]:
+            full = values_.from_rank0(full)
+    entries = [
+        {
+            "name": p.name,
+            "shape": list(p.shape),
+            "dtype": _FROM_TORCH[p.dtype],
+            "trainable": bool(p.shard.requires_grad),
+            "module": f"unit{p.unit}",
+        }
+        for p in st.params
+    ]
+    text = params_json(entries)
+    lib = None if full is None else [v.to(p.dtype) if v.dtype != p.dtype else v for v, p in zip(full, st.params)]
+    st.model = _native.Model(w, text, lib, st.opts["strategy"], float(st.opts["bucket_mb"]), 256, "module")
+    del lib
+    o = st.opts
+    # The plan's gather buckets, parsed once: id -> (parameter names, bytes of parameters).
+    by_name = {p.name: p for p in st.params}
+    st.gather_buckets = {
+        b["id"]: (b["params"], _DTYPE_BYTES[b["dtype"]] * sum(by_name[n].numel for n in b["params"]))
+        for b in json.loads(st.model.plan)["buckets"]
+        if b["kind"] == "gather"
+    }
+    st.unit_buckets = st._unit_buckets()
+    ahead_bytes, ahead_buckets = st._one_unit_ahead()
+    prefetch_bytes = ahead_bytes if o["prefetch_bytes"] is None else o["prefetch_bytes"]
+    max_inflight = ahead_buckets if o["max_inflight"] is None else o["max_inflight"]
+    policy = "none" if o["prefetch"] == "explicit" else o["prefetch"]
+    if mp is not None and o["reduce_dtype"] is None:
+        # Gradients reduced in the parameters' own dtype (torch 2.15's FSDP2).
+        own = {_FROM_TORCH[d] for d in dtypes}
+        if len(own) > 1:
+            raise CollschedError(f"fully_shard: parameters of dtypes {sorted(own)}: give mp_policy.reduce_dtype")
+        o["reduce_dtype"] = own.pop()
+    st.engine_args = (policy, prefetch_bytes, max_inflight, None, o["reduce_dtype"])
+    st.train = st.model.engine(*st.engine_args)
+    st.eval = st.model.engine(*st.engine_args)
+    if o["prefetch"] == "explicit":
+        st.apply_explicit()
+    for old in old_states.values():
+        old.retire()
+    st.masters = []
+    for i, (p, dtype) in enumerate(zip(st.params, dtypes)):
+        region, p.offset, numel = st.model.shard(p.pid)
+        data = _tensor(region, p.dtype, [numel], st.device)
+        assert data.numel() == numel
+        # Under mixed precision the shard is this rank's elements of the f32 full value (zeros
+        # for a model without values yet).
+        mixed = dtype != p.dtype
+        p.home = data
+        mine = data
+        if mixed and full is None:
+            mine = torch.zeros(numel, dtype=dtype, device=st.device)
+        elif mixed:
+            mine = full[i].reshape(-1)[p.offset : p.offset + numel].to(st.device, copy=True)
+        p.own = p.shard.data = mine
+        if mixed:
+            st.masters.append(p)
+        p.shard._collsched_param = (st, p)
+        p.full.requires_grad_(p.shard.requires_grad)
+    del full
+    for m, name, pid in (s for u in st.units for s in u.slots):
+        m._parameters[name] = st.params[pid].shard
+    users: dict[int, int] = {}
+    for u in st.units:
+        for pid in u.ids:
+            users[pid] = users.get(pid, 0) + 1
+    for u in st.units:
+        u.module.__dict__["_collsched_u"] = u
+        u.reshard = u.module.__dict__.get("_collsched_reshard") is not False
+        u.swaps = [(m._parameters, name, st.params[pid].full, st.params[pid].shard) for m, name, pid in u.slots]
+        u.shared = any(users[pid] > 1 for pid in u.ids)
+        u.known = [0] * len(u.ids)
+    st.mask = [bool(p.shard.requires_grad) for p in st.params]
+    st._own_grads()
+    st.hooks = _native.Hooks(len(st.units), [p.unit for p in st.params], st._unpack_saved)
+
+
+def _no_values(metas: dict[str, bool], sync_module_states: bool) -> bool:
+    """Whether the model is built without values (every parameter on the meta device, or of
+    an earlier build without values): its shards are zeros until a load writes them."""
+    if not any(metas.values()):
+        return False
+    if not all(metas.values()):
+        on = next(n for n, m in metas.items() if m)
+        off = next(n for n, m in metas.items() if not m)
+        raise CollschedError(
+            f"fully_shard: parameter {on} is on the meta device and {off} is not; build the whole model on "
+            "the meta device (then load its values with load_state_dict or set_model_state_dict) or none of it"
+        )
+    if sync_module_states:
+        raise CollschedError(
+            "fully_shard: sync_module_states=True on a model built on the meta device: there are no values to "
+            "send; load them (set_model_state_dict with broadcast_from_rank0=True) instead"
+        )
+    return True
