@@ -23,6 +23,8 @@ def shard(model: torch.nn.Module, spec: dict[str, Any]) -> torch.nn.Module:
     opts = {k: spec[k] for k in keys if k in spec}
     if spec.get("mp"):
         opts["mp_policy"] = cst.MixedPrecisionPolicy(**spec["mp"])
+    if spec.get("offload"):
+        opts["offload_policy"] = cst.CPUOffloadPolicy()
     for b in model.blocks:
         cst.fully_shard(b, **opts)
     return cst.fully_shard(model, **opts)

@@ -83,10 +83,11 @@ from .module import (
     register_fsdp_forward_method,
     stats,
 )
-from .values import MixedPrecisionPolicy
+from .values import CPUOffloadPolicy, MixedPrecisionPolicy
 from .world import flight_record, init, world
 
 __all__ = [
+    "CPUOffloadPolicy",
     "CollschedError",
     "CollschedModule",
     "MixedPrecisionPolicy",

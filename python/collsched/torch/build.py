@@ -164,21 +164,31 @@ def build(st: _State) -> None:
     for old in old_states.values():
         old.retire()
     st.masters = []
+    offload = st.opts.get("offload")
+    # Where the module's shards (the optimizer's) live: host memory under CPU offload.
+    where = torch.device("cpu") if offload is not None else st.device
+    pin = offload is not None and offload.pin_memory and torch.cuda.is_available()
     for i, (p, dtype) in enumerate(zip(st.params, dtypes)):
         region, p.offset, numel = st.model.shard(p.pid)
         data = _tensor(region, p.dtype, [numel], st.device)
         assert data.numel() == numel
-        # Under mixed precision the shard is this rank's elements of the f32 full value (zeros
-        # for a model without values yet).
-        mixed = dtype != p.dtype
+        # Under mixed precision or offload the module's shard is a tensor of its own, of the
+        # value's dtype (f32 under mixed precision), where it lives: this rank's elements of
+        # the full value (zeros for a model without values yet), copied into the library's
+        # shard at each pass's start.
+        apart = dtype != p.dtype or offload is not None
         p.home = data
         mine = data
-        if mixed and full is None:
-            mine = torch.zeros(numel, dtype=dtype, device=st.device)
-        elif mixed:
-            mine = full[i].reshape(-1)[p.offset : p.offset + numel].to(st.device, copy=True)
+        if apart and full is None:
+            mine = torch.zeros(numel, dtype=dtype, device=where)
+        elif apart and dtype != p.dtype:
+            mine = full[i].reshape(-1)[p.offset : p.offset + numel].to(where, copy=True)
+        elif apart:
+            mine = data.to(where, copy=True)
+        if pin:
+            mine = mine.pin_memory()
         p.own = p.shard.data = mine
-        if mixed:
+        if apart:
             st.masters.append(p)
         p.shard._collsched_param = (st, p)
         p.full.requires_grad_(p.shard.requires_grad)

@@ -161,9 +161,11 @@ def save_full(module: nn.Module, path: Any) -> None:
     bucket at a time; rank 0 writes. Collective: every rank calls it, between steps."""
     state = _root_state(module)
     _between_steps(state, "save_full")
-    if state.masters:
+    if any(p.own.dtype != p.dtype for p in state.masters):
         raise CollschedError(
             "save_full: the model gathers in its mixed-precision param_dtype, and the file would hold those values; "
             "write cst.full_state_dict(module) (the f32 masters) with safetensors.torch.save_file on rank 0"
         )
+    # CPU offload: the library's shards take the module's values first.
+    values.push_masters(state)
     state.model.save_full(str(path))

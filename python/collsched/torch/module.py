@@ -283,6 +283,7 @@ def fully_shard(
     mp_policy: Any = None,
     ignored_params: Any = None,
     mesh: Any = None,
+    offload_policy: Any = None,
 ) -> nn.Module:
     """Shards ``module`` in place (collective: every rank calls it with the same module
     structure) and returns it.
@@ -328,7 +329,9 @@ def fully_shard(
     non-floating dtypes; ``mesh`` (``None``: the job's world) a torch ``DeviceMesh`` over the
     job's ranks in order, as FSDP2 takes it: 1-D shards over them all (``strategy`` as given),
     2-D ``(replicate, shard)`` is ``strategy="hybrid:G"`` with ``G`` the shard dimension's size
-    (HSDP); a mesh over part of the job (pipeline or tensor parallelism beside) is refused.
+    (HSDP); a mesh over part of the job (pipeline or tensor parallelism beside) is refused;
+    ``offload_policy`` (``None``: none) a :class:`CPUOffloadPolicy` (this package's or FSDP2's):
+    the module's shards and their gradients in host memory, the optimizer stepping there.
     """
     if not isinstance(module, nn.Module):
         raise CollschedError(f"fully_shard: expected a torch.nn.Module, got {type(module).__name__}")
@@ -367,6 +370,7 @@ def fully_shard(
         "auto_refresh_trainable": auto_refresh_trainable,
         "sync_module_states": sync_module_states,
         "mp": mp,
+        "offload": values.offload_policy(offload_policy),
     }
     state = _State(module, opts)
     _mark(module)

@@ -63,7 +63,8 @@ class _State:
         self.unit_buckets: list[list[int]] = []
         self.fwd_rules: dict[int, list[int]] = {}
         self.bwd_rules: dict[int, list[int]] = {}
-        # Mixed precision's parameters: f32 masters apart from the library's shards.
+        # Mixed precision's and CPU offload's parameters: the module's shards (f32, or in host
+        # memory) apart from the library's.
         self.masters: list[_Param] = []
         # Built without values (on the meta device), none loaded since: a root's build over
         # it gathers nothing.
@@ -480,10 +481,10 @@ class _State:
         moved = []
         for p in self.params:
             data, want = p.shard.data, p.own
-            if data.data_ptr() != want.data_ptr() or data.dtype != want.dtype or data.device != self.device:
+            if data.data_ptr() != want.data_ptr() or data.dtype != want.dtype or data.device != want.device:
                 moved.append((p, data.dtype, data.device))
                 p.shard.data = want
-        if moved and self.emptying and all(d == p.own.dtype and dev == self.device for p, d, dev in moved):
+        if moved and self.emptying and all(d == p.own.dtype and dev == p.own.device for p, d, dev in moved):
             # ``to_empty`` on the shards' own device: they are in place already.
             return
         if moved:
@@ -491,7 +492,7 @@ class _State:
             raise CollschedError(
                 f"{module}: a conversion (module.to(), .half(), .share_memory(), ...) moved parameter {p.name} "
                 f"({len(moved)} parameters in all) out of collsched's memory, to {dtype} on {device}; the shards are "
-                f"put back ({p.own.dtype} on {self.device}). Convert or move the module before fully_shard"
+                f"put back ({p.own.dtype} on {p.own.device}). Convert or move the module before fully_shard"
             )
 
     def refresh_trainable(self) -> bool:
@@ -644,8 +645,8 @@ class _State:
                 # Library memory on the device, valid until the next call: copied out here.
                 t = _TO_TORCH[dtype]
                 g = _tensor(data, t, [len(data) // _DTYPE_BYTES[dtype]], self.device).clone()
-            if g.dtype != p.shard.dtype:
-                g = g.to(p.shard.dtype)
+            if g.dtype != p.shard.dtype or g.device != p.shard.device:
+                g = g.to(p.shard.device, p.shard.dtype)
             if p.shard.grad is None:
                 p.shard.grad = g
             else:

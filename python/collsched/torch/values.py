@@ -42,6 +42,32 @@ class MixedPrecisionPolicy:
     cast_forward_inputs: bool = True
 
 
+@dataclasses.dataclass(frozen=True)
+class CPUOffloadPolicy:
+    """FSDP2's CPU offload: the module's parameters (the shards the optimizer updates, and
+    their gradients) live in host memory, ``pin_memory`` (True: page-locked where CUDA is
+    there, for fast copies); each pass copies them into the library's shards, on the device,
+    before its gathers, and the reduced gradients come back to the host, where the
+    optimizer steps. On a CPU world the shards are host memory already: the copies are made
+    all the same (what the tests check)."""
+
+    pin_memory: bool = True
+
+
+def offload_policy(value: Any) -> CPUOffloadPolicy | None:
+    """``fully_shard``'s ``offload_policy``: this module's class or FSDP2's (``OffloadPolicy()``,
+    FSDP2's default, is no offload)."""
+    if value is None:
+        return None
+    if not hasattr(value, "pin_memory"):
+        if type(value).__name__ == "OffloadPolicy":
+            return None
+        raise CollschedError(
+            f"fully_shard: offload_policy={value!r}; expected a CPUOffloadPolicy (collsched.torch's or FSDP2's)"
+        )
+    return CPUOffloadPolicy(bool(value.pin_memory))
+
+
 def policy(value: Any) -> MixedPrecisionPolicy | None:
     """``fully_shard``'s ``mp_policy``: this module's class or FSDP2's (read by its fields)."""
     if value is None:
@@ -116,7 +142,7 @@ def push_masters(state: _State) -> None:
     have changed them; it costs a cast of this rank's elements."""
     with torch.no_grad():
         for p in state.masters:
-            p.home.copy_(p.shard)
+            p.home.copy_(p.shard, non_blocking=p.shard.is_pinned())
 
 
 _HEAD = struct.Struct("<QQQ")

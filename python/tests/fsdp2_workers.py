@@ -1,6 +1,7 @@
-"""Rank functions of ``test_state_dict.py``: a sharded model's ``state_dict()`` and
-``load_state_dict()`` as FSDP2's (DTensors), and torch.distributed.checkpoint on them, each
-against an unsharded model built in the worker."""
+"""Rank functions of ``test_fsdp2_api.py``: FSDP2's API beyond the training loop on a sharded
+model (state dicts as DTensors, torch.distributed.checkpoint, meta-device init, meshes,
+ignored parameters, unshard, offload), each against an unsharded model built in the worker or
+the tests' reference."""
 
 from __future__ import annotations
 
@@ -344,4 +345,23 @@ def titan(rank: int, world: int, spec: dict[str, Any], path: str, phase: str) ->
     if phase == "save":
         workers.dcp_checkpoint(model, opt, path, "save")
     out["partial_mesh"] = error_text(lambda: cst.fully_shard(models.build("mlp", 0), mesh=mesh["shard"]))
+    return out
+
+
+def offloaded(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """The tests' training run under ``CPUOffloadPolicy`` (``spec["offload"]``), and whether each
+    module shard is a tensor apart from the library's shard; FSDP2's own policy classes."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    import collsched.torch as cst
+
+    import workers
+
+    out = workers.train(rank, world, spec)
+    model = cst.fully_shard(models.build("mlp", 0), offload_policy=cst.CPUOffloadPolicy())
+    homes = [p._collsched_param[1].home for p in model.parameters()]
+    out["apart"] = all(h.data_ptr() != p.data_ptr() or h.numel() == 0 for h, p in zip(homes, model.parameters()))
+    out["policy"] = error_text(lambda: cst.fully_shard(models.build("mlp", 1), offload_policy=CPUOffloadPolicy()))
+    cst.fully_shard(models.build("mlp", 2), offload_policy=OffloadPolicy())
+    out["bad"] = error_text(lambda: cst.fully_shard(models.build("mlp", 3), offload_policy="cpu"))
     return out

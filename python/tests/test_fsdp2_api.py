@@ -1,14 +1,16 @@
-"""A sharded model's ``state_dict()`` and ``load_state_dict()`` as FSDP2 gives them: DTensors
-(``Shard(0)``, the global shape, the rows ``torch.chunk`` gives each rank) whose full values are
-the unsharded model's bit for bit, whatever the strategy; loads of full values and of DTensors;
-torch.distributed.checkpoint's ``dcp.save``/``dcp.load`` into another world size and strategy,
-``get_model_state_dict(full_state_dict)`` and ``set_model_state_dict(broadcast_from_rank0)``;
-and what it refuses."""
+"""FSDP2's API beyond the training loop, each point against plain unsharded PyTorch: a sharded
+model's ``state_dict()`` and ``load_state_dict()`` as FSDP2 gives them (DTensors: ``Shard(0)``,
+the global shape, the rows ``torch.chunk`` gives each rank, the unsharded values bit for bit,
+whatever the strategy; loads of full values and of DTensors), an optimizer's state dict
+likewise, torch.distributed.checkpoint (``dcp.save``/``dcp.load`` into another world size and
+strategy, ``get/set_model_state_dict``, ``get/set_optimizer_state_dict``), meta-device init,
+``mesh=``, ``ignored_params``, ``unshard``/``reshard``, ``CPUOffloadPolicy``, a torchtitan-style
+run; and what each refuses."""
 
 from __future__ import annotations
 
+import fsdp2_workers as w
 import pytest
-import sd_workers as w
 import torch
 
 import models
@@ -178,3 +180,24 @@ def test_a_torchtitan_style_run_resumes_into_another_world_as_plain_pytorch(tmp_
         assert r["strategy"] == "hybrid:2", r["strategy"]
         assert "a mesh over part of the job is not supported" in r["partial_mesh"], r["partial_mesh"]
     assert all(r["strategy"] == "even" for r in later)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"strategy": "even", "micro": 2},
+        {"strategy": "flat", "mp": {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}},
+        {"strategy": "even", "backend": "emulated", "micro": 2},
+    ],
+    ids=["even-no_sync", "flat-bf16", "emulated-no_sync"],
+)
+def test_cpu_offload_trains_as_plain_pytorch(spec):
+    """``CPUOffloadPolicy``: the module's shards are tensors of their own (host memory), copied
+    into the library's at each pass, gradients delivered to them; the run is plain PyTorch's."""
+    spec = {"model": "gpt", "steps": 3, "bucket_mb": 0.002, "opt": "adamw", "offload": True, **spec}
+    runs = run(w.offloaded, 2, spec)
+    parity.check(runs, models.reference(spec, 2))
+    for r in runs:
+        assert r["apart"] is True, "an offloaded shard is the library's memory"
+        assert r["policy"] == "no error", r["policy"]
+        assert "expected a CPUOffloadPolicy" in r["bad"], r["bad"]
