@@ -15,6 +15,7 @@ ci_step clippy
 ci_step test
 ci_step python
 ci_step gpu
+ci_step wheel
 for extra in doc ptx fuzz loom sanitize multihost; do
   [ -f "ci/$extra.sh" ] && ci_step "$extra"
 done

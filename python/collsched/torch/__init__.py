@@ -48,6 +48,14 @@ frees buffers only after what that stream queued so far, gradients go over in th
 dtype on that stream, and under ``no_sync`` they accumulate in the full parameters' ``.grad``
 until the synchronized micro-batch.
 
+State dicts and checkpoints: ``module.state_dict()`` gives each sharded parameter as a
+DTensor of its global shape (``Shard(0)`` over torch.distributed's default group), an
+optimizer's ``state_dict()`` its shard-shaped states likewise, and both load full values or
+DTensors, so torch.distributed.checkpoint saves and loads them into any world size
+(``state_dict.py``, ``optim_state.py``); :func:`save_checkpoint` / :func:`load_checkpoint` do
+it without torch.distributed. A model built on the meta device is sharded without values and
+loaded afterwards.
+
 Gradient clipping: ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` (importing
 this package makes it sharding-aware), or :func:`clip_grad_norm_` by name, takes the norm over
 every rank's elements, as FSDP2's DTensor parameters do (torch's own, on a rank's shards, would
@@ -60,7 +68,7 @@ The ``"collsched"`` torch.distributed backend (``dist.init_process_group("collsc
 importing this package registers, is :mod:`collsched.torch.distributed`. The files:
 ``world.py`` (joining the job), ``module.py`` (``fully_shard`` and the module's methods),
 ``shard.py`` (a root's sharded model and its hooks), ``build.py`` (its build), ``units.py`` (parameters and units),
-``values.py`` (initial values and mixed precision's f32 masters),
+``values.py`` (initial values, mixed precision's f32 masters, CPU offload),
 ``state_dict.py`` (``state_dict()`` as DTensors, ``load_state_dict``), ``optim_state.py``
 (an optimizer's state dict likewise),
 ``checkpoint.py`` (checkpoints), ``clip.py`` (gradient clipping), ``distributed.py`` (the
