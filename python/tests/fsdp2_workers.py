@@ -65,10 +65,21 @@ def dtensors(rank: int, world: int, strategy: str) -> dict[str, Any]:
     out: dict[str, Any] = {"before": describe(model.state_dict(), want), "ref_keys": sorted(want)}
     # One block alone, under its own prefix.
     out["block"] = describe(model.blocks[1].state_dict(prefix="blocks.1."), want)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     x, y = models.batch("gpt", 0, 0, 0, rank)
     models.loss_fn("gpt", model(x), y).backward()
     opt.step()
+    # The optimizer's state dict (DTensors) into an optimizer that never stepped: its states
+    # come back as this rank's elements, bit for bit.
+    fresh = torch.optim.AdamW(model.parameters(), lr=0.01)
+    fresh.load_state_dict(opt.state_dict())
+    out["optim_back"] = sorted(
+        f"{i}.{k}"
+        for i, p in enumerate(model.parameters())
+        for k, v in opt.state[p].items()
+        if type(fresh.state[p].get(k)) is not torch.Tensor or not torch.equal(fresh.state[p][k], v)
+    )
+    out["optim_states"] = sum(len(opt.state[p]) for p in model.parameters())
     full = with_tied({k: v.clone() for k, v in cst.full_parameters(model).items()}, ref)
     out["after"] = describe(model.state_dict(), full)
     # Full values of another model, then DTensors of a model sharded by another strategy.
@@ -157,7 +168,8 @@ def dcp_round(rank: int, world: int, path: str, how: str, strategy: str) -> dict
     got = get_model_state_dict(model, options=opts)
     tied = with_tied(full, models.build("gpt", 0))
     same = sorted(got) == sorted(tied) and all(torch.equal(got[k], tied[k]) for k in tied)
-    out["get_full"] = same if rank == 0 else True
+    # Rank 0 alone gets the full state dict (cpu_offload), the others an empty one.
+    out["get_full"] = same if rank == 0 else got == {}
     fresh = shard(models.build("gpt", 9), "greedy", 0.002)
     set_model_state_dict(
         fresh, got if rank == 0 else {}, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)

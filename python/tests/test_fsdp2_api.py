@@ -35,7 +35,7 @@ def check_dtensors(rows_by_key: dict, keys: list[str], world: int, rank: int, wh
         assert r["equal"] is True, f"{what}: {k}'s full value differs from the unsharded model's"
 
 
-@pytest.mark.parametrize(("strategy", "world"), [("even", 2), ("flat", 3), ("greedy", 3), ("hybrid:2", 2)])
+@pytest.mark.parametrize(("strategy", "world"), [("even", 2), ("flat", 3), ("greedy", 3), ("hybrid:2", 4)])
 def test_state_dict_is_dtensors_of_the_unsharded_values(strategy, world):
     """Before and after a step, of the root and of one block alone; then loads of another
     model's full values and of DTensors of a model sharded otherwise, bit for bit."""
@@ -47,6 +47,8 @@ def test_state_dict_is_dtensors_of_the_unsharded_values(strategy, world):
         assert r["loaded_full"] == [], f"rank {rank}: full values not loaded: {r['loaded_full']}"
         assert r["loaded_dtensor"] == [], f"rank {rank}: DTensors not loaded: {r['loaded_dtensor']}"
         assert r["still_trains"] is True
+        assert r["optim_states"] > 0, "AdamW kept no state"
+        assert r["optim_back"] == [], f"rank {rank}: optimizer states not loaded back: {r['optim_back']}"
 
 
 def test_mixed_precision_state_dict_is_the_f32_masters():

@@ -52,6 +52,12 @@ def build(st: _State) -> None:
                 f"fully_shard: unit {type(u.module).__name__} was sharded with mp_policy {own}, the root "
                 f"with {mp}; give every unit the root's param_dtype, reduce_dtype and cast_forward_inputs"
             )
+        off = u.module.__dict__.get("_collsched_offload", st.opts.get("offload"))
+        if off != st.opts.get("offload"):
+            raise CollschedError(
+                f"fully_shard: unit {type(u.module).__name__} was sharded with offload_policy {off}, the root "
+                f"with {st.opts.get('offload')}; give every unit the root's offload_policy"
+            )
     # Parameters in module order; a tied parameter belongs to its first unit and is
     # fetched by every unit that uses it.
     found: dict[int, _Param] = {}
@@ -213,7 +219,19 @@ def build(st: _State) -> None:
 def _no_values(metas: dict[str, bool], sync_module_states: bool) -> bool:
     """Whether the model is built without values (every parameter on the meta device, or of
     an earlier build without values): its shards are zeros until a load writes them."""
-    if not any(metas.values()):
+    here = any(metas.values())
+    if sync_module_states:
+        # Every rank's answer (collective, as the values' exchange after it): rank 0 would
+        # send values to ranks that have none to take, or none to ranks that wait for them.
+        flags = world().all_gather(b"1" if here else b"0")
+        if any(f == b"1" for f in flags):
+            ranks = [r for r, f in enumerate(flags) if f == b"1"]
+            raise CollschedError(
+                f"fully_shard: sync_module_states=True on a model built on the meta device (on ranks {ranks}): "
+                "there are no values to send; load them (set_model_state_dict with broadcast_from_rank0=True) "
+                "instead"
+            )
+    if not here:
         return False
     if not all(metas.values()):
         on = next(n for n, m in metas.items() if m)
@@ -221,10 +239,5 @@ def _no_values(metas: dict[str, bool], sync_module_states: bool) -> bool:
         raise CollschedError(
             f"fully_shard: parameter {on} is on the meta device and {off} is not; build the whole model on "
             "the meta device (then load its values with load_state_dict or set_model_state_dict) or none of it"
-        )
-    if sync_module_states:
-        raise CollschedError(
-            "fully_shard: sync_module_states=True on a model built on the meta device: there are no values to "
-            "send; load them (set_model_state_dict with broadcast_from_rank0=True) instead"
         )
     return True

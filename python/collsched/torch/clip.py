@@ -31,7 +31,11 @@ def _shards(parameters: Any) -> tuple[list[nn.Parameter], list[torch.Tensor]]:
         parameters = [parameters]
     shards, others = [], []
     for p in parameters:
-        (shards if getattr(p, "_collsched_param", None) is not None else others).append(p)
+        if getattr(p, "_collsched_param", None) is not None:
+            shards.append(p)
+        elif p.grad is not None:
+            # Tensors without a gradient (frozen, or of an integer dtype) add nothing.
+            others.append(p)
     return shards, others
 
 

@@ -67,6 +67,9 @@ class CollschedModule:
             return super().to_empty(device=device, recurse=recurse)  # type: ignore[misc]
         finally:
             state.emptying = False
+            # Values may be written into the shards from here on (init_weights): a root's
+            # build over this model gathers them.
+            state.meta = False
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """``False``: backward passes accumulate gradients locally and reduce nothing, until a
@@ -360,6 +363,7 @@ def fully_shard(
     module.__dict__["_collsched_ignored"] = _ignored(module, ignored_params)
     module.__dict__["_collsched_reshard"] = _reshard_flag(reshard_after_forward, "fully_shard")
     module.__dict__["_collsched_mp"] = mp
+    module.__dict__["_collsched_offload"] = opts_offload = values.offload_policy(offload_policy)
     opts = {
         "strategy": strategy,
         "bucket_mb": bucket_mb,
@@ -370,7 +374,7 @@ def fully_shard(
         "auto_refresh_trainable": auto_refresh_trainable,
         "sync_module_states": sync_module_states,
         "mp": mp,
-        "offload": values.offload_policy(offload_policy),
+        "offload": opts_offload,
     }
     state = _State(module, opts)
     _mark(module)

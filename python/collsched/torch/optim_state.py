@@ -5,15 +5,16 @@ placement), so ``torch.distributed.checkpoint``'s ``get_optimizer_state_dict`` /
 ``set_optimizer_state_dict`` and ``dcp.save`` / ``dcp.load`` reshard it into any world size
 or strategy; loading takes those DTensors or full values.
 
-An optimizer is hooked at its first ``step()`` over a sharded model's parameters (a global
-optimizer step pre-hook looks once per change of its parameter groups; the checkpoint
-functions of torch.distributed make a step themselves on a fresh optimizer). Both calls are
-collective: the save gathers each parameter's states from every rank (one gather per
-parameter), the load each DTensor's full value.
+An optimizer over a sharded model's parameters is hooked at its first ``state_dict()``,
+``load_state_dict()`` or ``step()`` (importing ``collsched.torch`` wraps torch's
+``Optimizer.state_dict`` and ``load_state_dict`` to look, once per change of its parameter
+groups). Both calls are collective: the save gathers each parameter's states from every rank
+(one gather per parameter), the load each DTensor's full value.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -26,12 +27,35 @@ _INSTALLED: list[Any] = []
 
 
 def install() -> None:
-    """Registers the global step pre-hook (once)."""
-    if not _INSTALLED:
-        _INSTALLED.append(register_optimizer_step_pre_hook(_on_step))
+    """Registers the global step pre-hook and wraps torch's ``Optimizer.state_dict`` and
+    ``load_state_dict`` (once)."""
+    if _INSTALLED:
+        return
+    _INSTALLED.append(register_optimizer_step_pre_hook(_on_step))
+    for name in ("state_dict", "load_state_dict"):
+        _INSTALLED.append(_looking(name))
+
+
+def _looking(name: str) -> Any:
+    """Wraps ``Optimizer.<name>`` so that it hooks the optimizer first; returns the original."""
+    original = getattr(torch.optim.Optimizer, name)
+
+    @functools.wraps(original)
+    def call(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        _hook(self)
+        return original(self, *args, **kwargs)
+
+    setattr(torch.optim.Optimizer, name, call)
+    return original
 
 
 def _on_step(opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+    _hook(opt)
+
+
+def _hook(opt: torch.optim.Optimizer) -> None:
+    """Hooks ``opt``'s state dicts when it holds a sharded model's parameters (looked at once
+    per change of its parameter groups)."""
     d = opt.__dict__
     groups = len(opt.param_groups)
     if d.get("_collsched_hooked") or d.get("_collsched_groups") == groups:
@@ -101,9 +125,10 @@ def _save(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
                 f"optimizer.state_dict: parameter {p.name}'s optimizer state is missing elements (a rank holding some "
                 "has none); step the optimizer on every rank alike"
             )
-        # A rank without elements of the parameter stepped no state for it: it takes the other
-        # states (Adam's step) of a rank that did, beside its empty rows.
-        out = dict(mine) or dict(next(piece[2] for piece in pieces if piece[1]))
+        # The other states (Adam's step) are those of the first rank holding elements, on every
+        # rank: a rank without elements steps none of them (its copy, if any, is stale).
+        holder = next(piece for piece in pieces if any(v.numel() for v in piece[1].values()))
+        out = dict(holder[2])
         for k, v in full.items():
             value = v.view(p.shape).to(st.device)
             local_rows, placements = _rows(value, mesh)
@@ -129,7 +154,8 @@ def _load(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
         if at >= len(keys):
             continue
         i = keys[at]
-        for k, v in (state.get(i) or {}).items():
+        # In one order on every rank: each DTensor's gather is collective.
+        for k, v in sorted((state.get(i) or {}).items(), key=lambda kv: str(kv[0])):
             if isinstance(v, DTensor) or (torch.is_tensor(v) and v.dim() > 0 and tuple(v.shape) == tuple(p.shape)):
                 if tuple(v.shape) != tuple(p.shape):
                     raise CollschedError(

@@ -149,8 +149,16 @@ class _State:
         engine), its full parameters in its modules, until :meth:`reshard`."""
         if self.engine is not None or self.phase != "idle" or unit.fetched is not None:
             return
-        self._fetch(unit, self.eval, swap=True)
+        if self.masters:
+            # The optimizer's (or a load's) latest values, as a pass's start takes them.
+            values_.push_masters(self)
         unit.manual = True
+        try:
+            self._fetch(unit, self.eval, swap=True)
+        except BaseException:
+            unit.manual = False
+            self._release(unit)
+            raise
 
     def reshard(self, unit: _Unit) -> None:
         """``module.reshard()``: releases what :meth:`unshard` fetched."""

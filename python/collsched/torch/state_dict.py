@@ -62,8 +62,8 @@ def _sharded(module: nn.Module, what: str) -> list[tuple[str, Any, _Param]]:
         found = getattr(t, "_collsched_param", None)
         if found is None:
             raise CollschedError(
-                f"{what}: {type(module).__name__}.{name} holds its full value: a forward or backward is running; "
-                "call it between steps"
+                f"{what}: {type(module).__name__}.{name} holds its full value: a forward or backward is running, "
+                "or unshard() was called without reshard(); call it between steps, after reshard()"
             )
         st, p = found
         if st.model is None:
@@ -190,6 +190,7 @@ def _load_hook(
         if isinstance(v, DTensor):
             v = v.full_tensor()
         n = p.shard.numel()
-        mine = v.detach().reshape(-1)[p.offset : p.offset + n]
+        # A copy: a DTensor's gathered full value is freed before the next one is gathered.
+        mine = v.detach().reshape(-1)[p.offset : p.offset + n].clone()
         mine._collsched_loaded = True
         sd[key] = mine

@@ -45,8 +45,8 @@ class MixedPrecisionPolicy:
 @dataclasses.dataclass(frozen=True)
 class CPUOffloadPolicy:
     """FSDP2's CPU offload: the module's parameters (the shards the optimizer updates, and
-    their gradients) live in host memory, ``pin_memory`` (True: page-locked where CUDA is
-    there, for fast copies); each pass copies them into the library's shards, on the device,
+    their gradients) live in host memory, the shards ``pin_memory`` (True: page-locked where
+    CUDA is there, for fast copies); each pass copies them into the library's shards, on the device,
     before its gathers, and the reduced gradients come back to the host, where the
     optimizer steps. On a CPU world the shards are host memory already: the copies are made
     all the same (what the tests check)."""
@@ -59,7 +59,7 @@ def offload_policy(value: Any) -> CPUOffloadPolicy | None:
     FSDP2's default, is no offload)."""
     if value is None:
         return None
-    if not hasattr(value, "pin_memory"):
+    if not isinstance(getattr(value, "pin_memory", None), bool):
         if type(value).__name__ == "OffloadPolicy":
             return None
         raise CollschedError(
@@ -142,7 +142,7 @@ def push_masters(state: _State) -> None:
     have changed them; it costs a cast of this rank's elements."""
     with torch.no_grad():
         for p in state.masters:
-            p.home.copy_(p.shard, non_blocking=p.shard.is_pinned())
+            p.home.copy_(p.shard)
 
 
 _HEAD = struct.Struct("<QQQ")
