@@ -24,7 +24,7 @@ use crate::sim::workload::Workload;
 use crate::sim::{peak_tflops, simulate, Lane, Policy, SimConfig, SimReport};
 use collsched_buckets::Boundary;
 use collsched_schedule::scheduler::{DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_LIVE_BYTES, DEFAULT_PREFETCH_BYTES};
-use collsched_topo::Topology;
+use collsched_topo::{CostProfile, Topology};
 
 use super::CliError;
 
@@ -39,9 +39,15 @@ pub struct SimArgs {
     #[arg(long, value_name = "N")]
     pub world: u32,
     /// A topology preset (dgx-h100, p4d, pcie-8gpu, cpu-2socket), an hwloc XML file or a
-    /// topology JSON file; as many nodes as the world needs.
-    #[arg(long, value_name = "NAME|FILE")]
-    pub topo: String,
+    /// topology JSON file; as many nodes as the world needs. Required unless `--cost` is given
+    /// (then all ranks are on one machine, the one calibrated).
+    #[arg(long, value_name = "NAME|FILE", required_unless_present = "cost")]
+    pub topo: Option<String>,
+    /// A cost profile (`collsched calibrate --out FILE`): every collective priced by its
+    /// measured fit instead of the topology's links, and its host time per collective as the
+    /// default `--host-overhead-us`.
+    #[arg(long, value_name = "FILE.json")]
+    pub cost: Option<PathBuf>,
     /// naive (one collective per parameter, no prefetch, host overhead per collective),
     /// coalesced (buckets, no prefetch), trace (buckets, trace-replay prefetch) or explicit
     /// (buckets, prefetch the next layer).
@@ -152,10 +158,23 @@ fn mib(knob: &str, mb: f64) -> Result<usize, CliError> {
     Ok(((mb * 1048576.0).round() as usize).max(1))
 }
 
+/// The machine `--cost` without `--topo` simulates on (for its compute default; the profile
+/// prices the collectives, every rank on one node).
+const CALIBRATED_MACHINE: &str = "cpu-2socket";
+
+/// Reads a `--cost` file.
+fn load_profile(path: &std::path::Path) -> Result<CostProfile, CliError> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("--cost {}: {e}; give a file `collsched calibrate --out` wrote", path.display()))?;
+    Ok(CostProfile::from_json(&text).map_err(|e| format!("--cost {}: {e}", path.display()))?)
+}
+
 /// Builds the configuration the flags describe and runs it.
 fn run_one(args: &SimArgs, timeline: bool) -> Result<(SimReport, Topology, SimConfig), CliError> {
     let workload = Workload::resolve(&args.workload)?;
-    let topo = collsched_topo::resolve(&args.topo)?;
+    let profile = args.cost.as_deref().map(load_profile).transpose()?;
+    // Without --topo (only with --cost): one CPU machine holding every rank.
+    let topo = collsched_topo::resolve(args.topo.as_deref().unwrap_or(CALIBRATED_MACHINE))?;
     let policy: Policy = args.policy.parse()?;
     if args.world == 0 {
         return Err("--world 0: give at least 1 rank".into());
@@ -164,6 +183,10 @@ fn run_one(args: &SimArgs, timeline: bool) -> Result<(SimReport, Topology, SimCo
         Some(t) => SimConfig::with_topology(&topo, args.world, t)?,
         None => SimConfig::for_topology(&topo, args.world)?,
     };
+    if args.topo.is_none() {
+        cfg.ranks_per_node = args.world;
+    }
+    cfg.profile = profile;
     cfg.policy = policy;
     cfg.bucket_bytes = mib("bucket-mb", args.bucket_mb)?;
     cfg.boundary = args.bucket_by;
@@ -196,6 +219,16 @@ fn write_summary(out: &mut impl Write, r: &SimReport, topo: &Topology, cfg: &Sim
         peak_tflops(topo)
             .map_or(String::new(), |p| format!(" ({:.0}% of {p:.0} peak)", cfg.tflops / p * 100.0))
     )?;
+    if let Some(p) = &cfg.profile {
+        writeln!(
+            out,
+            "  collectives priced by a cost profile of `{}` measured on {} ranks{}; host overhead {:.1} us per collective",
+            p.backend,
+            p.ranks,
+            if p.machine.is_empty() { String::new() } else { format!(" ({})", p.machine) },
+            cfg.host_overhead() * 1e6
+        )?;
+    }
     let rep = r.reported().len();
     if r.steps.len() > 1 {
         writeln!(
@@ -273,7 +306,7 @@ fn apply(args: &mut SimArgs, key: &str, v: &str) -> Result<(), CliError> {
     match key {
         "policy" => args.policy = v.to_owned(),
         "world" => args.world = small(v)?,
-        "topo" => args.topo = v.to_owned(),
+        "topo" => args.topo = Some(v.to_owned()),
         "workload" => args.workload = v.to_owned(),
         "bucket-mb" => args.bucket_mb = num(v)?,
         "bucket-by" => {

@@ -33,6 +33,8 @@ pub(crate) struct Program {
     /// Launch duration cache by bucket id (u64::MAX: not priced yet).
     pub(crate) price: Vec<u64>,
     pub(crate) cost: CostModel,
+    /// A measured profile pricing collectives instead of `cost`.
+    pub(crate) profile: Option<collsched_topo::CostProfile>,
     pub(crate) host_ns: u64,
     pub(crate) rpn: u32,
     pub(crate) world: u32,
@@ -175,6 +177,7 @@ impl Program {
             rules,
             price: vec![u64::MAX; n_buckets],
             cost: config.cost,
+            profile: config.profile.clone(),
             host_ns: (config.host_overhead() * 1e9).round() as u64,
             rpn: config.ranks_per_node.max(1),
             world: config.world,
@@ -220,6 +223,18 @@ impl Program {
         for b in 0..self.plan.layout().buckets().len() {
             let bucket = BucketId(b as u32);
             let ops = self.plan.ops_of(bucket).to_vec();
+            if let Some(p) = &self.profile {
+                for &o in &ops {
+                    if let Some(op) = self.plan.op(o) {
+                        if op.groups().group_size() > 1 {
+                            p.time(op.kind(), 1, op.groups().group_size() as usize).map_err(|e| SimError::Config {
+                                knob: "cost",
+                                message: format!("bucket {bucket}: {e}"),
+                            })?;
+                        }
+                    }
+                }
+            }
             let secs = self.price_secs(&ops);
             if !(secs.is_finite() && secs * 1e9 <= MAX_CLOCK_NS) {
                 return Err(too_long(
@@ -297,6 +312,10 @@ impl Program {
                 CollectiveKind::AllReduce | CollectiveKind::Broadcast => per,
             };
             calls.push((kind, bytes, GroupShape { ranks: n as usize, nodes: nodes.len().max(1) }));
+        }
+        if let Some(p) = &self.profile {
+            // `check_clock` refused a plan with a kind the profile lacks: NaN never reaches the clock.
+            return calls.iter().map(|(k, b, g)| p.time(*k, *b, g.ranks).unwrap_or(f64::NAN)).sum();
         }
         match calls.len() {
             0 => 0.0,
