@@ -14,6 +14,12 @@
 //!   waits, per collective launched ([`host_seconds_per_collective`]; the median over the steps
 //!   after the first).
 //!
+//! - **how compute shares the machine**: a compute burst (dependent multiply-adds) timed with
+//!   rank 0 alone and with every rank at once, each from a barrier to the next (their ratio:
+//!   `compute_slowdown`), and 64 all-gathers of 4 KiB per rank timed alone and launched just
+//!   before a burst as long as they take (`compute_overlap`,
+//!   `collsched_topo::calibration::overlap_fraction`); medians of 9.
+//!
 //! Rank 0 then fits each kind ([`fit_profile`]) and writes the profile. Broadcast is not
 //! measured (the bench engine has no broadcast); the simulator's even sharding never issues one.
 
@@ -75,13 +81,118 @@ impl CalibrateSpec {
     }
 }
 
-/// What rank 0 measured: per kind its `(bytes, seconds)` points, and the launch time.
+/// What rank 0 measured: per kind its `(bytes, seconds)` points, the launch time, and how
+/// compute shares the machine.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Measured {
     /// Per kind, the slowest rank's seconds per collective at each size.
     pub points: Vec<(CollectiveKind, Vec<(f64, f64)>)>,
     /// Mean host seconds of one launch call, over the ranks.
     pub launch_s: f64,
+    /// A compute burst's time with every rank computing over its time with rank 0 alone (as
+    /// rank 0 sees them: from a barrier to the next, all ranks done); `None` when not
+    /// measurable.
+    pub compute_slowdown: Option<f64>,
+    /// The fraction of collective time hidden behind compute (mean over the ranks;
+    /// [`collsched_topo::calibration::overlap_fraction`]); `None` when not measurable.
+    pub compute_overlap: Option<f64>,
+}
+
+/// Collectives launched back to back in the overlap probe.
+const OVERLAP_COLLECTIVES: usize = 64;
+/// Elements per rank of each of them (16 KiB of f32 gathered on 4 ranks).
+const OVERLAP_COUNT: usize = 1024;
+/// Repetitions of each overlap measurement (the median is kept).
+const OVERLAP_REPEATS: usize = 9;
+
+/// A compute burst: `iters` dependent multiply-adds (a core busy, no memory traffic).
+fn burn(iters: u64) -> f64 {
+    let mut x = 1.0f64;
+    for _ in 0..iters {
+        x = std::hint::black_box(x * 1.000_000_1 + 1e-9);
+    }
+    x
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+/// How compute shares this machine with the other ranks and with collectives, this rank's
+/// view: `(burst with every rank computing, burst with rank 0 alone, overlap fraction)`. Every rank calls it; `rows` is its barrier.
+fn measure_sharing<B: Backend>(b: &B, ranks: usize, rows: &dyn RowExchange) -> Result<(f64, f64, f64), String> {
+    let me = b.rank();
+    let barrier = || rows.exchange(me, RankRow::default()).map(drop);
+    let fail = |e: crate::backend::BackendError| format!("rank {me}: {e}");
+    let bytes = ranks * OVERLAP_COUNT * ElemType::F32.size();
+    let mut bufs = (0..OVERLAP_COLLECTIVES).map(|_| b.alloc(bytes)).collect::<Result<Vec<_>, _>>().map_err(fail)?;
+    let mut tag = 1u64 << 40;
+    // Launches every buffer's all-gather, runs `work` meanwhile, waits for all: seconds.
+    let mut collectives = |bufs: &mut Vec<B::Buffer>, work: &dyn Fn()| -> Result<f64, String> {
+        let t0 = Instant::now();
+        let mut flights = Vec::with_capacity(bufs.len());
+        for out in bufs.drain(..) {
+            tag += 1;
+            let desc = CollDesc::all_gather(RankGroup::world(ranks), ElemType::F32, OVERLAP_COUNT).with_tag(tag);
+            flights.push(b.launch(Stream::AllGather, &[], Collective { desc, input: None, output: out }).map_err(|e| fail(e.error))?);
+        }
+        work();
+        for f in flights {
+            bufs.extend(f.wait(b.timeout()).map_err(|e| fail(e.into_error()))?.into_iter().map(|c| c.output));
+        }
+        Ok(t0.elapsed().as_secs_f64())
+    };
+    let mut comm = Vec::new();
+    for _ in 0..OVERLAP_REPEATS {
+        barrier()?;
+        comm.push(collectives(&mut bufs, &|| ())?);
+    }
+    let comm = median(comm);
+    // A burst as long as the collectives: the most overlap there can be.
+    let probe = 20_000u64;
+    let t0 = Instant::now();
+    std::hint::black_box(burn(probe));
+    let per_iter = t0.elapsed().as_secs_f64().max(1e-9) / probe as f64;
+    let mine = ((comm / per_iter) as u64).clamp(1000, 1 << 32);
+    // Every rank burns the same work: the longest any rank asks for.
+    let asks = rows.exchange(me, RankRow { grouped: mine as f64, separate: None, wrong: 0 })?;
+    let iters = asks.iter().map(|r| r.grouped as u64).max().unwrap_or(mine).max(mine);
+    // Bursts are timed from one barrier to the next (less an empty round), so a burst that
+    // waits for a core counts: the ranks' bursts may run one after another without any one of
+    // them being slowed.
+    let round = |work: &dyn Fn()| -> Result<f64, String> {
+        barrier()?;
+        let t0 = Instant::now();
+        work();
+        barrier()?;
+        Ok(t0.elapsed().as_secs_f64())
+    };
+    let mut empty = Vec::new();
+    let (mut alone, mut all) = (Vec::new(), Vec::new());
+    for _ in 0..OVERLAP_REPEATS {
+        empty.push(round(&|| ())?);
+        alone.push(round(&|| {
+            if me == 0 {
+                std::hint::black_box(burn(iters));
+            }
+        })?);
+        all.push(round(&|| {
+            std::hint::black_box(burn(iters));
+        })?);
+    }
+    let empty = median(empty);
+    let (alone, all) = ((median(alone) - empty).max(1e-9), (median(all) - empty).max(1e-9));
+    let mut both = Vec::new();
+    for _ in 0..OVERLAP_REPEATS {
+        barrier()?;
+        both.push(collectives(&mut bufs, &|| {
+            std::hint::black_box(burn(iters));
+        })?);
+    }
+    let both = median(both);
+    let phi = collsched_topo::calibration::overlap_fraction(all, comm, both).unwrap_or(f64::NAN);
+    Ok((all, alone, phi))
 }
 
 /// The collective kind of a bench op.
@@ -119,10 +230,18 @@ pub fn measure_rank<B: Backend>(
     }
     let mine = launch_seconds(b, spec.ranks, spec.launch_iters).map_err(|e| format!("rank {}: {e}", b.rank()))?;
     let all = rows.exchange(b.rank(), RankRow { grouped: mine, separate: None, wrong: 0 })?;
+    let (busy, alone, phi) = measure_sharing(b, spec.ranks, rows)?;
+    let sharing = rows.exchange(b.rank(), RankRow { grouped: busy, separate: Some(phi), wrong: 0 })?;
     if b.rank() != 0 {
         return Ok(None);
     }
-    measured.launch_s = all.iter().map(|r| r.grouped).sum::<f64>() / all.len().max(1) as f64;
+    let n = all.len().max(1) as f64;
+    measured.launch_s = all.iter().map(|r| r.grouped).sum::<f64>() / n;
+    let mean = |f: &dyn Fn(&RankRow) -> f64| sharing.iter().map(f).sum::<f64>() / sharing.len().max(1) as f64;
+    let slowdown = busy / alone;
+    measured.compute_slowdown = (slowdown.is_finite() && slowdown > 0.0).then_some(slowdown.max(1.0));
+    let overlap = mean(&|r| r.separate.unwrap_or(f64::NAN));
+    measured.compute_overlap = overlap.is_finite().then_some(overlap.clamp(0.0, 1.0));
     Ok(Some(measured))
 }
 
@@ -176,6 +295,8 @@ pub fn fit_profile(
     let mut profile = CostProfile::new(backend, ranks);
     profile.launch_s = measured.launch_s;
     profile.host_per_collective_s = host_per_collective_s;
+    profile.compute_slowdown = measured.compute_slowdown;
+    profile.compute_overlap = measured.compute_overlap;
     let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
     profile.machine = format!("{cores} core(s)");
     let mut refused = Vec::new();
@@ -219,6 +340,7 @@ mod tests {
         let m = Measured {
             points: vec![(CollectiveKind::AllGather, good), (CollectiveKind::ReduceScatter, flat)],
             launch_s: 1e-6,
+            ..Measured::default()
         };
         let (p, refused) = fit_profile("local", 2, &m, Some(2e-5));
         assert_eq!(p.collectives.len(), 1);

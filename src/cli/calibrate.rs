@@ -279,6 +279,13 @@ fn print_table(
         println!("# no fit: {e}");
     }
     println!("# launch: {:.2} us per launch call (host time, mean of the ranks)", profile.launch_s * 1e6);
+    let opt = |x: Option<f64>, digits: usize| x.map_or_else(|| "not measured".to_owned(), |v| format!("{v:.digits$}"));
+    println!(
+        "# sharing: compute_slowdown {} (a compute burst with every rank computing / with rank 0 alone); compute_overlap {} \
+         (the fraction of collective time hidden behind compute)",
+        opt(profile.compute_slowdown, 2),
+        opt(profile.compute_overlap, 2)
+    );
     match (profile.host_per_collective_s, run) {
         (Some(h), Some(r)) => println!(
             "# host: {:.2} us per collective launched (the demo's training step on {}, {} steps, median after the first; {} collectives a step)",

@@ -81,6 +81,14 @@ pub struct SimArgs {
     /// Host overhead per launched collective in microseconds (default: 20 for naive, else 0).
     #[arg(long, value_name = "US")]
     pub host_overhead_us: Option<f64>,
+    /// Compute is this many times slower (ranks sharing cores); default: the `--cost`
+    /// profile's `compute_slowdown`, else 1.
+    #[arg(long, value_name = "F")]
+    pub compute_slowdown: Option<f64>,
+    /// The fraction of collective time that overlaps compute (the rest stretches it); default:
+    /// the `--cost` profile's `compute_overlap`, else 1.
+    #[arg(long, value_name = "F")]
+    pub compute_overlap: Option<f64>,
     /// Compute jitter: every compute op takes 1 + jitter * u longer, u uniform in [0, 1) per
     /// rank and op (stragglers). Default 0.
     #[arg(long, default_value_t = 0.0, value_name = "F")]
@@ -195,6 +203,8 @@ fn run_one(args: &SimArgs, timeline: bool) -> Result<(SimReport, Topology, SimCo
     cfg.max_live_bytes = mib("max-live-mb", args.max_live_mb)?;
     cfg.steps = args.steps;
     cfg.host_overhead_s = args.host_overhead_us.map(|us| us * 1e-6);
+    cfg.compute_slowdown = args.compute_slowdown;
+    cfg.compute_overlap = args.compute_overlap;
     cfg.jitter = args.jitter;
     cfg.seed = args.seed;
     cfg.timeline = timeline;
@@ -222,11 +232,14 @@ fn write_summary(out: &mut impl Write, r: &SimReport, topo: &Topology, cfg: &Sim
     if let Some(p) = &cfg.profile {
         writeln!(
             out,
-            "  collectives priced by a cost profile of `{}` measured on {} ranks{}; host overhead {:.1} us per collective",
+            "  collectives priced by a cost profile of `{}` measured on {} ranks{}; host overhead {:.1} us per collective; \
+             compute x{:.2}, {:.0}% of collective time overlapping it",
             p.backend,
             p.ranks,
             if p.machine.is_empty() { String::new() } else { format!(" ({})", p.machine) },
-            cfg.host_overhead() * 1e6
+            cfg.host_overhead() * 1e6,
+            cfg.compute_slowdown(),
+            cfg.compute_overlap() * 100.0
         )?;
     }
     let rep = r.reported().len();

@@ -178,6 +178,13 @@ pub struct SimConfig {
     /// launches. `None`: the profile's `host_per_collective_s` when [`SimConfig::profile`] has
     /// one, else [`NAIVE_HOST_OVERHEAD_S`] for [`Policy::Naive`], else 0.
     pub host_overhead_s: Option<f64>,
+    /// `compute_slowdown`: compute durations are multiplied by it (every rank computing at
+    /// once on shared cores). `None`: the profile's, else 1.
+    pub compute_slowdown: Option<f64>,
+    /// `compute_overlap`: the fraction of collective time that proceeds alongside a rank's
+    /// compute; a compute op is stretched by the rest of the time the rank's resolved
+    /// collectives run during it. `None`: the profile's, else 1 (free overlap, as on a GPU).
+    pub compute_overlap: Option<f64>,
     /// `jitter`: compute durations are multiplied by `1 + jitter * u`, `u` uniform in `[0, 1)`
     /// per rank and compute op (stragglers). Default 0.
     pub jitter: f64,
@@ -205,6 +212,8 @@ impl SimConfig {
             max_live_bytes: DEFAULT_MAX_LIVE_BYTES,
             steps: DEFAULT_STEPS,
             host_overhead_s: None,
+            compute_slowdown: None,
+            compute_overlap: None,
             jitter: 0.0,
             seed: 0,
             timeline: false,
@@ -250,6 +259,16 @@ impl SimConfig {
         })
     }
 
+    /// The compute slowdown in effect.
+    pub fn compute_slowdown(&self) -> f64 {
+        self.compute_slowdown.or(self.profile.as_ref().and_then(|p| p.compute_slowdown)).unwrap_or(1.0)
+    }
+
+    /// The compute overlap in effect.
+    pub fn compute_overlap(&self) -> f64 {
+        self.compute_overlap.or(self.profile.as_ref().and_then(|p| p.compute_overlap)).unwrap_or(1.0)
+    }
+
     pub(crate) fn validate(&self) -> Result<(), SimError> {
         let bad = |knob, message: String| Err(SimError::Config { knob, message });
         if self.world == 0 {
@@ -279,6 +298,14 @@ impl SimConfig {
         let h = self.host_overhead();
         if !(h.is_finite() && h >= 0.0) {
             return bad("host-overhead-us", format!("is {}; give a finite number >= 0", h * 1e6));
+        }
+        let slow = self.compute_slowdown();
+        if !(slow.is_finite() && slow >= 1.0) {
+            return bad("compute-slowdown", format!("is {slow}; give a factor >= 1"));
+        }
+        let overlap = self.compute_overlap();
+        if !(0.0..=1.0).contains(&overlap) {
+            return bad("compute-overlap", format!("is {overlap}; give a fraction within 0..1"));
         }
         if !(self.jitter.is_finite() && self.jitter >= 0.0) {
             return bad("jitter", format!("is {}; give a finite fraction >= 0, e.g. 0.05", self.jitter));

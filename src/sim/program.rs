@@ -36,6 +36,9 @@ pub(crate) struct Program {
     /// A measured profile pricing collectives instead of `cost`.
     pub(crate) profile: Option<collsched_topo::CostProfile>,
     pub(crate) host_ns: u64,
+    /// The share of collective time overlapping a compute op that is added to it
+    /// (`1 - compute_overlap`).
+    pub(crate) contention: f64,
     pub(crate) rpn: u32,
     pub(crate) world: u32,
     pub(crate) jitter: f64,
@@ -104,7 +107,7 @@ impl Program {
         let plan = Plan::new(layout);
 
         // The program of one step and its compute durations.
-        let ns_per_flop = 1e9 / (config.tflops * 1e12);
+        let ns_per_flop = 1e9 / (config.tflops * 1e12) * config.compute_slowdown();
         let mut program = Vec::new();
         let mut compute_ns = Vec::new();
         let mut push = |c: Call, ns: f64| {
@@ -179,6 +182,7 @@ impl Program {
             cost: config.cost,
             profile: config.profile.clone(),
             host_ns: (config.host_overhead() * 1e9).round() as u64,
+            contention: 1.0 - config.compute_overlap(),
             rpn: config.ranks_per_node.max(1),
             world: config.world,
             jitter: config.jitter,

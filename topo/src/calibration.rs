@@ -15,7 +15,8 @@
 //! [`CostProfile`] is JSON (`CostProfile::to_json`, [`CostProfile::from_json`]):
 //! ```json
 //! {"format": "collsched-cost-profile", "version": 1, "backend": "shm", "ranks": 2,
-//!  "machine": "2 cores", "launch_s": 2.1e-6, "host_per_collective_s": 3.4e-5,
+//!  "machine": "2 core(s)", "launch_s": 2.1e-6, "host_per_collective_s": 3.4e-5,
+//!  "compute_slowdown": 1.9, "compute_overlap": 0.2,
 //!  "collectives": [{"kind": "all_gather", "ranks": 2, "fixed_s": 6.0e-6, "per_byte_s": 1.2e-10,
 //!                   "points": [{"bytes": 4096, "seconds": 6.5e-6, "residual": 0.01}, ...]}, ...]}
 //! ```
@@ -23,8 +24,10 @@
 //! to with each point's relative residual `(fit - measured) / measured`. `launch_s` is the host
 //! time of one launch call; `host_per_collective_s` the runtime's host time per collective
 //! launched in a training step (scheduling, copies in and out, the update, spread over the
-//! step's collectives), or `null` when not measured. [`CostProfile::time`] prices a collective
-//! from it.
+//! step's collectives), or `null` when not measured. `compute_slowdown` and `compute_overlap`
+//! (optional) say how compute shares a CPU machine: the slowdown of a compute burst when every
+//! rank computes at once, and the fraction of collective time that overlaps compute (the
+//! simulator stretches compute by the rest). [`CostProfile::time`] prices a collective from it.
 
 use serde::{Deserialize, Serialize};
 
@@ -242,6 +245,14 @@ pub struct CostProfile {
     pub launch_s: f64,
     /// Host seconds per collective launched in a training step, or `None` when not measured.
     pub host_per_collective_s: Option<f64>,
+    /// How much longer a compute burst takes when every rank computes at once than when one
+    /// rank does (>= 1; about `ranks / cores` when the ranks outnumber the cores), or `None`.
+    #[serde(default)]
+    pub compute_slowdown: Option<f64>,
+    /// The fraction of collective time that proceeds alongside compute (0: the collectives and
+    /// the compute share the cores and take turns; 1: they overlap freely), or `None`.
+    #[serde(default)]
+    pub compute_overlap: Option<f64>,
     /// One fit per measured collective kind (and rank count).
     pub collectives: Vec<CollectiveFit>,
 }
@@ -257,6 +268,8 @@ impl CostProfile {
             machine: String::new(),
             launch_s: 0.0,
             host_per_collective_s: None,
+            compute_slowdown: None,
+            compute_overlap: None,
             collectives: Vec::new(),
         }
     }
@@ -278,6 +291,13 @@ impl CostProfile {
         if !ok(p.launch_s) || p.host_per_collective_s.is_some_and(|h| !ok(h)) {
             return Err(CalibrationError::Format(
                 "launch_s and host_per_collective_s must be finite and >= 0".to_owned(),
+            ));
+        }
+        if p.compute_slowdown.is_some_and(|x| !(x.is_finite() && x >= 1.0))
+            || p.compute_overlap.is_some_and(|x| !(0.0..=1.0).contains(&x))
+        {
+            return Err(CalibrationError::Format(
+                "compute_slowdown must be >= 1 and compute_overlap within 0..1".to_owned(),
             ));
         }
         if p.collectives.is_empty() {
@@ -330,4 +350,25 @@ impl CostProfile {
         };
         Ok(fixed + per_byte * bytes as f64)
     }
+}
+
+/// The fraction of collective time that proceeds alongside compute, from a compute burst alone
+/// (`compute_s`), collectives alone (`comm_s`) and both started together (`both_s`, until both
+/// ended): the time hidden, `compute + comm - both`, over the most that could be,
+/// `min(compute, comm)`; clamped to `0..=1` (noise can push it past either end). `None` when a
+/// time is not finite and positive.
+///
+/// # Examples
+/// ```
+/// use collsched_topo::calibration::overlap_fraction;
+/// assert_eq!(overlap_fraction(1.0, 1.0, 2.0), Some(0.0)); // took turns
+/// assert_eq!(overlap_fraction(1.0, 1.0, 1.0), Some(1.0)); // overlapped freely
+/// assert_eq!(overlap_fraction(2.0, 1.0, 2.5), Some(0.5));
+/// ```
+pub fn overlap_fraction(compute_s: f64, comm_s: f64, both_s: f64) -> Option<f64> {
+    let ok = |x: f64| x.is_finite() && x > 0.0;
+    if !(ok(compute_s) && ok(comm_s) && ok(both_s)) {
+        return None;
+    }
+    Some(((compute_s + comm_s - both_s) / compute_s.min(comm_s)).clamp(0.0, 1.0))
 }

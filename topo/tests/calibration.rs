@@ -162,3 +162,21 @@ fn profile_round_trips_and_rejects_bad_files() {
     empty.collectives.clear();
     assert!(CostProfile::from_json(&empty.to_json()).unwrap_err().to_string().contains("no fit"));
 }
+
+proptest! {
+    /// Built from a known overlap (compute and collectives run side by side for that fraction
+    /// of the shorter), the fraction comes back; it always lies in 0..=1.
+    #[test]
+    fn overlap_fraction_recovers_the_overlap(
+        compute in 1e-6f64..1.0, comm in 1e-6f64..1.0, phi in 0.0f64..=1.0, extra in 0.0f64..1.0,
+    ) {
+        use collsched_topo::calibration::overlap_fraction;
+        let both = compute + comm - phi * compute.min(comm);
+        let got = overlap_fraction(compute, comm, both).unwrap();
+        prop_assert!((got - phi).abs() <= 1e-9, "{got} vs {phi}");
+        let slower = overlap_fraction(compute, comm, both + extra).unwrap();
+        prop_assert!((0.0..=1.0).contains(&slower) && slower <= got + 1e-12);
+        prop_assert_eq!(overlap_fraction(compute, comm, f64::NAN), None);
+        prop_assert_eq!(overlap_fraction(0.0, comm, both), None);
+    }
+}
