@@ -121,12 +121,17 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 /// How compute shares this machine with the other ranks and with collectives, this rank's
 /// view: `(burst with every rank computing, burst with rank 0 alone, overlap fraction)`. Every rank calls it; `rows` is its barrier.
-fn measure_sharing<B: Backend>(b: &B, ranks: usize, rows: &dyn RowExchange) -> Result<(f64, f64, f64), String> {
+fn measure_sharing<B: Backend>(
+    b: &B,
+    ranks: usize,
+    rows: &dyn RowExchange,
+) -> Result<(f64, f64, f64), String> {
     let me = b.rank();
     let barrier = || rows.exchange(me, RankRow::default()).map(drop);
     let fail = |e: crate::backend::BackendError| format!("rank {me}: {e}");
     let bytes = ranks * OVERLAP_COUNT * ElemType::F32.size();
-    let mut bufs = (0..OVERLAP_COLLECTIVES).map(|_| b.alloc(bytes)).collect::<Result<Vec<_>, _>>().map_err(fail)?;
+    let mut bufs =
+        (0..OVERLAP_COLLECTIVES).map(|_| b.alloc(bytes)).collect::<Result<Vec<_>, _>>().map_err(fail)?;
     let mut tag = 1u64 << 40;
     // Launches every buffer's all-gather, runs `work` meanwhile, waits for all: seconds.
     let mut collectives = |bufs: &mut Vec<B::Buffer>, work: &dyn Fn()| -> Result<f64, String> {
@@ -134,8 +139,12 @@ fn measure_sharing<B: Backend>(b: &B, ranks: usize, rows: &dyn RowExchange) -> R
         let mut flights = Vec::with_capacity(bufs.len());
         for out in bufs.drain(..) {
             tag += 1;
-            let desc = CollDesc::all_gather(RankGroup::world(ranks), ElemType::F32, OVERLAP_COUNT).with_tag(tag);
-            flights.push(b.launch(Stream::AllGather, &[], Collective { desc, input: None, output: out }).map_err(|e| fail(e.error))?);
+            let desc =
+                CollDesc::all_gather(RankGroup::world(ranks), ElemType::F32, OVERLAP_COUNT).with_tag(tag);
+            flights.push(
+                b.launch(Stream::AllGather, &[], Collective { desc, input: None, output: out })
+                    .map_err(|e| fail(e.error))?,
+            );
         }
         work();
         for f in flights {
@@ -228,7 +237,8 @@ pub fn measure_rank<B: Backend>(
             measured.points.push((kind_of(op), pts));
         }
     }
-    let mine = launch_seconds(b, spec.ranks, spec.launch_iters).map_err(|e| format!("rank {}: {e}", b.rank()))?;
+    let mine =
+        launch_seconds(b, spec.ranks, spec.launch_iters).map_err(|e| format!("rank {}: {e}", b.rank()))?;
     let all = rows.exchange(b.rank(), RankRow { grouped: mine, separate: None, wrong: 0 })?;
     let (busy, alone, phi) = measure_sharing(b, spec.ranks, rows)?;
     let sharing = rows.exchange(b.rank(), RankRow { grouped: busy, separate: Some(phi), wrong: 0 })?;
@@ -247,14 +257,19 @@ pub fn measure_rank<B: Backend>(
 
 /// Mean host seconds of `iters` launch calls of a 4 KiB-per-rank all-gather (each waited for
 /// before the next, untimed).
-fn launch_seconds<B: Backend>(b: &B, ranks: usize, iters: usize) -> Result<f64, crate::backend::BackendError> {
+fn launch_seconds<B: Backend>(
+    b: &B,
+    ranks: usize,
+    iters: usize,
+) -> Result<f64, crate::backend::BackendError> {
     let bytes = ranks * LAUNCH_PROBE_COUNT * ElemType::F32.size();
     let mut output = Some(b.alloc(bytes)?);
     let mut total = Duration::ZERO;
     let iters = iters.max(1);
     for i in 0..iters {
         let Some(out) = output.take() else { break };
-        let desc = CollDesc::all_gather(RankGroup::world(ranks), ElemType::F32, LAUNCH_PROBE_COUNT).with_tag(i as u64);
+        let desc = CollDesc::all_gather(RankGroup::world(ranks), ElemType::F32, LAUNCH_PROBE_COUNT)
+            .with_tag(i as u64);
         let t0 = Instant::now();
         let flight = b.launch(Stream::AllGather, &[], Collective { desc, input: None, output: out });
         total += t0.elapsed();
@@ -273,7 +288,10 @@ pub fn host_seconds_per_collective(cost: &[StepCost]) -> Option<f64> {
         .skip(usize::from(cost.len() > 1))
         .filter(|c| c.collectives > 0)
         .map(|c| {
-            let host = c.wall.as_secs_f64() - c.compute.as_secs_f64() - c.wait_time.as_secs_f64() - c.eval.as_secs_f64();
+            let host = c.wall.as_secs_f64()
+                - c.compute.as_secs_f64()
+                - c.wait_time.as_secs_f64()
+                - c.eval.as_secs_f64();
             host.max(0.0) / c.collectives as f64
         })
         .collect();
@@ -335,7 +353,8 @@ mod tests {
 
     #[test]
     fn a_kind_that_cannot_be_fitted_is_left_out_with_its_reason() {
-        let good: Vec<(f64, f64)> = [4096.0, 16384.0, 65536.0].iter().map(|&s| (s, 5e-6 + s * 1e-10)).collect();
+        let good: Vec<(f64, f64)> =
+            [4096.0, 16384.0, 65536.0].iter().map(|&s| (s, 5e-6 + s * 1e-10)).collect();
         let flat = vec![(4096.0, 1e-4), (16384.0, 1e-4), (65536.0, 1e-4)];
         let m = Measured {
             points: vec![(CollectiveKind::AllGather, good), (CollectiveKind::ReduceScatter, flat)],

@@ -81,7 +81,9 @@ impl CalibrateArgs {
             return Ok(None);
         }
         if !(self.demo_bucket_kb.is_finite() && self.demo_bucket_kb > 0.0 && self.demo_bucket_kb <= 1e9) {
-            return Err(format!("--demo-bucket-kb {}: give a positive number of KiB", self.demo_bucket_kb).into());
+            return Err(
+                format!("--demo-bucket-kb {}: give a positive number of KiB", self.demo_bucket_kb).into()
+            );
         }
         let mut cfg = DemoConfig::standard(ranks, self.demo_steps.min(super::demo::MAX_STEPS), 1);
         cfg.micro_batches = 1;
@@ -94,7 +96,9 @@ impl CalibrateArgs {
     /// Checks the flags before any rank starts.
     fn check(&self, ranks: usize) -> Result<(), CliError> {
         if ranks < 2 {
-            return Err(format!("--ranks {ranks}: a collective needs at least 2 ranks to cost anything").into());
+            return Err(
+                format!("--ranks {ranks}: a collective needs at least 2 ranks to cost anything").into()
+            );
         }
         if ranks > super::demo::MAX_RANKS {
             return Err(format!("--ranks {ranks} is above the limit of {}", super::demo::MAX_RANKS).into());
@@ -129,34 +133,39 @@ pub fn run(args: CalibrateArgs) -> Result<ExitCode, CliError> {
             };
             finish(&args, "local", ranks, &measured, run.as_ref())
         }
-        BenchBackend::Shm => match launch::role(Some(args.ranks.unwrap_or(2)).filter(|_| !launch::launched()))? {
-            LaunchRole::Standalone(n) => {
-                args.check(n)?;
-                launch::standalone(n)
-            }
-            LaunchRole::Rank(env) => {
-                args.check(env.world)?;
-                let (rank, hub) = shm::join(&env, &ShmConfig::from_env()?)?;
-                let rows = ProcessRows(Mutex::new(hub));
-                let measured = measure_rank(&rank, &args.spec(env.world), &rows)?;
-                let mut hub = rows.0.into_inner().map_err(|_| "the job's exchange was poisoned by a panic")?;
-                let run = match args.demo(env.world)? {
-                    Some((cfg, opts)) => crate::demo::sharded_run_process(&cfg, &opts, rank, &mut hub)?,
-                    None => None,
-                };
-                match measured {
-                    Some(m) => finish(&args, "shm", env.world, &m, run.as_ref()),
-                    None => Ok(ExitCode::SUCCESS),
+        BenchBackend::Shm => {
+            match launch::role(Some(args.ranks.unwrap_or(2)).filter(|_| !launch::launched()))? {
+                LaunchRole::Standalone(n) => {
+                    args.check(n)?;
+                    launch::standalone(n)
+                }
+                LaunchRole::Rank(env) => {
+                    args.check(env.world)?;
+                    let (rank, hub) = shm::join(&env, &ShmConfig::from_env()?)?;
+                    let rows = ProcessRows(Mutex::new(hub));
+                    let measured = measure_rank(&rank, &args.spec(env.world), &rows)?;
+                    let mut hub =
+                        rows.0.into_inner().map_err(|_| "the job's exchange was poisoned by a panic")?;
+                    let run = match args.demo(env.world)? {
+                        Some((cfg, opts)) => crate::demo::sharded_run_process(&cfg, &opts, rank, &mut hub)?,
+                        None => None,
+                    };
+                    match measured {
+                        Some(m) => finish(&args, "shm", env.world, &m, run.as_ref()),
+                        None => Ok(ExitCode::SUCCESS),
+                    }
                 }
             }
-        },
+        }
         BenchBackend::Mpi => run_mpi(&args),
         BenchBackend::Cuda => run_cuda(&args),
     }
 }
 
 /// Rank 0's measurements out of a world's outcomes, or the first failure.
-fn first_measured(outcomes: Vec<std::thread::Result<Result<Option<Measured>, String>>>) -> Result<Measured, CliError> {
+fn first_measured(
+    outcomes: Vec<std::thread::Result<Result<Option<Measured>, String>>>,
+) -> Result<Measured, CliError> {
     let mut first = None;
     for (r, o) in outcomes.into_iter().enumerate() {
         match o {
@@ -174,7 +183,11 @@ fn run_mpi(args: &CalibrateArgs) -> Result<ExitCode, CliError> {
     let (rank, job) = mpi::join(&MpiConfig::from_env()?)?;
     let world = job.world();
     if args.ranks.is_some_and(|n| n != world) {
-        return Err(format!("--ranks {} differs from the MPI job's {world} processes", args.ranks.unwrap_or(0)).into());
+        return Err(format!(
+            "--ranks {} differs from the MPI job's {world} processes",
+            args.ranks.unwrap_or(0)
+        )
+        .into());
     }
     args.check(world)?;
     let rows = ProcessRows(Mutex::new(job));
@@ -251,7 +264,10 @@ fn print_table(
         "# collsched calibrate: backend {}, {} ranks, {}; sizes {}..{} x{}, {} timed iterations each (after {}), one collective in flight",
         profile.backend, profile.ranks, profile.machine, args.min_bytes, args.max_bytes, args.factor, args.iters, args.warmup
     );
-    println!("# {:<15} {:>5} {:>10} {:>12} {:>12} {:>9}", "kind", "ranks", "bytes", "measured_us", "fit_us", "residual");
+    println!(
+        "# {:<15} {:>5} {:>10} {:>12} {:>12} {:>9}",
+        "kind", "ranks", "bytes", "measured_us", "fit_us", "residual"
+    );
     for (kind, pts) in &measured.points {
         let fit = profile.collectives.iter().find(|c| c.kind == *kind);
         for &(bytes, secs) in pts {
@@ -262,7 +278,15 @@ fn print_table(
                 }
                 None => ("-".to_owned(), "-".to_owned()),
             };
-            println!("  {:<15} {:>5} {:>10} {:>12.2} {:>12} {:>9}", kind.name(), profile.ranks, bytes, secs * 1e6, fit_us, res);
+            println!(
+                "  {:<15} {:>5} {:>10} {:>12.2} {:>12} {:>9}",
+                kind.name(),
+                profile.ranks,
+                bytes,
+                secs * 1e6,
+                fit_us,
+                res
+            );
         }
     }
     for c in &profile.collectives {
@@ -279,7 +303,9 @@ fn print_table(
         println!("# no fit: {e}");
     }
     println!("# launch: {:.2} us per launch call (host time, mean of the ranks)", profile.launch_s * 1e6);
-    let opt = |x: Option<f64>, digits: usize| x.map_or_else(|| "not measured".to_owned(), |v| format!("{v:.digits$}"));
+    let opt = |x: Option<f64>, digits: usize| {
+        x.map_or_else(|| "not measured".to_owned(), |v| format!("{v:.digits$}"))
+    };
     println!(
         "# sharing: compute_slowdown {} (a compute burst with every rank computing / with rank 0 alone); compute_overlap {} \
          (the fraction of collective time hidden behind compute)",

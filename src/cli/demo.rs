@@ -324,8 +324,12 @@ pub fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
         return Err(format!("--bucket-kb {}: give a positive number of KiB, e.g. 4", args.bucket_kb).into());
     }
     let bucket_bytes = ((args.bucket_kb * 1024.0).round() as usize).max(1);
-    let opts =
-        ShardedOptions { sharding: args.strategy, policy: args.policy, bucket_bytes, ..ShardedOptions::default() };
+    let opts = ShardedOptions {
+        sharding: args.strategy,
+        policy: args.policy,
+        bucket_bytes,
+        ..ShardedOptions::default()
+    };
     let t0 = Instant::now();
     let reference = reference_run(&cfg, args.strategy);
     let t1 = Instant::now();

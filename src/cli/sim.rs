@@ -172,8 +172,9 @@ const CALIBRATED_MACHINE: &str = "cpu-2socket";
 
 /// Reads a `--cost` file.
 fn load_profile(path: &std::path::Path) -> Result<CostProfile, CliError> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| format!("--cost {}: {e}; give a file `collsched calibrate --out` wrote", path.display()))?;
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        format!("--cost {}: {e}; give a file `collsched calibrate --out` wrote", path.display())
+    })?;
     Ok(CostProfile::from_json(&text).map_err(|e| format!("--cost {}: {e}", path.display()))?)
 }
 

@@ -459,7 +459,8 @@ fn advance(sh: &mut Program, colls: &mut Colls, st: &mut SimRank) -> Result<bool
                 st.in_actions = true;
             }
             Call::Compute(l, kind) => {
-                let mut ns = (sh.compute_ns[pc] * jitter_factor(sh, st.sched.rank(), st.step, pc)).round() as u64;
+                let mut ns =
+                    (sh.compute_ns[pc] * jitter_factor(sh, st.sched.rank(), st.step, pc)).round() as u64;
                 if sh.contention > 0.0 {
                     let busy = colls.busy_between(st.clock, st.clock + ns);
                     ns += (sh.contention * busy as f64).round() as u64;

@@ -231,9 +231,8 @@ impl Program {
                 for &o in &ops {
                     if let Some(op) = self.plan.op(o) {
                         if op.groups().group_size() > 1 {
-                            p.time(op.kind(), 1, op.groups().group_size() as usize).map_err(|e| SimError::Config {
-                                knob: "cost",
-                                message: format!("bucket {bucket}: {e}"),
+                            p.time(op.kind(), 1, op.groups().group_size() as usize).map_err(|e| {
+                                SimError::Config { knob: "cost", message: format!("bucket {bucket}: {e}") }
                             })?;
                         }
                     }

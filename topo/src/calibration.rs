@@ -280,7 +280,8 @@ impl CostProfile {
     /// # Errors
     /// [`CalibrationError::Format`] naming what is wrong.
     pub fn from_json(text: &str) -> Result<CostProfile, CalibrationError> {
-        let p: CostProfile = serde_json::from_str(text).map_err(|e| CalibrationError::Format(e.to_string()))?;
+        let p: CostProfile =
+            serde_json::from_str(text).map_err(|e| CalibrationError::Format(e.to_string()))?;
         if p.format != PROFILE_FORMAT || p.version != PROFILE_VERSION {
             return Err(CalibrationError::Format(format!(
                 "format `{}` version {}, expected `{PROFILE_FORMAT}` version {PROFILE_VERSION} (a file `collsched calibrate --out` wrote)",
@@ -304,7 +305,8 @@ impl CostProfile {
             return Err(CalibrationError::Format("no collectives: the profile has no fit".to_owned()));
         }
         for c in &p.collectives {
-            if c.ranks < 2 || !ok(c.fit.fixed_s) || !(c.fit.per_byte_s.is_finite() && c.fit.per_byte_s > 0.0) {
+            if c.ranks < 2 || !ok(c.fit.fixed_s) || !(c.fit.per_byte_s.is_finite() && c.fit.per_byte_s > 0.0)
+            {
                 return Err(CalibrationError::Format(format!(
                     "{} on {} ranks: fixed_s {} and per_byte_s {} must be finite, >= 0 and > 0, on 2 ranks or more",
                     c.kind, c.ranks, c.fit.fixed_s, c.fit.per_byte_s
@@ -341,12 +343,19 @@ impl CostProfile {
             .iter()
             .filter(|c| c.kind == kind)
             .min_by_key(|c| c.ranks.abs_diff(ranks))
-            .ok_or_else(|| CalibrationError::Missing { backend: self.backend.clone(), ranks: self.ranks, kind })?;
+            .ok_or_else(|| CalibrationError::Missing {
+                backend: self.backend.clone(),
+                ranks: self.ranks,
+                kind,
+            })?;
         let (n, m) = (ranks as f64, nearest.ranks as f64);
         let (fixed, per_byte) = if nearest.ranks == ranks {
             (nearest.fit.fixed_s, nearest.fit.per_byte_s)
         } else {
-            (nearest.fit.fixed_s * (n - 1.0) / (m - 1.0), nearest.fit.per_byte_s * ((n - 1.0) / n) / ((m - 1.0) / m))
+            (
+                nearest.fit.fixed_s * (n - 1.0) / (m - 1.0),
+                nearest.fit.per_byte_s * ((n - 1.0) / n) / ((m - 1.0) / m),
+            )
         };
         Ok(fixed + per_byte * bytes as f64)
     }
