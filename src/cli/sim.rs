@@ -9,6 +9,10 @@
 //! `--sweep KEY=V1,V2,..` (keys `policy world topo workload bucket-mb bucket-by prefetch-mb
 //! max-inflight max-live-mb steps tflops host-overhead-us jitter seed`, repeatable) runs the
 //! grid and prints a table, or with `--json` one object per line with a `sweep` member.
+//! `--cost FILE` (a profile `collsched calibrate` wrote) prices every collective by its measured
+//! fit, and supplies the host overhead per collective, `--compute-slowdown` and
+//! `--compute-overlap` unless they are given; `--topo` is then optional (all ranks on one
+//! machine). The summary names the profile.
 //! `--trace-out` writes Chrome trace JSON (`pid` = rank, `tid` 0 compute, 1 all_gather, 2
 //! reduce_scatter; `"X"` events, times in µs); `--svg` draws rank `--svg-rank`'s last step, one
 //! lane per stream, waits in red, prefetched collectives lighter.
