@@ -16,7 +16,8 @@
 //!
 //! - **how compute shares the machine**: a compute burst (dependent multiply-adds) timed with
 //!   rank 0 alone and with every rank at once, each from a barrier to the next (their ratio:
-//!   `compute_slowdown`), and 64 all-gathers of 4 KiB per rank timed alone and launched just
+//!   `compute_slowdown`, rank 0's, from bursts 8 times as long as the next probe's; medians of
+//!   3), and 64 all-gathers of 4 KiB per rank timed alone and launched just
 //!   before a burst as long as they take (`compute_overlap`,
 //!   `collsched_topo::calibration::overlap_fraction`); medians of 9.
 //!
@@ -120,7 +121,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 /// How compute shares this machine with the other ranks and with collectives, this rank's
-/// view: `(burst with every rank computing, burst with rank 0 alone, overlap fraction)`. Every rank calls it; `rows` is its barrier.
+/// view: `(burst with every rank computing, compute slowdown, overlap fraction)`. Every rank calls it; `rows` is its barrier.
 fn measure_sharing<B: Backend>(
     b: &B,
     ranks: usize,
@@ -178,20 +179,30 @@ fn measure_sharing<B: Backend>(
         Ok(t0.elapsed().as_secs_f64())
     };
     let mut empty = Vec::new();
-    let (mut alone, mut all) = (Vec::new(), Vec::new());
+    let mut all = Vec::new();
     for _ in 0..OVERLAP_REPEATS {
         empty.push(round(&|| ())?);
-        alone.push(round(&|| {
-            if me == 0 {
-                std::hint::black_box(burn(iters));
-            }
-        })?);
         all.push(round(&|| {
             std::hint::black_box(burn(iters));
         })?);
     }
     let empty = median(empty);
-    let (alone, all) = ((median(alone) - empty).max(1e-9), (median(all) - empty).max(1e-9));
+    let all = (median(all) - empty).max(1e-9);
+    // The slowdown from bursts 8 times as long, so that ranks leaving a barrier a little apart
+    // (or a scheduler running whole bursts one after another) weigh little.
+    let long = iters.saturating_mul(8);
+    let (mut alone_long, mut all_long) = (Vec::new(), Vec::new());
+    for _ in 0..3 {
+        alone_long.push(round(&|| {
+            if me == 0 {
+                std::hint::black_box(burn(long));
+            }
+        })?);
+        all_long.push(round(&|| {
+            std::hint::black_box(burn(long));
+        })?);
+    }
+    let slow = (median(all_long) - empty).max(1e-9) / (median(alone_long) - empty).max(1e-9);
     let mut both = Vec::new();
     for _ in 0..OVERLAP_REPEATS {
         barrier()?;
@@ -201,7 +212,7 @@ fn measure_sharing<B: Backend>(
     }
     let both = median(both);
     let phi = collsched_topo::calibration::overlap_fraction(all, comm, both).unwrap_or(f64::NAN);
-    Ok((all, alone, phi))
+    Ok((all, slow, phi))
 }
 
 /// The collective kind of a bench op.
@@ -240,7 +251,7 @@ pub fn measure_rank<B: Backend>(
     let mine =
         launch_seconds(b, spec.ranks, spec.launch_iters).map_err(|e| format!("rank {}: {e}", b.rank()))?;
     let all = rows.exchange(b.rank(), RankRow { grouped: mine, separate: None, wrong: 0 })?;
-    let (busy, alone, phi) = measure_sharing(b, spec.ranks, rows)?;
+    let (busy, slowdown, phi) = measure_sharing(b, spec.ranks, rows)?;
     let sharing = rows.exchange(b.rank(), RankRow { grouped: busy, separate: Some(phi), wrong: 0 })?;
     if b.rank() != 0 {
         return Ok(None);
@@ -248,7 +259,6 @@ pub fn measure_rank<B: Backend>(
     let n = all.len().max(1) as f64;
     measured.launch_s = all.iter().map(|r| r.grouped).sum::<f64>() / n;
     let mean = |f: &dyn Fn(&RankRow) -> f64| sharing.iter().map(f).sum::<f64>() / sharing.len().max(1) as f64;
-    let slowdown = busy / alone;
     measured.compute_slowdown = (slowdown.is_finite() && slowdown > 0.0).then_some(slowdown.max(1.0));
     let overlap = mean(&|r| r.separate.unwrap_or(f64::NAN));
     measured.compute_overlap = overlap.is_finite().then_some(overlap.clamp(0.0, 1.0));
