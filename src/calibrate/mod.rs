@@ -121,7 +121,8 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 /// How compute shares this machine with the other ranks and with collectives, this rank's
-/// view: `(burst with every rank computing, compute slowdown, overlap fraction)`. Every rank calls it; `rows` is its barrier.
+/// view: `(burst with every rank computing, compute slowdown, overlap fraction)`. Every rank
+/// calls it; `rows` is its barrier.
 fn measure_sharing<B: Backend>(
     b: &B,
     ranks: usize,
