@@ -9,7 +9,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source ci/env.sh
-cargo build --quiet --bin collsched
+# The binary the test step built (all features), so nothing is compiled again.
+cargo build --quiet --all-features --bin collsched
 exe="$(pwd)/${CARGO_TARGET_DIR:-target}/debug/collsched"
 [[ ${CARGO_TARGET_DIR:-} == /* ]] && exe="$CARGO_TARGET_DIR/debug/collsched"
 work=$(mktemp -d)
