@@ -13,6 +13,7 @@ ci_step fmt
 ci_step house
 ci_step clippy
 ci_step test
+ci_step fidelity
 ci_step python
 ci_step gpu
 ci_step wheel

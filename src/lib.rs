@@ -15,6 +15,7 @@ pub use collsched_topo as topo;
 pub mod backend;
 pub mod bench;
 pub mod bootstrap;
+pub mod calibrate;
 pub mod checkpoint;
 pub mod cli;
 pub mod demo;

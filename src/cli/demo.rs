@@ -76,6 +76,9 @@ pub struct DemoArgs {
     /// `--features mpi`) or `cuda` (one GPU per rank, NCCL; needs a build with `--features cuda`).
     #[arg(long, value_enum, default_value = "local")]
     pub backend: BenchBackend,
+    /// Bucket cap in KiB (the layout's `bucket_bytes`; the demo's parameters are 1-33 KiB).
+    #[arg(long, default_value_t = (crate::demo::sharded::DEFAULT_DEMO_BUCKET_BYTES >> 10) as f64, value_name = "KIB")]
+    pub bucket_kb: f64,
     /// Micro-batches per optimizer step; all but the last run under `no_sync` (gradients
     /// accumulate locally, one reduction per step).
     #[arg(long, default_value_t = 2, value_name = "M")]
@@ -317,7 +320,16 @@ pub fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
         std::fs::write(path, crate::demo::workload(&cfg).to_json())
             .map_err(|e| format!("--workload-out {}: {e}", path.display()))?;
     }
-    let opts = ShardedOptions { sharding: args.strategy, policy: args.policy, ..ShardedOptions::default() };
+    if !(args.bucket_kb.is_finite() && args.bucket_kb > 0.0 && args.bucket_kb <= 1e9) {
+        return Err(format!("--bucket-kb {}: give a positive number of KiB, e.g. 4", args.bucket_kb).into());
+    }
+    let bucket_bytes = ((args.bucket_kb * 1024.0).round() as usize).max(1);
+    let opts = ShardedOptions {
+        sharding: args.strategy,
+        policy: args.policy,
+        bucket_bytes,
+        ..ShardedOptions::default()
+    };
     let t0 = Instant::now();
     let reference = reference_run(&cfg, args.strategy);
     let t1 = Instant::now();

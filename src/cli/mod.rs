@@ -10,6 +10,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 pub mod bench;
+pub mod calibrate;
 pub mod ckpt;
 pub mod demo;
 pub mod flight;
@@ -36,6 +37,8 @@ pub enum Command {
     Bench(bench::BenchArgs),
     /// Simulate training steps on a modelled machine.
     Sim(sim::SimArgs),
+    /// Measure this machine's collective, launch and host costs into a cost profile for `sim --cost`.
+    Calibrate(calibrate::CalibrateArgs),
     /// Train a small model sharded over local ranks and check parity with an unsharded run.
     Demo(demo::DemoArgs),
     /// Print the machine as the library sees it.
@@ -57,6 +60,7 @@ pub fn main() -> ExitCode {
         Command::Plan(a) => plan::run(a),
         Command::Bench(a) => bench::run(a),
         Command::Sim(a) => sim::run(a),
+        Command::Calibrate(a) => calibrate::run(a),
         Command::Demo(a) => demo::run(a),
         Command::Topo(a) => topo::run(a),
         Command::Ckpt(a) => ckpt::run(a),

@@ -9,6 +9,10 @@
 //! `--sweep KEY=V1,V2,..` (keys `policy world topo workload bucket-mb bucket-by prefetch-mb
 //! max-inflight max-live-mb steps tflops host-overhead-us jitter seed`, repeatable) runs the
 //! grid and prints a table, or with `--json` one object per line with a `sweep` member.
+//! `--cost FILE` (a profile `collsched calibrate` wrote) prices every collective by its measured
+//! fit, and supplies the host overhead per collective, `--compute-slowdown` and
+//! `--compute-overlap` unless they are given; `--topo` is then optional (all ranks on one
+//! machine). The summary names the profile.
 //! `--trace-out` writes Chrome trace JSON (`pid` = rank, `tid` 0 compute, 1 all_gather, 2
 //! reduce_scatter; `"X"` events, times in µs); `--svg` draws rank `--svg-rank`'s last step, one
 //! lane per stream, waits in red, prefetched collectives lighter.
@@ -24,7 +28,7 @@ use crate::sim::workload::Workload;
 use crate::sim::{peak_tflops, simulate, Lane, Policy, SimConfig, SimReport};
 use collsched_buckets::Boundary;
 use collsched_schedule::scheduler::{DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_LIVE_BYTES, DEFAULT_PREFETCH_BYTES};
-use collsched_topo::Topology;
+use collsched_topo::{CostProfile, Topology};
 
 use super::CliError;
 
@@ -39,9 +43,15 @@ pub struct SimArgs {
     #[arg(long, value_name = "N")]
     pub world: u32,
     /// A topology preset (dgx-h100, p4d, pcie-8gpu, cpu-2socket), an hwloc XML file or a
-    /// topology JSON file; as many nodes as the world needs.
-    #[arg(long, value_name = "NAME|FILE")]
-    pub topo: String,
+    /// topology JSON file; as many nodes as the world needs. Required unless `--cost` is given
+    /// (then all ranks are on one machine, the one calibrated).
+    #[arg(long, value_name = "NAME|FILE", required_unless_present = "cost")]
+    pub topo: Option<String>,
+    /// A cost profile (`collsched calibrate --out FILE`): every collective priced by its
+    /// measured fit instead of the topology's links, and its host time per collective as the
+    /// default `--host-overhead-us`.
+    #[arg(long, value_name = "FILE.json")]
+    pub cost: Option<PathBuf>,
     /// naive (one collective per parameter, no prefetch, host overhead per collective),
     /// coalesced (buckets, no prefetch), trace (buckets, trace-replay prefetch) or explicit
     /// (buckets, prefetch the next layer).
@@ -75,6 +85,14 @@ pub struct SimArgs {
     /// Host overhead per launched collective in microseconds (default: 20 for naive, else 0).
     #[arg(long, value_name = "US")]
     pub host_overhead_us: Option<f64>,
+    /// Compute is this many times slower (ranks sharing cores); default: the `--cost`
+    /// profile's `compute_slowdown`, else 1.
+    #[arg(long, value_name = "F")]
+    pub compute_slowdown: Option<f64>,
+    /// The fraction of collective time that overlaps compute (the rest stretches it); default:
+    /// the `--cost` profile's `compute_overlap`, else 1.
+    #[arg(long, value_name = "F")]
+    pub compute_overlap: Option<f64>,
     /// Compute jitter: every compute op takes 1 + jitter * u longer, u uniform in [0, 1) per
     /// rank and op (stragglers). Default 0.
     #[arg(long, default_value_t = 0.0, value_name = "F")]
@@ -152,10 +170,24 @@ fn mib(knob: &str, mb: f64) -> Result<usize, CliError> {
     Ok(((mb * 1048576.0).round() as usize).max(1))
 }
 
+/// The machine `--cost` without `--topo` simulates on (for its compute default; the profile
+/// prices the collectives, every rank on one node).
+const CALIBRATED_MACHINE: &str = "cpu-2socket";
+
+/// Reads a `--cost` file.
+fn load_profile(path: &std::path::Path) -> Result<CostProfile, CliError> {
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        format!("--cost {}: {e}; give a file `collsched calibrate --out` wrote", path.display())
+    })?;
+    Ok(CostProfile::from_json(&text).map_err(|e| format!("--cost {}: {e}", path.display()))?)
+}
+
 /// Builds the configuration the flags describe and runs it.
 fn run_one(args: &SimArgs, timeline: bool) -> Result<(SimReport, Topology, SimConfig), CliError> {
     let workload = Workload::resolve(&args.workload)?;
-    let topo = collsched_topo::resolve(&args.topo)?;
+    let profile = args.cost.as_deref().map(load_profile).transpose()?;
+    // Without --topo (only with --cost): one CPU machine holding every rank.
+    let topo = collsched_topo::resolve(args.topo.as_deref().unwrap_or(CALIBRATED_MACHINE))?;
     let policy: Policy = args.policy.parse()?;
     if args.world == 0 {
         return Err("--world 0: give at least 1 rank".into());
@@ -164,6 +196,10 @@ fn run_one(args: &SimArgs, timeline: bool) -> Result<(SimReport, Topology, SimCo
         Some(t) => SimConfig::with_topology(&topo, args.world, t)?,
         None => SimConfig::for_topology(&topo, args.world)?,
     };
+    if args.topo.is_none() {
+        cfg.ranks_per_node = args.world;
+    }
+    cfg.profile = profile;
     cfg.policy = policy;
     cfg.bucket_bytes = mib("bucket-mb", args.bucket_mb)?;
     cfg.boundary = args.bucket_by;
@@ -172,6 +208,8 @@ fn run_one(args: &SimArgs, timeline: bool) -> Result<(SimReport, Topology, SimCo
     cfg.max_live_bytes = mib("max-live-mb", args.max_live_mb)?;
     cfg.steps = args.steps;
     cfg.host_overhead_s = args.host_overhead_us.map(|us| us * 1e-6);
+    cfg.compute_slowdown = args.compute_slowdown;
+    cfg.compute_overlap = args.compute_overlap;
     cfg.jitter = args.jitter;
     cfg.seed = args.seed;
     cfg.timeline = timeline;
@@ -196,6 +234,19 @@ fn write_summary(out: &mut impl Write, r: &SimReport, topo: &Topology, cfg: &Sim
         peak_tflops(topo)
             .map_or(String::new(), |p| format!(" ({:.0}% of {p:.0} peak)", cfg.tflops / p * 100.0))
     )?;
+    if let Some(p) = &cfg.profile {
+        writeln!(
+            out,
+            "  collectives priced by a cost profile of `{}` measured on {} ranks{}; host overhead {:.1} us per collective; \
+             compute x{:.2}, {:.0}% of collective time overlapping it",
+            p.backend,
+            p.ranks,
+            if p.machine.is_empty() { String::new() } else { format!(" ({})", p.machine) },
+            cfg.host_overhead() * 1e6,
+            cfg.compute_slowdown(),
+            cfg.compute_overlap() * 100.0
+        )?;
+    }
     let rep = r.reported().len();
     if r.steps.len() > 1 {
         writeln!(
@@ -273,7 +324,7 @@ fn apply(args: &mut SimArgs, key: &str, v: &str) -> Result<(), CliError> {
     match key {
         "policy" => args.policy = v.to_owned(),
         "world" => args.world = small(v)?,
-        "topo" => args.topo = v.to_owned(),
+        "topo" => args.topo = Some(v.to_owned()),
         "workload" => args.workload = v.to_owned(),
         "bucket-mb" => args.bucket_mb = num(v)?,
         "bucket-by" => {

@@ -5,7 +5,7 @@ use std::str::FromStr;
 use collsched_buckets::{Boundary, DEFAULT_BUCKET_BYTES};
 use collsched_schedule::scheduler::{DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_LIVE_BYTES, DEFAULT_PREFETCH_BYTES};
 use collsched_schedule::{LaunchId, ScheduleError};
-use collsched_topo::{CostModel, Topology};
+use collsched_topo::{CostModel, CostProfile, Topology};
 
 /// Default achieved fraction of the GPU's peak dense bf16 throughput (`--tflops` overrides
 /// it): 0.4, a typical model FLOPs utilisation of large sharded training runs.
@@ -144,8 +144,13 @@ pub struct SimConfig {
     pub world: u32,
     /// `ranks_per_node`: ranks per node (rank `r` is on node `r / ranks_per_node`).
     pub ranks_per_node: u32,
-    /// The cost model pricing collectives.
+    /// The cost model pricing collectives (when [`SimConfig::profile`] is `None`).
     pub cost: CostModel,
+    /// `cost`: a measured cost profile (`collsched calibrate`, `sim --cost FILE`). When set it
+    /// prices every collective instead of [`SimConfig::cost`] (each op of a group call at its
+    /// own fit: a fit includes the launch), and its `host_per_collective_s` is the host
+    /// overhead when [`SimConfig::host_overhead_s`] is `None`. Default `None`.
+    pub profile: Option<CostProfile>,
     /// `tflops`: achieved compute throughput per rank in TFLOPS (10^12 FLOP/s). Default from
     /// [`SimConfig::for_topology`]: [`DEFAULT_EFFICIENCY`] x the GPU's peak.
     pub tflops: f64,
@@ -170,8 +175,16 @@ pub struct SimConfig {
     /// is more than one (step 1 records the prefetch trace).
     pub steps: u32,
     /// `host_overhead_s`: host seconds added to a rank's compute timeline per collective it
-    /// launches. `None`: [`NAIVE_HOST_OVERHEAD_S`] for [`Policy::Naive`], else 0.
+    /// launches. `None`: the profile's `host_per_collective_s` when [`SimConfig::profile`] has
+    /// one, else [`NAIVE_HOST_OVERHEAD_S`] for [`Policy::Naive`], else 0.
     pub host_overhead_s: Option<f64>,
+    /// `compute_slowdown`: compute durations are multiplied by it (every rank computing at
+    /// once on shared cores). `None`: the profile's, else 1.
+    pub compute_slowdown: Option<f64>,
+    /// `compute_overlap`: the fraction of collective time that proceeds alongside a rank's
+    /// compute; a compute op is stretched by the rest of the time the rank's resolved
+    /// collectives run during it. `None`: the profile's, else 1 (free overlap, as on a GPU).
+    pub compute_overlap: Option<f64>,
     /// `jitter`: compute durations are multiplied by `1 + jitter * u`, `u` uniform in `[0, 1)`
     /// per rank and compute op (stragglers). Default 0.
     pub jitter: f64,
@@ -189,6 +202,7 @@ impl SimConfig {
             world,
             ranks_per_node,
             cost,
+            profile: None,
             tflops,
             policy: Policy::default(),
             bucket_bytes: DEFAULT_BUCKET_BYTES,
@@ -198,6 +212,8 @@ impl SimConfig {
             max_live_bytes: DEFAULT_MAX_LIVE_BYTES,
             steps: DEFAULT_STEPS,
             host_overhead_s: None,
+            compute_slowdown: None,
+            compute_overlap: None,
             jitter: 0.0,
             seed: 0,
             timeline: false,
@@ -235,7 +251,22 @@ impl SimConfig {
 
     /// The host overhead per launched collective in effect (seconds).
     pub fn host_overhead(&self) -> f64 {
-        self.host_overhead_s.unwrap_or(if self.policy == Policy::Naive { NAIVE_HOST_OVERHEAD_S } else { 0.0 })
+        let measured = self.profile.as_ref().and_then(|p| p.host_per_collective_s);
+        self.host_overhead_s.or(measured).unwrap_or(if self.policy == Policy::Naive {
+            NAIVE_HOST_OVERHEAD_S
+        } else {
+            0.0
+        })
+    }
+
+    /// The compute slowdown in effect.
+    pub fn compute_slowdown(&self) -> f64 {
+        self.compute_slowdown.or(self.profile.as_ref().and_then(|p| p.compute_slowdown)).unwrap_or(1.0)
+    }
+
+    /// The compute overlap in effect.
+    pub fn compute_overlap(&self) -> f64 {
+        self.compute_overlap.or(self.profile.as_ref().and_then(|p| p.compute_overlap)).unwrap_or(1.0)
     }
 
     pub(crate) fn validate(&self) -> Result<(), SimError> {
@@ -267,6 +298,14 @@ impl SimConfig {
         let h = self.host_overhead();
         if !(h.is_finite() && h >= 0.0) {
             return bad("host-overhead-us", format!("is {}; give a finite number >= 0", h * 1e6));
+        }
+        let slow = self.compute_slowdown();
+        if !(slow.is_finite() && slow >= 1.0) {
+            return bad("compute-slowdown", format!("is {slow}; give a factor >= 1"));
+        }
+        let overlap = self.compute_overlap();
+        if !(0.0..=1.0).contains(&overlap) {
+            return bad("compute-overlap", format!("is {overlap}; give a fraction within 0..1"));
         }
         if !(self.jitter.is_finite() && self.jitter >= 0.0) {
             return bad("jitter", format!("is {}; give a finite fraction >= 0, e.g. 0.05", self.jitter));

@@ -28,6 +28,11 @@
 //! - **Compute**: FLOPs / [`SimConfig::tflops`] (achieved, per rank), times `1 + jitter * u`
 //!   with `u` in `[0, 1)` drawn from a hash of (`seed`, rank, step, program position): a
 //!   deterministic straggler model.
+//! - **Shared cores** (CPU backends; a calibrated profile's `compute_slowdown` and
+//!   `compute_overlap`): compute takes `compute_slowdown` times longer, and a compute op is
+//!   stretched by `1 - compute_overlap` of the time the resolved collectives of both streams
+//!   run during it (collectives some rank has not launched yet are not counted). The defaults
+//!   (1 and 1) leave compute alone.
 //! - **Host overhead**: [`SimConfig::host_overhead_s`] is added to the rank's compute timeline
 //!   for every collective it launches (per-parameter Python hooks for [`Policy::Naive`]).
 //!
@@ -70,6 +75,23 @@ impl Colls {
     fn get(&self, id: LaunchId) -> Option<&Coll> {
         let i = *self.by_serial.get(id.serial as usize)?;
         self.all.get(i as usize)
+    }
+
+    /// Nanoseconds of `[from, to)` the resolved collectives of both streams run (summed over
+    /// the streams). A stream's collectives end in order, so the scan stops at the first that
+    /// ended by `from`.
+    fn busy_between(&self, from: u64, to: u64) -> u64 {
+        let mut busy = 0;
+        for s in 0..2 {
+            for &i in self.lane[s][..self.resolved[s]].iter().rev() {
+                let c = &self.all[i as usize];
+                if c.end <= from {
+                    break;
+                }
+                busy += c.end.min(to).saturating_sub(c.start.max(from));
+            }
+        }
+        busy
     }
 
     fn try_resolve(&mut self, s: usize, world: u32) {
@@ -437,7 +459,12 @@ fn advance(sh: &mut Program, colls: &mut Colls, st: &mut SimRank) -> Result<bool
                 st.in_actions = true;
             }
             Call::Compute(l, kind) => {
-                let ns = (sh.compute_ns[pc] * jitter_factor(sh, st.sched.rank(), st.step, pc)).round() as u64;
+                let mut ns =
+                    (sh.compute_ns[pc] * jitter_factor(sh, st.sched.rank(), st.step, pc)).round() as u64;
+                if sh.contention > 0.0 {
+                    let busy = colls.busy_between(st.clock, st.clock + ns);
+                    ns += (sh.contention * busy as f64).round() as u64;
+                }
                 if sh.timeline && ns > 0 {
                     st.spans.push(Span {
                         start_ns: st.clock,

@@ -33,7 +33,12 @@ pub(crate) struct Program {
     /// Launch duration cache by bucket id (u64::MAX: not priced yet).
     pub(crate) price: Vec<u64>,
     pub(crate) cost: CostModel,
+    /// A measured profile pricing collectives instead of `cost`.
+    pub(crate) profile: Option<collsched_topo::CostProfile>,
     pub(crate) host_ns: u64,
+    /// The share of collective time overlapping a compute op that is added to it
+    /// (`1 - compute_overlap`).
+    pub(crate) contention: f64,
     pub(crate) rpn: u32,
     pub(crate) world: u32,
     pub(crate) jitter: f64,
@@ -102,7 +107,7 @@ impl Program {
         let plan = Plan::new(layout);
 
         // The program of one step and its compute durations.
-        let ns_per_flop = 1e9 / (config.tflops * 1e12);
+        let ns_per_flop = 1e9 / (config.tflops * 1e12) * config.compute_slowdown();
         let mut program = Vec::new();
         let mut compute_ns = Vec::new();
         let mut push = |c: Call, ns: f64| {
@@ -175,7 +180,9 @@ impl Program {
             rules,
             price: vec![u64::MAX; n_buckets],
             cost: config.cost,
+            profile: config.profile.clone(),
             host_ns: (config.host_overhead() * 1e9).round() as u64,
+            contention: 1.0 - config.compute_overlap(),
             rpn: config.ranks_per_node.max(1),
             world: config.world,
             jitter: config.jitter,
@@ -220,6 +227,17 @@ impl Program {
         for b in 0..self.plan.layout().buckets().len() {
             let bucket = BucketId(b as u32);
             let ops = self.plan.ops_of(bucket).to_vec();
+            if let Some(p) = &self.profile {
+                for &o in &ops {
+                    if let Some(op) = self.plan.op(o) {
+                        if op.groups().group_size() > 1 {
+                            p.time(op.kind(), 1, op.groups().group_size() as usize).map_err(|e| {
+                                SimError::Config { knob: "cost", message: format!("bucket {bucket}: {e}") }
+                            })?;
+                        }
+                    }
+                }
+            }
             let secs = self.price_secs(&ops);
             if !(secs.is_finite() && secs * 1e9 <= MAX_CLOCK_NS) {
                 return Err(too_long(
@@ -297,6 +315,10 @@ impl Program {
                 CollectiveKind::AllReduce | CollectiveKind::Broadcast => per,
             };
             calls.push((kind, bytes, GroupShape { ranks: n as usize, nodes: nodes.len().max(1) }));
+        }
+        if let Some(p) = &self.profile {
+            // `check_clock` refused a plan with a kind the profile lacks: NaN never reaches the clock.
+            return calls.iter().map(|(k, b, g)| p.time(*k, *b, g.ranks).unwrap_or(f64::NAN)).sum();
         }
         match calls.len() {
             0 => 0.0,

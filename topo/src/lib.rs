@@ -10,6 +10,8 @@
 //!   groups of size `g`.
 //! - [`CostModel`]: seconds a collective takes on a [`GroupShape`], for ring, tree and
 //!   hierarchical algorithms, plus launch and group-call overheads.
+//! - [`CostProfile`] ([`calibration`]): per-collective costs measured on a machine
+//!   (`collsched calibrate`), from a checked least-squares fit ([`calibration::fit_linear`]).
 //!
 //! Units: bandwidth in GB/s (10^9 B/s), latency in microseconds, memory in bytes, times in
 //! seconds. Every constant is in [`constants`], with its source.
@@ -29,6 +31,7 @@
 #![warn(missing_docs)]
 #![forbid(unsafe_code)]
 
+pub mod calibration;
 pub mod constants;
 mod cost;
 #[cfg(feature = "hwloc")]
@@ -40,6 +43,7 @@ mod model;
 mod synthetic;
 mod xml;
 
+pub use calibration::{CalibrationError, CostProfile};
 pub use cost::{Algorithm, CollectiveKind, CostModel, Estimate};
 #[cfg(feature = "hwloc")]
 pub use discover::discover;
