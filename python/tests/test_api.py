@@ -255,7 +255,7 @@ def test_trainability_refreshed_by_hand():
 @pytest.mark.parametrize(
     "case, words",
     [
-        ("int", ["count", "int64"]),
+        ("f64", ["count", "float64", "ignored_params"]),
         ("no_params", ["no parameters"]),
         ("prefetch", ["sometimes"]),
         ("strategy", ["hybrid:0"]),

@@ -460,9 +460,10 @@ def bad_fully_shard(rank: int, world: int, case: str) -> str:
 
     cst.init()
     try:
-        if case == "int":
+        if case == "f64":
+            # A floating dtype the kernels do not move (integer ones pass through untouched).
             m = torch.nn.Linear(3, 2)
-            m.register_parameter("count", torch.nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False))
+            m.register_parameter("count", torch.nn.Parameter(torch.zeros(2, dtype=torch.float64)))
             cst.fully_shard(m)
         elif case == "no_params":
             cst.fully_shard(torch.nn.ReLU())
