@@ -21,6 +21,24 @@ def shard(model: torch.nn.Module, strategy: str, bucket_mb: float, mp: Any = Non
     return cst.fully_shard(model, strategy=strategy, bucket_mb=bucket_mb, mp_policy=mp)
 
 
+def train_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: Any, rank: int) -> tuple[list, list]:
+    """The gpt's training ``steps`` on this rank's batches: losses and full parameters after each."""
+    import collsched.torch as cst
+
+    import workers
+
+    losses, params = [], []
+    for step in steps:
+        x, y = models.batch("gpt", 0, step, 0, rank)
+        loss = models.loss_fn("gpt", model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append([loss.item()])
+        params.append(workers.snapshot(cst.full_parameters(model)))
+    return losses, params
+
+
 def with_tied(full: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """``full`` (by the names ``named_parameters`` keeps) with every tied parameter's other
     names too, as a state dict has them."""
@@ -206,15 +224,7 @@ def meta_init(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     full = models.build("gpt", 0).state_dict() if rank == 0 else {}
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     opt = models.optimizer(spec.get("opt", "adamw"), model.parameters())
-    out["losses"], out["params"] = [], []
-    for step in range(spec["steps"]):
-        x, y = models.batch("gpt", 0, step, 0, rank)
-        loss = models.loss_fn("gpt", model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        out["losses"].append([loss.item()])
-        out["params"].append({k: v.float().flatten().tolist() for k, v in cst.full_parameters(model).items()})
+    out["losses"], out["params"] = train_steps(model, opt, range(spec["steps"]), rank)
     with torch.device("meta"):
         half = models.build("mlp", 0)
     half.head = torch.nn.Linear(9, 5)
@@ -345,15 +355,8 @@ def titan(rank: int, world: int, spec: dict[str, Any], path: str, phase: str) ->
     else:
         workers.dcp_checkpoint(model, opt, path, "load")
         steps = range(spec["split"], spec["steps"])
-    out: dict[str, Any] = {"losses": [], "params": [], "strategy": cst.plan(model)["strategy"]}
-    for step in steps:
-        x, y = models.batch("gpt", 0, step, 0, rank)
-        loss = models.loss_fn("gpt", model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        out["losses"].append([loss.item()])
-        out["params"].append({k: v.float().flatten().tolist() for k, v in cst.full_parameters(model).items()})
+    out: dict[str, Any] = {"strategy": cst.plan(model)["strategy"]}
+    out["losses"], out["params"] = train_steps(model, opt, steps, rank)
     if phase == "save":
         workers.dcp_checkpoint(model, opt, path, "save")
     out["partial_mesh"] = error_text(lambda: cst.fully_shard(models.build("mlp", 0), mesh=mesh["shard"]))
