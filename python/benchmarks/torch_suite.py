@@ -51,6 +51,12 @@ DEFAULT_K = " or ".join(
         "test_barrier_timeout_full_group",
         "test_DistributedDataParallelCPU",
         "test_get_future",
+        # Point to point.
+        "test_send_recv",
+        "test_isend",
+        "test_irecv",
+        "test_batch_isend_irecv",
+        "test_send_recv_any_source",
     )
 )
 
@@ -65,7 +71,7 @@ if MODE is not None:
     if MODE == "as-gloo":
         dist.Backend.register_backend(
             "gloo",
-            _collsched._create,
+            _collsched.creator("gloo"),
             extended_api=True,
             devices=["cpu"],
             _backend_type=dist.ProcessGroup.BackendType.GLOO,

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import os
 import queue
 import threading
 import time
@@ -56,12 +57,22 @@ from torch._C._distributed_c10d import Work as _C10dWork
 
 from .. import _native
 from .._native import CollschedError
+from . import profiling
 from . import world as _world
+from .p2p import Mailbox, install_source_rank, note_source
 
 NAME = "collsched"
 
 _KERNEL_TYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 _R = dist.ReduceOp
+
+
+def _default_timeout() -> float:
+    """The backend's timeout when the group gives none: ``COLLSCHED_TIMEOUT_SECS`` (300)."""
+    try:
+        return float(os.environ.get("COLLSCHED_TIMEOUT_SECS", "300"))
+    except ValueError:
+        return 300.0
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
@@ -87,9 +98,16 @@ class _Work(_C10dWork):
         result: list[torch.Tensor],
         keep: Sequence[Any] = (),
         after: Sequence[Callable[[], None]] = (),
+        ready: Callable[[], bool] | None = None,
     ) -> None:
         super().__init__()
         self._native = native
+        # Whether a work with no native part can complete without waiting (a receive).
+        self._ready = ready
+        # The profiler event of the op (profiling.recorded), ended when the work completes.
+        self._profile: Any = None
+        # A receive from any source: the sender's group rank.
+        self._source: int | None = None
         self._result = result
         self._keep: Sequence[Any] | None = keep
         self._after = after
@@ -113,6 +131,9 @@ class _Work(_C10dWork):
                     self._error = e
                 self._done = True
                 self._keep = None
+                if self._profile is not None:
+                    profiling.end(self._profile)
+                    self._profile = None
             if self._error is not None:
                 raise self._error
 
@@ -125,6 +146,8 @@ class _Work(_C10dWork):
             return True
         if self._native is not None and not self._native.is_completed():
             return False
+        if self._ready is not None and not self._ready():
+            return False
         self._finish()
         return True
 
@@ -136,6 +159,15 @@ class _Work(_C10dWork):
 
     def result(self) -> list[torch.Tensor]:
         return self._result
+
+    def _source_rank(self) -> int:
+        """The sender's group rank, for a completed receive from any source."""
+        self._finish()
+        if self._source is None:
+            raise CollschedError("collsched: source rank asked of a work that is not a receive from any source")
+        return self._source
+
+    source_rank = _source_rank
 
     def get_future(self) -> torch.futures.Future:
         fut: torch.futures.Future = torch.futures.Future()
@@ -205,8 +237,12 @@ class _Backend(_C10dBackend):
     """One process group's backend on this rank: a :class:`collsched._native.Comm` over the
     group's ranks in the job."""
 
-    def __init__(self, comm: Any, group_rank: int, group_size: int, store: Any) -> None:
+    def __init__(
+        self, comm: Any, group_rank: int, group_size: int, store: Any, name: str = NAME, timeout: float | None = None
+    ) -> None:
         super().__init__(group_rank, group_size)
+        # The name profiler events carry ("gloo" where this backend is registered as gloo).
+        self._profile_name = name
         self._comm = comm
         self._ranks: list[int] = list(comm.ranks)
         self._n = group_size
@@ -214,9 +250,24 @@ class _Backend(_C10dBackend):
         # The group's store (torch's, prefixed per group) and the monitored barriers so far.
         self._store = store
         self._monitored = 0
+        self._mailbox = Mailbox(store, group_rank, group_size, self._ranks, timeout or _default_timeout())
 
     def getBackendName(self) -> str:
-        return NAME
+        return self._profile_name
+
+    # torch reads these through Python attributes; left to the C++ base, reading one from
+    # Python recurses (the base's property asks the subclass again).
+    @property
+    def supports_coalescing(self) -> bool:
+        return False
+
+    @property
+    def supports_splitting(self) -> bool:
+        return False
+
+    @property
+    def _supports_time_estimate(self) -> bool:
+        return False
 
     # -- memory ------------------------------------------------------------------------------
 
@@ -254,9 +305,11 @@ class _Backend(_C10dBackend):
             return ("sum", 1.0 / float(factor))
         return None
 
+    @profiling.recorded("all_reduce", profiling.first)
     def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> _Work:
         return self._all_reduce(tensors, opts.reduceOp)
 
+    @profiling.recorded("all_reduce", profiling.first)
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any) -> _Work:
         return self._all_reduce(tensors, opts.reduceOp)
 
@@ -277,14 +330,17 @@ class _Backend(_C10dBackend):
         native = self._comm.all_reduce([_span(b) for b in bufs], elem, op_name, bufs, pre)
         return _Work(native, tensors, keep=bufs, after=after)
 
+    @profiling.recorded("reduce_scatter_tensor", profiling.second)
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> _Work:
         return self._reduce_scatter([output], [input], opts.reduceOp)
 
     _reduce_scatter_base = reduce_scatter_single
 
+    @profiling.recorded("reduce_scatter_tensor_coalesced", profiling.second)
     def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any):
         return self._reduce_scatter(outputs, inputs, opts.reduceOp)
 
+    @profiling.recorded("reduce_scatter", profiling.nested_second)
     def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any) -> _Work:
         flat = []
         for out, parts in zip(outputs, inputs):
@@ -311,14 +367,17 @@ class _Backend(_C10dBackend):
 
     # -- data movement ----------------------------------------------------------------------
 
+    @profiling.recorded("all_gather_into_tensor", profiling.second)
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> _Work:
         return self._all_gather([output], [input])
 
     _allgather_base = all_gather_single
 
+    @profiling.recorded("all_gather_into_tensor_coalesced", profiling.second)
     def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any):
         return self._all_gather(outputs, inputs)
 
+    @profiling.recorded("all_gather", profiling.second)
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> _Work:
         flats, after = [], []
         for outs, inp in zip(outputs, inputs):
@@ -331,6 +390,7 @@ class _Backend(_C10dBackend):
         work._result = [t for outs in outputs for t in outs]
         return work
 
+    @profiling.recorded("all_gather", profiling.second)
     def allgather_coalesced(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> _Work:
         """``all_gather_coalesced``: ``outputs[r][j]`` gets member ``r``'s ``inputs[j]``."""
         if len(outputs) != self._n or any(len(row) != len(inputs) for row in outputs):
@@ -356,6 +416,7 @@ class _Backend(_C10dBackend):
         self._all_gather([stacked], [t]).wait()
         return stacked
 
+    @profiling.recorded("broadcast", profiling.first)
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> _Work:
         root = self._ranks[opts.rootRank]
         after: list[Callable[[], None]] = []
@@ -366,6 +427,7 @@ class _Backend(_C10dBackend):
         native = self._comm.broadcast([_span(b) for b in bufs], root, bufs)
         return _Work(native, tensors, keep=bufs, after=after)
 
+    @profiling.recorded("barrier", profiling.none)
     def barrier(self, opts: Any = None) -> _Work:
         return _Work(self._comm.barrier(), [])
 
@@ -411,6 +473,7 @@ class _Backend(_C10dBackend):
 
     # -- built on the above -----------------------------------------------------------------
 
+    @profiling.recorded("reduce", profiling.first)
     def reduce(self, tensors: list[torch.Tensor], opts: Any) -> _Work:
         """An all-reduce whose result only the root keeps."""
         me = self._comm.group_rank
@@ -419,6 +482,7 @@ class _Backend(_C10dBackend):
         work._result = tensors
         return work
 
+    @profiling.recorded("gather", profiling.second)
     def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> _Work:
         """An all-gather whose result only the root keeps."""
         if self._comm.group_rank == opts.rootRank:
@@ -428,6 +492,7 @@ class _Backend(_C10dBackend):
         work._result = []
         return work
 
+    @profiling.recorded("scatter", profiling.first)
     def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any) -> _Work:
         """The root's list broadcast; each member keeps its part."""
         out = outputs[0]
@@ -441,6 +506,7 @@ class _Backend(_C10dBackend):
         work._after = [lambda: out.copy_(flat[me])]
         return work
 
+    @profiling.recorded("all_to_all", profiling.second)
     def all_to_all_single(
         self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list, input_split_sizes: list, opts: Any
     ) -> _Work:
@@ -451,6 +517,33 @@ class _Backend(_C10dBackend):
         me = self._comm.group_rank
         output.copy_(stacked.view(self._n, self._n, -1)[:, me].reshape(output.shape))
         return _done([output])
+
+    # -- point to point (p2p.py) -------------------------------------------------------------
+
+    @profiling.recorded("send", profiling.first)
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> _Work:
+        for t in tensors:
+            self._mailbox.send(t, dst, tag)
+        return _done(tensors)
+
+    @profiling.recorded("recv", profiling.first)
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> _Work:
+        reads, ready = zip(*(self._mailbox.recv(t, src, tag) for t in tensors))
+        return _Work(None, tensors, after=reads, ready=lambda: all(r() for r in ready))
+
+    @profiling.recorded("recvAnySource", profiling.first)
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> _Work:
+        if len(tensors) != 1:
+            raise CollschedError(f"collsched: recv from any source of {len(tensors)} tensors; give one")
+        read = self._mailbox.recv_any(tensors[0], tag)
+        work = _Work(None, tensors)
+
+        def receive() -> None:
+            work._source = read()
+            note_source(tensors[0], work._source)
+
+        work._after = [receive]
+        return work
 
     def _same_sizes(self, what: str, one: torch.Tensor, parts: Sequence[torch.Tensor]) -> None:
         if len(parts) != self._n or any(p.numel() != one.numel() or p.dtype != one.dtype for p in parts):
@@ -466,7 +559,14 @@ def _unstack(flat: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
         o.copy_(flat[q].view_as(o))
 
 
-def _create(opts: Any, backend_options: Any = None) -> _Backend:
+def creator(name: str = NAME) -> Callable[..., _Backend]:
+    """torch.distributed's constructor of a group's backend (``extended_api``), for the backend
+    registered as ``name`` (profiler events carry it: ``"gloo"`` where collsched stands in for
+    gloo)."""
+    return functools.partial(_create, name=name)
+
+
+def _create(opts: Any, backend_options: Any = None, *, name: str = NAME) -> _Backend:
     """torch.distributed's constructor of a ``"collsched"`` group's backend (``extended_api``)."""
     ranks = list(opts.global_ranks_in_group)
     if not ranks:
@@ -481,12 +581,23 @@ def _create(opts: Any, backend_options: Any = None) -> _Backend:
                 "with init_process_group('collsched'), or call collsched.torch.init() on every rank first"
             )
     tag = zlib.crc32(str(opts.group_id).encode())
-    comm = _native.Comm(world, sorted(ranks), tag, _seconds(opts.timeout))
-    return _Backend(comm, opts.group_rank, opts.group_size, opts.store)
+    timeout = _seconds(opts.timeout)
+    comm = _native.Comm(world, sorted(ranks), tag, timeout)
+    backend = _Backend(comm, opts.group_rank, opts.group_size, opts.store, name, timeout)
+    # torch holds the backend in C++ only: without a Python reference its Python half (the
+    # methods overriding the C++ ones) would be collected, and a later call from C++ would
+    # reach the base class ("getBackendName is not implemented") or freed memory.
+    _LIVE.append(backend)
+    return backend
+
+
+# Every backend made in this process (see _create).
+_LIVE: list[_Backend] = []
 
 
 def register() -> None:
     """Registers ``"collsched"`` with torch.distributed (CPU tensors). Idempotent; importing
     ``collsched.torch`` does it."""
+    install_source_rank()
     if NAME not in dist.Backend.backend_list:
         dist.Backend.register_backend(NAME, _create, extended_api=True, devices=["cpu"])
