@@ -23,8 +23,16 @@ the job):
   shared arena (what peers read of them: a reduce-scatter's own chunk stays where it is) and
   an all-reduce's result is copied out at ``wait()`` (copies gloo also makes, without its
   sockets); from 256 KiB an all-reduce runs as a reduce-scatter and an all-gather straight
-  into the tensor. Tensors from ``allocate_tensor`` are not copied in. Point-to-point ops
-  (``send``, ``recv``) raise torch's "does not support" error, naming them.
+  into the tensor. Tensors from ``allocate_tensor`` are not copied in.
+- Point to point: ``send``, ``recv``, ``isend``, ``irecv``, ``recv`` from any source
+  (``src=None``) and ``batch_isend_irecv``, with tags, through memory files every process of
+  the job can open, announced in the group's store, off the collectives' stream (``p2p.py``):
+  crossing ``isend``/``irecv`` pairs never wait on each other; sends are eager; a receive
+  whose sender never sends is a :class:`collsched.PeerError` naming the peer and the op after
+  the group's timeout.
+- While a profiler records, each op is an async event ``"<backend>:<op>"`` with its input
+  shapes, as torch's own backends record it (``profiling.py``; ``"gloo:..."`` where this
+  backend is registered as gloo, through :func:`creator`).
 
 The backend is a Python subclass of torch's C++ ``Backend`` (not of ``ProcessGroup``): torch
 puts it inside a C++ ``ProcessGroup`` for the CPU device, so the dispatcher's collectives
