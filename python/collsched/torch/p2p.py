@@ -12,7 +12,8 @@ tags never wait on each other.
 
 A send is eager: its bytes are copied out when it is posted and its work is complete at once
 (the tensor may be reused); the file stays open until the receiver acknowledges it (checked
-at each later message, and waited for, at most the timeout, when the process exits). A
+at each later message, and waited for when the process exits: at most
+``COLLSCHED_P2P_EXIT_WAIT_SECS``, default 30 s, and the timeout). A
 receive reads at its work's ``wait()`` (or a positive ``is_completed()``) and waits at most
 the backend's timeout (``COLLSCHED_TIMEOUT_SECS``, or the group's ``timeout``) before a
 :class:`collsched.PeerError` that names the peer and the op.
@@ -110,9 +111,14 @@ class Mailbox:
                         pass
 
     def flush(self) -> None:
-        """Waits (at most the timeout) for the receivers of this rank's messages, so that a
-        rank that sends and exits does not take its messages with it (run at exit)."""
-        deadline = time.monotonic() + self._timeout
+        """Waits (at most ``COLLSCHED_P2P_EXIT_WAIT_SECS``, 30 s, and the timeout) for the
+        receivers of this rank's messages, so that a rank that sends and exits does not take
+        its messages with it (run at exit)."""
+        try:
+            most = float(os.environ.get("COLLSCHED_P2P_EXIT_WAIT_SECS", "30"))
+        except ValueError:
+            most = 30.0
+        deadline = time.monotonic() + min(self._timeout, most)
         try:
             self._reap()
             while self._held and time.monotonic() < deadline:
@@ -122,8 +128,8 @@ class Mailbox:
             return
         if self._held:
             print(
-                f"{self._where('send', None, -1)}: {len(self._held)} messages not received within "
-                f"{self._timeout:g} s of exit",
+                f"{self._where('send', None, -1)}: {len(self._held)} messages not received by the time "
+                "this process exited (COLLSCHED_P2P_EXIT_WAIT_SECS)",
                 file=sys.stderr,
             )
 
