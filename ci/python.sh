@@ -15,11 +15,12 @@ py="$venv/bin/python"
 # maturin's build hooks run the maturin executable from PATH.
 export PATH="$venv/bin:$PATH"
 # transformers: python/tests/test_hf.py shards Hugging Face models (small configs, no download).
-if ! "$py" -c "import torch, maturin, pytest, ruff, safetensors, transformers" >/dev/null 2>&1; then
-  echo "ci/python: pip install torch maturin pytest ruff safetensors transformers into $venv"
+# expecttest: torch's test utilities import it (PyTorch's own suite, python/benchmarks/torch_suite.py).
+if ! "$py" -c "import torch, maturin, pytest, ruff, safetensors, transformers, expecttest" >/dev/null 2>&1; then
+  echo "ci/python: pip install torch maturin pytest ruff safetensors transformers expecttest into $venv"
   "$py" -m pip install -q --disable-pip-version-check --upgrade pip
   "$py" -m pip install -q --disable-pip-version-check 'torch==2.15.*' 'maturin>=1.9,<2' 'pytest>=8' 'ruff>=0.6' 'safetensors>=0.4' \
-    'transformers>=5,<6'
+    'transformers>=5,<6' 'expecttest>=0.2'
 fi
 (cd python && "$venv/bin/ruff" check . && "$venv/bin/ruff" format --check .)
 # The scripts of ci/ under the package's rules.
@@ -33,4 +34,12 @@ log="${CARGO_TARGET_DIR:-target}/ci-pytest.log"
 mkdir -p "$(dirname "$log")"
 # From the repository root: the installed package is imported, not python/collsched.
 "$venv/bin/pytest" -q -rs -p no:cacheprovider python/tests 2>&1 | tee "$log"
-exit "${PIPESTATUS[0]}"
+status="${PIPESTATUS[0]}"
+# PyTorch's own distributed suite, a fast part of it, with collsched standing in for gloo: any
+# failure that is not a gap recorded in torch_suite_gaps.json fails the step, and so does a
+# recorded gap that passes (the record is then stale).
+echo "ci/python: PyTorch's distributed suite (torch_suite.py --ci)"
+suite=0
+"$py" python/benchmarks/torch_suite.py --ci python/benchmarks/torch_suite_gaps.json || suite=$?
+if [ "$status" -eq 0 ]; then status=$suite; fi
+exit "$status"

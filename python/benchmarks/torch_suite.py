@@ -3,6 +3,7 @@ what torch's ``test/distributed/test_distributed_spawn.py`` runs per backend) on
 with collsched standing in for gloo, side by side.
 
     python python/benchmarks/torch_suite.py [--world 2 3] [-k EXPR | --all] [--write FILE]
+    python python/benchmarks/torch_suite.py --ci python/benchmarks/torch_suite_gaps.json
 
 Modes, each in processes of its own (the suite reads ``BACKEND`` when imported):
 
@@ -16,7 +17,9 @@ Each test spawns ``WORLD_SIZE`` ranks (spawn start method); tests that need a GP
 selection (``-k``) is the collective tests that run in a few minutes on 2 cores; ``--all``
 runs the whole suite (about half an hour per mode and world size there). Prints per test the
 outcome of each mode, then the tests gloo passes and collsched does not, with the first line of
-collsched's error; ``--write`` keeps that as JSON. Exits 1 when there is any.
+collsched's error; ``--write`` keeps that as JSON. Exits 1 when there is any. ``--ci`` is
+CI's check (``ci/python.sh``): a fast part of the selection (``CI_K``) in as-gloo mode at 2
+ranks against the recorded gaps.
 """
 
 from __future__ import annotations
@@ -51,7 +54,35 @@ DEFAULT_K = " or ".join(
         "test_barrier_timeout_full_group",
         "test_DistributedDataParallelCPU",
         "test_get_future",
+        # Point to point.
+        "test_send_recv",
+        "test_isend",
+        "test_irecv",
+        "test_batch_isend_irecv",
+        "test_send_recv_any_source",
     )
+)
+
+# What CI runs (--ci): a fast part of the default selection, in as-gloo mode at 2 ranks (no
+# GPU variants, no Kineto profiler variants: the autograd profiler's check the same events).
+CI_K = (
+    "("
+    + " or ".join(
+        (
+            "test_all_reduce_sum",
+            "test_all_reduce_max",
+            "test_broadcast_full_group",
+            "test_all_gather_coalesced_simple",
+            "test_reduce_sum",
+            "test_barrier_full_group",
+            "test_send_recv",
+            "test_isend",
+            "test_irecv",
+            "test_batch_isend_irecv_gloo",
+            "test_batch_isend_irecv_op_list_err",
+        )
+    )
+    + ") and not nccl and not cuda and not torch_profiler"
 )
 
 if MODE is not None:
@@ -65,7 +96,7 @@ if MODE is not None:
     if MODE == "as-gloo":
         dist.Backend.register_backend(
             "gloo",
-            _collsched._create,
+            _collsched.creator("gloo"),
             extended_api=True,
             devices=["cpu"],
             _backend_type=dist.ProcessGroup.BackendType.GLOO,
@@ -131,13 +162,43 @@ def run_mode(mode: str, world: int, select: str | None, out: str) -> dict[str, t
     return got
 
 
+def check(gaps_file: str, world: int = 2) -> int:
+    """CI's check (``--ci``): 0 when every test of ``CI_K`` passes in as-gloo mode except the
+    gaps recorded in ``gaps_file`` at ``world`` ranks, and those fail."""
+    with open(gaps_file) as f:
+        recorded = {g["test"] for g in json.load(f) if g["world"] == world}
+    with tempfile.TemporaryDirectory() as out:
+        got = run_mode("as-gloo", world, CI_K, out)
+    if not got:
+        print("torch_suite.py --ci: no test ran (is expecttest installed?)")
+        return 1
+    bad = []
+    for name, (outcome, text) in sorted(got.items()):
+        if outcome == "failed" and name not in recorded:
+            bad.append(f"  {name}: fails and is not a recorded gap: {text}")
+        elif outcome == "passed" and name in recorded:
+            bad.append(f"  {name}: passes but is recorded as a gap in {gaps_file}: rerun the suite with --write")
+    counts = {o: sum(1 for v in got.values() if v[0] == o) for o in ("passed", "failed", "skipped")}
+    print(f"torch_suite.py --ci: world {world}, {len(got)} tests in as-gloo mode: {counts}")
+    print("\n".join(bad) if bad else "  every failure is a recorded gap")
+    return 1 if bad else 0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--world", type=int, nargs="+", default=[2])
     ap.add_argument("-k", dest="select", default=DEFAULT_K, help="pytest -k expression over the suite's tests")
     ap.add_argument("--all", action="store_true", help="the whole suite")
     ap.add_argument("--write", help="JSON file for the tests gloo passes and collsched does not")
+    ap.add_argument(
+        "--ci",
+        metavar="GAPS",
+        help="CI's check: the CI selection in as-gloo mode at 2 ranks; fails if a test outside GAPS (the "
+        "recorded JSON) fails, or a test recorded there passes",
+    )
     args = ap.parse_args()
+    if args.ci:
+        sys.exit(check(args.ci))
     select = None if args.all else args.select
     gaps = []
     with tempfile.TemporaryDirectory() as out:

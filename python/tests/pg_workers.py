@@ -127,11 +127,17 @@ def more_ops(rank: int, world: int) -> dict[str, Any]:
     out["all_gather_coalesced"] = [[plain(t) for t in row] for row in lists]
     fut = dist.all_reduce(torch.full((5,), float(rank)), async_op=True).get_future()
     out["future"] = plain(fut.wait()[0])
+    # Sparse all-reduce: rank r holds r + 1 entries (row r and the rows below), sums as gloo's.
+    sparse = torch.zeros(world + 1, 2)
+    sparse[: rank + 1] = torch.arange(2.0) + rank + 1
+    s = sparse.to_sparse()
+    dist.all_reduce(s)
+    out["sparse_sum"] = plain(s.to_dense())
     try:
-        dist.send(torch.ones(1), dst=(rank + 1) % world)
-        out["send"] = "ran"
+        dist.all_reduce(sparse.to_sparse(), op=dist.ReduceOp.MAX)
+        out["sparse_max"] = "ran"
     except Exception as e:
-        out["send"] = f"{type(e).__name__}: {e}"
+        out["sparse_max"] = f"{type(e).__name__}: {e}"
     return out
 
 

@@ -23,8 +23,16 @@ the job):
   shared arena (what peers read of them: a reduce-scatter's own chunk stays where it is) and
   an all-reduce's result is copied out at ``wait()`` (copies gloo also makes, without its
   sockets); from 256 KiB an all-reduce runs as a reduce-scatter and an all-gather straight
-  into the tensor. Tensors from ``allocate_tensor`` are not copied in. Point-to-point ops
-  (``send``, ``recv``) raise torch's "does not support" error, naming them.
+  into the tensor. Tensors from ``allocate_tensor`` are not copied in.
+- Point to point: ``send``, ``recv``, ``isend``, ``irecv``, ``recv`` from any source
+  (``src=None``) and ``batch_isend_irecv``, with tags, through memory files every process of
+  the job can open, announced in the group's store, off the collectives' stream (``p2p.py``):
+  crossing ``isend``/``irecv`` pairs never wait on each other; sends are eager; a receive
+  whose sender never sends is a :class:`collsched.PeerError` naming the peer and the op after
+  the group's timeout.
+- While a profiler records, each op is an async event ``"<backend>:<op>"`` with its input
+  shapes, as torch's own backends record it (``profiling.py``; ``"gloo:..."`` where this
+  backend is registered as gloo, through :func:`creator`).
 
 The backend is a Python subclass of torch's C++ ``Backend`` (not of ``ProcessGroup``): torch
 puts it inside a C++ ``ProcessGroup`` for the CPU device, so the dispatcher's collectives
@@ -42,6 +50,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import os
 import queue
 import threading
 import time
@@ -56,12 +65,22 @@ from torch._C._distributed_c10d import Work as _C10dWork
 
 from .. import _native
 from .._native import CollschedError
+from . import profiling
 from . import world as _world
+from .p2p import Mailbox, install_source_rank, note_source
 
 NAME = "collsched"
 
 _KERNEL_TYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 _R = dist.ReduceOp
+
+
+def _default_timeout() -> float:
+    """The backend's timeout when the group gives none: ``COLLSCHED_TIMEOUT_SECS`` (300)."""
+    try:
+        return float(os.environ.get("COLLSCHED_TIMEOUT_SECS", "300"))
+    except ValueError:
+        return 300.0
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
@@ -87,9 +106,16 @@ class _Work(_C10dWork):
         result: list[torch.Tensor],
         keep: Sequence[Any] = (),
         after: Sequence[Callable[[], None]] = (),
+        ready: Callable[[], bool] | None = None,
     ) -> None:
         super().__init__()
         self._native = native
+        # Whether a work with no native part can complete without waiting (a receive).
+        self._ready = ready
+        # The profiler event of the op (profiling.recorded), ended when the work completes.
+        self._profile: Any = None
+        # A receive from any source: the sender's group rank.
+        self._source: int | None = None
         self._result = result
         self._keep: Sequence[Any] | None = keep
         self._after = after
@@ -113,6 +139,9 @@ class _Work(_C10dWork):
                     self._error = e
                 self._done = True
                 self._keep = None
+                if self._profile is not None:
+                    profiling.end(self._profile)
+                    self._profile = None
             if self._error is not None:
                 raise self._error
 
@@ -125,6 +154,8 @@ class _Work(_C10dWork):
             return True
         if self._native is not None and not self._native.is_completed():
             return False
+        if self._ready is not None and not self._ready():
+            return False
         self._finish()
         return True
 
@@ -136,6 +167,15 @@ class _Work(_C10dWork):
 
     def result(self) -> list[torch.Tensor]:
         return self._result
+
+    def _source_rank(self) -> int:
+        """The sender's group rank, for a completed receive from any source."""
+        self._finish()
+        if self._source is None:
+            raise CollschedError("collsched: source rank asked of a work that is not a receive from any source")
+        return self._source
+
+    source_rank = _source_rank
 
     def get_future(self) -> torch.futures.Future:
         fut: torch.futures.Future = torch.futures.Future()
@@ -205,8 +245,12 @@ class _Backend(_C10dBackend):
     """One process group's backend on this rank: a :class:`collsched._native.Comm` over the
     group's ranks in the job."""
 
-    def __init__(self, comm: Any, group_rank: int, group_size: int, store: Any) -> None:
+    def __init__(
+        self, comm: Any, group_rank: int, group_size: int, store: Any, name: str = NAME, timeout: float | None = None
+    ) -> None:
         super().__init__(group_rank, group_size)
+        # The name profiler events carry ("gloo" where this backend is registered as gloo).
+        self._profile_name = name
         self._comm = comm
         self._ranks: list[int] = list(comm.ranks)
         self._n = group_size
@@ -214,9 +258,24 @@ class _Backend(_C10dBackend):
         # The group's store (torch's, prefixed per group) and the monitored barriers so far.
         self._store = store
         self._monitored = 0
+        self._mailbox = Mailbox(store, group_rank, group_size, self._ranks, timeout or _default_timeout())
 
     def getBackendName(self) -> str:
-        return NAME
+        return self._profile_name
+
+    # torch reads these through Python attributes; left to the C++ base, reading one from
+    # Python recurses (the base's property asks the subclass again).
+    @property
+    def supports_coalescing(self) -> bool:
+        return False
+
+    @property
+    def supports_splitting(self) -> bool:
+        return False
+
+    @property
+    def _supports_time_estimate(self) -> bool:
+        return False
 
     # -- memory ------------------------------------------------------------------------------
 
@@ -254,13 +313,17 @@ class _Backend(_C10dBackend):
             return ("sum", 1.0 / float(factor))
         return None
 
+    @profiling.recorded("all_reduce", profiling.first)
     def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> _Work:
         return self._all_reduce(tensors, opts.reduceOp)
 
+    @profiling.recorded("all_reduce", profiling.first)
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any) -> _Work:
         return self._all_reduce(tensors, opts.reduceOp)
 
     def _all_reduce(self, tensors: list[torch.Tensor], op: Any) -> _Work:
+        if any(t.is_sparse for t in tensors):
+            return _done([self._sparse_sum(t, op) for t in tensors])
         dtypes = {t.dtype for t in tensors}
         kernel = self._kernel_op(op, tensors[0].dtype) if len(dtypes) == 1 else None
         if kernel is None:
@@ -277,14 +340,17 @@ class _Backend(_C10dBackend):
         native = self._comm.all_reduce([_span(b) for b in bufs], elem, op_name, bufs, pre)
         return _Work(native, tensors, keep=bufs, after=after)
 
+    @profiling.recorded("reduce_scatter_tensor", profiling.second)
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> _Work:
         return self._reduce_scatter([output], [input], opts.reduceOp)
 
     _reduce_scatter_base = reduce_scatter_single
 
+    @profiling.recorded("reduce_scatter_tensor_coalesced", profiling.second)
     def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any):
         return self._reduce_scatter(outputs, inputs, opts.reduceOp)
 
+    @profiling.recorded("reduce_scatter", profiling.nested_second)
     def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any) -> _Work:
         flat = []
         for out, parts in zip(outputs, inputs):
@@ -311,14 +377,17 @@ class _Backend(_C10dBackend):
 
     # -- data movement ----------------------------------------------------------------------
 
+    @profiling.recorded("all_gather_into_tensor", profiling.second)
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> _Work:
         return self._all_gather([output], [input])
 
     _allgather_base = all_gather_single
 
+    @profiling.recorded("all_gather_into_tensor_coalesced", profiling.second)
     def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any):
         return self._all_gather(outputs, inputs)
 
+    @profiling.recorded("all_gather", profiling.second)
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> _Work:
         flats, after = [], []
         for outs, inp in zip(outputs, inputs):
@@ -331,6 +400,7 @@ class _Backend(_C10dBackend):
         work._result = [t for outs in outputs for t in outs]
         return work
 
+    @profiling.recorded("all_gather", profiling.second)
     def allgather_coalesced(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> _Work:
         """``all_gather_coalesced``: ``outputs[r][j]`` gets member ``r``'s ``inputs[j]``."""
         if len(outputs) != self._n or any(len(row) != len(inputs) for row in outputs):
@@ -350,12 +420,37 @@ class _Backend(_C10dBackend):
         native = self._comm.all_gather([_span(o) for o in outs], [_span(i) for i in ins], [*outs, *ins])
         return _Work(native, outputs, keep=[*outs, *ins], after=after)
 
+    def _sparse_sum(self, t: torch.Tensor, op: Any) -> torch.Tensor:
+        """All-reduce of a sparse COO tensor, as gloo's: the sum of every member's, coalesced,
+        written into ``t``. Members' entry counts differ: each member's indices and values are
+        gathered padded to the largest count."""
+        if op != _R.SUM or not t.is_sparse:
+            raise CollschedError(
+                f"all_reduce: a sparse tensor ({t.layout}, {t.dtype}) is reduced by SUM alone, and every "
+                "tensor of the call must be sparse then (gloo's rule too); densify it for other ops"
+            )
+        c = t.coalesce()
+        idx, val = c.indices(), c.values()
+        counts = self._gathered(torch.tensor([idx.shape[1]], dtype=torch.int64)).view(-1).tolist()
+        most = max(counts)
+        pad_idx = torch.zeros((idx.shape[0], most), dtype=idx.dtype)
+        pad_idx[:, : idx.shape[1]] = idx
+        pad_val = torch.zeros((most, *val.shape[1:]), dtype=val.dtype)
+        pad_val[: val.shape[0]] = val
+        all_idx, all_val = self._gathered(pad_idx), self._gathered(pad_val)
+        cat_idx = torch.cat([all_idx[q, :, :k] for q, k in enumerate(counts)], dim=1)
+        cat_val = torch.cat([all_val[q, :k] for q, k in enumerate(counts)])
+        total = torch.sparse_coo_tensor(cat_idx, cat_val, t.shape).coalesce()
+        t.copy_(total)
+        return t
+
     def _gathered(self, t: torch.Tensor) -> torch.Tensor:
         """Every member's ``t`` stacked along a new first dimension (waited for)."""
         stacked = torch.empty((self._n, *t.shape), dtype=t.dtype)
         self._all_gather([stacked], [t]).wait()
         return stacked
 
+    @profiling.recorded("broadcast", profiling.first)
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> _Work:
         root = self._ranks[opts.rootRank]
         after: list[Callable[[], None]] = []
@@ -366,6 +461,7 @@ class _Backend(_C10dBackend):
         native = self._comm.broadcast([_span(b) for b in bufs], root, bufs)
         return _Work(native, tensors, keep=bufs, after=after)
 
+    @profiling.recorded("barrier", profiling.none)
     def barrier(self, opts: Any = None) -> _Work:
         return _Work(self._comm.barrier(), [])
 
@@ -411,6 +507,7 @@ class _Backend(_C10dBackend):
 
     # -- built on the above -----------------------------------------------------------------
 
+    @profiling.recorded("reduce", profiling.first)
     def reduce(self, tensors: list[torch.Tensor], opts: Any) -> _Work:
         """An all-reduce whose result only the root keeps."""
         me = self._comm.group_rank
@@ -419,6 +516,7 @@ class _Backend(_C10dBackend):
         work._result = tensors
         return work
 
+    @profiling.recorded("gather", profiling.second)
     def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> _Work:
         """An all-gather whose result only the root keeps."""
         if self._comm.group_rank == opts.rootRank:
@@ -428,6 +526,7 @@ class _Backend(_C10dBackend):
         work._result = []
         return work
 
+    @profiling.recorded("scatter", profiling.first)
     def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any) -> _Work:
         """The root's list broadcast; each member keeps its part."""
         out = outputs[0]
@@ -441,6 +540,7 @@ class _Backend(_C10dBackend):
         work._after = [lambda: out.copy_(flat[me])]
         return work
 
+    @profiling.recorded("all_to_all", profiling.second)
     def all_to_all_single(
         self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list, input_split_sizes: list, opts: Any
     ) -> _Work:
@@ -451,6 +551,33 @@ class _Backend(_C10dBackend):
         me = self._comm.group_rank
         output.copy_(stacked.view(self._n, self._n, -1)[:, me].reshape(output.shape))
         return _done([output])
+
+    # -- point to point (p2p.py) -------------------------------------------------------------
+
+    @profiling.recorded("send", profiling.first)
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> _Work:
+        for t in tensors:
+            self._mailbox.send(t, dst, tag)
+        return _done(tensors)
+
+    @profiling.recorded("recv", profiling.first)
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> _Work:
+        reads, ready = zip(*(self._mailbox.recv(t, src, tag) for t in tensors))
+        return _Work(None, tensors, after=reads, ready=lambda: all(r() for r in ready))
+
+    @profiling.recorded("recvAnySource", profiling.first)
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> _Work:
+        if len(tensors) != 1:
+            raise CollschedError(f"collsched: recv from any source of {len(tensors)} tensors; give one")
+        read = self._mailbox.recv_any(tensors[0], tag)
+        work = _Work(None, tensors)
+
+        def receive() -> None:
+            work._source = read()
+            note_source(tensors[0], work._source)
+
+        work._after = [receive]
+        return work
 
     def _same_sizes(self, what: str, one: torch.Tensor, parts: Sequence[torch.Tensor]) -> None:
         if len(parts) != self._n or any(p.numel() != one.numel() or p.dtype != one.dtype for p in parts):
@@ -466,7 +593,14 @@ def _unstack(flat: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
         o.copy_(flat[q].view_as(o))
 
 
-def _create(opts: Any, backend_options: Any = None) -> _Backend:
+def creator(name: str = NAME) -> Callable[..., _Backend]:
+    """torch.distributed's constructor of a group's backend (``extended_api``), for the backend
+    registered as ``name`` (profiler events carry it: ``"gloo"`` where collsched stands in for
+    gloo)."""
+    return functools.partial(_create, name=name)
+
+
+def _create(opts: Any, backend_options: Any = None, *, name: str = NAME) -> _Backend:
     """torch.distributed's constructor of a ``"collsched"`` group's backend (``extended_api``)."""
     ranks = list(opts.global_ranks_in_group)
     if not ranks:
@@ -481,12 +615,23 @@ def _create(opts: Any, backend_options: Any = None) -> _Backend:
                 "with init_process_group('collsched'), or call collsched.torch.init() on every rank first"
             )
     tag = zlib.crc32(str(opts.group_id).encode())
-    comm = _native.Comm(world, sorted(ranks), tag, _seconds(opts.timeout))
-    return _Backend(comm, opts.group_rank, opts.group_size, opts.store)
+    timeout = _seconds(opts.timeout)
+    comm = _native.Comm(world, sorted(ranks), tag, timeout)
+    backend = _Backend(comm, opts.group_rank, opts.group_size, opts.store, name, timeout)
+    # torch holds the backend in C++ only: without a Python reference its Python half (the
+    # methods overriding the C++ ones) would be collected, and a later call from C++ would
+    # reach the base class ("getBackendName is not implemented") or freed memory.
+    _LIVE.append(backend)
+    return backend
+
+
+# Every backend made in this process (see _create).
+_LIVE: list[_Backend] = []
 
 
 def register() -> None:
     """Registers ``"collsched"`` with torch.distributed (CPU tensors). Idempotent; importing
     ``collsched.torch`` does it."""
+    install_source_rank()
     if NAME not in dist.Backend.backend_list:
         dist.Backend.register_backend(NAME, _create, extended_api=True, devices=["cpu"])

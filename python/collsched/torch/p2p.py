@@ -1,0 +1,256 @@
+"""Point-to-point messages of the ``"collsched"`` backend (``send``, ``recv``, ``isend``,
+``irecv``, ``recv`` from any source, ``batch_isend_irecv``), on shared memory.
+
+A message is a memory file of the sender (``memfd_create``: anonymous, no name in
+``/dev/shm``, gone with the last process holding it) with the tensor's bytes; the group's
+store carries its announcement, ``collsched/p2p/<src>/<dst>/<tag>/<seq>`` -> ``"<pid> <fd>
+<bytes>"``, and the receiver's acknowledgement (``.../ack``). The receiver opens the file
+through ``/proc/<pid>/fd/<fd>`` and reads it into its tensor. Messages between two members
+in one direction with one tag are matched in the order they were posted (each side counts
+its own), whatever else is in flight: crossing ``isend``/``irecv`` pairs, several peers and
+tags never wait on each other.
+
+A send is eager: its bytes are copied out when it is posted and its work is complete at once
+(the tensor may be reused); the file stays open until the receiver acknowledges it (checked
+at each later message, and waited for when the process exits: at most
+``COLLSCHED_P2P_EXIT_WAIT_SECS``, default 30 s, and the timeout). A
+receive reads at its work's ``wait()`` (or a positive ``is_completed()``) and waits at most
+the backend's timeout (``COLLSCHED_TIMEOUT_SECS``, or the group's ``timeout``) before a
+:class:`collsched.PeerError` that names the peer and the op.
+The collectives' stream is not used: its collectives meet in launch order, which independent
+``isend``/``irecv`` calls do not follow.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import os
+import sys
+import time
+import weakref
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .._native import CollschedError, PeerError
+
+_PREFIX = "collsched/p2p"
+
+
+def _bytes_of(t: torch.Tensor) -> Any:
+    """A contiguous tensor's bytes as a writable buffer (any dtype)."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+class Mailbox:
+    """One group's point-to-point messages on this member (``me`` of ``n``)."""
+
+    def __init__(self, store: Any, me: int, n: int, ranks: list[int], timeout: float) -> None:
+        self._store = store
+        self._me = me
+        self._n = n
+        self._ranks = ranks
+        self._timeout = timeout
+        self._sent: dict[tuple[int, int], int] = defaultdict(int)
+        self._taken: dict[tuple[int, int], int] = defaultdict(int)
+        # Announced messages whose file this rank keeps open until acknowledged.
+        self._held: dict[str, int] = {}
+        atexit.register(_flush_at_exit, weakref.ref(self))
+
+    def _where(self, op: str, peer: int | None, tag: int) -> str:
+        who = f"rank {self._ranks[self._me]} (group rank {self._me} of {self._n})"
+        to = "" if peer is None else (" to" if op == "send" else " from") + f" group rank {peer}"
+        return f"collsched: {op}{to} with tag {tag} on {who}"
+
+    def check_peer(self, op: str, peer: int, tag: int) -> None:
+        if not isinstance(peer, int) or not 0 <= peer < self._n or peer == self._me:
+            raise CollschedError(
+                f"{self._where(op, peer, tag)}: no such peer; give a group rank in 0..{self._n - 1} other than "
+                f"{self._me}"
+            )
+
+    @staticmethod
+    def _key(src: int, dst: int, tag: int, seq: int) -> str:
+        return f"{_PREFIX}/{src}/{dst}/{tag}/{seq}"
+
+    # -- sending -----------------------------------------------------------------------------
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
+        """Posts ``tensor`` to group rank ``dst`` (its bytes copied now)."""
+        self.check_peer("send", dst, tag)
+        self._reap()
+        data = tensor.detach().contiguous()
+        fd = os.memfd_create("collsched-p2p", os.MFD_CLOEXEC)
+        try:
+            view = _bytes_of(data) if data.numel() else memoryview(b"")
+            done = 0
+            while done < len(view):
+                done += os.write(fd, view[done:])
+            seq = self._sent[(dst, tag)]
+            key = self._key(self._me, dst, tag, seq)
+            self._store.set(key, f"{os.getpid()} {fd} {len(view)}")
+        except BaseException:
+            os.close(fd)
+            raise
+        self._sent[(dst, tag)] = seq + 1
+        self._held[key] = fd
+
+    def _reap(self) -> None:
+        """Closes the files of messages their receivers acknowledged."""
+        for key, fd in list(self._held.items()):
+            if self._store.check([f"{key}/ack"]):
+                os.close(fd)
+                del self._held[key]
+                for k in (key, f"{key}/ack"):
+                    try:
+                        self._store.delete_key(k)
+                    except Exception:  # a store without deletion (FileStore) keeps the few bytes
+                        pass
+
+    def flush(self) -> None:
+        """Waits (at most ``COLLSCHED_P2P_EXIT_WAIT_SECS``, 30 s, and the timeout) for the
+        receivers of this rank's messages, so that a rank that sends and exits does not take
+        its messages with it (run at exit)."""
+        try:
+            most = float(os.environ.get("COLLSCHED_P2P_EXIT_WAIT_SECS", "30"))
+        except ValueError:
+            most = 30.0
+        deadline = time.monotonic() + min(self._timeout, most)
+        try:
+            self._reap()
+            while self._held and time.monotonic() < deadline:
+                time.sleep(0.005)
+                self._reap()
+        except Exception:  # the store is gone: no receiver can take them any more
+            return
+        if self._held:
+            print(
+                f"{self._where('send', None, -1)}: {len(self._held)} messages not received by the time "
+                "this process exited (COLLSCHED_P2P_EXIT_WAIT_SECS)",
+                file=sys.stderr,
+            )
+
+    # -- receiving ---------------------------------------------------------------------------
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int) -> tuple[Callable[[], None], Callable[[], bool]]:
+        """Claims the next message from group rank ``src`` with ``tag``; returns what reads it
+        into ``tensor`` (waiting for it) and what tells whether it came."""
+        self.check_peer("recv", src, tag)
+        seq = self._taken[(src, tag)]
+        self._taken[(src, tag)] = seq + 1
+        key = self._key(src, self._me, tag, seq)
+        return (lambda: self._read(key, tensor, "recv", src, tag)), (lambda: bool(self._store.check([key])))
+
+    def recv_any(self, tensor: torch.Tensor, tag: int) -> Callable[[], int]:
+        """What waits for the first message with ``tag`` from any member, reads it into
+        ``tensor`` and returns its sender's group rank."""
+        return lambda: self._read_any(tensor, tag)
+
+    def ready(self, src: int, tag: int, seq: int) -> bool:
+        return bool(self._store.check([self._key(src, self._me, tag, seq)]))
+
+    def _read_any(self, tensor: torch.Tensor, tag: int) -> int:
+        peers = [r for r in range(self._n) if r != self._me]
+        deadline = time.monotonic() + self._timeout
+        pause = 0.0005
+        while True:
+            for src in peers:
+                seq = self._taken[(src, tag)]
+                if self.ready(src, tag, seq):
+                    self._taken[(src, tag)] = seq + 1
+                    self._read(self._key(src, self._me, tag, seq), tensor, "recv from any source", src, tag)
+                    return src
+            if time.monotonic() > deadline:
+                raise PeerError(
+                    f"{self._where('recv from any source', None, tag)}: no message from group ranks {peers} "
+                    f"within {self._timeout:g} s (COLLSCHED_TIMEOUT_SECS); a peer died, or sends with another "
+                    "tag or to another rank"
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, 0.01)
+
+    def _read(self, key: str, tensor: torch.Tensor, op: str, src: int, tag: int) -> None:
+        where = self._where(op, src, tag)
+        try:
+            self._store.wait([key], datetime.timedelta(seconds=self._timeout))
+            pid, fd, nbytes = (int(x) for x in self._store.get(key).split())
+        except Exception as e:
+            raise PeerError(
+                f"{where}: nothing came within {self._timeout:g} s (COLLSCHED_TIMEOUT_SECS), or the store is gone; "
+                f"group rank {src} died, or sends with another tag or to another rank ({type(e).__name__}: {e})"
+            ) from None
+        expected = tensor.numel() * tensor.element_size()
+        try:
+            if nbytes != expected:
+                raise CollschedError(
+                    f"{where}: {nbytes} bytes were sent, the receiving tensor {tuple(tensor.shape)} {tensor.dtype} "
+                    f"holds {expected}; give a tensor of the sent size and dtype"
+                )
+            out = tensor if tensor.is_contiguous() else torch.empty_like(tensor, memory_format=torch.contiguous_format)
+            try:
+                file = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+            except OSError as e:
+                raise PeerError(f"{where}: the sender's message is gone ({e}); group rank {src} died") from None
+            try:
+                view = _bytes_of(out) if nbytes else memoryview(b"")
+                done = 0
+                while done < nbytes:
+                    got = os.preadv(file, [view[done:]], done)
+                    if got <= 0:
+                        raise PeerError(f"{where}: the message ended after {done} of {nbytes} bytes")
+                    done += got
+            finally:
+                os.close(file)
+            if out is not tensor:
+                tensor.copy_(out)
+        finally:
+            # Acknowledged even when refused: the sender may close its file.
+            self._store.set(f"{key}/ack", b"1")
+
+
+def _flush_at_exit(ref: weakref.ref) -> None:
+    box = ref()
+    if box is not None and box._held:
+        box.flush()
+
+
+# The sender of each tensor a receive from any source filled, by the tensor's id (while the
+# tensor lives: tensors compare by value, so they cannot key a weak dictionary).
+_SOURCES: dict[int, int] = {}
+
+
+def note_source(tensor: torch.Tensor, src: int) -> None:
+    if id(tensor) not in _SOURCES:
+        weakref.finalize(tensor, _SOURCES.pop, id(tensor), None)
+    _SOURCES[id(tensor)] = src
+
+
+def install_source_rank() -> None:
+    """Makes ``Work._source_rank()`` (what ``dist.recv(src=None)`` and ``irecv`` callers ask)
+    answer for this backend's receives from any source. torch hands a Python backend's work
+    back inside a C++ holder that forwards only ``wait`` and ``get_future``, so the sender is
+    found through the work's future (its value is the received tensor); any other work gets
+    torch's own answer."""
+    from torch._C._distributed_c10d import Work
+
+    original = Work._source_rank
+    if getattr(original, "_collsched", False):
+        return
+
+    def _source_rank(work: Any) -> int:
+        try:
+            return original(work)
+        except RuntimeError:
+            fut = work.get_future()
+            fut.wait()
+            value = fut.value()
+            src = _SOURCES.get(id(value[0])) if isinstance(value, list) and value else None
+            if src is None:
+                raise
+            return src
+
+    _source_rank._collsched = True  # type: ignore[attr-defined]
+    Work._source_rank = _source_rank
