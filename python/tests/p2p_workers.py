@@ -131,6 +131,48 @@ def large_and_odd(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def polled(rank: int, world: int) -> dict[str, Any]:
+    """Works polled with is_completed() until they complete (what torch's holder of a Python
+    backend's work does not forward): an irecv whose sender sends only after a barrier the
+    receiver passes first, an isend, an async all-reduce and a recv from any source; then
+    whether each says complete after wait(), and what came."""
+    out: dict[str, Any] = {}
+    t = torch.full((5,), -1.0)
+    if rank == 1:
+        work = dist.irecv(t, 0)
+        out["early"] = work.is_completed()
+        dist.barrier()
+        while not work.is_completed():
+            time.sleep(0.001)
+        work.wait()
+        out["irecv"] = plain(t)
+    elif rank == 0:
+        dist.barrier()
+        work = dist.isend(payload(0, 1, 5, torch.float32), 1)
+        while not work.is_completed():
+            time.sleep(0.001)
+        work.wait()
+    else:
+        dist.barrier()
+    s = torch.full((3,), float(rank))
+    work = dist.all_reduce(s, async_op=True)
+    while not work.is_completed():
+        time.sleep(0.001)
+    work.wait()
+    out["all_reduce"] = plain(s)
+    out["after_wait"] = work.is_completed()
+    if rank == 0:
+        a = torch.zeros(2)
+        work = dist.irecv(a)
+        while not work.is_completed():
+            time.sleep(0.001)
+        out["any_source"] = (work._source_rank(), plain(a))
+    elif rank == 1:
+        dist.send(payload(1, 0, 2, torch.float32), 0)
+    dist.barrier()
+    return out
+
+
 def bad_peer(rank: int, world: int) -> dict[str, str]:
     """A send to a rank outside the group, a receive of the wrong size (rank 1 from rank 0), and
     a receive from a rank that never sends (on a group whose timeout is 3 s): each error's
@@ -162,6 +204,15 @@ def bad_peer(rank: int, world: int) -> dict[str, str]:
         except Exception as e:
             out["silent"] = f"{type(e).__module__}.{type(e).__name__}: {e}"
             out["seconds"] = f"{time.monotonic() - t0:.1f}"
+        # The same, polled: is_completed() turns True at the timeout, and wait() raises.
+        work = dist.irecv(torch.zeros(2), 0, tag=9, group=short)
+        while not work.is_completed():
+            time.sleep(0.01)
+        try:
+            work.wait()
+            out["silent_polled"] = "no error"
+        except Exception as e:
+            out["silent_polled"] = f"{type(e).__module__}.{type(e).__name__}: {e}"
     dist.barrier()
     return out
 

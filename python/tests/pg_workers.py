@@ -284,3 +284,21 @@ def monitored(rank: int, world: int) -> dict[str, str]:
     except Exception as e:
         out["skipped_by_last"] = f"{type(e).__name__}: {e}"
     return out
+
+
+def detail_mode(rank: int, world: int) -> dict[str, Any]:
+    """Collectives and object collectives on the default group and a subgroup, run under
+    ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (set by the test)."""
+    sub = dist.new_group(list(range(world)))
+    objs: list[Any] = [None] * world
+    dist.all_gather_object(objs, {"rank": rank, "name": f"r{rank}"}, group=sub)
+    t = torch.full((4,), float(rank + 1))
+    dist.all_reduce(t, group=sub)
+    u = torch.full((2,), float(rank))
+    dist.all_reduce(u)
+    return {
+        "debug": str(dist.get_debug_level()),
+        "objects": objs,
+        "sub": plain(t),
+        "default": plain(u),
+    }

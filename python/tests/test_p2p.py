@@ -90,6 +90,20 @@ def test_bad_peer_wrong_size_and_silent_peer_give_clear_errors(monkeypatch):
     silent = out[1]["silent"]
     assert silent.startswith("collsched.PeerError: collsched: recv from group rank 0 with tag 9 on rank 1"), silent
     assert "nothing came within 3 s" in silent, silent
+    assert out[1]["silent_polled"].startswith(silent.split(":")[0]), out[1]
+    assert "nothing came within 3 s" in out[1]["silent_polled"], out[1]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_works_polled_with_is_completed_complete(world):
+    out = run(w.polled, world, init="collsched", timeout=180)
+    assert out[1]["early"] is False, out[1]
+    assert out[1]["irecv"] == _expect(0, 1, 5, torch.float32), out[1]
+    total = float(sum(range(world)))
+    for rank, got in enumerate(out):
+        assert got["all_reduce"] == ("float32", [total] * 3), (rank, got)
+        assert got["after_wait"] is True, (rank, got)
+    assert out[0]["any_source"] == (1, _expect(1, 0, 2, torch.float32)), out[0]
 
 
 def test_profiler_events_per_op_are_async_with_the_input_shapes():

@@ -300,3 +300,14 @@ def test_monitored_barrier_names_the_rank_that_did_not_come():
         "RuntimeError: Rank 1 successfully reached monitoredBarrier, but received errors while waiting"
     ), out
     assert "skipped_by_last" not in out[2], out
+
+
+def test_debug_detail_mode_runs_the_collectives(monkeypatch):
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
+    world = 3
+    out = run(pg_workers.detail_mode, world, init="collsched", timeout=120)
+    for rank, got in enumerate(out):
+        assert got["debug"].endswith("DETAIL"), got["debug"]
+        assert got["objects"] == [{"rank": q, "name": f"r{q}"} for q in range(world)], (rank, got)
+        assert torch.equal(_tensor(got["sub"]), torch.full((4,), float(sum(range(1, world + 1))))), (rank, got)
+        assert torch.equal(_tensor(got["default"]), torch.full((2,), float(sum(range(world))))), (rank, got)

@@ -65,9 +65,10 @@ from torch._C._distributed_c10d import Work as _C10dWork
 
 from .. import _native
 from .._native import CollschedError
-from . import profiling
+from . import holder, profiling
 from . import world as _world
-from .p2p import Mailbox, install_source_rank, note_source
+from .holder import note_source
+from .p2p import Mailbox
 
 NAME = "collsched"
 
@@ -179,6 +180,14 @@ class _Work(_C10dWork):
 
     def get_future(self) -> torch.futures.Future:
         fut: torch.futures.Future = torch.futures.Future()
+        if holder.probing():
+            # is_completed() through torch's holder (holder.py): answered now, nothing waited for.
+            try:
+                if self.is_completed():
+                    fut.set_result(self._result)
+            except BaseException as e:  # complete, with its error
+                fut.set_exception(e)
+            return fut
         _completer().put((self, fut))
         return fut
 
@@ -569,8 +578,8 @@ class _Backend(_C10dBackend):
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> _Work:
         if len(tensors) != 1:
             raise CollschedError(f"collsched: recv from any source of {len(tensors)} tensors; give one")
-        read = self._mailbox.recv_any(tensors[0], tag)
-        work = _Work(None, tensors)
+        read, ready = self._mailbox.recv_any(tensors[0], tag)
+        work = _Work(None, tensors, ready=ready)
 
         def receive() -> None:
             work._source = read()
@@ -629,9 +638,30 @@ def _create(opts: Any, backend_options: Any = None, *, name: str = NAME) -> _Bac
 _LIVE: list[_Backend] = []
 
 
+def _unwrapped_in_detail_mode() -> None:
+    """Under ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` torch wraps each group's backend in a checker
+    that asks the backend's sequence number, which torch's trampoline of a Python backend does
+    not forward (every collective would fail with "does not yet support sequence numbers").
+    This backend is left unwrapped: its collectives check agreement themselves (a mismatch is
+    an error on every rank, with the flight recorder's dump). Idempotent."""
+    c10d = dist.distributed_c10d
+    wrap = c10d._create_process_group_wrapper
+    if getattr(wrap, "_collsched", False):
+        return
+
+    def wrapper(wrapped_pg: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(wrapped_pg, _Backend):
+            return wrapped_pg
+        return wrap(wrapped_pg, *args, **kwargs)
+
+    wrapper._collsched = True  # type: ignore[attr-defined]
+    c10d._create_process_group_wrapper = wrapper
+
+
 def register() -> None:
     """Registers ``"collsched"`` with torch.distributed (CPU tensors). Idempotent; importing
     ``collsched.torch`` does it."""
-    install_source_rank()
+    holder.install()
+    _unwrapped_in_detail_mode()
     if NAME not in dist.Backend.backend_list:
         dist.Backend.register_backend(NAME, _create, extended_api=True, devices=["cpu"])

@@ -137,31 +137,44 @@ class Mailbox:
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int) -> tuple[Callable[[], None], Callable[[], bool]]:
         """Claims the next message from group rank ``src`` with ``tag``; returns what reads it
-        into ``tensor`` (waiting for it) and what tells whether it came."""
+        into ``tensor`` (waiting for it until the timeout, counted from now) and what tells
+        whether reading would not wait (it came, or the time is up)."""
         self.check_peer("recv", src, tag)
         seq = self._taken[(src, tag)]
         self._taken[(src, tag)] = seq + 1
         key = self._key(src, self._me, tag, seq)
-        return (lambda: self._read(key, tensor, "recv", src, tag)), (lambda: bool(self._store.check([key])))
+        deadline = time.monotonic() + self._timeout
 
-    def recv_any(self, tensor: torch.Tensor, tag: int) -> Callable[[], int]:
-        """What waits for the first message with ``tag`` from any member, reads it into
-        ``tensor`` and returns its sender's group rank."""
-        return lambda: self._read_any(tensor, tag)
+        def ready() -> bool:
+            return bool(self._store.check([key])) or time.monotonic() > deadline
+
+        return (lambda: self._read(key, tensor, "recv", src, tag, deadline)), ready
+
+    def recv_any(self, tensor: torch.Tensor, tag: int) -> tuple[Callable[[], int], Callable[[], bool]]:
+        """What waits for the first message with ``tag`` from any member (until the timeout,
+        counted from now), reads it into ``tensor`` and returns its sender's group rank; and
+        what tells whether that would not wait."""
+        deadline = time.monotonic() + self._timeout
+        peers = [r for r in range(self._n) if r != self._me]
+
+        def ready() -> bool:
+            return any(self.ready(p, tag, self._taken[(p, tag)]) for p in peers) or time.monotonic() > deadline
+
+        return (lambda: self._read_any(tensor, tag, deadline)), ready
 
     def ready(self, src: int, tag: int, seq: int) -> bool:
         return bool(self._store.check([self._key(src, self._me, tag, seq)]))
 
-    def _read_any(self, tensor: torch.Tensor, tag: int) -> int:
+    def _read_any(self, tensor: torch.Tensor, tag: int, deadline: float) -> int:
         peers = [r for r in range(self._n) if r != self._me]
-        deadline = time.monotonic() + self._timeout
         pause = 0.0005
         while True:
             for src in peers:
                 seq = self._taken[(src, tag)]
                 if self.ready(src, tag, seq):
                     self._taken[(src, tag)] = seq + 1
-                    self._read(self._key(src, self._me, tag, seq), tensor, "recv from any source", src, tag)
+                    key = self._key(src, self._me, tag, seq)
+                    self._read(key, tensor, "recv from any source", src, tag, deadline)
                     return src
             if time.monotonic() > deadline:
                 raise PeerError(
@@ -172,10 +185,11 @@ class Mailbox:
             time.sleep(pause)
             pause = min(pause * 2, 0.01)
 
-    def _read(self, key: str, tensor: torch.Tensor, op: str, src: int, tag: int) -> None:
+    def _read(self, key: str, tensor: torch.Tensor, op: str, src: int, tag: int, deadline: float) -> None:
         where = self._where(op, src, tag)
         try:
-            self._store.wait([key], datetime.timedelta(seconds=self._timeout))
+            left = max(deadline - time.monotonic(), 0.001)
+            self._store.wait([key], datetime.timedelta(seconds=left))
             pid, fd, nbytes = (int(x) for x in self._store.get(key).split())
         except Exception as e:
             raise PeerError(
@@ -215,42 +229,3 @@ def _flush_at_exit(ref: weakref.ref) -> None:
     box = ref()
     if box is not None and box._held:
         box.flush()
-
-
-# The sender of each tensor a receive from any source filled, by the tensor's id (while the
-# tensor lives: tensors compare by value, so they cannot key a weak dictionary).
-_SOURCES: dict[int, int] = {}
-
-
-def note_source(tensor: torch.Tensor, src: int) -> None:
-    if id(tensor) not in _SOURCES:
-        weakref.finalize(tensor, _SOURCES.pop, id(tensor), None)
-    _SOURCES[id(tensor)] = src
-
-
-def install_source_rank() -> None:
-    """Makes ``Work._source_rank()`` (what ``dist.recv(src=None)`` and ``irecv`` callers ask)
-    answer for this backend's receives from any source. torch hands a Python backend's work
-    back inside a C++ holder that forwards only ``wait`` and ``get_future``, so the sender is
-    found through the work's future (its value is the received tensor); any other work gets
-    torch's own answer."""
-    from torch._C._distributed_c10d import Work
-
-    original = Work._source_rank
-    if getattr(original, "_collsched", False):
-        return
-
-    def _source_rank(work: Any) -> int:
-        try:
-            return original(work)
-        except RuntimeError:
-            fut = work.get_future()
-            fut.wait()
-            value = fut.value()
-            src = _SOURCES.get(id(value[0])) if isinstance(value, list) and value else None
-            if src is None:
-                raise
-            return src
-
-    _source_rank._collsched = True  # type: ignore[attr-defined]
-    Work._source_rank = _source_rank
