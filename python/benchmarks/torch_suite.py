@@ -99,7 +99,6 @@ if MODE is not None:
             _collsched.creator("gloo"),
             extended_api=True,
             devices=["cpu"],
-            _backend_type=dist.ProcessGroup.BackendType.GLOO,
         )
     from torch.testing._internal.distributed.distributed_test import DistributedTest, TestDistBackend
 

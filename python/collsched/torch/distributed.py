@@ -270,7 +270,9 @@ class _Backend(_C10dBackend):
         self._mailbox = Mailbox(store, group_rank, group_size, self._ranks, timeout or _default_timeout())
 
     def getBackendName(self) -> str:
-        return self._profile_name
+        # Always this backend's own name, also where it is registered as gloo: torch's C++
+        # takes a backend named "gloo" for its ProcessGroupGloo (DDP's logger casts it so).
+        return NAME
 
     # torch reads these through Python attributes; left to the C++ base, reading one from
     # Python recurses (the base's property asks the subclass again).
