@@ -5,7 +5,7 @@ library's model and engines, and the shards put in the modules."""
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -14,7 +14,7 @@ from .. import _native, params_json
 from .._native import CollschedError
 from . import values as values_
 from .units import _Param, _tensor, _Unit
-from .world import _DTYPE_BYTES, _FROM_TORCH, world
+from .world import _DTYPE_BYTES, _FROM_TORCH
 
 if TYPE_CHECKING:
     from .shard import _State
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 def build(st: _State) -> None:
     """Builds ``st``'s sharded model: its units and parameters from the modules, the plan,
     the library's model and engines, the shards in the modules."""
-    w = world()
+    w = st.world
     if w.kind == "cuda":
         st.device = torch.device("cuda", torch.cuda.current_device())
     st.on_device = w.kind in ("cuda", "emulated")
@@ -121,14 +121,14 @@ def build(st: _State) -> None:
             seen[pid] = None
         unit.ids = list(seen)
         unit.params = [st.params[pid] for pid in unit.ids]
-    st.meta = _no_values(metas, st.opts["sync_module_states"])
+    st.meta = _no_values(w, metas, st.opts["sync_module_states"])
     # The dtypes of the parameters' values (under mixed precision, of the f32 masters).
     dtypes = [v.dtype for v in values]
     full: list[torch.Tensor] | None = None
     if not st.meta:
         full = values_.full_values(values, old_states)
         if st.opts["sync_module_states"]:
-            full = values_.from_rank0(full)
+            full = values_.from_rank0(w, full)
     entries = [
         {
             "name": p.name,
@@ -216,14 +216,14 @@ def build(st: _State) -> None:
     st.hooks = _native.Hooks(len(st.units), [p.unit for p in st.params], st._unpack_saved)
 
 
-def _no_values(metas: dict[str, bool], sync_module_states: bool) -> bool:
+def _no_values(w: Any, metas: dict[str, bool], sync_module_states: bool) -> bool:
     """Whether the model is built without values (every parameter on the meta device, or of
     an earlier build without values): its shards are zeros until a load writes them."""
     here = any(metas.values())
     if sync_module_states:
         # Every rank's answer (collective, as the values' exchange after it): rank 0 would
         # send values to ranks that have none to take, or none to ranks that wait for them.
-        flags = world().all_gather(b"1" if here else b"0")
+        flags = w.all_gather(b"1" if here else b"0")
         if any(f == b"1" for f in flags):
             ranks = [r for r, f in enumerate(flags) if f == b"1"]
             raise CollschedError(

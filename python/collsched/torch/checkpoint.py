@@ -16,7 +16,7 @@ from . import values
 from .module import _root_state
 from .shard import _State
 from .units import _tensor
-from .world import _FROM_TORCH, _TO_TORCH, world
+from .world import _FROM_TORCH, _TO_TORCH
 
 # The name under which a mixed-precision parameter's f32 master is saved beside its shard.
 MASTER = "collsched.master"
@@ -64,7 +64,7 @@ def save_checkpoint(module: nn.Module, optimizer: torch.optim.Optimizer | None, 
         groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     # Scalar states of parameters this rank holds no element of exist on other ranks only.
     merged: dict[str, Any] = {}
-    for blob in world().all_gather(json.dumps(scalars).encode()):
+    for blob in state.world.all_gather(json.dumps(scalars).encode()):
         merged.update(json.loads(blob))
     meta = {"optimizer": {"groups": groups, "scalars": merged}} if optimizer is not None else {}
     text = state.model.save(str(path), int(step), extras, json.dumps(meta, default=str))

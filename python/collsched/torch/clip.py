@@ -44,7 +44,7 @@ def _replicas(state: Any) -> int:
     ``hybrid:G`` strategy (its shards repeat in every group), else 1."""
     strategy = str(state.opts["strategy"])
     if strategy.startswith("hybrid:"):
-        return world().world // int(strategy.split(":")[1])
+        return state.world.world // int(strategy.split(":")[1])
     return 1
 
 

@@ -199,34 +199,34 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     module.__dict__[method_name] = run
 
 
-def _mesh_strategy(mesh: Any, strategy: str) -> str:
-    """The strategy ``fully_shard(mesh=...)`` means (FSDP2's device meshes as collsched's
-    strategies), or a refusal naming what the mesh is."""
-    if mesh is None:
-        return strategy
-    from torch.distributed.device_mesh import DeviceMesh
+def _mesh_strategy(mesh: Any, strategy: str) -> tuple[Any, str]:
+    """The world and strategy ``fully_shard(mesh=...)`` means (FSDP2's device meshes as
+    collsched's worlds and strategies), or a refusal naming what the mesh is. A mesh over
+    part of the job (pipeline or tensor parallelism beside) is a world of its ranks."""
+    from .world import group_world, world
 
-    from .world import world
+    if mesh is None:
+        return world(), strategy
+    from torch.distributed.device_mesh import DeviceMesh
 
     if not isinstance(mesh, DeviceMesh):
         raise CollschedError(f"fully_shard: mesh={mesh!r}; expected a torch.distributed DeviceMesh")
-    n = world().world
     ranks = mesh.mesh.flatten().tolist()
-    if ranks != list(range(n)) or mesh.ndim > 2:
+    if mesh.ndim > 2:
         raise CollschedError(
-            f"fully_shard: mesh of shape {tuple(mesh.mesh.shape)} over ranks {ranks}; collsched shards over the "
-            f"job's {n} ranks in order: give a 1-D mesh of them all, or a 2-D (replicate, shard) one (HSDP); a "
-            "mesh over part of the job is not supported"
+            f"fully_shard: mesh of shape {tuple(mesh.mesh.shape)} over ranks {ranks}; give a 1-D mesh (sharding) "
+            "or a 2-D (replicate, shard) one (HSDP): slice a larger mesh by its dimension names"
         )
+    w = group_world(ranks)
     if mesh.ndim == 1:
-        return strategy
+        return w, strategy
     group = int(mesh.mesh.shape[1])
     if strategy not in ("even", f"hybrid:{group}"):
         raise CollschedError(
             f"fully_shard: mesh of shape {tuple(mesh.mesh.shape)} (replicate x shard) is strategy 'hybrid:{group}'; "
             f"strategy={strategy!r} says otherwise: give one of them"
         )
-    return f"hybrid:{group}"
+    return w, f"hybrid:{group}"
 
 
 def _ignored(module: nn.Module, params: Any) -> list[nn.Parameter]:
@@ -329,10 +329,12 @@ def fully_shard(
     ``reduce_dtype`` where ``reduce_dtype`` is not given; ``ignored_params`` (``None``: none) a
     set of parameters under ``module`` left as they are (FSDP2's: not sharded, their gradients
     not reduced; expert-parallel or quantized layers keep their own), as are parameters of
-    non-floating dtypes; ``mesh`` (``None``: the job's world) a torch ``DeviceMesh`` over the
-    job's ranks in order, as FSDP2 takes it: 1-D shards over them all (``strategy`` as given),
-    2-D ``(replicate, shard)`` is ``strategy="hybrid:G"`` with ``G`` the shard dimension's size
-    (HSDP); a mesh over part of the job (pipeline or tensor parallelism beside) is refused;
+    non-floating dtypes; ``mesh`` (``None``: the job's world) a torch ``DeviceMesh``, as FSDP2
+    takes it: 1-D shards over its ranks (``strategy`` as given), 2-D ``(replicate, shard)`` is
+    ``strategy="hybrid:G"`` over its ranks with ``G`` the shard dimension's size (HSDP); a mesh
+    over part of the job (a slice of a larger mesh, pipeline parallelism beside) shards over
+    that part alone, in a world of its own (``shm`` backend; made at the first model over
+    those ranks, every one of them calling);
     ``offload_policy`` (``None``: none) a :class:`CPUOffloadPolicy` (this package's or FSDP2's):
     the module's shards and their gradients in host memory, the optimizer stepping there.
     """
@@ -346,7 +348,7 @@ def fully_shard(
             f"fully_shard: prefetch={prefetch!r}; expected 'trace' (replay the first step's order), 'explicit' "
             "(the next unit, or the units' set_modules_to_forward_prefetch lists) or 'none'"
         )
-    strategy = _mesh_strategy(mesh, strategy)
+    mesh_world, strategy = _mesh_strategy(mesh, strategy)
     mp = values.policy(mp_policy)
     if mp is not None and mp.reduce_dtype is not None:
         if reduce_dtype is not None and _TO_TORCH.get(reduce_dtype, reduce_dtype) != mp.reduce_dtype:
@@ -365,6 +367,8 @@ def fully_shard(
     module.__dict__["_collsched_mp"] = mp
     module.__dict__["_collsched_offload"] = opts_offload = values.offload_policy(offload_policy)
     opts = {
+        "world": mesh_world,
+        "mesh": mesh,
         "strategy": strategy,
         "bucket_mb": bucket_mb,
         "prefetch": prefetch,

@@ -90,14 +90,15 @@ def _save(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
     ours = _ours(opt)
     if not ours:
         return sd
-    mesh = _mesh(ours[0][1].device, "optimizer.state_dict")
+    mesh = _mesh(ours[0][1], "optimizer.state_dict")
     state = dict(sd["state"])
     for i, st, p in ours:
         mine = state.get(i, {})
         keys = _sharded_keys(mine, p)
-        pieces: list[Any] = [None] * dist.get_world_size()
+        pieces: list[Any] = [None] * mesh.size()
         sharded = {k: mine[k].detach().to("cpu") for k in keys}
-        dist.all_gather_object(pieces, (p.offset, sharded, {k: v for k, v in mine.items() if k not in sharded}))
+        mine_all = (p.offset, sharded, {k: v for k, v in mine.items() if k not in sharded})
+        dist.all_gather_object(pieces, mine_all, group=mesh.get_group())
         # The keys some rank holds; a rank without state or without elements adds nothing; the
         # others' pieces must cover every element.
         union = sorted({k for piece in pieces if piece is not None for k in piece[1]})

@@ -32,6 +32,8 @@ class _State:
     def __init__(self, root: nn.Module, opts: dict[str, Any]) -> None:
         self.root = root
         self.opts = opts
+        # The world the model is sharded over: the job's, or a part of it (mesh=).
+        self.world: Any = opts["world"]
         self.units: list[_Unit] = []
         self.params: list[_Param] = []
         # The saved-tensor hooks (native): the fetched units' parameter spans by address.

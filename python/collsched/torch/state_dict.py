@@ -77,11 +77,22 @@ def _sharded(module: nn.Module, what: str) -> list[tuple[str, Any, _Param]]:
     return out
 
 
-def _mesh(device: torch.device, what: str) -> Any:
+def _mesh(st: Any, what: str) -> Any:
+    """The 1-D mesh a state dict's DTensors of ``st`` are placed on: the job's default group,
+    or the mesh of a model sharded over part of the job."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
+    device = st.device
     w = world()
+    if st.world is not w:
+        mesh = st.opts["mesh"]
+        if mesh.ndim != 1:
+            raise CollschedError(
+                f"{what}: the model is sharded over part of the job on a {mesh.ndim}-D mesh; its state dict is "
+                "DTensors on a 1-D mesh of the part alone: use collsched.torch.full_state_dict or save_checkpoint"
+            )
+        return mesh
     if not dist.is_initialized():
         raise CollschedError(
             f"{what}: a sharded model's state dict is DTensors over torch.distributed's default group, which is "
@@ -122,7 +133,7 @@ def _save_hook(module: nn.Module, sd: dict[str, Any], prefix: str, _meta: Any) -
     if not entries:
         return
     st = entries[0][1]
-    mesh = _mesh(st.device, "state_dict")
+    mesh = _mesh(st, "state_dict")
     params = list({p.pid: p for _, _, p in entries}.values())
     local: dict[int, tuple[torch.Tensor, list[Any]]] = {}
 

@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils import _pytree
 
 from .._native import CollschedError
-from .world import _FROM_TORCH, world
+from .world import _FROM_TORCH
 
 if TYPE_CHECKING:
     from .shard import _State
@@ -123,9 +123,8 @@ def full_values(values: list[nn.Parameter], old_states: dict[int, _State]) -> li
     return out
 
 
-def from_rank0(full: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Rank 0's ``full`` on every rank (``sync_module_states``)."""
-    w = world()
+def from_rank0(w: Any, full: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Rank 0's ``full`` on every rank of the world ``w`` (``sync_module_states``)."""
     mine = b"".join(ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()) for t in full) if w.rank == 0 else b""
     data = w.all_gather(mine)[0]
     out, at = [], 0
@@ -161,7 +160,7 @@ def master_values(state: _State, params: list[_Param] | None = None) -> dict[int
         raw = ctypes.string_at(m.data_ptr(), m.numel() * m.element_size()) if m.numel() else b""
         parts.append(_HEAD.pack(p.pid, p.offset, m.numel()) + raw)
     full = {p.pid: torch.empty(p.numel, dtype=p.shard.dtype) for p in masters}
-    for blob in world().all_gather(b"".join(parts)):
+    for blob in state.world.all_gather(b"".join(parts)):
         at = 0
         while at < len(blob):
             pid, offset, numel = _HEAD.unpack_from(blob, at)

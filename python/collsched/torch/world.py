@@ -16,6 +16,8 @@ from .. import _native
 from .._native import CollschedError
 
 _WORLD: Any = None
+# The job key the ranks agreed on through torch.distributed's store (group_world's base).
+_JOB: str | None = None
 # The CUDA stream a cuda world computes on (torch's current stream at init), kept alive.
 _STREAM: Any = None
 _TO_TORCH = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
@@ -98,10 +100,12 @@ def _job_key(store: Any, rank: int, size: int, what: str) -> str:
             f"init: the {what} backend needs every rank on one machine; this job has {size} ranks, "
             f"{local} on this machine (LOCAL_WORLD_SIZE)"
         )
+    global _JOB
     key = "collsched/job"
     if rank == 0:
         store.set(key, f"torch-{uuid.uuid4().hex}")
-    return store.get(key).decode()
+    _JOB = store.get(key).decode()
+    return _JOB
 
 
 def _join_through(store: Any, rank: int, size: int) -> Any:
@@ -195,6 +199,45 @@ def adopt(store: Any, rank: int, size: int) -> Any:
             f"collsched.torch.init() joined, but torch.distributed makes it rank {rank} of {size}"
         )
     return _WORLD
+
+
+# The worlds over parts of the job (group_world), by their ranks in the job.
+_GROUPS: dict[tuple[int, ...], Any] = {}
+
+
+def group_world(ranks: list[int]) -> Any:
+    """A world of the ``shm`` backend whose ranks are the job's ``ranks`` (in that order; this
+    process among them): what a model sharded over a part of the job (a DeviceMesh beside
+    pipeline or tensor parallelism) runs on. The job's own world when ``ranks`` are all of
+    it. Collective over ``ranks``: each of them calls it (once, the first time; made once per
+    set of ranks and reused). Its job key is the job's with a hash of the ranks, so no exchange
+    is needed and two parts never meet."""
+    w = world()
+    ranks = [int(r) for r in ranks]
+    if ranks == list(range(w.world)):
+        return w
+    key = tuple(ranks)
+    if key in _GROUPS:
+        return _GROUPS[key]
+    if len(set(ranks)) != len(ranks) or not all(0 <= r < w.world for r in ranks) or w.rank not in ranks:
+        raise CollschedError(
+            f"a model over ranks {ranks} of the job's {w.world}: give distinct ranks of the job, this rank "
+            f"({w.rank}) among them"
+        )
+    if w.kind == "cuda" or _JOB is None:
+        raise CollschedError(
+            f"a model over ranks {ranks} of the job's {w.world}: a world over part of the job is made on the "
+            "shm backend from the job key its ranks agreed on through torch.distributed's store (this job's "
+            f"world is {'cuda' if w.kind == 'cuda' else 'an MPI job or one joined from the launcher environment'}); "
+            "shard over the whole job, or initialize torch.distributed before collsched.torch.init()"
+        )
+    make = _native.World.emulated if w.kind == "emulated" else _native.World
+    import hashlib
+
+    part = hashlib.sha1(",".join(map(str, ranks)).encode()).hexdigest()[:16]
+    sub = make(ranks.index(w.rank), len(ranks), f"{_JOB}-g{part}")
+    _GROUPS[key] = sub
+    return sub
 
 
 def world() -> Any:

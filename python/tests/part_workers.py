@@ -1,0 +1,57 @@
+"""Rank functions of test_mesh_part.py (importable by spawned processes): models sharded
+over part of the job (a slice of a 2-D mesh), beside pipeline parallelism."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+import collsched.torch as cst
+
+IN, HIDDEN, OUT, BATCH = 6, 12, 5, 4
+
+
+def stage_model(stage: int) -> nn.Sequential:
+    """Stage ``stage``'s model, the same on every rank (seeded by the stage)."""
+    torch.manual_seed(100 + stage)
+    return nn.Sequential(nn.Linear(IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, OUT))
+
+
+def batch(stage: int, dp_rank: int, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * stage + 10 * step + dp_rank)
+    return torch.randn(BATCH, IN, generator=g)
+
+
+def plain(t: torch.Tensor) -> list:
+    return t.detach().to(torch.float64).reshape(-1).tolist()
+
+
+def dp_parts(rank: int, world: int, steps: int) -> dict[str, Any]:
+    """A (pp, dp) mesh of 2 x world/2: each pp row trains its own model, sharded over its dp
+    ranks alone (``fully_shard(mesh=mesh["dp"])`` per layer and on the root), SGD; returns
+    its losses, its parameters (from state_dict()'s DTensors over the part) and the ranks of
+    the part."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dp_size = world // 2
+    mesh = init_device_mesh("cpu", (2, dp_size), mesh_dim_names=("pp", "dp"))
+    dp = mesh["dp"]
+    stage, dp_rank = rank // dp_size, dp.get_local_rank()
+    model = stage_model(stage)
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            cst.fully_shard(layer, mesh=dp)
+    cst.fully_shard(model, mesh=dp)
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    losses = []
+    for step in range(steps):
+        loss = model(batch(stage, dp_rank, step)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    sd = model.state_dict()
+    params = {k: plain(v.full_tensor()) for k, v in sd.items()}
+    return {"stage": stage, "dp_rank": dp_rank, "ranks": dp.mesh.tolist(), "losses": losses, "params": params}

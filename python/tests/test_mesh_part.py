@@ -1,0 +1,54 @@
+"""Models sharded over part of the job: a slice of a (pp, dp) DeviceMesh given to
+``fully_shard(mesh=...)``, each part its own world, against plain PyTorch computed here."""
+
+from __future__ import annotations
+
+import math
+
+import part_workers as w
+import pytest
+import torch
+from torch import nn
+
+from ranks import run
+
+
+def _reference(stage: int, dp_size: int, steps: int) -> tuple[list[list[float]], dict[str, list[float]]]:
+    """Plain PyTorch: stage ``stage``'s model stepped on the mean of its dp ranks' losses
+    (the sharded gradient is their average); each rank's loss per step, the final values."""
+    torch.manual_seed(100 + stage)
+    model = nn.Sequential(nn.Linear(w.IN, w.HIDDEN), nn.Tanh(), nn.Linear(w.HIDDEN, w.OUT)).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    losses: list[list[float]] = [[] for _ in range(dp_size)]
+    for step in range(steps):
+        total = 0.0
+        for r in range(dp_size):
+            loss = model(w.batch(stage, r, step).double()).pow(2).mean()
+            losses[r].append(loss.item())
+            total = total + loss / dp_size
+        total.backward()
+        opt.step()
+        opt.zero_grad()
+    return losses, {k: v.reshape(-1).tolist() for k, v in model.state_dict().items()}
+
+
+def _close(got: list[float], want: list[float], what: str) -> None:
+    assert len(got) == len(want), (what, len(got), len(want))
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert math.isfinite(a) and abs(a - b) <= 1e-5 * max(1.0, abs(b)), (what, i, a, b)
+
+
+@pytest.mark.parametrize("world", [4])
+def test_each_pp_row_shards_over_its_dp_ranks_alone(world):
+    steps, dp_size = 3, world // 2
+    out = run(w.dp_parts, world, steps, init="collsched", timeout=240)
+    for stage in range(2):
+        losses, params = _reference(stage, dp_size, steps)
+        for r in range(dp_size):
+            got = out[stage * dp_size + r]
+            assert (got["stage"], got["dp_rank"]) == (stage, r), got
+            assert got["ranks"] == [stage * dp_size + q for q in range(dp_size)], got["ranks"]
+            _close(got["losses"], losses[r], f"stage {stage} dp rank {r} losses")
+            assert sorted(got["params"]) == sorted(params), (sorted(got["params"]), sorted(params))
+            for k in params:
+                _close(got["params"][k], params[k], f"stage {stage} dp rank {r} {k}")
