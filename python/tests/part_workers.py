@@ -55,3 +55,41 @@ def dp_parts(rank: int, world: int, steps: int) -> dict[str, Any]:
     sd = model.state_dict()
     params = {k: plain(v.full_tensor()) for k, v in sd.items()}
     return {"stage": stage, "dp_rank": dp_rank, "ranks": dp.mesh.tolist(), "losses": losses, "params": params}
+
+
+def pipelined(rank: int, world: int, steps: int, n_micro: int, kind: str) -> dict[str, Any]:
+    """Pipeline parallelism beside sharding, torchtitan's way: a (pp, dp) mesh of 2 x
+    world/2; the model's two stages (a linear layer and tanh, then a linear layer), each
+    sharded over its dp ranks (``fully_shard(mesh=mesh["dp"])``), run by
+    ``torch.distributed.pipelining``'s schedule ``kind`` (GPipe, 1F1B) over the pp group (the collsched
+    backend's point-to-point) with ``n_micro`` micro-batches of each rank's batch, SGD; returns
+    the last stage's micro-batch losses per step and the stage's parameters."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    dp_size = world // 2
+    mesh = init_device_mesh("cpu", (2, dp_size), mesh_dim_names=("pp", "dp"))
+    pp, dp = mesh["pp"], mesh["dp"]
+    stage, dp_rank = pp.get_local_rank(), dp.get_local_rank()
+    full = stage_model(0)
+    part = nn.Sequential(full[0], full[1]) if stage == 0 else nn.Sequential(full[2])
+    for layer in part:
+        if isinstance(layer, nn.Linear):
+            cst.fully_shard(layer, mesh=dp)
+    cst.fully_shard(part, mesh=dp)
+    pipe = PipelineStage(part, stage, 2, torch.device("cpu"), group=pp.get_group())
+    schedule = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}[kind](pipe, n_micro, loss_fn=nn.MSELoss())
+    opt = torch.optim.SGD(part.parameters(), lr=0.2)
+    losses = []
+    for step in range(steps):
+        x = torch.cat([batch(0, dp_rank, step * n_micro + m) for m in range(n_micro)])
+        if stage == 0:
+            schedule.step(x)
+        else:
+            got: list[torch.Tensor] = []
+            schedule.step(target=torch.zeros(x.shape[0], OUT), losses=got)
+            losses.append([t.item() for t in got])
+        opt.step()
+        opt.zero_grad()
+    params = {k: plain(v.full_tensor()) for k, v in part.state_dict().items()}
+    return {"stage": stage, "dp_rank": dp_rank, "losses": losses, "params": params}

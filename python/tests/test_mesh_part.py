@@ -52,3 +52,41 @@ def test_each_pp_row_shards_over_its_dp_ranks_alone(world):
             assert sorted(got["params"]) == sorted(params), (sorted(got["params"]), sorted(params))
             for k in params:
                 _close(got["params"][k], params[k], f"stage {stage} dp rank {r} {k}")
+
+
+@pytest.mark.parametrize("kind,n_micro", [("GPipe", 2), ("1F1B", 4)])
+def test_a_pipeline_schedule_over_sharded_stages_gives_plain_pytorchs_losses(kind, n_micro):
+    world, steps = 4, 3
+    dp_size = world // 2
+    out = run(w.pipelined, world, steps, n_micro, kind, init="collsched", timeout=300)
+    # Plain PyTorch: the whole model, each step on the mean over dp ranks and micro-batches
+    # of the micro-batches' losses.
+    model = w.stage_model(0).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    want: list[list[list[float]]] = [[] for _ in range(dp_size)]
+    for step in range(steps):
+        total = 0.0
+        for r in range(dp_size):
+            mine = []
+            for m in range(n_micro):
+                loss = model(w.batch(0, r, step * n_micro + m).double()).pow(2).mean()
+                mine.append(loss.item())
+                total = total + loss / (dp_size * n_micro)
+            want[r].append(mine)
+        total.backward()
+        opt.step()
+        opt.zero_grad()
+    final = {k: v.reshape(-1).tolist() for k, v in model.state_dict().items()}
+    names = {0: {"0.weight": "0.weight", "0.bias": "0.bias"}, 1: {"0.weight": "2.weight", "0.bias": "2.bias"}}
+    for rank, got in enumerate(out):
+        stage, r = rank // dp_size, rank % dp_size
+        assert (got["stage"], got["dp_rank"]) == (stage, r), got
+        if stage == 1:
+            assert len(got["losses"]) == steps, got["losses"]
+            for step in range(steps):
+                _close(got["losses"][step], want[r][step], f"rank {rank} step {step} losses")
+        else:
+            assert got["losses"] == [], got["losses"]
+        assert sorted(got["params"]) == sorted(names[stage]), got["params"].keys()
+        for k, ref in names[stage].items():
+            _close(got["params"][k], final[ref], f"rank {rank} {k}")
