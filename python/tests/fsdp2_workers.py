@@ -359,7 +359,8 @@ def titan(rank: int, world: int, spec: dict[str, Any], path: str, phase: str) ->
     out["losses"], out["params"] = train_steps(model, opt, steps, rank)
     if phase == "save":
         workers.dcp_checkpoint(model, opt, path, "save")
-    out["partial_mesh"] = error_text(lambda: cst.fully_shard(models.build("mlp", 0), mesh=mesh["shard"]))
+    # A mesh over part of the job: a model over that part's ranks alone.
+    out["part_world"] = cst.plan(cst.fully_shard(models.build("mlp", 0), mesh=mesh["shard"]))["world"]
     return out
 
 

@@ -54,6 +54,9 @@ def save_checkpoint(module: nn.Module, optimizer: torch.optim.Optimizer | None, 
                     v = v.detach().to("cpu").contiguous()
                     keep.append(v)
                     extras.append((k, p.pid, _FROM_TORCH[v.dtype], v))
+                elif p.shard.numel() == 0:
+                    # A rank holding no element of it steps none: its scalars (if any) are stale.
+                    continue
                 elif torch.is_tensor(v) and v.numel() == 1:
                     scalars.setdefault(p.name, {})[k] = {
                         "value": v.item(),
@@ -62,7 +65,7 @@ def save_checkpoint(module: nn.Module, optimizer: torch.optim.Optimizer | None, 
                 elif isinstance(v, (int, float)):
                     scalars.setdefault(p.name, {})[k] = {"value": v}
         groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    # Scalar states of parameters this rank holds no element of exist on other ranks only.
+    # Scalar states come from the ranks holding elements of their parameter (all alike).
     merged: dict[str, Any] = {}
     for blob in state.world.all_gather(json.dumps(scalars).encode()):
         merged.update(json.loads(blob))
