@@ -35,6 +35,11 @@
 //!   (1 and 1) leave compute alone.
 //! - **Host overhead**: [`SimConfig::host_overhead_s`] is added to the rank's compute timeline
 //!   for every collective it launches (per-parameter Python hooks for [`Policy::Naive`]).
+//! - **[`Policy::Zero3_2021`]** (the `zero3` module): the program also holds host work of the
+//!   engine's hooks (`Host`, a `hook` span) and device drains (`Drain`: the rank waits for
+//!   every collective it launched, the wait counted as exposed); each all-gather launch first
+//!   drains too; launches are priced per role, and each position's host-device syncs are
+//!   counted ([`SimStepStats::host_syncs`]).
 //!
 //! All ranks run in lock-step in one thread: each rank advances until it must wait for a
 //! collective some rank has not launched yet, then the next rank runs. Every rank is simulated
