@@ -104,6 +104,8 @@ pub(crate) fn step_program(
     ns_per_flop: f64,
     world: u32,
 ) -> StepProgram {
+    // Device work the host waits for at once (a norm before its `.item()`, a copy or `div_`
+    // that the next drain waits for) is priced on the host timeline: nothing runs beside it.
     const NS: f64 = 1e9;
     let op = k::PYTORCH_EAGER_OP_S * NS;
     let sync = k::HOST_DEVICE_SYNC_S * NS;
