@@ -5,6 +5,7 @@ use std::str::FromStr;
 use collsched_buckets::{Boundary, DEFAULT_BUCKET_BYTES};
 use collsched_schedule::scheduler::{DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_LIVE_BYTES, DEFAULT_PREFETCH_BYTES};
 use collsched_schedule::{LaunchId, ScheduleError};
+use collsched_topo::constants::{ZERO3_2021_GATHER_PRE_LAUNCH_S, ZERO3_2021_LIST_LAUNCH_S};
 use collsched_topo::{CostModel, CostProfile, Topology};
 
 /// Default achieved fraction of the GPU's peak dense bf16 throughput (`--tflops` overrides
@@ -267,7 +268,7 @@ impl SimConfig {
     /// [`Policy::Zero3_2021`] without `host_overhead_s`, that of an all-gather.
     pub fn host_overhead(&self) -> f64 {
         if self.policy == Policy::Zero3_2021 && self.host_overhead_s.is_none() {
-            return super::zero3::gather_host_ns() as f64 * 1e-9;
+            return ZERO3_2021_GATHER_PRE_LAUNCH_S + ZERO3_2021_LIST_LAUNCH_S;
         }
         let measured = self.profile.as_ref().and_then(|p| p.host_per_collective_s);
         self.host_overhead_s.or(measured).unwrap_or(if self.policy == Policy::Naive {

@@ -52,8 +52,9 @@ use collsched_schedule::{
 };
 
 use super::config::{Policy, SimConfig, SimError, COMPUTE_QUEUE};
-use super::program::{jitter_factor, price, Call, Program};
+use super::program::{jitter_factor, price, Program};
 use super::report::{Lane, SimReport, SimStepStats, Span, SpanKind, Timeline};
+use super::step::Call;
 use super::workload::Workload;
 
 struct Coll {

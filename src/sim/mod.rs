@@ -4,6 +4,7 @@
 //!
 //! - [`workload`]: what a training step computes and fetches (transformer presets, JSON traces);
 //! - [`config`]: the knobs ([`SimConfig`], [`Policy`]) and errors;
+//! - `step`: the engine calls of a step;
 //! - `program`: a workload compiled into a plan, the engine calls of a step and their prices;
 //! - [`engine`]: the event loop that runs every rank's scheduler ([`simulate`]);
 //! - [`report`]: what a run reports ([`SimReport`], per-step [`SimStepStats`], timelines);
@@ -14,6 +15,7 @@ pub mod config;
 pub mod engine;
 mod program;
 pub mod report;
+mod step;
 pub mod timeline;
 pub mod workload;
 mod zero3;

@@ -7,26 +7,9 @@ use collsched_topo::{CollectiveKind, CostModel, GroupShape};
 
 use super::config::{Policy, SimConfig, SimError};
 use super::report::SpanKind;
+use super::step::{Call, StepProgram};
 use super::workload::Workload;
 use super::zero3;
-
-/// One call of the engine program.
-#[derive(Clone, Copy, Debug)]
-pub(crate) enum Call {
-    Phase {
-        backward: bool,
-    },
-    Fetch(u32),
-    Compute(u32, SpanKind),
-    Release(u32),
-    Grad(ParamId),
-    EndStep,
-    /// Host time (the layer it belongs to): its nanoseconds are the program position's.
-    Host(u32),
-    /// A device drain: wait for every collective the rank launched, then the position's host
-    /// nanoseconds.
-    Drain,
-}
 
 /// What every rank runs: the plan, the engine program of one step with its compute times, the
 /// explicit prefetch rules, the collectives' prices and the run's settings.
@@ -153,7 +136,7 @@ impl Program {
         } else {
             library_step(workload, &set, &layer_params, (&fwd, &bwd), &last_use, ns_per_flop)
         };
-        let zero3::StepProgram { program, ns: compute_ns, syncs } = steps;
+        let StepProgram { program, ns: compute_ns, syncs } = steps;
 
         let input = ScheduleInput::from_plan(&plan);
         let rules = (config.policy == Policy::Explicit).then(|| {
@@ -282,8 +265,8 @@ fn library_step(
     (fwd, bwd): (&[u32], &[u32]),
     last_use: &[u32],
     ns_per_flop: f64,
-) -> zero3::StepProgram {
-    let mut s = zero3::StepProgram::default();
+) -> StepProgram {
+    let mut s = StepProgram::default();
     s.push(Call::Phase { backward: false }, 0.0, 0);
     for &l in fwd {
         let layer = &workload.layers[l as usize];

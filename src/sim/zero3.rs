@@ -38,8 +38,8 @@
 use collsched_buckets::{ParamId, ParamSet};
 use collsched_topo::constants as k;
 
-use super::program::Call;
 use super::report::SpanKind;
+use super::step::{Call, StepProgram};
 use super::workload::Workload;
 
 /// Host nanoseconds of one all-gather launch (B2: pre-launch + list-form launch).
@@ -73,23 +73,6 @@ pub(crate) fn reduce_device_s(full: f64) -> f64 {
 /// Whether `p` is gathered at every fetch (not persistent).
 pub(crate) fn fetched(set: &ParamSet, p: ParamId) -> bool {
     set.numel(p) as u64 >= k::ZERO3_2021_PERSISTENCE_THRESHOLD
-}
-
-/// One step's program with its durations (host time for [`Call::Host`] and [`Call::Drain`],
-/// compute time for [`Call::Compute`]) and its host-device syncs per position.
-#[derive(Default)]
-pub(crate) struct StepProgram {
-    pub(crate) program: Vec<Call>,
-    pub(crate) ns: Vec<f64>,
-    pub(crate) syncs: Vec<u32>,
-}
-
-impl StepProgram {
-    pub(crate) fn push(&mut self, c: Call, ns: f64, syncs: u32) {
-        self.program.push(c);
-        self.ns.push(ns);
-        self.syncs.push(syncs);
-    }
 }
 
 /// The program of one step: `all` is every layer's parameters, `fetch` the non-persistent
