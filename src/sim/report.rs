@@ -43,7 +43,7 @@ pub enum SpanKind {
     /// Host overhead of launching a collective.
     Host,
     /// Host work of an engine hook outside launches (a layer's, or a device drain's), with
-    /// the host-device syncs it makes ([`Policy::Zero3_2021`](super::Policy::Zero3_2021)).
+    /// the host-device syncs it makes ([`Policy::Zero3_2021`]).
     Hook,
     /// An all-gather (comm lanes).
     AllGather,
