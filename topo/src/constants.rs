@@ -100,19 +100,19 @@ pub const ZERO3_2021_PERSISTENCE_THRESHOLD: u64 = 100_000;
 /// DeepSpeed v0.5.4 `constants.py` l.68); each flush runs `div_` over the whole buffer.
 pub const ZERO3_2021_REDUCE_BUCKET_ELEMENTS: u64 = 500_000_000;
 
-/// Host time of one eager PyTorch operation on a small tensor (Python, dispatcher, kernel
-/// launch), seconds: "an overhead of ~7 microseconds for the simplest tensor operations"
-/// (pytorch/pytorch issue #41383, 2020, PyTorch 1.5-era eager mode, with `requires_grad`).
+/// Host time of one eager PyTorch operation on a small tensor, seconds: "an overhead of ~7
+/// microseconds for the simplest tensor operations" (pytorch/pytorch issue #41383, 2020, an
+/// operation with `requires_grad` on a one-element CPU tensor; 5 us without). A CUDA operation
+/// also launches a kernel, so this is a lower bound of its host time.
 pub const PYTORCH_EAGER_OP_S: f64 = 7e-6;
-/// One host-device round trip: a synchronous small copy or a synchronize of a device with no
-/// work queued, seconds. Measured floors of a 4-64 byte device-to-host copy with its
-/// synchronize: 9.7 us (kekzl/imp issue #1654, `cudaMemcpy` D2H + `cudaStreamSynchronize`,
-/// minimum of 2000; the median was 32 us) and 9.5 us (hw-native-sys/simpler PR #2234, a
-/// synchronous D2H driver round trip, median). No A100 figure was found; the floor is used, so
-/// a sync costs no more than these measurements' best case.
+/// One host-device round trip (a synchronous small copy, or a synchronize of a device with no
+/// work queued), seconds: a 4-byte device-to-host `cudaMemcpy` with its
+/// `cudaStreamSynchronize` took 9.67 us at least and 32 us in the median of 2000
+/// (kekzl/imp issue #1654, an RTX 5090). No A100 figure was found; the minimum, rounded to 10 us,
+/// is used, so a sync costs about that measurement's best case.
 pub const HOST_DEVICE_SYNC_S: f64 = 10e-6;
-/// A100 40GB device memory throughput of a copy kernel, read and write bytes summed, GB/s:
-/// 1355, the "memcopy measured BW" of an A100 used as the reference of
-/// PTsolvers/gpu-workshop-JuliaCon23 (issue #7, L. Räss, 2023; data sheet 1555). A copy of `n`
-/// bytes moves `2n`, a memset or a reduction that reads `n` bytes moves `n`.
+/// A100 40GB device memory throughput of a copy, read and write bytes summed, GB/s: 1355, the
+/// measured memory-copy throughput of an A100 that PTsolvers/gpu-workshop-JuliaCon23 takes as
+/// its reference (issue #7, luraess, 2023-07-25: "the memcopy measured BW"; data sheet 1555). A
+/// copy of `n` bytes moves `2n`, a memset or a reduction that reads `n` bytes moves `n`.
 pub const A100_HBM_COPY_GBS: f64 = 1355.0;
