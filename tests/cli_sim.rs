@@ -117,7 +117,7 @@ fn every_policy_runs_and_naive_issues_more_collectives() {
     let dir = scratch("policies");
     let w = small_workload(&dir);
     let mut collectives = Vec::new();
-    for p in ["naive", "coalesced", "trace", "explicit"] {
+    for p in ["naive", "coalesced", "trace", "explicit", "zero3-2021"] {
         let text = ok_stdout(&["--workload", &w, "--world", "4", "--topo", "p4d", "--policy", p, "--json"]);
         let v: serde_json::Value = serde_json::from_str(text.trim()).unwrap();
         collectives.push(v["collectives"].as_f64().unwrap());

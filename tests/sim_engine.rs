@@ -50,7 +50,7 @@ fn run(w: &Workload, c: &SimConfig) -> SimReport {
 #[test]
 fn one_rank_takes_exactly_its_compute_time() {
     for w in workloads() {
-        for policy in Policy::ALL {
+        for policy in Policy::LIBRARY {
             let mut c = config("dgx-h100", 1, policy);
             c.host_overhead_s = Some(0.0);
             let r = run(&w, &c);
@@ -84,7 +84,7 @@ fn infinite_bandwidth_and_zero_latency_expose_nothing() {
         .with_launch_overhead(0.0)
         .with_group_call_overhead(0.0);
     for w in workloads() {
-        for policy in Policy::ALL {
+        for policy in Policy::LIBRARY {
             for (world, rpn) in [(2, 2), (16, 8)] {
                 let mut c = SimConfig::new(world, rpn, cost, 100.0);
                 c.policy = policy;
@@ -177,7 +177,7 @@ fn collective_counts_match_the_plan() {
     // 256 KiB: most weights have a bucket of their own; 2 MiB: a block (1.6 MB) fits.
     let runs = [256 << 10, 2 << 20]
         .into_iter()
-        .flat_map(|cap| Policy::ALL.into_iter().map(move |p| (cap, p)))
+        .flat_map(|cap| Policy::LIBRARY.into_iter().map(move |p| (cap, p)))
         .flat_map(|(cap, p)| [(cap, p, Boundary::Size), (cap, p, Boundary::LAYER)]);
     for (cap, policy, boundary) in runs {
         let mut c = config("dgx-h100", 8, policy);

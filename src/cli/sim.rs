@@ -4,8 +4,9 @@
 //!
 //! `--json` prints one object: `step_ms`, `compute_ms`, `exposed_comm_ms`, `host_ms`, `comm_ms
 //! {all_gather, reduce_scatter}`, `tflops_per_gpu`, `peak_gathered_bytes`, `collectives` (per
-//! step), `all_gathers`, `reduce_scatters`, `prefetch_hits`, `gather_buckets`, `grad_buckets`,
-//! `scheduler_events`, `workload`, `world`, `policy`, `bucket_by`, `steps_reported`.
+//! step), `all_gathers`, `reduce_scatters`, `prefetch_hits`, `host_syncs` (host-device syncs
+//! per step; `zero3-2021` only), `gather_buckets`, `grad_buckets`, `scheduler_events`,
+//! `workload`, `world`, `policy`, `bucket_by`, `steps_reported`.
 //! `--sweep KEY=V1,V2,..` (keys `policy world topo workload bucket-mb bucket-by prefetch-mb
 //! max-inflight max-live-mb steps tflops host-overhead-us jitter seed`, repeatable) runs the
 //! grid and prints a table, or with `--json` one object per line with a `sweep` member.
@@ -53,14 +54,18 @@ pub struct SimArgs {
     #[arg(long, value_name = "FILE.json")]
     pub cost: Option<PathBuf>,
     /// naive (one collective per parameter, no prefetch, host overhead per collective),
-    /// coalesced (buckets, no prefetch), trace (buckets, trace-replay prefetch) or explicit
-    /// (buckets, prefetch the next layer).
+    /// coalesced (buckets, no prefetch), trace (buckets, trace-replay prefetch), explicit
+    /// (buckets, prefetch the next layer) or zero3-2021 (DeepSpeed ZeRO-3 before batching,
+    /// v0.5.4: one all-gather per non-persistent parameter at every fetch, a device sync
+    /// before each, no prefetch, list-form copies, norm logging and blocking releases with
+    /// their syncs, one reduce-scatter per gradient, `.item()`s in the optimizer step; costs
+    /// from published measurements, `topo/src/constants.rs`).
     #[arg(long, default_value = "trace", value_name = "P")]
     pub policy: String,
-    /// Bucket cap in MiB (ignored by naive).
+    /// Bucket cap in MiB (ignored by naive and zero3-2021).
     #[arg(long, default_value_t = 64.0, value_name = "X")]
     pub bucket_mb: f64,
-    /// Where buckets end (ignored by naive): size (by the cap alone, across layers), module
+    /// Where buckets end (ignored by naive and zero3-2021): size (by the cap alone, across layers), module
     /// (also at every layer: `block.3` of `block.3.attn.qkv.weight`), module:D (also where the
     /// first D components of the module path change), each module form with an optional +pack
     /// (small consecutive whole modules share a bucket). See `collsched plan --help`.
@@ -82,7 +87,8 @@ pub struct SimArgs {
     /// Achieved compute throughput per rank in TFLOPS (default: 40% of the GPU's peak).
     #[arg(long, value_name = "T")]
     pub tflops: Option<f64>,
-    /// Host overhead per launched collective in microseconds (default: 20 for naive, else 0).
+    /// Host overhead per launched collective in microseconds (default: 20 for naive, 380 per
+    /// all-gather and 250 per reduce-scatter for zero3-2021, else 0).
     #[arg(long, value_name = "US")]
     pub host_overhead_us: Option<f64>,
     /// Compute is this many times slower (ranks sharing cores); default: the `--cost`
@@ -291,7 +297,15 @@ fn write_summary(out: &mut impl Write, r: &SimReport, topo: &Topology, cfg: &Sim
         last.reduce_scatters,
         last.prefetch_launches,
         last.prefetch_hits
-    )
+    )?;
+    if last.host_syncs > 0 {
+        writeln!(
+            out,
+            "  {:<22}{:>12}     per step (host waiting on the device)",
+            "host-device syncs", last.host_syncs
+        )?;
+    }
+    Ok(())
 }
 
 const SWEEP_KEYS: [&str; 14] = [

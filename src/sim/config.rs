@@ -5,6 +5,7 @@ use std::str::FromStr;
 use collsched_buckets::{Boundary, DEFAULT_BUCKET_BYTES};
 use collsched_schedule::scheduler::{DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_LIVE_BYTES, DEFAULT_PREFETCH_BYTES};
 use collsched_schedule::{LaunchId, ScheduleError};
+use collsched_topo::constants::{ZERO3_2021_GATHER_PRE_LAUNCH_S, ZERO3_2021_LIST_LAUNCH_S};
 use collsched_topo::{CostModel, CostProfile, Topology};
 
 /// Default achieved fraction of the GPU's peak dense bf16 throughput (`--tflops` overrides
@@ -104,11 +105,23 @@ pub enum Policy {
     /// The library's buckets with explicit rules: after a layer is fetched, prefetch the next
     /// layer's buckets (forward and backward rules, switched at the forward/backward boundary).
     Explicit,
+    /// DeepSpeed ZeRO-3 as its 2021 code ran a step (v0.5.4, before DeepSpeed PR #1453 batched
+    /// it): one all-gather per non-persistent parameter at every fetch (recomputed layers
+    /// fetched again), no prefetch, host-device syncs before each all-gather, after each fetch,
+    /// in the norm logging, at each release and in the optimizer step, list-form copies on the
+    /// collective streams, one reduce-scatter per gradient. Each cost is a named constant of
+    /// `collsched_topo::constants` with its source; see the `zero3` module of the simulator.
+    Zero3_2021,
 }
 
 impl Policy {
     /// Every policy.
-    pub const ALL: [Policy; 4] = [Policy::Naive, Policy::Coalesced, Policy::Trace, Policy::Explicit];
+    pub const ALL: [Policy; 5] =
+        [Policy::Naive, Policy::Coalesced, Policy::Trace, Policy::Explicit, Policy::Zero3_2021];
+
+    /// The policies of the library's own engine ([`Policy::ALL`] but [`Policy::Zero3_2021`],
+    /// a model of another engine).
+    pub const LIBRARY: [Policy; 4] = [Policy::Naive, Policy::Coalesced, Policy::Trace, Policy::Explicit];
 
     /// The `--policy` name.
     pub const fn name(self) -> &'static str {
@@ -117,6 +130,7 @@ impl Policy {
             Policy::Coalesced => "coalesced",
             Policy::Trace => "trace",
             Policy::Explicit => "explicit",
+            Policy::Zero3_2021 => "zero3-2021",
         }
     }
 }
@@ -132,7 +146,7 @@ impl FromStr for Policy {
     fn from_str(s: &str) -> Result<Self, SimError> {
         Policy::ALL.into_iter().find(|p| p.name() == s).ok_or_else(|| SimError::Config {
             knob: "policy",
-            message: format!("`{s}` is unknown; use naive, coalesced, trace or explicit"),
+            message: format!("`{s}` is unknown; use naive, coalesced, trace, explicit or zero3-2021"),
         })
     }
 }
@@ -156,12 +170,12 @@ pub struct SimConfig {
     pub tflops: f64,
     /// `policy`. Default [`Policy::Trace`].
     pub policy: Policy,
-    /// `bucket_bytes`: the layout's bucket cap. Default 64 MiB (ignored by [`Policy::Naive`],
-    /// which puts every parameter in its own bucket).
+    /// `bucket_bytes`: the layout's bucket cap. Default 64 MiB (ignored by [`Policy::Naive`]
+    /// and [`Policy::Zero3_2021`], which put every parameter in its own bucket).
     pub bucket_bytes: usize,
     /// `bucket_by`: where buckets end
     /// ([`LayoutBuilder::boundary`](collsched_buckets::LayoutBuilder::boundary)). Default
-    /// [`DEFAULT_SIM_BOUNDARY`] (ignored by [`Policy::Naive`]).
+    /// [`DEFAULT_SIM_BOUNDARY`] (ignored by [`Policy::Naive`] and [`Policy::Zero3_2021`]).
     pub boundary: Boundary,
     /// `prefetch_bytes`: the scheduler's prefetch budget. Default the scheduler's
     /// `DEFAULT_PREFETCH_BYTES` (2 GiB).
@@ -176,7 +190,8 @@ pub struct SimConfig {
     pub steps: u32,
     /// `host_overhead_s`: host seconds added to a rank's compute timeline per collective it
     /// launches. `None`: the profile's `host_per_collective_s` when [`SimConfig::profile`] has
-    /// one, else [`NAIVE_HOST_OVERHEAD_S`] for [`Policy::Naive`], else 0.
+    /// one, else [`NAIVE_HOST_OVERHEAD_S`] for [`Policy::Naive`], else 0. [`Policy::Zero3_2021`]
+    /// prices its own launches (all-gather and reduce-scatter apart) unless this is set.
     pub host_overhead_s: Option<f64>,
     /// `compute_slowdown`: compute durations are multiplied by it (every rank computing at
     /// once on shared cores). `None`: the profile's, else 1.
@@ -249,8 +264,12 @@ impl SimConfig {
         Ok(SimConfig::new(world, rpn, CostModel::for_topology(topology), tflops))
     }
 
-    /// The host overhead per launched collective in effect (seconds).
+    /// The host overhead per launched collective in effect (seconds); for
+    /// [`Policy::Zero3_2021`] without `host_overhead_s`, that of an all-gather.
     pub fn host_overhead(&self) -> f64 {
+        if self.policy == Policy::Zero3_2021 && self.host_overhead_s.is_none() {
+            return ZERO3_2021_GATHER_PRE_LAUNCH_S + ZERO3_2021_LIST_LAUNCH_S;
+        }
         let measured = self.profile.as_ref().and_then(|p| p.host_per_collective_s);
         self.host_overhead_s.or(measured).unwrap_or(if self.policy == Policy::Naive {
             NAIVE_HOST_OVERHEAD_S

@@ -35,6 +35,11 @@
 //!   (1 and 1) leave compute alone.
 //! - **Host overhead**: [`SimConfig::host_overhead_s`] is added to the rank's compute timeline
 //!   for every collective it launches (per-parameter Python hooks for [`Policy::Naive`]).
+//! - **[`Policy::Zero3_2021`]** (the `zero3` module): the program also holds host work of the
+//!   engine's hooks (`Host`, a `hook` span) and device drains (`Drain`: the rank waits for
+//!   every collective it launched, the wait counted as exposed); each all-gather launch first
+//!   drains too; launches are priced per role, and each position's host-device syncs are
+//!   counted ([`SimStepStats::host_syncs`]).
 //!
 //! All ranks run in lock-step in one thread: each rank advances until it must wait for a
 //! collective some rank has not launched yet, then the next rank runs. Every rank is simulated
@@ -47,8 +52,9 @@ use collsched_schedule::{
 };
 
 use super::config::{Policy, SimConfig, SimError, COMPUTE_QUEUE};
-use super::program::{jitter_factor, price, Call, Program};
+use super::program::{jitter_factor, price, Program};
 use super::report::{Lane, SimReport, SimStepStats, Span, SpanKind, Timeline};
+use super::step::Call;
 use super::workload::Workload;
 
 struct Coll {
@@ -117,6 +123,7 @@ struct Acc {
     compute: u64,
     exposed: u64,
     host: u64,
+    syncs: u64,
     start: u64,
     end: u64,
 }
@@ -309,6 +316,7 @@ impl Simulation {
             st.compute_ns = self.ranks.iter().map(|r| r.per_step[s].compute as f64).sum::<f64>() / world;
             st.exposed_ns = self.ranks.iter().map(|r| r.per_step[s].exposed as f64).sum::<f64>() / world;
             st.host_ns = self.ranks.iter().map(|r| r.per_step[s].host as f64).sum::<f64>() / world;
+            st.host_syncs = self.ranks[0].per_step[s].syncs;
             if let Some(c) = self.ranks[0].counters.get(s) {
                 st.prefetch_launches = c.prefetch_launches;
                 st.prefetch_hits = c.prefetch_hits;
@@ -440,10 +448,12 @@ fn advance(sh: &mut Program, colls: &mut Colls, st: &mut SimRank) -> Result<bool
                 }
             }
         }
+        let before = progressed;
         progressed = true;
         feed_done(colls, st)?;
         let pc = st.pc;
         st.pc += 1;
+        st.acc.syncs += u64::from(sh.syncs[pc]);
         let after = Some(EngineEvent { queue: COMPUTE_QUEUE, seq: st.seq });
         match sh.program[pc] {
             Call::Phase { backward } => {
@@ -496,7 +506,78 @@ fn advance(sh: &mut Program, colls: &mut Colls, st: &mut SimRank) -> Result<bool
                 st.events += 1;
                 st.in_actions = true;
             }
+            Call::Drain => {
+                let Some(end) = launched_end(colls, st) else {
+                    // Some rank has not launched a collective this rank waits for: come back.
+                    st.pc = pc;
+                    st.acc.syncs -= u64::from(sh.syncs[pc]);
+                    return Ok(before);
+                };
+                wait_until(sh, st.clock(), end, u32::MAX);
+                host(sh, st.clock(), sh.compute_ns[pc].round() as u64, SpanKind::Hook, u32::MAX);
+            }
+            Call::Host(l) => host(sh, st.clock(), sh.compute_ns[pc].round() as u64, SpanKind::Hook, l),
         }
+    }
+}
+
+/// When every collective `st` launched has ended, or `None` while one is unresolved.
+fn launched_end(colls: &Colls, st: &SimRank) -> Option<u64> {
+    let mut end = 0;
+    for s in 0..2 {
+        if let Some(k) = st.issued[s].checked_sub(1) {
+            let c = &colls.all[colls.lane[s][k] as usize];
+            if !c.resolved {
+                return None;
+            }
+            end = end.max(c.end);
+        }
+    }
+    Some(end)
+}
+
+/// A rank's clock, accounts and spans, borrowed apart from its pending actions.
+struct Clock<'a> {
+    clock: &'a mut u64,
+    acc: &'a mut Acc,
+    spans: &'a mut Vec<Span>,
+    step: u32,
+}
+
+impl SimRank {
+    fn clock(&mut self) -> Clock<'_> {
+        Clock { clock: &mut self.clock, acc: &mut self.acc, spans: &mut self.spans, step: self.step }
+    }
+}
+
+/// Stalls the rank until `end` (exposed communication), a wait span on `index`.
+fn wait_until(sh: &Program, c: Clock<'_>, end: u64, index: u32) {
+    if end > *c.clock {
+        let stall = end - *c.clock;
+        if sh.timeline {
+            let kind = SpanKind::Wait;
+            c.spans.push(Span {
+                start_ns: *c.clock,
+                dur_ns: stall,
+                kind,
+                index,
+                step: c.step,
+                prefetch: false,
+            });
+        }
+        c.acc.exposed += stall;
+        *c.clock = end;
+    }
+}
+
+/// Adds `ns` of host time to the rank's timeline, a span of `kind` on `index`.
+fn host(sh: &Program, c: Clock<'_>, ns: u64, kind: SpanKind, index: u32) {
+    if ns > 0 {
+        if sh.timeline {
+            c.spans.push(Span { start_ns: *c.clock, dur_ns: ns, kind, index, step: c.step, prefetch: false });
+        }
+        *c.clock += ns;
+        c.acc.host += ns;
     }
 }
 
@@ -534,19 +615,22 @@ fn exec(sh: &mut Program, colls: &mut Colls, st: &mut SimRank) -> Result<Flow, S
                         }
                     }
                 }
-                if sh.host_ns > 0 {
-                    if sh.timeline {
-                        st.spans.push(Span {
-                            start_ns: st.clock,
-                            dur_ns: sh.host_ns,
-                            kind: SpanKind::Host,
-                            index: l.id.bucket.0,
-                            step: st.step,
-                            prefetch: false,
-                        });
-                    }
-                    st.clock += sh.host_ns;
-                    st.acc.host += sh.host_ns;
+                let gather = l.id.role == Role::Gather;
+                if gather && sh.sync_before_gather {
+                    // `torch.cuda.synchronize()` before the launch: every collective launched so
+                    // far must end first.
+                    let Some(end) = launched_end(colls, st) else { return Ok(Flow::Blocked) };
+                    let c =
+                        Clock { clock: &mut st.clock, acc: &mut st.acc, spans: &mut st.spans, step: st.step };
+                    wait_until(sh, c, end, l.id.bucket.0);
+                    st.acc.syncs += 1;
+                    ready = ready.max(st.clock);
+                }
+                let host_ns = sh.host_ns[usize::from(!gather)];
+                if host_ns > 0 {
+                    let c =
+                        Clock { clock: &mut st.clock, acc: &mut st.acc, spans: &mut st.spans, step: st.step };
+                    host(sh, c, host_ns, SpanKind::Host, l.id.bucket.0);
                     ready = ready.max(st.clock);
                 }
                 let Some(s) = lane_of(l.stream) else {

@@ -7,18 +7,9 @@ use collsched_topo::{CollectiveKind, CostModel, GroupShape};
 
 use super::config::{Policy, SimConfig, SimError};
 use super::report::SpanKind;
+use super::step::{Call, StepProgram};
 use super::workload::Workload;
-
-/// One call of the engine program.
-#[derive(Clone, Copy, Debug)]
-pub(crate) enum Call {
-    Phase { backward: bool },
-    Fetch(u32),
-    Compute(u32, SpanKind),
-    Release(u32),
-    Grad(ParamId),
-    EndStep,
-}
+use super::zero3;
 
 /// What every rank runs: the plan, the engine program of one step with its compute times, the
 /// explicit prefetch rules, the collectives' prices and the run's settings.
@@ -26,8 +17,10 @@ pub(crate) struct Program {
     pub(crate) plan: Plan,
     pub(crate) layer_params: Vec<Vec<ParamId>>,
     pub(crate) program: Vec<Call>,
-    /// Per program position: compute ns before jitter.
+    /// Per program position: compute ns before jitter (host ns of `Host` and `Drain`).
     pub(crate) compute_ns: Vec<f64>,
+    /// Per program position: host-device synchronizations it makes.
+    pub(crate) syncs: Vec<u32>,
     /// Explicit rules for forward and backward.
     pub(crate) rules: Option<[Explicit; 2]>,
     /// Launch duration cache by bucket id (u64::MAX: not priced yet).
@@ -35,7 +28,13 @@ pub(crate) struct Program {
     pub(crate) cost: CostModel,
     /// A measured profile pricing collectives instead of `cost`.
     pub(crate) profile: Option<collsched_topo::CostProfile>,
-    pub(crate) host_ns: u64,
+    /// Host ns per launch, by role: `[all-gather, reduce-scatter]`.
+    pub(crate) host_ns: [u64; 2],
+    /// Each all-gather launch first waits for every collective the rank launched (a device
+    /// synchronize, counted as one sync): [`Policy::Zero3_2021`].
+    pub(crate) sync_before_gather: bool,
+    /// [`Policy::Zero3_2021`]: collectives' streams also run its copies.
+    pub(crate) zero3: bool,
     /// The share of collective time overlapping a compute op that is added to it
     /// (`1 - compute_overlap`).
     pub(crate) contention: f64,
@@ -96,7 +95,7 @@ impl Program {
             }
         }
         let (bucket_bytes, boundary) = match config.policy {
-            Policy::Naive => (1, Boundary::Size),
+            Policy::Naive | Policy::Zero3_2021 => (1, Boundary::Size),
             _ => (config.bucket_bytes, config.boundary),
         };
         let layout = LayoutBuilder::new(&set, Sharding::EvenSplit, config.world)
@@ -108,12 +107,6 @@ impl Program {
 
         // The program of one step and its compute durations.
         let ns_per_flop = 1e9 / (config.tflops * 1e12) * config.compute_slowdown();
-        let mut program = Vec::new();
-        let mut compute_ns = Vec::new();
-        let mut push = |c: Call, ns: f64| {
-            program.push(c);
-            compute_ns.push(ns);
-        };
         // Gradients are ready after the last layer (in backward order) that uses the parameter.
         let mut last_use = vec![u32::MAX; set.len()];
         for (k, &l) in bwd.iter().enumerate() {
@@ -121,29 +114,29 @@ impl Program {
                 last_use[p.index()] = k as u32;
             }
         }
-        push(Call::Phase { backward: false }, 0.0);
-        for &l in &fwd {
-            let layer = &workload.layers[l as usize];
-            push(Call::Fetch(l), 0.0);
-            push(Call::Compute(l, SpanKind::Forward), layer.forward_flops * ns_per_flop);
-            push(Call::Release(l), 0.0);
-        }
-        push(Call::Phase { backward: true }, 0.0);
-        for (k, &l) in bwd.iter().enumerate() {
-            let layer = &workload.layers[l as usize];
-            push(Call::Fetch(l), 0.0);
-            if layer.recompute_flops > 0.0 {
-                push(Call::Compute(l, SpanKind::Recompute), layer.recompute_flops * ns_per_flop);
-            }
-            push(Call::Compute(l, SpanKind::Backward), layer.backward_flops * ns_per_flop);
-            for &p in &layer_params[l as usize] {
-                if last_use[p.index()] == k as u32 && set.is_trainable(p) {
-                    push(Call::Grad(p), 0.0);
-                }
-            }
-            push(Call::Release(l), 0.0);
-        }
-        push(Call::EndStep, 0.0);
+        let zero3 = config.policy == Policy::Zero3_2021;
+        let steps = if zero3 {
+            // Persistent parameters are never fetched in a step; gradients come from the full
+            // lists.
+            let fetch: Vec<Vec<ParamId>> = layer_params
+                .iter()
+                .map(|ps| ps.iter().copied().filter(|&p| zero3::fetched(&set, p)).collect())
+                .collect();
+            let steps = zero3::step_program(
+                workload,
+                &set,
+                (&layer_params, &fetch),
+                (&fwd, &bwd),
+                &last_use,
+                ns_per_flop,
+                config.world,
+            );
+            layer_params = fetch;
+            steps
+        } else {
+            library_step(workload, &set, &layer_params, (&fwd, &bwd), &last_use, ns_per_flop)
+        };
+        let StepProgram { program, ns: compute_ns, syncs } = steps;
 
         let input = ScheduleInput::from_plan(&plan);
         let rules = (config.policy == Policy::Explicit).then(|| {
@@ -177,11 +170,17 @@ impl Program {
             layer_params,
             program,
             compute_ns,
+            syncs,
             rules,
             price: vec![u64::MAX; n_buckets],
             cost: config.cost,
             profile: config.profile.clone(),
-            host_ns: (config.host_overhead() * 1e9).round() as u64,
+            host_ns: match (zero3, config.host_overhead_s) {
+                (true, None) => [zero3::gather_host_ns(), zero3::reduce_host_ns()],
+                _ => [(config.host_overhead() * 1e9).round() as u64; 2],
+            },
+            sync_before_gather: zero3,
+            zero3,
             contention: 1.0 - config.compute_overlap(),
             rpn: config.ranks_per_node.max(1),
             world: config.world,
@@ -220,9 +219,10 @@ impl Program {
             step += ns;
         }
         let calls = self.program.len() as f64;
-        step += self.host_ns as f64 * calls;
-        if self.host_ns as f64 > MAX_CLOCK_NS / calls.max(1.0) {
-            return Err(too_long("host-overhead-us", format!("{} ns per launch", self.host_ns)));
+        let host_ns = self.host_ns[0].max(self.host_ns[1]);
+        step += host_ns as f64 * calls;
+        if host_ns as f64 > MAX_CLOCK_NS / calls.max(1.0) {
+            return Err(too_long("host-overhead-us", format!("{host_ns} ns per launch")));
         }
         for b in 0..self.plan.layout().buckets().len() {
             let bucket = BucketId(b as u32);
@@ -253,6 +253,44 @@ impl Program {
         }
         Ok(())
     }
+}
+
+/// The program of one step of the library's engine: forward over the layers (`Fetch` ->
+/// compute -> `Release`), then backward (`Fetch` -> recompute -> backward -> `Grad` for each
+/// trainable parameter whose last use this is -> `Release`), then `EndStep`.
+fn library_step(
+    workload: &Workload,
+    set: &ParamSet,
+    layer_params: &[Vec<ParamId>],
+    (fwd, bwd): (&[u32], &[u32]),
+    last_use: &[u32],
+    ns_per_flop: f64,
+) -> StepProgram {
+    let mut s = StepProgram::default();
+    s.push(Call::Phase { backward: false }, 0.0, 0);
+    for &l in fwd {
+        let layer = &workload.layers[l as usize];
+        s.push(Call::Fetch(l), 0.0, 0);
+        s.push(Call::Compute(l, SpanKind::Forward), layer.forward_flops * ns_per_flop, 0);
+        s.push(Call::Release(l), 0.0, 0);
+    }
+    s.push(Call::Phase { backward: true }, 0.0, 0);
+    for (k, &l) in bwd.iter().enumerate() {
+        let layer = &workload.layers[l as usize];
+        s.push(Call::Fetch(l), 0.0, 0);
+        if layer.recompute_flops > 0.0 {
+            s.push(Call::Compute(l, SpanKind::Recompute), layer.recompute_flops * ns_per_flop, 0);
+        }
+        s.push(Call::Compute(l, SpanKind::Backward), layer.backward_flops * ns_per_flop, 0);
+        for &p in &layer_params[l as usize] {
+            if last_use[p.index()] == k as u32 && set.is_trainable(p) {
+                s.push(Call::Grad(p), 0.0, 0);
+            }
+        }
+        s.push(Call::Release(l), 0.0, 0);
+    }
+    s.push(Call::EndStep, 0.0, 0);
+    s
 }
 
 /// The longest virtual time a simulation may reach: 10^18 ns (about 31 years), far below
@@ -316,14 +354,28 @@ impl Program {
             };
             calls.push((kind, bytes, GroupShape { ranks: n as usize, nodes: nodes.len().max(1) }));
         }
+        let extra: f64 = if self.zero3 {
+            // The stream of a 2021 list-form collective also runs its copies.
+            calls
+                .iter()
+                .map(|&(kind, bytes, g)| match kind {
+                    CollectiveKind::AllGather => zero3::gather_device_s(bytes as f64, g.ranks as u32),
+                    _ => zero3::reduce_device_s(bytes as f64),
+                })
+                .sum()
+        } else {
+            0.0
+        };
         if let Some(p) = &self.profile {
             // `check_clock` refused a plan with a kind the profile lacks: NaN never reaches the clock.
-            return calls.iter().map(|(k, b, g)| p.time(*k, *b, g.ranks).unwrap_or(f64::NAN)).sum();
+            return extra
+                + calls.iter().map(|(k, b, g)| p.time(*k, *b, g.ranks).unwrap_or(f64::NAN)).sum::<f64>();
         }
-        match calls.len() {
-            0 => 0.0,
-            1 => self.cost.time(calls[0].0, calls[0].1, calls[0].2),
-            _ => self.cost.group_call_time(&calls),
-        }
+        extra
+            + match calls.len() {
+                0 => 0.0,
+                1 => self.cost.time(calls[0].0, calls[0].1, calls[0].2),
+                _ => self.cost.group_call_time(&calls),
+            }
     }
 }

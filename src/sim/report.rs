@@ -42,6 +42,9 @@ pub enum SpanKind {
     Wait,
     /// Host overhead of launching a collective.
     Host,
+    /// Host work of an engine hook outside launches (a layer's, or a device drain's), with
+    /// the host-device syncs it makes ([`Policy::Zero3_2021`]).
+    Hook,
     /// An all-gather (comm lanes).
     AllGather,
     /// A reduce-scatter (comm lanes).
@@ -57,6 +60,7 @@ impl SpanKind {
             SpanKind::Backward => "backward",
             SpanKind::Wait => "wait",
             SpanKind::Host => "host",
+            SpanKind::Hook => "hook",
             SpanKind::AllGather => "all_gather",
             SpanKind::ReduceScatter => "reduce_scatter",
         }
@@ -119,6 +123,9 @@ pub struct SimStepStats {
     pub prefetch_hits: u64,
     /// Fetches that exceeded `max_live_bytes` (rank 0).
     pub live_overruns: u64,
+    /// Host-device synchronizations the engine made (rank 0; only [`Policy::Zero3_2021`]
+    /// makes any).
+    pub host_syncs: u64,
 }
 
 /// The outcome of a simulation.
@@ -231,6 +238,7 @@ impl SimReport {
             "all_gathers": count(self.mean(|s| s.all_gathers as f64)),
             "reduce_scatters": count(self.mean(|s| s.reduce_scatters as f64)),
             "prefetch_hits": count(self.mean(|s| s.prefetch_hits as f64)),
+            "host_syncs": count(self.mean(|s| s.host_syncs as f64)),
             "gather_buckets": self.gather_buckets,
             "grad_buckets": self.grad_buckets,
             "scheduler_events": self.scheduler_events,

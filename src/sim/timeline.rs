@@ -19,8 +19,13 @@ fn label(report: &SimReport, span: &Span) -> String {
             let name = tl.and_then(|t| t.layer_names.get(span.index as usize)).map_or("?", String::as_str);
             format!("{} {name}", span.kind.name())
         }
+        SpanKind::Wait if span.index == u32::MAX => "wait device drain".to_owned(),
         SpanKind::Wait => format!("wait bucket {}", span.index),
         SpanKind::Host => format!("host launch bucket {}", span.index),
+        SpanKind::Hook => match tl.and_then(|t| t.layer_names.get(span.index as usize)) {
+            Some(name) => format!("host hook {name}"),
+            None => "host drain".to_owned(),
+        },
         SpanKind::AllGather | SpanKind::ReduceScatter => {
             format!(
                 "{} bucket {}{}",
@@ -93,7 +98,7 @@ fn color(s: &Span) -> &'static str {
         SpanKind::Recompute => "#a0cbe8",
         SpanKind::Backward => "#59a14f",
         SpanKind::Wait => "#e15759",
-        SpanKind::Host => "#9d9d9d",
+        SpanKind::Host | SpanKind::Hook => "#9d9d9d",
         SpanKind::AllGather | SpanKind::ReduceScatter if s.prefetch => "#ffbe7d",
         SpanKind::AllGather | SpanKind::ReduceScatter => "#f28e2b",
     }

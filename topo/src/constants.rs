@@ -76,3 +76,43 @@ pub const DEFAULT_LAUNCH_OVERHEAD_S: f64 = 4e-6;
 /// Host cost of one group call (`ncclGroupStart`/`ncclGroupEnd` pair; a collective issued
 /// alone is a group of one), seconds. A knob of [`crate::CostModel`] (`group_call_overhead_s`).
 pub const DEFAULT_GROUP_CALL_OVERHEAD_S: f64 = 2e-6;
+
+// Costs of the host and the device that DeepSpeed ZeRO-3's 2021 code paid per parameter (the
+// simulator's `zero3-2021` policy, `docs/notes/deepspeed-zero3-2021.md`). Each is a published
+// measurement or a default of that code; none is fitted to the step times the policy is
+// compared with.
+
+/// Host time of DeepSpeed v0.5.4's `_allgather_param` before its collective (`torch.zeros` of
+/// the gathered size, `torch.cuda.synchronize()`, the shard copy, the debug f-strings), seconds:
+/// "The pre_launch typically takes 130us" (DeepSpeed issue #1069, zarzen, 2021-06-21; 8 A100 of
+/// a p4d, DeepSpeed 0.3.16, PyTorch 1.8, all-gathers of a few hundred elements per rank).
+pub const ZERO3_2021_GATHER_PRE_LAUNCH_S: f64 = 130e-6;
+/// Host time of launching one list-form `torch.distributed.all_gather` from that code, seconds:
+/// "the launch takes 250us about" (same source as [`ZERO3_2021_GATHER_PRE_LAUNCH_S`]). Also the
+/// price of the list-form `reduce_scatter` launch of `_reduce_scatter_gradient`, the same path
+/// (world `narrow` views, one list-form c10d call), for which no figure was published.
+pub const ZERO3_2021_LIST_LAUNCH_S: f64 = 250e-6;
+/// Parameters with fewer elements are "persistent" in ZeRO-3: gathered once, never released
+/// (`stage3_param_persistence_threshold`, default 1e5 in DeepSpeed v0.5.4
+/// `deepspeed/runtime/zero/constants.py` l.112).
+pub const ZERO3_2021_PERSISTENCE_THRESHOLD: u64 = 100_000;
+/// Gradient elements the ipg bucket holds before a flush (`reduce_bucket_size`, default 5e8 in
+/// DeepSpeed v0.5.4 `constants.py` l.68); each flush runs `div_` over the whole buffer.
+pub const ZERO3_2021_REDUCE_BUCKET_ELEMENTS: u64 = 500_000_000;
+
+/// Host time of one eager PyTorch operation on a small tensor, seconds: "an overhead of ~7
+/// microseconds for the simplest tensor operations" (pytorch/pytorch issue #41383, 2020, an
+/// operation with `requires_grad` on a one-element CPU tensor; 5 us without). A CUDA operation
+/// also launches a kernel, so this is a lower bound of its host time.
+pub const PYTORCH_EAGER_OP_S: f64 = 7e-6;
+/// One host-device round trip (a synchronous small copy, or a synchronize of a device with no
+/// work queued), seconds: a 4-byte device-to-host `cudaMemcpy` with its
+/// `cudaStreamSynchronize` took 9.67 us at least and 32 us in the median of 2000
+/// (kekzl/imp issue #1654, an RTX 5090). No A100 figure was found; the minimum, rounded to 10 us,
+/// is used, so a sync costs about that measurement's best case.
+pub const HOST_DEVICE_SYNC_S: f64 = 10e-6;
+/// A100 40GB device memory throughput of a copy, read and write bytes summed, GB/s: 1355, the
+/// measured memory-copy throughput of an A100 that PTsolvers/gpu-workshop-JuliaCon23 takes as
+/// its reference (issue #7, luraess, 2023-07-25: "the memcopy measured BW"; data sheet 1555). A
+/// copy of `n` bytes moves `2n`, a memset or a reduction that reads `n` bytes moves `n`.
+pub const A100_HBM_COPY_GBS: f64 = 1355.0;

@@ -1,0 +1,42 @@
+//! The calls of a simulated engine's step ([`Call`]) and a step's program with its durations
+//! and syncs ([`StepProgram`]), shared by the library's engine (`program`) and the
+//! `zero3-2021` policy's (`zero3`).
+
+use collsched_buckets::ParamId;
+
+use super::report::SpanKind;
+
+/// One call of the engine program.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Call {
+    Phase {
+        backward: bool,
+    },
+    Fetch(u32),
+    Compute(u32, SpanKind),
+    Release(u32),
+    Grad(ParamId),
+    EndStep,
+    /// Host time (the layer it belongs to): its nanoseconds are the program position's.
+    Host(u32),
+    /// A device drain: wait for every collective the rank launched, then the position's host
+    /// nanoseconds.
+    Drain,
+}
+
+/// One step's program with its durations (host time for [`Call::Host`] and [`Call::Drain`],
+/// compute time for [`Call::Compute`]) and its host-device syncs per position.
+#[derive(Default)]
+pub(crate) struct StepProgram {
+    pub(crate) program: Vec<Call>,
+    pub(crate) ns: Vec<f64>,
+    pub(crate) syncs: Vec<u32>,
+}
+
+impl StepProgram {
+    pub(crate) fn push(&mut self, c: Call, ns: f64, syncs: u32) {
+        self.program.push(c);
+        self.ns.push(ns);
+        self.syncs.push(syncs);
+    }
+}
