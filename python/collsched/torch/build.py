@@ -90,6 +90,13 @@ def build(st: _State) -> None:
                     shape, dtype, requires_grad = old.shape, p.dtype, p.requires_grad
                 else:
                     shape, dtype, requires_grad = p.shape, p.dtype, p.requires_grad
+                if _is_dtensor(p):
+                    raise CollschedError(
+                        f"fully_shard: parameter {qual} is a DTensor ({type(p).__name__} placed "
+                        f"{getattr(p, 'placements', '?')}): tensor-parallel parameters (FSDP2's dp x tp sharding) "
+                        "are not taken; shard the model before parallelize_module, or leave the module unsharded "
+                        "with ignored_params"
+                    )
                 if dtype not in _FROM_TORCH:
                     raise CollschedError(
                         f"fully_shard: parameter {qual} has dtype {dtype}; collsched moves float32, bfloat16 "
@@ -214,6 +221,12 @@ def build(st: _State) -> None:
     st.mask = [bool(p.shard.requires_grad) for p in st.params]
     st._own_grads()
     st.hooks = _native.Hooks(len(st.units), [p.unit for p in st.params], st._unpack_saved)
+
+
+def _is_dtensor(p: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(p, DTensor)
 
 
 def _no_values(w: Any, metas: dict[str, bool], sync_module_states: bool) -> bool:
