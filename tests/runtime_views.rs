@@ -343,3 +343,48 @@ fn on_a_device_backend_bytes_is_a_clear_error_and_buffer_and_host_copies_work() 
     c.release(&[p]).unwrap();
     c.end_step().unwrap();
 }
+
+#[test]
+fn a_zeroed_model_gathers_zeros_of_every_size_on_every_rank_and_checks_its_world() {
+    // Odd sizes, split over 3 ranks with padding; no rank is given any value.
+    let sizes = [17usize, 257, 5, 4099];
+    let set = set_of(&sizes);
+    let plan = Plan::new(LayoutBuilder::new(&set, Sharding::EvenSplit, 3).bucket_bytes(4096).build().unwrap());
+    let world = LocalWorld::new(3).unwrap();
+    let got: Vec<Vec<Vec<u8>>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..3)
+            .map(|r| {
+                let rank = world.rank(r).unwrap();
+                let plan = &plan;
+                s.spawn(move || {
+                    let state = ModelState::zeroed(Arc::new(rank), plan).unwrap();
+                    let mut c = state.coordinator(no_prefetch()).unwrap();
+                    let ids: Vec<ParamId> = (0..sizes.len() as u32).map(ParamId).collect();
+                    let out = {
+                        let v = c.fetch(&ids).unwrap();
+                        ids.iter().map(|&p| v.bytes(p).unwrap().to_vec()).collect::<Vec<_>>()
+                    };
+                    c.release(&ids).unwrap();
+                    c.end_step().unwrap();
+                    out
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(got.len(), 3);
+    for (r, params) in got.iter().enumerate() {
+        assert_eq!(params.len(), sizes.len(), "rank {r}");
+        for (k, bytes) in params.iter().enumerate() {
+            assert_eq!(bytes.len(), sizes[k] * 4, "rank {r} p{k}: length");
+            assert!(bytes.iter().all(|&b| b == 0), "rank {r} p{k}: not all zeros");
+        }
+    }
+    // A plan for another world size is refused, as ModelState::new refuses it.
+    let one = LocalWorld::new(1).unwrap();
+    match ModelState::zeroed(Arc::new(one.rank(0).unwrap()), &plan) {
+        Err(RuntimeError::Plan { what, .. }) => assert!(what.contains("world of 3 ranks"), "{what}"),
+        Err(e) => panic!("expected a plan error, got {e}"),
+        Ok(_) => panic!("a 3-rank plan was taken by a 1-rank world"),
+    }
+}
