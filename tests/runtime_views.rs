@@ -349,7 +349,8 @@ fn a_zeroed_model_gathers_zeros_of_every_size_on_every_rank_and_checks_its_world
     // Odd sizes, split over 3 ranks with padding; no rank is given any value.
     let sizes = [17usize, 257, 5, 4099];
     let set = set_of(&sizes);
-    let plan = Plan::new(LayoutBuilder::new(&set, Sharding::EvenSplit, 3).bucket_bytes(4096).build().unwrap());
+    let plan =
+        Plan::new(LayoutBuilder::new(&set, Sharding::EvenSplit, 3).bucket_bytes(4096).build().unwrap());
     let world = LocalWorld::new(3).unwrap();
     let got: Vec<Vec<Vec<u8>>> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..3)
