@@ -14,9 +14,10 @@ A send is eager: its bytes are copied out when it is posted and its work is comp
 (the tensor may be reused); the file stays open until the receiver acknowledges it (checked
 at each later message, and waited for when the process exits: at most
 ``COLLSCHED_P2P_EXIT_WAIT_SECS``, default 30 s, and the timeout). A
-receive reads at its work's ``wait()`` (or a positive ``is_completed()``) and waits at most
-the backend's timeout (``COLLSCHED_TIMEOUT_SECS``, or the group's ``timeout``) before a
-:class:`collsched.PeerError` that names the peer and the op.
+receive reads at its work's ``wait()`` (or a positive ``is_completed()``, which polls without
+waiting) and waits at most the backend's timeout (``COLLSCHED_TIMEOUT_SECS``, or the group's
+``timeout``), counted from its posting, before a :class:`collsched.PeerError` that names the
+peer and the op; polled, it turns complete at the timeout and its ``wait()`` raises.
 The collectives' stream is not used: its collectives meet in launch order, which independent
 ``isend``/``irecv`` calls do not follow.
 """
