@@ -138,22 +138,29 @@ def polled(rank: int, world: int) -> dict[str, Any]:
     whether each says complete after wait(), and what came."""
     out: dict[str, Any] = {}
     t = torch.full((5,), -1.0)
+    # A future waited for while a receive is pending and polled: a poll that started a wait
+    # for the receive would block the futures' thread, and this would never return.
+    x = torch.full((2,), float(rank))
     if rank == 1:
         work = dist.irecv(t, 0)
         out["early"] = work.is_completed()
+        dist.all_reduce(x, async_op=True).get_future().wait()
         dist.barrier()
         while not work.is_completed():
             time.sleep(0.001)
         work.wait()
         out["irecv"] = plain(t)
     elif rank == 0:
+        dist.all_reduce(x, async_op=True).get_future().wait()
         dist.barrier()
         work = dist.isend(payload(0, 1, 5, torch.float32), 1)
         while not work.is_completed():
             time.sleep(0.001)
         work.wait()
     else:
+        dist.all_reduce(x, async_op=True).get_future().wait()
         dist.barrier()
+    out["future"] = plain(x)
     s = torch.full((3,), float(rank))
     work = dist.all_reduce(s, async_op=True)
     while not work.is_completed():
@@ -164,6 +171,12 @@ def polled(rank: int, world: int) -> dict[str, Any]:
     if rank == 0:
         a = torch.zeros(2)
         work = dist.irecv(a)
+        # A receive from rank 1 posted while one from any source is pending is refused.
+        try:
+            dist.irecv(torch.zeros(2), 1)
+            out["after_any"] = "no error"
+        except Exception as e:
+            out["after_any"] = f"{type(e).__name__}: {e}"
         while not work.is_completed():
             time.sleep(0.001)
         out["any_source"] = (work._source_rank(), plain(a))

@@ -28,23 +28,29 @@ def plain(t: torch.Tensor) -> list:
     return t.detach().to(torch.float64).reshape(-1).tolist()
 
 
-def dp_parts(rank: int, world: int, steps: int) -> dict[str, Any]:
+def _sharded(stage: int, dp: Any) -> nn.Sequential:
+    model = stage_model(stage)
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            cst.fully_shard(layer, mesh=dp)
+    return cst.fully_shard(model, mesh=dp)
+
+
+def dp_parts(rank: int, world: int, steps: int, path: str) -> dict[str, Any]:
     """A (pp, dp) mesh of 2 x world/2: each pp row trains its own model, sharded over its dp
-    ranks alone (``fully_shard(mesh=mesh["dp"])`` per layer and on the root), SGD; returns
-    its losses, its parameters (from state_dict()'s DTensors over the part) and the ranks of
-    the part."""
+    ranks alone (``fully_shard(mesh=mesh["dp"])`` per layer and on the root), SGD with
+    momentum; returns its losses, its parameters and momenta (from the state dicts' DTensors
+    over the part), the ranks of the part, the parameters of a fresh model loaded from the
+    checkpoint both parts saved to ``path``, and the error of a root sharded over the job on
+    blocks sharded over the part."""
     from torch.distributed.device_mesh import init_device_mesh
 
     dp_size = world // 2
     mesh = init_device_mesh("cpu", (2, dp_size), mesh_dim_names=("pp", "dp"))
     dp = mesh["dp"]
     stage, dp_rank = rank // dp_size, dp.get_local_rank()
-    model = stage_model(stage)
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            cst.fully_shard(layer, mesh=dp)
-    cst.fully_shard(model, mesh=dp)
-    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    model = _sharded(stage, dp)
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
     losses = []
     for step in range(steps):
         loss = model(batch(stage, dp_rank, step)).pow(2).mean()
@@ -54,7 +60,29 @@ def dp_parts(rank: int, world: int, steps: int) -> dict[str, Any]:
         losses.append(loss.item())
     sd = model.state_dict()
     params = {k: plain(v.full_tensor()) for k, v in sd.items()}
-    return {"stage": stage, "dp_rank": dp_rank, "ranks": dp.mesh.tolist(), "losses": losses, "params": params}
+    osd = opt.state_dict()
+    momenta = {i: plain(s["momentum_buffer"].full_tensor()) for i, s in osd["state"].items()}
+    cst.save_checkpoint(model, opt, path, step=steps)
+    fresh = _sharded(stage + 7, dp)
+    cst.load_checkpoint(fresh, None, path)
+    loaded = {k: plain(v.full_tensor()) for k, v in fresh.state_dict().items()}
+    blocks = stage_model(stage)
+    cst.fully_shard(blocks[0], mesh=dp)
+    try:
+        cst.fully_shard(blocks)
+        mixed = "no error"
+    except Exception as e:
+        mixed = f"{type(e).__name__}: {e}"
+    return {
+        "stage": stage,
+        "dp_rank": dp_rank,
+        "ranks": dp.mesh.tolist(),
+        "losses": losses,
+        "params": params,
+        "momenta": momenta,
+        "loaded": loaded,
+        "mixed": mixed,
+    }
 
 
 def pipelined(rank: int, world: int, steps: int, n_micro: int, kind: str) -> dict[str, Any]:

@@ -13,12 +13,13 @@ from torch import nn
 from ranks import run
 
 
-def _reference(stage: int, dp_size: int, steps: int) -> tuple[list[list[float]], dict[str, list[float]]]:
+def _reference(stage: int, dp_size: int, steps: int) -> tuple[list[list[float]], dict[str, list[float]], list]:
     """Plain PyTorch: stage ``stage``'s model stepped on the mean of its dp ranks' losses
-    (the sharded gradient is their average); each rank's loss per step, the final values."""
+    (the sharded gradient is their average), SGD with momentum; each rank's loss per step,
+    the final values, the final momenta in parameter order."""
     torch.manual_seed(100 + stage)
     model = nn.Sequential(nn.Linear(w.IN, w.HIDDEN), nn.Tanh(), nn.Linear(w.HIDDEN, w.OUT)).double()
-    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
     losses: list[list[float]] = [[] for _ in range(dp_size)]
     for step in range(steps):
         total = 0.0
@@ -29,7 +30,8 @@ def _reference(stage: int, dp_size: int, steps: int) -> tuple[list[list[float]],
         total.backward()
         opt.step()
         opt.zero_grad()
-    return losses, {k: v.reshape(-1).tolist() for k, v in model.state_dict().items()}
+    momenta = [opt.state[p]["momentum_buffer"].reshape(-1).tolist() for p in model.parameters()]
+    return losses, {k: v.reshape(-1).tolist() for k, v in model.state_dict().items()}, momenta
 
 
 def _close(got: list[float], want: list[float], what: str) -> None:
@@ -39,11 +41,14 @@ def _close(got: list[float], want: list[float], what: str) -> None:
 
 
 @pytest.mark.parametrize("world", [4])
-def test_each_pp_row_shards_over_its_dp_ranks_alone(world):
+def test_each_pp_row_shards_over_its_dp_ranks_alone(world, tmp_path):
     steps, dp_size = 3, world // 2
-    out = run(w.dp_parts, world, steps, init="collsched", timeout=240)
+    path = str(tmp_path / "ckpt")
+    out = run(w.dp_parts, world, steps, path, init="collsched", timeout=240)
+    # Both parts saved to one path: each into a directory of its own.
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["part-0-1", "part-2-3"]
     for stage in range(2):
-        losses, params = _reference(stage, dp_size, steps)
+        losses, params, momenta = _reference(stage, dp_size, steps)
         for r in range(dp_size):
             got = out[stage * dp_size + r]
             assert (got["stage"], got["dp_rank"]) == (stage, r), got
@@ -52,6 +57,12 @@ def test_each_pp_row_shards_over_its_dp_ranks_alone(world):
             assert sorted(got["params"]) == sorted(params), (sorted(got["params"]), sorted(params))
             for k in params:
                 _close(got["params"][k], params[k], f"stage {stage} dp rank {r} {k}")
+                assert got["loaded"][k] == got["params"][k], (stage, r, k)
+            assert sorted(got["momenta"]) == list(range(len(momenta))), got["momenta"].keys()
+            for i, m in enumerate(momenta):
+                _close(got["momenta"][i], m, f"stage {stage} dp rank {r} momentum {i}")
+            assert got["mixed"].startswith("CollschedError: fully_shard: parameter 0.weight was sharded over 2"), got
+            assert "the same mesh=" in got["mixed"], got["mixed"]
 
 
 @pytest.mark.parametrize("kind,n_micro", [("GPipe", 2), ("1F1B", 4)])

@@ -104,6 +104,9 @@ def test_works_polled_with_is_completed_complete(world):
         assert got["all_reduce"] == ("float32", [total] * 3), (rank, got)
         assert got["after_wait"] is True, (rank, got)
     assert out[0]["any_source"] == (1, _expect(1, 0, 2, torch.float32)), out[0]
+    assert "a receive from any source with this tag, posted before, is not read yet" in out[0]["after_any"], out[0]
+    for rank, got in enumerate(out):
+        assert got["future"] == ("float32", [total] * 2), (rank, got)
 
 
 def test_profiler_events_per_op_are_async_with_the_input_shapes():

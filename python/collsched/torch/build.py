@@ -86,6 +86,12 @@ def build(st: _State) -> None:
                             f"fully_shard: parameter {qual} is already sharded by the fully_shard of a module "
                             f"above {type(root).__name__}; call fully_shard on the blocks first, then on the root"
                         )
+                    if before.world is not st.world:
+                        raise CollschedError(
+                            f"fully_shard: parameter {qual} was sharded over {before.world.world} ranks (a block's "
+                            f"mesh), the root {type(root).__name__} over {st.world.world}; give the blocks and the "
+                            "root the same mesh="
+                        )
                     old_states[id(before)] = before
                     shape, dtype, requires_grad = old.shape, p.dtype, p.requires_grad
                 else:

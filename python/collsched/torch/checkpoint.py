@@ -16,7 +16,7 @@ from . import values
 from .module import _root_state
 from .shard import _State
 from .units import _tensor
-from .world import _FROM_TORCH, _TO_TORCH
+from .world import _FROM_TORCH, _TO_TORCH, part_ranks
 
 # The name under which a mixed-precision parameter's f32 master is saved beside its shard.
 MASTER = "collsched.master"
@@ -25,6 +25,16 @@ MASTER = "collsched.master"
 def _between_steps(state: _State, what: str) -> None:
     if state.phase != "idle" or any(u.fetched is not None for u in state.units):
         raise CollschedError(f"{what}: call it between steps (after the optimizer's step), not inside a pass")
+
+
+def _part_path(state: Any, path: Any) -> str:
+    """Where a model's checkpoint lives under ``path``: ``path`` itself, or for a model sharded
+    over part of the job (a mesh slice: a pipeline stage) the directory ``part-R0-R1-...`` in
+    it, named by the part's ranks, so that parts saving to one path never share files."""
+    ranks = part_ranks(state.world)
+    if ranks is None:
+        return os.fspath(path)
+    return os.path.join(os.fspath(path), "part-" + "-".join(map(str, ranks)))
 
 
 def save_checkpoint(module: nn.Module, optimizer: torch.optim.Optimizer | None, path: Any, step: int = 0) -> dict:
@@ -70,7 +80,7 @@ def save_checkpoint(module: nn.Module, optimizer: torch.optim.Optimizer | None, 
     for blob in state.world.all_gather(json.dumps(scalars).encode()):
         merged.update(json.loads(blob))
     meta = {"optimizer": {"groups": groups, "scalars": merged}} if optimizer is not None else {}
-    text = state.model.save(str(path), int(step), extras, json.dumps(meta, default=str))
+    text = state.model.save(_part_path(state, path), int(step), extras, json.dumps(meta, default=str))
     del keep
     return json.loads(text)
 
@@ -86,7 +96,7 @@ def load_checkpoint(module: nn.Module, optimizer: torch.optim.Optimizer | None, 
     state.meta = False
     _between_steps(state, "load_checkpoint")
     try:
-        with open(os.path.join(str(path), "index.json")) as f:
+        with open(os.path.join(_part_path(state, path), "index.json")) as f:
             saved = json.load(f)
     except (OSError, ValueError):
         saved = {"extras": []}  # the library's load names what is wrong, on every rank
@@ -98,7 +108,7 @@ def load_checkpoint(module: nn.Module, optimizer: torch.optim.Optimizer | None, 
         for n in names
         if n.split("#", 1)[0] == p.name
     ]
-    text, states = state.model.load(str(path), wanted)
+    text, states = state.model.load(_part_path(state, path), wanted)
     index = json.loads(text)
     masters = {pid: got for (pid, name), got in zip(wanted, states) if name == MASTER and got is not None}
     with torch.no_grad():

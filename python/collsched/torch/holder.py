@@ -19,9 +19,10 @@ import torch
 # The sender of each tensor a receive from any source filled, by the tensor's id (while the
 # tensor lives: tensors compare by value, so they cannot key a weak dictionary).
 _SOURCES: dict[int, int] = {}
-# Set while a wrapped is_completed() asks a work's future: the backend's get_future() then
+# Set while a wrapped is_completed() asks a work's future: this backend's get_future() then
 # answers at once (a completed future if the work is complete, else a pending one), starting
-# no wait.
+# no wait, and says it answered (``answered``): another backend's future is not taken as an
+# answer (NCCL's completes when the work is queued, not when it ran).
 _PROBE = threading.local()
 
 
@@ -32,8 +33,12 @@ def note_source(tensor: torch.Tensor, src: int) -> None:
 
 
 def probing() -> bool:
-    """Whether the current get_future() call is a wrapped is_completed()'s probe."""
-    return bool(getattr(_PROBE, "on", False))
+    """Whether the current get_future() call is a wrapped is_completed()'s probe; if so, the
+    caller answers it (this backend's works)."""
+    if getattr(_PROBE, "on", False):
+        _PROBE.answered = True
+        return True
+    return False
 
 
 def install() -> None:
@@ -47,13 +52,16 @@ def install() -> None:
     def is_completed(work: Any) -> bool:
         if completed(work):
             return True
-        _PROBE.on = True
+        before = getattr(_PROBE, "on", False), getattr(_PROBE, "answered", False)
+        _PROBE.on, _PROBE.answered = True, False
         try:
-            return bool(work.get_future().done())
+            fut = work.get_future()
+            # Only this backend's works answer; any other keeps torch's own answer.
+            return bool(_PROBE.answered and fut.done())
         except RuntimeError:  # a work without a future: torch's answer stands
             return False
         finally:
-            _PROBE.on = False
+            _PROBE.on, _PROBE.answered = before
 
     def _source_rank(work: Any) -> int:
         try:

@@ -90,6 +90,11 @@ def _save(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
     ours = _ours(opt)
     if not ours:
         return sd
+    if len({id(st.world) for _, st, _ in ours}) > 1:
+        raise CollschedError(
+            "optimizer.state_dict: the optimizer holds parameters of models sharded over different parts of the "
+            "job (meshes); give each model an optimizer of its own"
+        )
     mesh = _mesh(ours[0][1], "optimizer.state_dict")
     state = dict(sd["state"])
     for i, st, p in ours:

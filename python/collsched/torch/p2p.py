@@ -28,6 +28,7 @@ import atexit
 import datetime
 import os
 import sys
+import threading
 import time
 import weakref
 from collections import defaultdict
@@ -57,6 +58,11 @@ class Mailbox:
         self._timeout = timeout
         self._sent: dict[tuple[int, int], int] = defaultdict(int)
         self._taken: dict[tuple[int, int], int] = defaultdict(int)
+        # Claims of messages (sequence numbers) are made under this lock: a receive may be read
+        # on the futures' thread while the caller posts or polls others.
+        self._claim = threading.Lock()
+        # Receives from any source posted and not yet read, per tag.
+        self._any: dict[int, int] = defaultdict(int)
         # Announced messages whose file this rank keeps open until acknowledged.
         self._held: dict[str, int] = {}
         atexit.register(_flush_at_exit, weakref.ref(self))
@@ -141,8 +147,14 @@ class Mailbox:
         into ``tensor`` (waiting for it until the timeout, counted from now) and what tells
         whether reading would not wait (it came, or the time is up)."""
         self.check_peer("recv", src, tag)
-        seq = self._taken[(src, tag)]
-        self._taken[(src, tag)] = seq + 1
+        with self._claim:
+            if self._any[tag]:
+                raise CollschedError(
+                    f"{self._where('recv', src, tag)}: a receive from any source with this tag, posted before, "
+                    "is not read yet; wait for it first (messages are matched to receives in posting order)"
+                )
+            seq = self._taken[(src, tag)]
+            self._taken[(src, tag)] = seq + 1
         key = self._key(src, self._me, tag, seq)
         deadline = time.monotonic() + self._timeout
 
@@ -157,11 +169,20 @@ class Mailbox:
         what tells whether that would not wait."""
         deadline = time.monotonic() + self._timeout
         peers = [r for r in range(self._n) if r != self._me]
+        with self._claim:
+            self._any[tag] += 1
 
         def ready() -> bool:
             return any(self.ready(p, tag, self._taken[(p, tag)]) for p in peers) or time.monotonic() > deadline
 
-        return (lambda: self._read_any(tensor, tag, deadline)), ready
+        def read() -> int:
+            try:
+                return self._read_any(tensor, tag, deadline)
+            finally:
+                with self._claim:
+                    self._any[tag] -= 1
+
+        return read, ready
 
     def ready(self, src: int, tag: int, seq: int) -> bool:
         return bool(self._store.check([self._key(src, self._me, tag, seq)]))
@@ -171,9 +192,12 @@ class Mailbox:
         pause = 0.0005
         while True:
             for src in peers:
-                seq = self._taken[(src, tag)]
-                if self.ready(src, tag, seq):
-                    self._taken[(src, tag)] = seq + 1
+                with self._claim:
+                    seq = self._taken[(src, tag)]
+                    came = self.ready(src, tag, seq)
+                    if came:
+                        self._taken[(src, tag)] = seq + 1
+                if came:
                     key = self._key(src, self._me, tag, seq)
                     self._read(key, tensor, "recv from any source", src, tag, deadline)
                     return src

@@ -240,6 +240,14 @@ def group_world(ranks: list[int]) -> Any:
     return sub
 
 
+def part_ranks(w: Any) -> list[int] | None:
+    """The job's ranks of a world :func:`group_world` made, or None for the job's own."""
+    for ranks, sub in _GROUPS.items():
+        if sub is w:
+            return list(ranks)
+    return None
+
+
 def world() -> Any:
     """The world :func:`init` joined (raises if it was not called)."""
     if _WORLD is None:
