@@ -152,3 +152,56 @@ fn a_directory_without_records_is_an_error_naming_it() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("no flight records"), "{out:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn a_real_runs_collectives_become_a_chrome_trace_on_the_simulators_tracks() {
+    let dir = scratch("trace");
+    let w = world(2, &dir, Duration::from_secs(30));
+    let out = w
+        .run(|rank| {
+            for tag in 1..=3 {
+                gather(&rank, tag)?;
+            }
+            rank.flight_record("requested").write_to(&dir).map_err(|e| e.to_string())?;
+            Ok::<(), String>(())
+        })
+        .expect("ranks");
+    for (r, o) in out.into_iter().enumerate() {
+        o.expect("no panic").unwrap_or_else(|e| panic!("rank {r}: {e}"));
+    }
+    let file = dir.join("trace.json");
+    let run = Command::new(env!("CARGO_BIN_EXE_collsched"))
+        .arg("flight")
+        .arg(&dir)
+        .arg("--quiet")
+        .arg("--trace-out")
+        .arg(&file)
+        .output()
+        .expect("run collsched");
+    assert!(run.status.success(), "collsched flight failed: {}", String::from_utf8_lossy(&run.stderr));
+    let trace: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&file).expect("trace written")).expect("JSON");
+    let events = trace["traceEvents"].as_array().expect("traceEvents");
+    let spans: Vec<_> = events.iter().filter(|e| e["ph"] == "X").collect();
+    // Three all-gathers a rank, each on the simulator's all-gather track of its rank.
+    assert_eq!(spans.len(), 6, "{spans:?}");
+    for rank in 0..2u64 {
+        let mine: Vec<_> = spans.iter().filter(|e| e["pid"] == rank).collect();
+        assert_eq!(mine.len(), 3, "rank {rank}: {mine:?}");
+        let mut last_end = -1.0;
+        for (k, e) in mine.iter().enumerate() {
+            assert_eq!(e["tid"], 1, "{e}");
+            assert_eq!(e["name"], format!("all_gather bucket {}", k + 1), "{e}");
+            assert_eq!(e["args"]["seq"], k as u64, "{e}");
+            let (ts, dur) = (e["ts"].as_f64().expect("ts"), e["dur"].as_f64().expect("dur"));
+            assert!(ts.is_finite() && dur.is_finite() && ts >= 0.0 && dur >= 0.0, "{e}");
+            // One stream runs its collectives in order.
+            assert!(ts >= last_end, "rank {rank}: collective {k} starts at {ts} before {last_end}");
+            last_end = ts + dur;
+        }
+        let named =
+            events.iter().any(|e| e["ph"] == "M" && e["pid"] == rank && e["args"]["name"] == "all-gather");
+        assert!(named, "rank {rank}: no all-gather track name");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -3,13 +3,15 @@
 //! wrong first in one line (`backend::flight::verdict`): the first collective the ranks
 //! disagree on, the ranks that never launched one their peers did, or the rank that failed
 //! first; ranks with no record are named. Then each rank's record in short (`--quiet` leaves
-//! it out). Exit status 1, naming the file, when a record cannot be read.
+//! it out). Exit status 1, naming the file, when a record cannot be read. `--trace-out FILE`
+//! also writes the ranks' collectives as a Chrome trace on the simulator's tracks
+//! (`backend::flight::trace`), to lay a real run beside `collsched sim --trace-out`'s.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use super::CliError;
-use crate::backend::flight::{verdict, FlightDump};
+use crate::backend::flight::{trace, verdict, FlightDump};
 
 /// Flags of `collsched flight`.
 #[derive(Debug, clap::Args)]
@@ -19,6 +21,10 @@ pub struct FlightArgs {
     /// Print the verdict line only.
     #[arg(long)]
     pub quiet: bool,
+    /// Also write the records' collectives as a Chrome trace (Perfetto) to this file: one
+    /// process per rank, the simulator's tracks (all-gather, reduce-scatter).
+    #[arg(long, value_name = "FILE.json")]
+    pub trace_out: Option<PathBuf>,
 }
 
 /// Every `rank-R.json` in `dir`, by rank.
@@ -62,6 +68,10 @@ pub fn run(args: FlightArgs) -> Result<ExitCode, CliError> {
     println!("{}", verdict::analyze(&dumps));
     if !args.quiet {
         print!("{}", verdict::summary(&dumps));
+    }
+    if let Some(out) = &args.trace_out {
+        std::fs::write(out, trace::chrome_trace(&dumps)).map_err(|e| format!("{}: {e}", out.display()))?;
+        println!("trace: {}", out.display());
     }
     Ok(ExitCode::SUCCESS)
 }

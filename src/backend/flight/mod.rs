@@ -17,6 +17,7 @@
 //! The record can also be taken at any time ([`FlightRecorder::dump`]; in Python,
 //! `collsched.torch.flight_record()`).
 
+pub mod trace;
 pub mod verdict;
 
 use std::collections::HashMap;

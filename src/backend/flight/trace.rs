@@ -1,0 +1,66 @@
+//! A real run's collectives as a Chrome trace (Perfetto, `chrome://tracing`), on the tracks the
+//! simulator's trace has (`sim::timeline`): one process per rank (`pid` = rank), one thread
+//! per stream (`tid` 1 all-gather, 2 reduce-scatter, 0 anything else), `"X"` events from when
+//! a collective's stream reached it to when it ended, in microseconds from the earliest
+//! launch of any rank (the records' clocks are the machines' wall clocks: ranks of one machine
+//! share it). Collectives not ended are left out; the time each waited in its stream's queue
+//! (launched to reached) is in its `args`.
+
+use std::fmt::Write as _;
+
+use super::{FlightDump, FlightEntry};
+
+/// The simulator's thread of a stream name.
+fn tid(stream: &str) -> u32 {
+    match stream {
+        "all_gather" => 1,
+        "reduce_scatter" => 2,
+        _ => 0,
+    }
+}
+
+const TRACKS: [(u32, &str); 3] = [(0, "compute"), (1, "all-gather"), (2, "reduce-scatter")];
+
+fn ended(e: &FlightEntry) -> bool {
+    e.started_ns > 0 && e.ended_ns >= e.started_ns
+}
+
+/// The Chrome trace JSON of `dumps` (every rank's flight record).
+pub fn chrome_trace(dumps: &[FlightDump]) -> String {
+    let t0 =
+        dumps.iter().flat_map(|d| &d.entries).map(|e| e.launched_ns).filter(|&t| t > 0).min().unwrap_or(0);
+    let us = |ns: u64| ns.saturating_sub(t0) as f64 / 1000.0;
+    let mut events: Vec<String> = Vec::new();
+    for d in dumps {
+        let rank = d.rank;
+        events.push(format!(
+            "{{\"ph\":\"M\",\"name\":\"process_name\",\"pid\":{rank},\"args\":{{\"name\":\"rank {rank}\"}}}}"
+        ));
+        for (t, name) in TRACKS {
+            events.push(format!(
+                "{{\"ph\":\"M\",\"name\":\"thread_name\",\"pid\":{rank},\"tid\":{t},\"args\":{{\"name\":\"{name}\"}}}}"
+            ));
+        }
+        for e in d.entries.iter().filter(|e| ended(e)) {
+            let mut ev = String::new();
+            let _ = write!(
+                ev,
+                "{{\"ph\":\"X\",\"pid\":{rank},\"tid\":{},\"name\":\"{} bucket {}\",\"cat\":\"{}\",\"ts\":{:.3},\
+                 \"dur\":{:.3},\"args\":{{\"seq\":{},\"bytes\":{},\"ops\":{},\"queued_us\":{:.3},\"state\":\"{:?}\"}}}}",
+                tid(&e.stream),
+                e.op,
+                e.tag,
+                e.op,
+                us(e.started_ns),
+                (e.ended_ns - e.started_ns) as f64 / 1000.0,
+                e.seq,
+                e.bytes,
+                e.ops,
+                e.started_ns.saturating_sub(e.launched_ns) as f64 / 1000.0,
+                e.state,
+            );
+            events.push(ev);
+        }
+    }
+    format!("{{\"traceEvents\":[\n{}\n],\"displayTimeUnit\":\"ms\"}}\n", events.join(",\n"))
+}
