@@ -86,7 +86,7 @@ def build(st: _State) -> None:
                             f"fully_shard: parameter {qual} is already sharded by the fully_shard of a module "
                             f"above {type(root).__name__}; call fully_shard on the blocks first, then on the root"
                         )
-                    if before.world is not st.world:
+                    if before.part != st.part:
                         raise CollschedError(
                             f"fully_shard: parameter {qual} was sharded over {before.world.world} ranks (a block's "
                             f"mesh), the root {type(root).__name__} over {st.world.world}; give the blocks and the "

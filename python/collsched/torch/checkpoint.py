@@ -16,7 +16,7 @@ from . import values
 from .module import _root_state
 from .shard import _State
 from .units import _tensor
-from .world import _FROM_TORCH, _TO_TORCH, part_ranks
+from .world import _FROM_TORCH, _TO_TORCH
 
 # The name under which a mixed-precision parameter's f32 master is saved beside its shard.
 MASTER = "collsched.master"
@@ -31,7 +31,7 @@ def _part_path(state: Any, path: Any) -> str:
     """Where a model's checkpoint lives under ``path``: ``path`` itself, or for a model sharded
     over part of the job (a mesh slice: a pipeline stage) the directory ``part-R0-R1-...`` in
     it, named by the part's ranks, so that parts saving to one path never share files."""
-    ranks = part_ranks(state.world)
+    ranks = state.part
     if ranks is None:
         return os.fspath(path)
     return os.path.join(os.fspath(path), "part-" + "-".join(map(str, ranks)))

@@ -199,14 +199,16 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     module.__dict__[method_name] = run
 
 
-def _mesh_strategy(mesh: Any, strategy: str) -> tuple[Any, str]:
-    """The world and strategy ``fully_shard(mesh=...)`` means (FSDP2's device meshes as
-    collsched's worlds and strategies), or a refusal naming what the mesh is. A mesh over
-    part of the job (pipeline or tensor parallelism beside) is a world of its ranks."""
+def _mesh_strategy(mesh: Any, strategy: str) -> tuple[tuple[int, ...] | None, str]:
+    """The part of the job and the strategy ``fully_shard(mesh=...)`` means (FSDP2's device
+    meshes as collsched's worlds and strategies), or a refusal naming what the mesh is. A
+    mesh over part of the job (pipeline or tensor parallelism beside) is a world of its ranks
+    (made here), named by them; None is the job's world."""
     from .world import group_world, world
 
     if mesh is None:
-        return world(), strategy
+        world()  # refuses a job not joined yet
+        return None, strategy
     from torch.distributed.device_mesh import DeviceMesh
 
     if not isinstance(mesh, DeviceMesh):
@@ -217,16 +219,16 @@ def _mesh_strategy(mesh: Any, strategy: str) -> tuple[Any, str]:
             f"fully_shard: mesh of shape {tuple(mesh.mesh.shape)} over ranks {ranks}; give a 1-D mesh (sharding) "
             "or a 2-D (replicate, shard) one (HSDP): slice a larger mesh by its dimension names"
         )
-    w = group_world(ranks)
+    part = None if group_world(ranks) is world() else tuple(ranks)
     if mesh.ndim == 1:
-        return w, strategy
+        return part, strategy
     group = int(mesh.mesh.shape[1])
     if strategy not in ("even", f"hybrid:{group}"):
         raise CollschedError(
             f"fully_shard: mesh of shape {tuple(mesh.mesh.shape)} (replicate x shard) is strategy 'hybrid:{group}'; "
             f"strategy={strategy!r} says otherwise: give one of them"
         )
-    return w, f"hybrid:{group}"
+    return part, f"hybrid:{group}"
 
 
 def _ignored(module: nn.Module, params: Any) -> list[nn.Parameter]:
@@ -348,7 +350,7 @@ def fully_shard(
             f"fully_shard: prefetch={prefetch!r}; expected 'trace' (replay the first step's order), 'explicit' "
             "(the next unit, or the units' set_modules_to_forward_prefetch lists) or 'none'"
         )
-    mesh_world, strategy = _mesh_strategy(mesh, strategy)
+    part, strategy = _mesh_strategy(mesh, strategy)
     mp = values.policy(mp_policy)
     if mp is not None and mp.reduce_dtype is not None:
         if reduce_dtype is not None and _TO_TORCH.get(reduce_dtype, reduce_dtype) != mp.reduce_dtype:
@@ -367,7 +369,7 @@ def fully_shard(
     module.__dict__["_collsched_mp"] = mp
     module.__dict__["_collsched_offload"] = opts_offload = values.offload_policy(offload_policy)
     opts = {
-        "world": mesh_world,
+        "part": part,
         "mesh": mesh,
         "strategy": strategy,
         "bucket_mb": bucket_mb,

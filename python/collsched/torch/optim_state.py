@@ -90,7 +90,7 @@ def _save(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
     ours = _ours(opt)
     if not ours:
         return sd
-    if len({id(st.world) for _, st, _ in ours}) > 1:
+    if len({st.part for _, st, _ in ours}) > 1:
         raise CollschedError(
             "optimizer.state_dict: the optimizer holds parameters of models sharded over different parts of the "
             "job (meshes); give each model an optimizer of its own"

@@ -16,7 +16,7 @@ from .._native import CollschedError
 from . import values as values_
 from .build import build as _build
 from .units import _Frame, _needing_grad, _Param, _PostBackward, _recomputing, _tensor, _Unit
-from .world import _DTYPE_BYTES, _FROM_TORCH, _TO_TORCH
+from .world import _DTYPE_BYTES, _FROM_TORCH, _TO_TORCH, world_of
 
 # Views kept per parameter, by address of the gathered buffer (the oldest goes first).
 _VIEWS_KEPT = 4
@@ -29,11 +29,16 @@ class _State:
     """One root's sharded model on this rank: the library's model and two engines on it
     (training, evaluation), the parameters and units, and the pass in progress."""
 
+    @property
+    def world(self) -> Any:
+        """The world the model is sharded over (looked up: see ``world.world_of``)."""
+        return world_of(self.part)
+
     def __init__(self, root: nn.Module, opts: dict[str, Any]) -> None:
         self.root = root
         self.opts = opts
-        # The world the model is sharded over: the job's, or a part of it (mesh=).
-        self.world: Any = opts["world"]
+        # The part of the job the model is sharded over (its ranks; None: the whole job).
+        self.part: tuple[int, ...] | None = opts["part"]
         self.units: list[_Unit] = []
         self.params: list[_Param] = []
         # The saved-tensor hooks (native): the fetched units' parameter spans by address.

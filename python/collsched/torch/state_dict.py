@@ -85,7 +85,7 @@ def _mesh(st: Any, what: str) -> Any:
 
     device = st.device
     w = world()
-    if st.world is not w:
+    if st.part is not None:
         mesh = st.opts["mesh"]
         if mesh.ndim != 1:
             raise CollschedError(

@@ -240,12 +240,11 @@ def group_world(ranks: list[int]) -> Any:
     return sub
 
 
-def part_ranks(w: Any) -> list[int] | None:
-    """The job's ranks of a world :func:`group_world` made, or None for the job's own."""
-    for ranks, sub in _GROUPS.items():
-        if sub is w:
-            return list(ranks)
-    return None
+def world_of(part: tuple[int, ...] | None) -> Any:
+    """The world of a model over ``part`` (the job's ranks :func:`group_world` made a world
+    of), or the job's (None). Models keep the ranks, not the world: only this module holds
+    worlds, so that they are dropped at exit (an MPI world's drop finalizes MPI)."""
+    return world() if part is None else _GROUPS[part]
 
 
 def world() -> Any:
