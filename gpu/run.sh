@@ -28,12 +28,13 @@ STEPS=(
   "rust-backend:120:the CUDA backend against the CPU kernels (tests/gpu_backend --ignored)"
   "rust-fences:60:host copies wait for every stream; teardown ends (tests/gpu_fences --ignored)"
   "rust-runtime:90:device gradients through the runtime (tests/runtime_reduce --ignored)"
+  "sanitize:150:compute-sanitizer --tool memcheck over the CUDA backend's tests (tests/gpu_backend --ignored)"
   "rust-demo:120:the demo's ZeRO-3 parity on every visible GPU (tests/gpu_demo --ignored)"
   "demo:60:collsched demo --backend cuda on every visible GPU (at most 2)"
-  "bench:90:collsched bench --backend cuda, all-gather and reduce-scatter, 1 MiB to 256 MiB"
+  "bench:90:collsched bench --backend cuda, all-gather and reduce-scatter, 4 KiB to 256 MiB, 1 and 2 in flight"
   "python:150:python/tests/test_cuda.py (collsched.torch on NCCL, against plain PyTorch)"
   "vs-nccl:90:python/benchmarks/vs_nccl.py: collsched's collectives beside torch's NCCL and a device copy"
-  "vs-fsdp2:120:python/benchmarks/vs_fsdp2.py --device cuda: step and host time against FSDP2"
+  "vs-fsdp2:300:python/benchmarks/vs_fsdp2.py --device cuda: step and host time against FSDP2, 4 models"
 )
 
 if [ "${1:-}" = "--list" ]; then
@@ -93,6 +94,12 @@ step_nvrtc() { CI=true "$pack/tests/cuda_ptx" --test-threads=1 --nocapture; }
 step_rust_backend() { rust_ignored gpu_backend; }
 step_rust_fences() { rust_ignored gpu_fences; }
 step_rust_runtime() { rust_ignored runtime_reduce; }
+step_sanitize() {
+  local cs
+  cs=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer /usr/local/cuda-*/bin/compute-sanitizer 2>/dev/null | head -n 1)
+  [ -n "$cs" ] || { echo "compute-sanitizer: not found on PATH nor under /usr/local/cuda*/bin"; return 1; }
+  COLLSCHED_GPU=1 "$cs" --tool memcheck --report-api-errors no --error-exitcode 1 "$pack/tests/gpu_backend" --ignored --test-threads=1
+}
 step_rust_demo() { rust_ignored gpu_demo; }
 step_demo() {
   local n; n=$(gpus); [ "$n" -gt 2 ] && n=2
@@ -100,8 +107,12 @@ step_demo() {
 }
 step_bench() {
   local n; n=$(gpus); [ "$n" -gt 2 ] && n=2
-  for op in all_gather reduce_scatter; do
-    "$pack/bin/collsched" bench --backend cuda --op "$op" --ranks "$n" -b 1M -e 256M -f 4 --check || return 1
+  # Each collective alone (--inflight 1: its latency), then 2 in flight (queued: one overlaps the next).
+  for k in 1 2; do
+    for op in all_gather reduce_scatter; do
+      echo "== $op, --inflight $k"
+      "$pack/bin/collsched" bench --backend cuda --op "$op" --ranks "$n" -b 4K -e 256M -f 4 --inflight "$k" --check || return 1
+    done
   done
 }
 
@@ -119,7 +130,15 @@ step_vs_nccl() { python_site && python3 python/benchmarks/vs_nccl.py; }
 step_vs_fsdp2() {
   python_site || return 1
   local n; n=$(gpus); [ "$n" -gt 2 ] && n=2
-  python3 -m torch.distributed.run --standalone --nproc-per-node "$n" python/benchmarks/vs_fsdp2.py --device cuda
+  # The default model (26M parameters) in f32; GPT-2 small's shape (12 blocks of dim 768) in f32
+  # and in bf16 (MixedPrecisionPolicy(bf16, f32)); a 0.9B-parameter shape (16 blocks of dim
+  # 2048) in bf16. FSDP2 and collsched compute alike in bf16: their losses to 1e-2.
+  local run=(python3 -m torch.distributed.run --standalone --nproc-per-node "$n" python/benchmarks/vs_fsdp2.py --device cuda)
+  local gpt2=(--dim 768 --heads 12 --blocks 12 --seq 512 --batch 8)
+  "${run[@]}" || return 1
+  "${run[@]}" "${gpt2[@]}" || return 1
+  "${run[@]}" "${gpt2[@]}" --mp bf16 --loss-rtol 1e-2 || return 1
+  "${run[@]}" --dim 2048 --heads 16 --blocks 16 --seq 512 --batch 4 --vocab 32000 --steps 5 --mp bf16 --loss-rtol 1e-2
 }
 
 run_step() {

@@ -97,19 +97,33 @@ class CommCounter:
     def __init__(self) -> None:
         self.gathered = 0
         self.reduced = 0
-        ag, rs = dist.all_gather_single, dist.reduce_scatter_single
+        # FSDP2 calls all_gather_single / reduce_scatter_single (torch 2.15) or
+        # all_gather_into_tensor / reduce_scatter_tensor (earlier): each name torch has is
+        # wrapped, and a call made inside another wrapped one is not counted again.
+        self.depth = 0
+        for name in ("all_gather_single", "all_gather_into_tensor"):
+            if hasattr(dist, name):
+                setattr(dist, name, self._wrap(getattr(dist, name), gather=True))
+        for name in ("reduce_scatter_single", "reduce_scatter_tensor"):
+            if hasattr(dist, name):
+                setattr(dist, name, self._wrap(getattr(dist, name), gather=False))
 
-        def all_gather_single(output_tensor: torch.Tensor, input_tensor: torch.Tensor, *a: Any, **k: Any) -> Any:
-            self.gathered += output_tensor.numel() * output_tensor.element_size()
-            return ag(output_tensor, input_tensor, *a, **k)
+    def _wrap(self, fn: Any, gather: bool) -> Any:
+        def counted(*a: Any, **k: Any) -> Any:
+            if self.depth == 0:
+                if gather:
+                    out = k.get("output_tensor", a[0] if a else None)
+                    self.gathered += out.numel() * out.element_size()
+                else:
+                    inp = k.get("input", k.get("input_tensor", a[1] if len(a) > 1 else None))
+                    self.reduced += inp.numel() * inp.element_size()
+            self.depth += 1
+            try:
+                return fn(*a, **k)
+            finally:
+                self.depth -= 1
 
-        def reduce_scatter_single(*a: Any, **k: Any) -> Any:
-            inp = k.get("input", a[1] if len(a) > 1 else None)
-            self.reduced += inp.numel() * inp.element_size()
-            return rs(*a, **k)
-
-        dist.all_gather_single = all_gather_single
-        dist.reduce_scatter_single = reduce_scatter_single
+        return counted
 
 
 class Fsdp2HookTime:
@@ -227,10 +241,15 @@ def sync(args: argparse.Namespace) -> None:
 
 
 def train(
-    args: argparse.Namespace, model: nn.Module, rank: int, probe: Callable[[], float] | None = None
+    args: argparse.Namespace,
+    model: nn.Module,
+    rank: int,
+    probe: Callable[[], float] | None = None,
+    autocast: bool = False,
 ) -> dict[str, Any]:
     """Trains ``args.warmup + args.steps`` steps; medians over the timed ones (and of
-    ``probe()``, called after every step, as ``probe``, when given)."""
+    ``probe()``, called after every step, as ``probe``, when given). ``autocast``: the forward
+    under ``torch.autocast`` to bf16 (the floor's mixed precision)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     times, passes, opts, losses, probed = [], [], [], [], []
     for step in range(args.warmup + args.steps):
@@ -238,7 +257,8 @@ def train(
         sync(args)
         dist.barrier()
         t0 = time.perf_counter()
-        out = model(x)
+        with torch.autocast(device(args).type, dtype=torch.bfloat16, enabled=autocast):
+            out = model(x)
         loss = nn.functional.cross_entropy(out.reshape(-1, args.vocab), y.reshape(-1))
         loss.backward()
         sync(args)
@@ -269,10 +289,16 @@ def run_collsched(args: argparse.Namespace, rank: int) -> dict[str, Any]:
 
     cst.init(args.device if args.device == "cuda" else "shm")
     model = build(args).to(device(args))
+    mp = (
+        {"mp_policy": cst.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
+        if args.mp
+        else {}
+    )
     for b in model.blocks:
-        cst.fully_shard(b)
+        cst.fully_shard(b, **mp)
     cst.fully_shard(
         model,
+        **mp,
         strategy=args.strategy,
         bucket_mb=args.bucket_mb,
         prefetch_mb=args.prefetch_mb,
@@ -295,17 +321,18 @@ def run_collsched(args: argparse.Namespace, rank: int) -> dict[str, Any]:
 def run_plain(args: argparse.Namespace, rank: int) -> dict[str, Any]:
     """The model unsharded and alone on each rank: no hooks, no collectives."""
     model = build(args).to(device(args))
-    return train(args, model, rank)
+    return train(args, model, rank, autocast=bool(args.mp))
 
 
 def run_fsdp2(args: argparse.Namespace, rank: int, counter: CommCounter) -> dict[str, Any]:
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     hooks = Fsdp2HookTime()
     model = build(args).to(device(args))
+    mp = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if args.mp else {}
     for b in model.blocks:
-        fully_shard(b)
-    fully_shard(model)
+        fully_shard(b, **mp)
+    fully_shard(model, **mp)
     if args.device == "cpu":
         # gloo's AVG reduce-scatter can silently sum (pytorch#162338): reduce with SUM, divide after.
         model.set_force_sum_reduction_for_comms(True)
@@ -334,6 +361,14 @@ def parse() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ac", action="store_true", help="activation checkpointing of every block, in all three runs")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: one GPU per rank, NCCL")
+    p.add_argument(
+        "--mp",
+        choices=["bf16"],
+        default=None,
+        help="mixed precision: bf16 parameters in forward and backward, gradients reduced in f32 "
+        "(MixedPrecisionPolicy(bf16, f32), the same for FSDP2 and collsched); the floor runs under "
+        "torch.autocast(bf16)",
+    )
     p.add_argument(
         "--loss-rtol", type=float, default=1e-5, help="largest relative loss difference FSDP2/collsched that passes"
     )
@@ -435,6 +470,7 @@ def report(args: argparse.Namespace, world: int, results: dict[str, dict[str, An
         f"model: {n / 1e6:.1f}M parameters, {args.blocks} blocks, dim {args.dim}; {world} ranks; "
         f"batch {args.batch}x{args.seq}; {args.steps} timed steps after {args.warmup}; "
         f"{'activation checkpointing of every block; ' if args.ac else ''}"
+        f"{'bf16 parameters, f32 reduction (MixedPrecisionPolicy); ' if args.mp else 'f32; '}"
         f"device {args.device}{' ' + torch.cuda.get_device_name() if args.device == 'cuda' else ''}; "
         f"torch {torch.__version__}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}; "
         "each implementation in processes of its own"

@@ -1,6 +1,6 @@
 """collsched's collectives on its cuda backend beside torch's NCCL and a device copy, in one run.
 
-    python python/benchmarks/vs_nccl.py [--ranks 1] [--min-mb 1 --max-mb 256 --factor 4]
+    python python/benchmarks/vs_nccl.py [--ranks 1] [--min-kb 4 --max-mb 256 --factor 4]
 
 For each size (bytes of the whole, gathered buffer, as nccl-tests and ``collsched bench``
 count them) and each of all-gather and reduce-scatter (f32), three columns measured here, one
@@ -36,7 +36,7 @@ OPS = ("all_gather", "reduce_scatter")
 
 
 def sizes(args: argparse.Namespace) -> list[int]:
-    out, b = [], args.min_mb << 20
+    out, b = [], args.min_kb << 10
     while b <= args.max_mb << 20:
         out.append(b)
         b *= args.factor
@@ -130,7 +130,7 @@ def copy_column(args: argparse.Namespace) -> dict[int, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", type=int, default=None, help="GPUs (default: every visible one, at most 8)")
-    p.add_argument("--min-mb", type=int, default=1)
+    p.add_argument("--min-kb", type=int, default=4)
     p.add_argument("--max-mb", type=int, default=256)
     p.add_argument("--factor", type=int, default=4)
     p.add_argument("--iters", type=int, default=20)
@@ -145,7 +145,7 @@ def main() -> None:
         op: collsched.bench(
             op,
             world,
-            min_bytes=args.min_mb << 20,
+            min_bytes=args.min_kb << 10,
             max_bytes=args.max_mb << 20,
             factor=args.factor,
             iters=args.iters,

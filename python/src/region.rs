@@ -73,20 +73,34 @@ struct Exported {
 }
 
 /// The tensor's deleter: its consumer calls it when done (torch, when the tensor is freed, on
-/// whatever thread; dropping the region's reference without the GIL is deferred by PyO3).
+/// whatever thread, and with the interpreter's lock held or not: torch 2.11 frees a tensor's
+/// storage with the lock released, inside a call that PyO3 counts as attached).
 ///
 /// # Safety
 /// `m` came from [`Region::dlpack`] (a leaked `Box<Exported>`) and is deleted once.
 unsafe extern "C" fn delete_exported(m: *mut dl::ManagedTensor) {
-    if !m.is_null() {
-        // SAFETY: `m` is the first field of a `#[repr(C)] Exported` leaked by `Region::dlpack`,
-        // so it is that box's pointer; DLPack calls the deleter once.
-        let exported = unsafe { Box::from_raw(m.cast::<Exported>()) };
-        // The region's reference goes now, attached to the interpreter (a consumer may call
-        // this from any thread): dropped unattached, pyo3 would keep it until its next call
-        // into Python. An interpreter that cannot be attached to (shutting down) does not run
-        // the closure, which drops it unattached.
+    if m.is_null() {
+        return;
+    }
+    // SAFETY: `m` is the first field of a `#[repr(C)] Exported` leaked by `Region::dlpack`, so
+    // it is that box's pointer; DLPack calls the deleter once.
+    let exported = unsafe { Box::from_raw(m.cast::<Exported>()) };
+    // The region's reference goes now, with the lock taken for real: PyO3's own check reads
+    // its count of attached calls on this thread, which a C++ caller that released the lock
+    // inside such a call leaves above zero (a reference dropped then is freed without a thread
+    // state: a crash). An interpreter no longer running keeps the reference (a leak at exit).
+    // SAFETY: `Py_IsInitialized` may be called at any time; `PyGILState_Ensure` attaches this
+    // thread (taking the lock back where this thread released it) and `PyGILState_Release`
+    // restores exactly the state before, in pairs.
+    unsafe {
+        if ffi::Py_IsInitialized() == 0 {
+            std::mem::forget(exported);
+            return;
+        }
+        let gil = ffi::PyGILState_Ensure();
+        // Attached now: PyO3 frees the reference at once (its closure always runs here).
         let _ = Python::try_attach(move |_| drop(exported));
+        ffi::PyGILState_Release(gil);
     }
 }
 

@@ -42,7 +42,7 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x).split(d, dim=-1)
         q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
         att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
-        mask = torch.ones(t, t, dtype=torch.bool).triu(1)
+        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
         att = att.masked_fill(mask, float("-inf")).softmax(dim=-1)
         return self.proj((att @ v).transpose(1, 2).reshape(b, t, d))
 
@@ -85,7 +85,7 @@ class Gpt(nn.Module):
         self.head.weight = self.tok.weight
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
         for b in self.blocks:
             if self.recompute is None:
                 x = b(x)
@@ -130,11 +130,11 @@ def batch(name: str, seed: int, step: int, micro: int, rank: int, dtype: torch.d
     return idx[:, :-1], idx[:, 1:]
 
 
-def autocast(spec: dict[str, Any]) -> Any:
-    """The forward's mixed precision: ``torch.autocast`` to the spec's ``autocast`` dtype on the
-    CPU, or nothing."""
+def autocast(spec: dict[str, Any], device: str = "cpu") -> Any:
+    """The forward's mixed precision: ``torch.autocast`` to the spec's ``autocast`` dtype on
+    ``device``'s type ("cpu" or "cuda"), or nothing."""
     dtype = spec.get("autocast")
-    return torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
+    return torch.autocast(device, dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
 
 def loss_fn(name: str, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -156,7 +156,9 @@ def reference(spec: dict[str, Any], world: int) -> dict[str, Any]:
     same optimizer (after ``clip_grad_norm_`` with ``clip``). Returns the losses (by step,
     micro-batch, rank) and the parameters after every step (and, with ``eval_between``, every
     rank's evaluation losses; with ``clip``, every step's gradient norm). ``worlds`` gives
-    each step's world, for a run that changes its world size at a checkpoint."""
+    each step's world, for a run that changes its world size at a checkpoint. ``ref_device``
+    ("cuda"): the reference runs on the GPU (the sharded run's own kernels), parameters
+    returned on the CPU."""
     # The ranks compute with one thread each; so does the reference (a kernel's summation
     # order can depend on its thread count).
     torch.set_num_threads(1)
@@ -170,7 +172,8 @@ def reference(spec: dict[str, Any], world: int) -> dict[str, Any]:
     rdtype = spec.get("reduce_dtype") or mp.get("reduce_dtype") or dtype
     # Activation checkpointing (``recompute``) changes what is kept, not what is computed: the
     # reference runs without it.
-    model = build(name, spec.get("seed", 0), dtype)
+    device = torch.device(spec.get("ref_device", "cpu"))
+    model = build(name, spec.get("seed", 0), dtype).to(device)
     params = dict(model.named_parameters())
     opt = optimizer(spec.get("opt", "adamw"), model.parameters())
     losses, after, evals, norms = [], [], [[] for _ in range(world)], []
@@ -189,9 +192,10 @@ def reference(spec: dict[str, Any], world: int) -> dict[str, Any]:
             row = []
             for r in range(world):
                 x, y = batch(name, spec.get("seed", 0), step, micro, r, dtype)
+                x, y = x.to(device), y.to(device)
                 if pdtype is not None and x.is_floating_point():
                     x = x.to(pdtype)
-                with autocast(spec):
+                with autocast(spec, device.type):
                     out = compute(x)
                 loss = loss_fn(name, out, y)
                 grads = torch.autograd.grad(loss, [cparams[n] for n in live], allow_unused=True)
@@ -205,6 +209,7 @@ def reference(spec: dict[str, Any], world: int) -> dict[str, Any]:
                 with torch.no_grad():
                     for r in range(world):
                         ex, ey = batch(name, 99, step, 0, r, dtype)
+                        ex, ey = ex.to(device), ey.to(device)
                         ex = ex.to(pdtype) if pdtype is not None and ex.is_floating_point() else ex
                         evals[r].append(loss_fn(name, compute(ex), ey).item())
         # Hybrid sharding (HSDP) reduces in two stages: within each group of G consecutive
@@ -225,5 +230,5 @@ def reference(spec: dict[str, Any], world: int) -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
         losses.append(step_losses)
-        after.append({n: p.detach().clone() for n, p in params.items()})
+        after.append({n: p.detach().cpu().clone() for n, p in params.items()})
     return {"losses": losses, "params": after, "evals": evals, "norms": norms}

@@ -4,6 +4,7 @@ rank's traceback; nothing is left running."""
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import queue
@@ -34,6 +35,8 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, job: str, init: str, s
         COLLSCHED_TIMEOUT_SECS=os.environ.get("COLLSCHED_TIMEOUT_SECS", "60"),
         COLLSCHED_SHM_ARENA_BYTES=os.environ.get("COLLSCHED_SHM_ARENA_BYTES", "1G"),
     )
+    # A rank killed by a signal (a crash in native code) prints every thread's Python stack.
+    faulthandler.enable()
     try:
         import torch
 

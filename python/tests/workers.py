@@ -92,7 +92,7 @@ def train(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
                 x, y = x.cuda(), y.cuda()
             ctx = model.no_sync() if micro + 1 < micro_n else contextlib.nullcontext()
             with ctx:
-                with models.autocast(spec):
+                with models.autocast(spec, x.device.type):
                     out = model(x)
                 loss = models.loss_fn(name, out, y)
                 if spec.get("backward_thread"):
@@ -525,6 +525,8 @@ def checkpointed(rank: int, world: int, spec: dict[str, Any], path: str, phase: 
     losses, after = [], []
     for step in steps:
         x, y = models.batch(name, spec.get("seed", 0), step, 0, rank, dtype)
+        if spec.get("backend") == "cuda":
+            x, y = x.cuda(), y.cuda()
         loss = models.loss_fn(name, model(x), y)
         loss.backward()
         opt.step()
