@@ -23,9 +23,9 @@ if ! "$py" -c "import torch, maturin, pytest, ruff, safetensors, transformers, e
     'transformers>=5,<6' 'expecttest>=0.2'
 fi
 (cd python && "$venv/bin/ruff" check . && "$venv/bin/ruff" format --check .)
-# The scripts of ci/ under the package's rules.
-"$venv/bin/ruff" check --config python/pyproject.toml ci
-"$venv/bin/ruff" format --config python/pyproject.toml --check ci
+# The scripts of ci/ and gpu/ under the package's rules.
+"$venv/bin/ruff" check --config python/pyproject.toml ci gpu
+"$venv/bin/ruff" format --config python/pyproject.toml --check ci gpu
 echo "ci/python: pip install ./python (maturin, release, with the mpi backend)"
 # With the mpi feature (ci/setup.sh installs Open MPI and libclang), so that test_mpi.py runs.
 MATURIN_PEP517_ARGS="--features mpi" \

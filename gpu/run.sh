@@ -9,6 +9,8 @@
 # Writes, as it goes (a run cut off still reports what it did):
 #   OUTDIR/summary.txt    one line per step: name, ok|FAILED|skipped, seconds, and why
 #   OUTDIR/logs.tar.gz    every step's log (logs/STEP.log, tarred again after each step)
+#   OUTDIR/summary.json   the same as JSON: device, versions, each step's result and figures
+#                         (gpu/summary.py; commit a run's as benches/gpu/<device>-<date>.json)
 # and nothing else there (the device tool brings back 8 files at most); the logs themselves
 # are written under $COLLSCHED_GPU_LOGS (default: a new folder in $TMPDIR or /tmp).
 # Each step runs under its own timeout, inside a total of $COLLSCHED_GPU_TOTAL_SECS (default
@@ -54,7 +56,10 @@ failed=0
 why_skip=""    # set by the probe: a reason every GPU step is skipped
 
 note() { echo "$*" | tee -a "$summary"; }
-bundle() { tar -C "$logs" -czf "$out/logs.tar.gz.part" logs 2>/dev/null && mv "$out/logs.tar.gz.part" "$out/logs.tar.gz"; }
+bundle() {
+  tar -C "$logs" -czf "$out/logs.tar.gz.part" logs 2>/dev/null && mv "$out/logs.tar.gz.part" "$out/logs.tar.gz"
+  python3 "$here/gpu/summary.py" "$summary" "$logs/logs" >"$out/summary.json.part" 2>/dev/null && mv "$out/summary.json.part" "$out/summary.json"
+}
 
 gpus() { nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true; }
 
