@@ -104,6 +104,23 @@ fn check_table(stdout: &str, e: Expect) {
         assert!((r.busbw - r.algbw * e.bus).abs() <= 0.011, "busbw {} vs algbw {}", r.busbw, r.algbw);
     }
     assert!(stdout.contains("# out of bounds values : 0 OK"), "{stdout}");
+    // The host's time in the launch calls, row by row: part of the row's iteration time.
+    let line = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("# host in launch calls / iteration time (us, slowest rank, per row): "))
+        .expect("the launch line");
+    let pairs: Vec<(f64, f64)> = line
+        .split_whitespace()
+        .map(|p| {
+            let (l, t) = p.split_once('/').expect("launch/time");
+            (l.parse().expect("launch"), t.parse().expect("time"))
+        })
+        .collect();
+    assert_eq!(pairs.len(), rows.len(), "{stdout}");
+    for ((launch, time), row) in pairs.iter().zip(&rows) {
+        assert!(launch.is_finite() && *launch >= 0.0 && *launch <= *time, "{launch} of {time}: {stdout}");
+        assert!((time - row.time).abs() < 0.006, "{time} against the row's {}", row.time);
+    }
 }
 
 #[test]

@@ -35,11 +35,12 @@ pub struct ProcessRows<E>(pub Mutex<E>);
 
 impl<E: Exchange> RowExchange for ProcessRows<E> {
     fn exchange(&self, _rank: usize, row: RankRow) -> Result<Vec<RankRow>, String> {
-        let mut bytes = Vec::with_capacity(25);
+        let mut bytes = Vec::with_capacity(33);
         bytes.extend_from_slice(&row.grouped.to_le_bytes());
         bytes.extend_from_slice(&row.separate.unwrap_or(f64::NAN).to_le_bytes());
         bytes.push(u8::from(row.separate.is_some()));
         bytes.extend_from_slice(&row.wrong.to_le_bytes());
+        bytes.extend_from_slice(&row.launch.to_le_bytes());
         let all = self
             .0
             .lock()
@@ -50,9 +51,9 @@ impl<E: Exchange> RowExchange for ProcessRows<E> {
             .map(|b| {
                 let f = |i: usize| b.get(i..i + 8).and_then(|s| s.try_into().ok()).map(f64::from_le_bytes);
                 let w = b.get(17..25).and_then(|s| s.try_into().ok()).map(u64::from_le_bytes);
-                match (f(0), f(8), b.get(16), w) {
-                    (Some(grouped), Some(sep), Some(&has), Some(wrong)) => {
-                        Ok(RankRow { grouped, separate: (has == 1).then_some(sep), wrong })
+                match (f(0), f(8), b.get(16), w, f(25)) {
+                    (Some(grouped), Some(sep), Some(&has), Some(wrong), Some(launch)) => {
+                        Ok(RankRow { grouped, separate: (has == 1).then_some(sep), wrong, launch })
                     }
                     _ => Err("a rank sent a malformed bench row".to_string()),
                 }

@@ -278,6 +278,9 @@ pub struct RankRow {
     pub separate: Option<f64>,
     /// Wrong elements (with `--check`).
     pub wrong: u64,
+    /// Seconds per iteration the host spent in the launch calls (grouped launch): a call
+    /// returns once its collective is queued, so on a device this stays below `grouped`.
+    pub launch: f64,
 }
 
 /// The first failure among the ranks' outcomes (as a world's `run` returns them), if any.

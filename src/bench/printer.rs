@@ -101,6 +101,8 @@ struct PrinterState {
     busbw_sum: f64,
     rows: usize,
     last_busbw: f64,
+    /// Each row's slowest rank's launch time and iteration time (seconds).
+    launch: Vec<(f64, f64)>,
 }
 
 fn type_name(e: ElemType) -> &'static str {
@@ -228,6 +230,7 @@ impl Printer {
         st.busbw_sum += busbw;
         st.rows += 1;
         st.last_busbw = busbw;
+        st.launch.push((rows.iter().map(|r| r.launch).fold(0.0, f64::max), t));
     }
 
     /// The lines after the table; the exit code (failure if anything was wrong).
@@ -242,6 +245,14 @@ impl Printer {
                 "# busbw at the largest size: {:.2} GB/s = {:.0}% of the memcpy reference",
                 st.last_busbw,
                 100.0 * st.last_busbw * 1e9 / self.memcpy
+            );
+        }
+        if !st.launch.is_empty() {
+            let each: Vec<String> =
+                st.launch.iter().map(|(l, t)| format!("{:.2}/{:.2}", l * 1e6, t * 1e6)).collect();
+            println!(
+                "# host in launch calls / iteration time (us, slowest rank, per row): {}",
+                each.join(" ")
             );
         }
         let largest = self.plan.sizes.last().copied().unwrap_or(0);

@@ -159,14 +159,15 @@ fn finish<B: Backend>(flights: Vec<InFlight<B>>, timeout: Duration) -> Result<Op
 }
 
 /// Runs `warmup + iters` iterations with `plan.inflight` in flight; returns seconds per timed
-/// iteration and the buffers of the last iteration.
+/// iteration and, of them, the seconds per iteration spent in the launch calls (the buffers of
+/// the last iteration stay in `sets`).
 fn time_iterations<B: Backend>(
     b: &B,
     plan: &BenchPlan,
     sets: &mut [Option<Ops<B>>],
     grouped: bool,
     collector: &dyn RowExchange,
-) -> Result<f64, String> {
+) -> Result<(f64, f64), String> {
     let stream = match plan.op {
         BenchOp::AllGather => Stream::AllGather,
         _ => Stream::ReduceScatter,
@@ -174,27 +175,34 @@ fn time_iterations<B: Backend>(
     let timeout = b.timeout();
     let depth = sets.len();
     let mut flights: Vec<Option<Vec<InFlight<B>>>> = (0..depth).map(|_| None).collect();
-    let mut run = |count: usize, flights: &mut Vec<Option<Vec<InFlight<B>>>>| -> Result<(), BackendError> {
-        for i in 0..count {
-            let k = i % depth;
-            if let Some(f) = flights[k].take() {
-                sets[k] = Some(finish(f, timeout)?);
+    // Returns the time spent in the launch calls.
+    let mut run =
+        |count: usize, flights: &mut Vec<Option<Vec<InFlight<B>>>>| -> Result<Duration, BackendError> {
+            let mut launching = Duration::ZERO;
+            for i in 0..count {
+                let k = i % depth;
+                if let Some(f) = flights[k].take() {
+                    sets[k] = Some(finish(f, timeout)?);
+                }
+                let ops = sets[k].take().unwrap_or_default();
+                let t0 = Instant::now();
+                flights[k] = Some(launch(b, stream, ops, grouped)?);
+                launching += t0.elapsed();
             }
-            let ops = sets[k].take().unwrap_or_default();
-            flights[k] = Some(launch(b, stream, ops, grouped)?);
-        }
-        for k in 0..depth {
-            if let Some(f) = flights[k].take() {
-                sets[k] = Some(finish(f, timeout)?);
+            for k in 0..depth {
+                if let Some(f) = flights[k].take() {
+                    sets[k] = Some(finish(f, timeout)?);
+                }
             }
-        }
-        Ok(())
-    };
+            Ok(launching)
+        };
     run(plan.warmup, &mut flights).map_err(|e| e.to_string())?;
     collector.exchange(b.rank(), RankRow::default())?;
     let start = Instant::now();
-    run(plan.iters, &mut flights).map_err(|e| e.to_string())?;
-    Ok(start.elapsed().as_secs_f64() / plan.iters as f64)
+    let launching = run(plan.iters, &mut flights).map_err(|e| e.to_string())?;
+    let total = start.elapsed().as_secs_f64();
+    let n = plan.iters as f64;
+    Ok((total / n, launching.as_secs_f64() / n))
 }
 
 /// A rank's whole bench as a world runs it on each rank: [`bench_rank`], printing on rank 0
@@ -267,9 +275,9 @@ pub fn bench_rank<B: Backend>(
         for k in 0..plan.inflight {
             sets.push(Some(make_ops(b, plan, size, k * plan.coalesce).map_err(fail)?));
         }
-        let grouped = time_iterations(b, plan, &mut sets, true, collector)?;
+        let (grouped, launch) = time_iterations(b, plan, &mut sets, true, collector)?;
         let separate = if plan.coalesce > 1 {
-            Some(time_iterations(b, plan, &mut sets, false, collector)?)
+            Some(time_iterations(b, plan, &mut sets, false, collector)?.0)
         } else {
             None
         };
@@ -284,7 +292,7 @@ pub fn bench_rank<B: Backend>(
         }
         // Buffers of this size are dropped (not pooled): the next size needs other ones.
         drop(sets);
-        let rows = collector.exchange(me, RankRow { grouped, separate, wrong })?;
+        let rows = collector.exchange(me, RankRow { grouped, separate, wrong, launch })?;
         if me == 0 {
             print(i, &rows);
         }

@@ -167,7 +167,7 @@ fn measure_sharing<B: Backend>(
     let per_iter = t0.elapsed().as_secs_f64().max(1e-9) / probe as f64;
     let mine = ((comm / per_iter) as u64).clamp(1000, 1 << 32);
     // Every rank burns the same work: the longest any rank asks for.
-    let asks = rows.exchange(me, RankRow { grouped: mine as f64, separate: None, wrong: 0 })?;
+    let asks = rows.exchange(me, RankRow { grouped: mine as f64, ..RankRow::default() })?;
     let iters = asks.iter().map(|r| r.grouped as u64).max().unwrap_or(mine).max(mine);
     // Bursts are timed from one barrier to the next (less an empty round), so a burst that
     // waits for a core counts: the ranks' bursts may run one after another without any one of
@@ -251,9 +251,10 @@ pub fn measure_rank<B: Backend>(
     }
     let mine =
         launch_seconds(b, spec.ranks, spec.launch_iters).map_err(|e| format!("rank {}: {e}", b.rank()))?;
-    let all = rows.exchange(b.rank(), RankRow { grouped: mine, separate: None, wrong: 0 })?;
+    let all = rows.exchange(b.rank(), RankRow { grouped: mine, ..RankRow::default() })?;
     let (busy, slowdown, phi) = measure_sharing(b, spec.ranks, rows)?;
-    let sharing = rows.exchange(b.rank(), RankRow { grouped: busy, separate: Some(phi), wrong: 0 })?;
+    let sharing =
+        rows.exchange(b.rank(), RankRow { grouped: busy, separate: Some(phi), ..RankRow::default() })?;
     if b.rank() != 0 {
         return Ok(None);
     }
