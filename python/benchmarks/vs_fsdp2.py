@@ -211,9 +211,12 @@ class Fsdp2HookTime:
 
 def build(args: argparse.Namespace) -> Gpt:
     """The model from ``args.seed``; with ``--ac`` each block in a ``checkpoint_wrapper``
-    (activation checkpointing, not reentrant), applied before sharding as torchtitan does."""
+    (activation checkpointing, not reentrant), applied before sharding as torchtitan does. Made
+    on the rank's device (a large model's initialization on the GPU takes no host time), with the
+    same values in every run (the same seed on the same device)."""
     torch.manual_seed(args.seed)
-    model = Gpt(args.vocab, args.dim, args.heads, args.blocks, args.seq)
+    with device(args):
+        model = Gpt(args.vocab, args.dim, args.heads, args.blocks, args.seq)
     if args.ac:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
@@ -465,7 +468,8 @@ def compare_losses(a_name: str, a: list[list[float]], b_name: str, b: list[list[
 
 
 def report(args: argparse.Namespace, world: int, results: dict[str, dict[str, Any]]) -> None:
-    n = sum(p.numel() for p in Gpt(args.vocab, args.dim, args.heads, args.blocks, args.seq).parameters())
+    with torch.device("meta"):
+        n = sum(p.numel() for p in Gpt(args.vocab, args.dim, args.heads, args.blocks, args.seq).parameters())
     print(
         f"model: {n / 1e6:.1f}M parameters, {args.blocks} blocks, dim {args.dim}; {world} ranks; "
         f"batch {args.batch}x{args.seq}; {args.steps} timed steps after {args.warmup}; "
