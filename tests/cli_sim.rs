@@ -4,7 +4,11 @@
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
-use collsched::sim::workload::{Architecture, TransformerConfig};
+use collsched::sim::workload::Architecture;
+
+#[path = "support/workloads.rs"]
+mod workloads;
+use workloads::small_config;
 
 fn run(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_collsched")).arg("sim").args(args).output().expect("the binary runs")
@@ -53,20 +57,7 @@ fn scratch(test: &str) -> Scratch {
 
 /// A small workload file (a generator config), so the tests run in milliseconds.
 fn small_workload(dir: &std::path::Path) -> String {
-    let cfg = TransformerConfig {
-        name: "tiny".into(),
-        architecture: Architecture::Gpt2,
-        layers: 3,
-        hidden: 256,
-        heads: 4,
-        kv_heads: None,
-        ffn_hidden: None,
-        vocab: 1000,
-        sequence: 128,
-        batch_per_rank: 2,
-        activation_checkpointing: true,
-        dtype: "bf16".into(),
-    };
+    let cfg = small_config("tiny", Architecture::Gpt2, 3, 256, true);
     let text = serde_json::json!({"format": "collsched-workload", "version": 1, "transformer": cfg});
     let path = dir.join("tiny.json");
     std::fs::write(&path, text.to_string()).unwrap();

@@ -3,28 +3,19 @@
 //! collective counts that match the plan.
 
 use collsched::buckets::{Boundary, DType, LayoutBuilder, ParamSet, ParamSpec, Sharding};
-use collsched::sim::workload::{Architecture, Layer, ParamRecord, TransformerConfig, Workload};
+use collsched::sim::workload::{Architecture, Layer, ParamRecord, Workload};
 use collsched::sim::{simulate, Policy, SimConfig, SimReport};
 use collsched::topo::{preset, CostModel, Link, LinkClass};
 
+#[path = "support/workloads.rs"]
+mod workloads;
+use workloads::small_config;
+
 /// A small transformer of the given architecture.
 fn small(arch: Architecture, layers: u32, hidden: u64, checkpointing: bool) -> Workload {
-    TransformerConfig {
-        name: format!("small-{arch:?}-{layers}x{hidden}"),
-        architecture: arch,
-        layers,
-        hidden,
-        heads: 4,
-        kv_heads: None,
-        ffn_hidden: None,
-        vocab: 1000,
-        sequence: 128,
-        batch_per_rank: 2,
-        activation_checkpointing: checkpointing,
-        dtype: "bf16".to_owned(),
-    }
-    .workload()
-    .unwrap()
+    small_config(&format!("small-{arch:?}-{layers}x{hidden}"), arch, layers, hidden, checkpointing)
+        .workload()
+        .unwrap()
 }
 
 fn workloads() -> Vec<Workload> {

@@ -1,28 +1,17 @@
 //! The simulator on a measured cost profile: collectives priced by its fits, a kind it lacks
 //! refused up front, and the core-sharing terms (`compute_slowdown`, `compute_overlap`).
 
-use collsched::sim::workload::{Architecture, TransformerConfig, Workload};
+use collsched::sim::workload::{Architecture, Workload};
 use collsched::sim::{simulate, Lane, Policy, SimConfig, SimError};
 use collsched::topo::calibration::{CollectiveFit, LinearFit};
 use collsched::topo::{preset, CollectiveKind, CostProfile};
 
+#[path = "support/workloads.rs"]
+mod workloads;
+use workloads::small_config;
+
 fn workload() -> Workload {
-    TransformerConfig {
-        name: "small-gpt2".to_owned(),
-        architecture: Architecture::Gpt2,
-        layers: 3,
-        hidden: 256,
-        heads: 4,
-        kv_heads: None,
-        ffn_hidden: None,
-        vocab: 1000,
-        sequence: 128,
-        batch_per_rank: 2,
-        activation_checkpointing: false,
-        dtype: "bf16".to_owned(),
-    }
-    .workload()
-    .unwrap()
+    small_config("small-gpt2", Architecture::Gpt2, 3, 256, false).workload().unwrap()
 }
 
 fn fit(kind: CollectiveKind, fixed_s: f64, per_byte_s: f64) -> CollectiveFit {

@@ -3,30 +3,21 @@
 //! collective run alone, the host-device syncs of the 2021 code counted one by one, one
 //! reduce-scatter per gradient, and a step longer than the library's.
 
-use collsched::sim::workload::{Architecture, TransformerConfig, Workload};
+use collsched::sim::workload::{Architecture, Workload};
 use collsched::sim::{simulate, Policy, SimConfig, SimReport, Span, SpanKind};
 use collsched::topo::constants::{ZERO3_2021_PERSISTENCE_THRESHOLD, ZERO3_2021_REDUCE_BUCKET_ELEMENTS};
 use collsched::topo::preset;
 
+#[path = "support/workloads.rs"]
+mod workloads;
+use workloads::small_config;
+
 /// A small RoBERTa: its weights are above the persistence threshold, its biases and norms
 /// (and the position table) below it.
 fn roberta(layers: u32, checkpointing: bool) -> Workload {
-    TransformerConfig {
-        name: format!("roberta-{layers}x384"),
-        architecture: Architecture::Roberta,
-        layers,
-        hidden: 384,
-        heads: 4,
-        kv_heads: None,
-        ffn_hidden: None,
-        vocab: 1000,
-        sequence: 128,
-        batch_per_rank: 2,
-        activation_checkpointing: checkpointing,
-        dtype: "bf16".to_owned(),
-    }
-    .workload()
-    .unwrap()
+    small_config(&format!("roberta-{layers}x384"), Architecture::Roberta, layers, 384, checkpointing)
+        .workload()
+        .unwrap()
 }
 
 fn run(w: &Workload, policy: Policy, timeline: bool) -> SimReport {
