@@ -279,3 +279,83 @@ fn a_world_beyond_the_limit_is_refused() {
     let line = err_line(&["--workload", "gpt2-1.5b", "--world", "4294967295", "--topo", "dgx-h100"]);
     assert!(line.contains("`world`") && line.contains("limit of 1048576"), "{line}");
 }
+
+/// `--against REAL.json`: a "real" trace made of the simulation's own collectives, one of them
+/// ten times longer and one rank's reduce-scatters cut short by one: counts, busy times, the
+/// collective that differs most, and the real events drawn beside the simulated ones.
+#[test]
+fn against_compares_each_track_and_overlays_the_real_run() {
+    let dir = scratch("against");
+    let w = small_workload(&dir);
+    let sim_trace = dir.join("sim.json");
+    let base = ["--workload", &w, "--world", "2", "--topo", "dgx-h100", "--steps", "2"];
+    ok_stdout(&[&base[..], &["--trace-out", sim_trace.to_str().unwrap()]].concat());
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&sim_trace).unwrap()).unwrap();
+    let mut real: Vec<serde_json::Value> = v["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["ph"] == "X" && (e["tid"] == 1 || e["tid"] == 2))
+        .cloned()
+        .collect();
+    let count = |real: &[serde_json::Value], rank: u64, tid: u64| {
+        real.iter().filter(|e| e["pid"] == rank && e["tid"] == tid).count()
+    };
+    let n_ag = count(&real, 0, 1);
+    let n_rs = count(&real, 0, 2);
+    assert!(n_ag >= 3 && n_rs >= 2 && count(&real, 1, 1) == n_ag, "{n_ag} {n_rs}");
+    // Rank 1's third all-gather takes ten times as long; rank 1 loses its last reduce-scatter.
+    let third = real.iter().position(|e| e["pid"] == 1 && e["tid"] == 1).unwrap() + 2;
+    let slow = real[third]["dur"].as_f64().unwrap();
+    assert!(slow > 0.0, "{}", real[third]);
+    real[third]["dur"] = serde_json::json!(slow * 10.0);
+    let last_rs = real.iter().rposition(|e| e["pid"] == 1 && e["tid"] == 2).unwrap();
+    let lost = real.remove(last_rs)["dur"].as_f64().unwrap();
+    let real_path = dir.join("real.json");
+    std::fs::write(&real_path, serde_json::json!({"traceEvents": real}).to_string()).unwrap();
+    let both = dir.join("both.json");
+    let out = ok_stdout(
+        &[&base[..], &["--against", real_path.to_str().unwrap(), "--trace-out", both.to_str().unwrap()]]
+            .concat(),
+    );
+    let rows: Vec<Vec<&str>> = out
+        .lines()
+        .skip_while(|l| !l.starts_with("against "))
+        .skip(2)
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    assert_eq!(rows.len(), 4, "{out}");
+    let cell = |r: usize, c: usize| -> f64 { rows[r][c].parse().unwrap_or_else(|_| panic!("{out}")) };
+    // Rank 0 is the simulation itself: the same counts and busy time, ratio 1.
+    for (r, n) in [(0, n_ag), (1, n_rs)] {
+        assert_eq!((cell(r, 2) as usize, cell(r, 3) as usize), (n, n), "{out}");
+        assert!((cell(r, 4) - cell(r, 5)).abs() <= 0.1 + 1e-3 * cell(r, 4), "{out}");
+    }
+    // Rank 1: 9 more times the slowed one on all-gathers, named; one reduce-scatter missing.
+    assert!((cell(2, 5) - cell(2, 4) - 9.0 * slow).abs() <= 0.2 + 1e-3 * cell(2, 5), "{out}");
+    assert!(rows[2][7..].join(" ").starts_with(&format!("#2 {}", v_name(&v, 1, 1, 2))), "{out}");
+    assert_eq!((cell(3, 2) as usize, cell(3, 3) as usize), (n_rs, n_rs - 1), "{out}");
+    assert!((cell(3, 4) - cell(3, 5) - lost).abs() <= 0.2 + 1e-3 * cell(3, 4), "{out}");
+    // The overlay: the simulator's events, and every real one as "real rank R".
+    let t: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&both).unwrap()).unwrap();
+    let events = t["traceEvents"].as_array().unwrap();
+    let real_x = events.iter().filter(|e| e["ph"] == "X" && e["cat"] == "real").count();
+    assert_eq!(real_x, 2 * n_ag + 2 * n_rs - 1, "{t}");
+    assert!(events.iter().any(|e| e["pid"] == 1001 && e["args"]["name"] == "real rank 1"), "{t}");
+    // --against with --json or a sweep, or a file that is no trace: one clear line each.
+    let e = err_line(&[&base[..], &["--against", real_path.to_str().unwrap(), "--json"]].concat());
+    assert!(e.contains("--against") && e.contains("--json"), "{e}");
+    std::fs::write(dir.join("bad.json"), "{\"events\": []}").unwrap();
+    let e = err_line(&[&base[..], &["--against", dir.join("bad.json").to_str().unwrap()]].concat());
+    assert!(e.contains("traceEvents") && e.contains("flight"), "{e}");
+}
+
+/// The name of the `k`-th event of rank `pid` on thread `tid` in the simulator's trace `v`.
+fn v_name(v: &serde_json::Value, pid: u64, tid: u64, k: usize) -> String {
+    let e = v["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["ph"] == "X" && e["pid"] == pid && e["tid"] == tid);
+    e.clone().nth(k).unwrap()["name"].as_str().unwrap().to_owned()
+}

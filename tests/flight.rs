@@ -205,3 +205,56 @@ fn a_real_runs_collectives_become_a_chrome_trace_on_the_simulators_tracks() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `collsched demo --flight-out DIR`: every rank's record of a successful run, which `collsched
+/// flight` reads back (no finding) and draws, one all-gather track and one reduce-scatter
+/// track a rank, each with what the demo printed it launched at the least.
+#[test]
+fn the_demo_writes_every_ranks_flight_record_on_request() {
+    let dir = scratch("demo");
+    let run = Command::new(env!("CARGO_BIN_EXE_collsched"))
+        .args(["demo", "--ranks", "3", "--steps", "2", "--eval-every", "0", "--no-freeze", "--flight-out"])
+        .arg(&dir)
+        .output()
+        .expect("run collsched demo");
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    for r in 0..3 {
+        assert!(dir.join(format!("rank-{r}.json")).is_file(), "rank {r}'s record");
+    }
+    assert!(cli_verdict(&dir).contains("no disagreement"), "{}", cli_verdict(&dir));
+    let file = dir.join("trace.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_collsched"))
+        .arg("flight")
+        .arg(&dir)
+        .arg("--quiet")
+        .arg("--trace-out")
+        .arg(&file)
+        .output()
+        .expect("run collsched flight");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let trace: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&file).expect("trace written")).expect("JSON");
+    let spans: Vec<_> =
+        trace["traceEvents"].as_array().expect("events").iter().filter(|e| e["ph"] == "X").collect();
+    // The demo's table: per step "ag" and "rs" columns of rank 0 (all ranks issue the same).
+    let text = String::from_utf8_lossy(&run.stdout);
+    let (mut ag, mut rs) = (0u64, 0u64);
+    for row in text.lines().filter(|l| l.split_whitespace().count() == 15) {
+        let c: Vec<&str> = row.split_whitespace().collect();
+        if let (Ok(a), Ok(s)) = (c[6].parse::<u64>(), c[7].parse::<u64>()) {
+            ag += a;
+            rs += s;
+        }
+    }
+    assert!(ag > 0 && rs > 0, "no collectives in the demo's table:\n{text}");
+    for rank in 0..3u64 {
+        let on = |tid: u64| spans.iter().filter(|e| e["pid"] == rank && e["tid"] == tid).count() as u64;
+        assert!(
+            on(1) >= ag && on(2) >= rs,
+            "rank {rank}: {} all-gathers, {} reduce-scatters; the table: {ag}, {rs}",
+            on(1),
+            on(2)
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -152,6 +152,13 @@ pub trait Backend: Send + Sync {
     /// backend's timeout knob).
     fn timeout(&self) -> Duration;
 
+    /// This rank's flight record as it is now (`backend::flight`), taken because of `reason`;
+    /// `None` for a backend that keeps none (the local backend and those built on it keep one).
+    fn flight_dump(&self, reason: &str) -> Option<flight::FlightDump> {
+        let _ = reason;
+        None
+    }
+
     /// A buffer of `bytes` bytes from this rank's pool (its contents are unspecified).
     ///
     /// # Errors

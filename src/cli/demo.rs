@@ -104,6 +104,12 @@ pub struct DemoArgs {
     /// f32, so any JSON reader gets it back bit for bit by rounding to f32.
     #[arg(long, value_name = "FILE.json")]
     pub record_out: Option<std::path::PathBuf>,
+    /// Each rank writes its flight record (its collectives, when each was launched, reached
+    /// and ended) into DIR at the end of the run, as `rank-R.json`: `collsched flight DIR
+    /// --trace-out REAL.json` draws it, `collsched sim ... --against REAL.json` compares it.
+    /// The local, shm and mpi backends; the last `COLLSCHED_FLIGHT_ENTRIES` (2000) collectives.
+    #[arg(long, value_name = "DIR")]
+    pub flight_out: Option<std::path::PathBuf>,
 }
 
 fn parse_policy(s: &str) -> Result<PolicyKind, String> {
@@ -328,8 +334,12 @@ pub fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
         sharding: args.strategy,
         policy: args.policy,
         bucket_bytes,
+        flight_out: args.flight_out.clone(),
         ..ShardedOptions::default()
     };
+    if args.flight_out.is_some() && args.backend == BenchBackend::Cuda {
+        return Err("--flight-out: the cuda backend keeps no flight record (local, shm and mpi do)".into());
+    }
     let t0 = Instant::now();
     let reference = reference_run(&cfg, args.strategy);
     let t1 = Instant::now();

@@ -20,9 +20,10 @@
 
 use std::fs::File;
 use std::io::{self, BufWriter, Write};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
+use crate::sim::against;
 use crate::sim::config::{DEFAULT_SIM_BOUNDARY, DEFAULT_STEPS};
 use crate::sim::timeline::{write_chrome_trace, write_svg};
 use crate::sim::workload::Workload;
@@ -110,6 +111,12 @@ pub struct SimArgs {
     /// stream.
     #[arg(long, value_name = "FILE.json")]
     pub trace_out: Option<PathBuf>,
+    /// A real run's trace (`collsched flight DIR --trace-out FILE.json`) to set beside this
+    /// simulation: each rank's collective tracks compared (counts, busy time, the collective
+    /// that differs most, matched by order on its track), and with `--trace-out` drawn in the
+    /// same trace as processes "real rank R".
+    #[arg(long, value_name = "REAL.json")]
+    pub against: Option<PathBuf>,
     /// Draw one rank's last step as an SVG timeline.
     #[arg(long, value_name = "FILE.svg")]
     pub svg: Option<PathBuf>,
@@ -135,12 +142,26 @@ pub fn run(args: SimArgs) -> Result<ExitCode, CliError> {
     let stdout = io::stdout();
     let mut out = BufWriter::new(stdout.lock());
     if args.sweep.is_empty() {
-        let (report, topo, cfg) = run_one(&args, args.trace_out.is_some() || args.svg.is_some())?;
+        if args.against.is_some() && args.json {
+            return Err("--against prints a table beside the summary; leave out --json".into());
+        }
+        let real = match &args.against {
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .map_err(|e| format!("--against {}: {e}", path.display()))?;
+                Some(against::parse_real(&text).map_err(|e| format!("--against {}: {e}", path.display()))?)
+            }
+            None => None,
+        };
+        let timeline = args.trace_out.is_some() || args.svg.is_some() || real.is_some();
+        let (report, topo, cfg) = run_one(&args, timeline)?;
         if let Some(path) = &args.trace_out {
-            let f = File::create(path).map_err(|e| format!("--trace-out {}: {e}", path.display()))?;
-            let mut w = BufWriter::new(f);
-            write_chrome_trace(&mut w, &report)?;
-            w.flush().map_err(|e| format!("--trace-out {}: {e}", path.display()))?;
+            let mut trace = Vec::new();
+            write_chrome_trace(&mut trace, &report)?;
+            if let Some(real) = &real {
+                trace = against::overlay(&String::from_utf8_lossy(&trace), real)?.into_bytes();
+            }
+            std::fs::write(path, trace).map_err(|e| format!("--trace-out {}: {e}", path.display()))?;
         }
         if let Some(path) = &args.svg {
             if args.svg_rank >= report.world as usize {
@@ -159,14 +180,47 @@ pub fn run(args: SimArgs) -> Result<ExitCode, CliError> {
         } else {
             write_summary(&mut out, &report, &topo, &cfg)?;
         }
+        if let (Some(real), Some(path)) = (&real, &args.against) {
+            write_against(&mut out, &against::compare(&report, real)?, path)?;
+        }
     } else {
-        if args.trace_out.is_some() || args.svg.is_some() {
-            return Err("--trace-out and --svg draw one run; leave them out of a --sweep".into());
+        if args.trace_out.is_some() || args.svg.is_some() || args.against.is_some() {
+            return Err("--trace-out, --svg and --against take one run; leave them out of a --sweep".into());
         }
         run_sweep(&mut out, &args)?;
     }
     out.flush()?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// The table of `--against`: one row per rank and collective track.
+fn write_against(out: &mut impl Write, rows: &[against::TrackCompare], path: &Path) -> io::Result<()> {
+    writeln!(out, "against {} (matched by order on each track; times in us):", path.display())?;
+    writeln!(
+        out,
+        "  {:>4} {:<14} {:>6} {:>6} {:>12} {:>12} {:>10}  largest difference",
+        "rank", "track", "sim n", "real n", "sim busy", "real busy", "real/sim"
+    )?;
+    for r in rows {
+        let ratio =
+            if r.sim_busy_us > 0.0 { format!("{:.2}", r.real_busy_us / r.sim_busy_us) } else { "-".into() };
+        let worst = r.worst.as_ref().map_or_else(
+            || "-".to_owned(),
+            |w| format!("#{} {}: sim {:.1}, real {:.1}", w.k, w.name, w.sim_us, w.real_us),
+        );
+        writeln!(
+            out,
+            "  {:>4} {:<14} {:>6} {:>6} {:>12.1} {:>12.1} {:>10}  {worst}",
+            r.rank,
+            against::LANES[r.lane],
+            r.sim_count,
+            r.real_count,
+            r.sim_busy_us,
+            r.real_busy_us,
+            ratio
+        )?;
+    }
+    Ok(())
 }
 
 fn mib(knob: &str, mb: f64) -> Result<usize, CliError> {

@@ -40,6 +40,9 @@ pub struct ShardedOptions {
     pub bucket_bytes: usize,
     /// Backend timeout (collectives waiting for peers). Default 120 s.
     pub timeout: Duration,
+    /// Where each rank writes its flight record at the end of the run (`rank-R.json`, what
+    /// `collsched flight DIR --trace-out` draws); `None` (the default) writes nothing.
+    pub flight_out: Option<std::path::PathBuf>,
 }
 
 impl Default for ShardedOptions {
@@ -49,6 +52,7 @@ impl Default for ShardedOptions {
             policy: PolicyKind::TraceReplay,
             bucket_bytes: DEFAULT_DEMO_BUCKET_BYTES,
             timeout: Duration::from_secs(120),
+            flight_out: None,
         }
     }
 }
@@ -127,6 +131,9 @@ pub enum DemoError {
     #[cfg(feature = "cuda")]
     #[error("CUDA backend: {0}")]
     Cuda(#[from] crate::backend::cuda::CudaError),
+    /// A rank's flight record could not be written (`ShardedOptions::flight_out`).
+    #[error("flight record: {0}")]
+    Flight(String),
     /// A rank thread panicked.
     #[error("rank {rank} panicked: {what}")]
     Panicked {
@@ -188,8 +195,20 @@ pub fn sharded_run_wrapped<B: Backend>(
     let world =
         LocalWorld::with_config(cfg.world, LocalConfig { timeout: opts.timeout, ..LocalConfig::default() })?;
     let init = cfg.model.init(cfg.seed);
-    let outcomes = world.run(|rank| run_rank(cfg, opts, &plan, &init, wrap(rank)))?;
-    combine(cfg, outcomes, buckets)
+    let failed = std::sync::Mutex::new(Vec::new());
+    let outcomes = world.run(|rank| {
+        let backend = Arc::new(wrap(rank));
+        let out = run_rank(cfg, opts, &plan, &init, Arc::clone(&backend));
+        if let Err(e) = write_flight(opts, &*backend) {
+            failed.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(e);
+        }
+        out
+    })?;
+    let run = combine(cfg, outcomes, buckets)?;
+    match failed.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner).pop() {
+        Some(e) => Err(e),
+        None => Ok(run),
+    }
 }
 
 /// Runs this process's rank of the demo in a multi-process job (the `shm` or `mpi` backend:
@@ -208,7 +227,9 @@ pub fn sharded_run_process<B: Backend>(
     let buckets = (plan.layout().gather_buckets().len(), plan.layout().grad_buckets().len());
     let init = cfg.model.init(cfg.seed);
     let me = backend.rank();
-    let mine = run_rank(cfg, opts, &plan, &init, backend)?;
+    let backend = Arc::new(backend);
+    let mine = run_rank(cfg, opts, &plan, &init, Arc::clone(&backend))?;
+    write_flight(opts, &*backend)?;
     let bytes: Vec<u8> = mine.losses.iter().flat_map(|l| l.to_le_bytes()).collect();
     let all = hub.all_gather_bytes(&bytes)?;
     if me != 0 {
@@ -250,7 +271,7 @@ pub fn sharded_run_cuda(cfg: &DemoConfig, opts: &ShardedOptions) -> Result<Shard
     let buckets = (plan.layout().gather_buckets().len(), plan.layout().grad_buckets().len());
     let world = CudaWorld::new(cfg.world)?.with_groups(extra_groups(&plan)?).with_timeout(opts.timeout);
     let init = cfg.model.init(cfg.seed);
-    let outcomes = world.run(|backend| run_rank(cfg, opts, &plan, &init, backend))?;
+    let outcomes = world.run(|backend| run_rank(cfg, opts, &plan, &init, Arc::new(backend)))?;
     combine(cfg, outcomes, buckets)
 }
 
@@ -389,16 +410,26 @@ fn eval_pass<B: Backend>(c: &mut Coordinator<B>, cfg: &DemoConfig) -> Result<f32
     Ok(Mlp::mse(&h, &y).0)
 }
 
+/// Writes `backend`'s flight record where `opts.flight_out` says, if it says.
+fn write_flight<B: Backend>(opts: &ShardedOptions, backend: &B) -> Result<(), DemoError> {
+    let Some(dir) = &opts.flight_out else { return Ok(()) };
+    let rank = backend.rank();
+    let dump = backend.flight_dump("the demo's end (--flight-out)").ok_or_else(|| {
+        DemoError::Flight(format!("rank {rank}: this backend keeps no flight record (local, shm and mpi do)"))
+    })?;
+    dump.write_to(dir).map(drop).map_err(|e| DemoError::Flight(format!("rank {rank}: {e}")))
+}
+
 /// One rank's whole run on its backend (a local world's rank or one GPU).
 fn run_rank<B: Backend>(
     cfg: &DemoConfig,
     opts: &ShardedOptions,
     plan: &Plan,
     init: &[Vec<f32>],
-    backend: B,
+    backend: Arc<B>,
 ) -> Result<RankOutcome, RuntimeError> {
     let r = backend.rank();
-    let state = ModelState::from_f32(Arc::new(backend), plan, init)?;
+    let state = ModelState::from_f32(backend, plan, init)?;
     let config = SchedulerConfig { policy: opts.policy, ..SchedulerConfig::default() };
     let mut train = state.coordinator(config.clone())?;
     let mut eval = state.coordinator(config)?;

@@ -11,6 +11,7 @@
 //! - [`timeline`]: Chrome trace JSON and SVG pictures of a report;
 //! - `zero3`: the `zero3-2021` policy's step (DeepSpeed ZeRO-3 before batching) and its costs.
 
+pub mod against;
 pub mod config;
 pub mod engine;
 mod program;

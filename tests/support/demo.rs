@@ -27,5 +27,5 @@ pub fn small(world: usize) -> DemoConfig {
 
 /// 128-byte buckets (every parameter in a bucket of its own or two per bucket), a 60 s timeout.
 pub fn opts(sharding: Sharding, policy: PolicyKind) -> ShardedOptions {
-    ShardedOptions { sharding, policy, bucket_bytes: 128, timeout: Duration::from_secs(60) }
+    ShardedOptions { sharding, policy, bucket_bytes: 128, timeout: Duration::from_secs(60), flight_out: None }
 }

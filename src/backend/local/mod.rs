@@ -478,6 +478,10 @@ impl Backend for LocalRank {
         self.shared.n
     }
 
+    fn flight_dump(&self, reason: &str) -> Option<FlightDump> {
+        Some(self.flight.dump(reason))
+    }
+
     fn timeout(&self) -> Duration {
         self.shared.config.timeout
     }

@@ -1,0 +1,168 @@
+//! A real run's trace beside the simulated one (`collsched sim ... --against REAL.json`).
+//!
+//! The real trace is Chrome trace JSON on the simulator's tracks (`collsched flight DIR
+//! --trace-out`: `pid` = rank, `tid` 1 all-gather, 2 reduce-scatter, `"X"` events in
+//! microseconds). On each rank's collective track the k-th real collective is matched with the
+//! k-th simulated one (a stream runs its collectives in order); [`compare`] sums each track's
+//! busy time on both sides and names the pair that differs most, and [`overlay`] adds the real
+//! events to the simulator's own trace as processes `REAL_PID + rank` ("real rank R"), so one
+//! Perfetto view shows both.
+
+use serde_json::Value;
+
+use super::report::SimReport;
+
+/// The first process id of the real events in an [`overlay`]: `REAL_PID + rank`.
+pub const REAL_PID: u64 = 1000;
+
+/// The two collective tracks (`tid` 1 and 2), by the simulator's lane order.
+pub const LANES: [&str; 2] = ["all-gather", "reduce-scatter"];
+
+/// One collective of the real trace.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RealEvent {
+    /// Its rank (`pid`).
+    pub rank: u64,
+    /// 0 all-gather, 1 reduce-scatter.
+    pub lane: usize,
+    /// Its name (`"all_gather bucket 3"`).
+    pub name: String,
+    /// Start, microseconds.
+    pub ts_us: f64,
+    /// Duration, microseconds.
+    pub dur_us: f64,
+}
+
+/// The pair of a track that differs most.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Worst {
+    /// Its position on the track (0-based).
+    pub k: usize,
+    /// The real collective's name.
+    pub name: String,
+    /// The simulated duration, microseconds.
+    pub sim_us: f64,
+    /// The real duration, microseconds.
+    pub real_us: f64,
+}
+
+/// One rank's collective track on both sides.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TrackCompare {
+    /// The rank.
+    pub rank: u64,
+    /// 0 all-gather, 1 reduce-scatter.
+    pub lane: usize,
+    /// Simulated collectives on the track.
+    pub sim_count: usize,
+    /// Real collectives on the track.
+    pub real_count: usize,
+    /// Summed simulated durations, microseconds.
+    pub sim_busy_us: f64,
+    /// Summed real durations, microseconds.
+    pub real_busy_us: f64,
+    /// Among the first `min(sim_count, real_count)` pairs; `None` when either side is empty.
+    pub worst: Option<Worst>,
+}
+
+/// The collectives of a real trace, in time order per track.
+///
+/// # Errors
+/// Text that is not a Chrome trace (`{"traceEvents": [...]}`), or a collective event without a
+/// finite, non-negative `ts` and `dur`, or without a rank.
+pub fn parse_real(text: &str) -> Result<Vec<RealEvent>, String> {
+    let v: Value = serde_json::from_str(text).map_err(|e| format!("not JSON: {e}"))?;
+    let events = v
+        .get("traceEvents")
+        .and_then(Value::as_array)
+        .ok_or("no \"traceEvents\" array: write one with `collsched flight DIR --trace-out FILE.json`")?;
+    let mut out = Vec::new();
+    for (i, e) in events.iter().enumerate() {
+        if e.get("ph").and_then(Value::as_str) != Some("X") {
+            continue;
+        }
+        let lane = match e.get("tid").and_then(Value::as_u64) {
+            Some(1) => 0,
+            Some(2) => 1,
+            _ => continue,
+        };
+        let rank =
+            e.get("pid").and_then(Value::as_u64).ok_or(format!("event {i}: no numeric \"pid\" (rank)"))?;
+        let num = |key: &str| {
+            e.get(key)
+                .and_then(Value::as_f64)
+                .filter(|x| x.is_finite() && *x >= 0.0)
+                .ok_or(format!("event {i} (rank {rank}): \"{key}\" is not a non-negative number"))
+        };
+        let name = e.get("name").and_then(Value::as_str).unwrap_or("?").to_owned();
+        out.push(RealEvent { rank, lane, name, ts_us: num("ts")?, dur_us: num("dur")? });
+    }
+    out.sort_by(|a, b| (a.rank, a.lane).cmp(&(b.rank, b.lane)).then(a.ts_us.total_cmp(&b.ts_us)));
+    Ok(out)
+}
+
+/// Every rank's collective tracks of `report` (simulated with a timeline) against `real`,
+/// for the ranks either side has, by rank then lane.
+///
+/// # Errors
+/// A report without a timeline.
+pub fn compare(report: &SimReport, real: &[RealEvent]) -> Result<Vec<TrackCompare>, String> {
+    let tl = report.timeline.as_ref().ok_or("the simulation recorded no timeline")?;
+    let ranks = u64::from(report.world).max(real.iter().map(|e| e.rank + 1).max().unwrap_or(0));
+    let mut out = Vec::new();
+    for rank in 0..ranks {
+        for lane in 0..2 {
+            // The simulator's collectives run on every rank at once: one list for all.
+            let sim: &[_] = if rank < u64::from(report.world) { &tl.collectives[lane] } else { &[] };
+            let mine: Vec<&RealEvent> = real.iter().filter(|e| e.rank == rank && e.lane == lane).collect();
+            let mut worst: Option<Worst> = None;
+            for (k, (s, r)) in sim.iter().zip(&mine).enumerate() {
+                let sim_us = s.dur_ns as f64 / 1000.0;
+                let gap = (sim_us - r.dur_us).abs();
+                if worst.as_ref().is_none_or(|w| gap > (w.sim_us - w.real_us).abs()) {
+                    worst = Some(Worst { k, name: r.name.clone(), sim_us, real_us: r.dur_us });
+                }
+            }
+            out.push(TrackCompare {
+                rank,
+                lane,
+                sim_count: sim.len(),
+                real_count: mine.len(),
+                sim_busy_us: sim.iter().map(|s| s.dur_ns as f64 / 1000.0).sum(),
+                real_busy_us: mine.iter().map(|e| e.dur_us).sum(),
+                worst,
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// `sim_trace` (the simulator's Chrome trace JSON) with `real`'s events added as processes
+/// `REAL_PID + rank`, named "real rank R", on the same threads.
+///
+/// # Errors
+/// `sim_trace` that is not a Chrome trace.
+pub fn overlay(sim_trace: &str, real: &[RealEvent]) -> Result<String, String> {
+    let mut v: Value = serde_json::from_str(sim_trace).map_err(|e| format!("the simulator's trace: {e}"))?;
+    let events = v
+        .get_mut("traceEvents")
+        .and_then(Value::as_array_mut)
+        .ok_or("the simulator's trace has no events")?;
+    let mut ranks: Vec<u64> = real.iter().map(|e| e.rank).collect();
+    ranks.sort_unstable();
+    ranks.dedup();
+    for rank in ranks {
+        let pid = REAL_PID + rank;
+        events.push(serde_json::json!({"ph": "M", "name": "process_name", "pid": pid,
+            "args": {"name": format!("real rank {rank}")}}));
+        for (lane, name) in LANES.iter().enumerate() {
+            events.push(serde_json::json!({"ph": "M", "name": "thread_name", "pid": pid, "tid": lane + 1,
+                "args": {"name": name}}));
+        }
+    }
+    for e in real {
+        events.push(serde_json::json!({"ph": "X", "pid": REAL_PID + e.rank, "tid": e.lane + 1,
+            "name": e.name, "cat": "real", "ts": e.ts_us, "dur": e.dur_us}));
+    }
+    serde_json::to_string(&v).map_err(|e| e.to_string())
+}
