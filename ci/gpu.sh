@@ -44,6 +44,16 @@ if [ "$skipped" -ne "$steps" ] || grep -Eq ' (ok|FAILED) ' "$dry/out/summary.txt
 fi
 grep -q "no GPU here" "$dry/out/summary.txt" || { cat "$dry/out/summary.txt"; echo "ci/gpu: the dry run did not say why"; exit 1; }
 [ -s "$dry/out/logs.tar.gz" ] || { echo "ci/gpu: the dry run wrote no logs.tar.gz"; exit 1; }
+# Its JSON summary: every step, skipped, with the reason.
+python3 - "$dry/out/summary.json" "$steps" <<'PY'
+import json
+import sys
+
+s = json.load(open(sys.argv[1]))
+steps = s["steps"]
+assert len(steps) == int(sys.argv[2]), steps
+assert all(x["result"] == "skipped" and "no GPU here" in x["why"] for x in steps), steps
+PY
 echo "ci/gpu: dry run: all $steps steps skipped (no GPU here)"
 
 # A rehearsal of the runner's machinery on a fake GPU (an nvidia-smi that lists one, and a pack
