@@ -107,7 +107,11 @@ fn check_table(stdout: &str, e: Expect) {
     // The host's time in the launch calls, row by row: part of the row's iteration time.
     let line = stdout
         .lines()
-        .find_map(|l| l.strip_prefix("# host in launch calls / iteration time (us, slowest rank, per row): "))
+        .find_map(|l| {
+            l.strip_prefix(
+                "# host in launch calls / iteration time (us, each the largest over ranks, per row): ",
+            )
+        })
         .expect("the launch line");
     let pairs: Vec<(f64, f64)> = line
         .split_whitespace()

@@ -322,9 +322,11 @@ fn against_compares_each_track_and_overlays_the_real_run() {
         .lines()
         .skip_while(|l| !l.starts_with("against "))
         .skip(2)
-        .map(|l| l.split_whitespace().collect())
+        .map(|l| l.split_whitespace().collect::<Vec<_>>())
+        .filter(|c| c.first().is_some_and(|x| x.parse::<u64>().is_ok()))
         .collect();
     assert_eq!(rows.len(), 4, "{out}");
+    assert!(out.contains("the counts differ on some track"), "{out}");
     let cell = |r: usize, c: usize| -> f64 { rows[r][c].parse().unwrap_or_else(|_| panic!("{out}")) };
     // Rank 0 is the simulation itself: the same counts and busy time, ratio 1.
     for (r, n) in [(0, n_ag), (1, n_rs)] {
@@ -342,6 +344,14 @@ fn against_compares_each_track_and_overlays_the_real_run() {
     let real_x = events.iter().filter(|e| e["ph"] == "X" && e["cat"] == "real").count();
     assert_eq!(real_x, 2 * n_ag + 2 * n_rs - 1, "{t}");
     assert!(events.iter().any(|e| e["pid"] == 1001 && e["args"]["name"] == "real rank 1"), "{t}");
+    // A rank no machine has: refused by name, not looped over.
+    std::fs::write(
+        dir.join("huge.json"),
+        r#"{"traceEvents": [{"ph": "X", "pid": 4294967296, "tid": 1, "ts": 0, "dur": 1}]}"#,
+    )
+    .unwrap();
+    let e = err_line(&[&base[..], &["--against", dir.join("huge.json").to_str().unwrap()]].concat());
+    assert!(e.contains("4294967296") && e.contains("above"), "{e}");
     // --against with --json or a sweep, or a file that is no trace: one clear line each.
     let e = err_line(&[&base[..], &["--against", real_path.to_str().unwrap(), "--json"]].concat());
     assert!(e.contains("--against") && e.contains("--json"), "{e}");

@@ -90,15 +90,19 @@ unsafe extern "C" fn delete_exported(m: *mut dl::ManagedTensor) {
     // inside such a call leaves above zero (a reference dropped then is freed without a thread
     // state: a crash). An interpreter no longer running keeps the reference (a leak at exit).
     // SAFETY: `Py_IsInitialized` may be called at any time; `PyGILState_Ensure` attaches this
-    // thread (taking the lock back where this thread released it) and `PyGILState_Release`
-    // restores exactly the state before, in pairs.
+    // thread (taking the lock back where this thread released it, making a thread state for a
+    // thread that has none) and `PyGILState_Release` restores exactly the state before, in
+    // pairs. Not covered: an interpreter that begins to finalize between the check and the
+    // attach, where a thread other than the main one ends inside `PyGILState_Ensure` (the
+    // limited API of 3.11 has no `Py_IsFinalizing` to check first).
     unsafe {
         if ffi::Py_IsInitialized() == 0 {
             std::mem::forget(exported);
             return;
         }
         let gil = ffi::PyGILState_Ensure();
-        // Attached now: PyO3 frees the reference at once (its closure always runs here).
+        // Attached now: PyO3 frees the reference at once (inside a `__traverse__`, where PyO3
+        // refuses to attach, the closure does not run and the reference waits in PyO3's pool).
         let _ = Python::try_attach(move |_| drop(exported));
         ffi::PyGILState_Release(gil);
     }

@@ -100,6 +100,10 @@ impl<B: HostStreams> OnDevice<B> {
 }
 
 impl<B: HostStreams> Backend for OnDevice<B> {
+    fn flight_dump(&self, reason: &str) -> Option<crate::backend::flight::FlightDump> {
+        self.0.flight_dump(reason)
+    }
+
     type Buffer = B::Buffer;
     type Event = B::Event;
 

@@ -251,7 +251,7 @@ impl Printer {
             let each: Vec<String> =
                 st.launch.iter().map(|(l, t)| format!("{:.2}/{:.2}", l * 1e6, t * 1e6)).collect();
             println!(
-                "# host in launch calls / iteration time (us, slowest rank, per row): {}",
+                "# host in launch calls / iteration time (us, each the largest over ranks, per row): {}",
                 each.join(" ")
             );
         }

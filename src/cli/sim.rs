@@ -159,7 +159,7 @@ pub fn run(args: SimArgs) -> Result<ExitCode, CliError> {
             let mut trace = Vec::new();
             write_chrome_trace(&mut trace, &report)?;
             if let Some(real) = &real {
-                trace = against::overlay(&String::from_utf8_lossy(&trace), real)?.into_bytes();
+                trace = against::overlay(&String::from_utf8_lossy(&trace), real, report.world)?.into_bytes();
             }
             std::fs::write(path, trace).map_err(|e| format!("--trace-out {}: {e}", path.display()))?;
         }
@@ -218,6 +218,13 @@ fn write_against(out: &mut impl Write, rows: &[against::TrackCompare], path: &Pa
             r.sim_busy_us,
             r.real_busy_us,
             ratio
+        )?;
+    }
+    if rows.iter().any(|r| r.sim_count != r.real_count) {
+        writeln!(
+            out,
+            "  the counts differ on some track: past a collective one side lacks, the pairs matched by order are not \
+             the same collective"
         )?;
     }
     Ok(())

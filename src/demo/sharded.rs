@@ -228,8 +228,11 @@ pub fn sharded_run_process<B: Backend>(
     let init = cfg.model.init(cfg.seed);
     let me = backend.rank();
     let backend = Arc::new(backend);
-    let mine = run_rank(cfg, opts, &plan, &init, Arc::clone(&backend))?;
-    write_flight(opts, &*backend)?;
+    // The record is written after a failed run too (what went wrong is in it).
+    let mine = run_rank(cfg, opts, &plan, &init, Arc::clone(&backend));
+    let wrote = write_flight(opts, &*backend);
+    let mine = mine?;
+    wrote?;
     let bytes: Vec<u8> = mine.losses.iter().flat_map(|l| l.to_le_bytes()).collect();
     let all = hub.all_gather_bytes(&bytes)?;
     if me != 0 {

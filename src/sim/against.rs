@@ -4,16 +4,23 @@
 //! --trace-out`: `pid` = rank, `tid` 1 all-gather, 2 reduce-scatter, `"X"` events in
 //! microseconds). On each rank's collective track the k-th real collective is matched with the
 //! k-th simulated one (a stream runs its collectives in order); [`compare`] sums each track's
-//! busy time on both sides and names the pair that differs most, and [`overlay`] adds the real
-//! events to the simulator's own trace as processes `REAL_PID + rank` ("real rank R"), so one
-//! Perfetto view shows both.
+//! busy time on both sides and names the pair that differs most (where the counts differ, pairs
+//! past a missing collective are not the same one: the table says so), and [`overlay`] adds the
+//! real events to the simulator's own trace as processes [`real_pid_base`]` + rank` ("real rank
+//! R"), so one Perfetto view shows both.
 
 use serde_json::Value;
 
 use super::report::SimReport;
 
-/// The first process id of the real events in an [`overlay`]: `REAL_PID + rank`.
-pub const REAL_PID: u64 = 1000;
+/// The first process id of the real events in an [`overlay`] of a simulated world of `world`
+/// ranks: the first multiple of 1000 above the simulated ranks (1000 below 1000 ranks).
+pub fn real_pid_base(world: u32) -> u64 {
+    (u64::from(world) / 1000 + 1) * 1000
+}
+
+/// The largest rank a real trace may name.
+pub const MAX_REAL_RANK: u64 = 1 << 20;
 
 /// The two collective tracks (`tid` 1 and 2), by the simulator's lane order.
 pub const LANES: [&str; 2] = ["all-gather", "reduce-scatter"];
@@ -88,6 +95,9 @@ pub fn parse_real(text: &str) -> Result<Vec<RealEvent>, String> {
         };
         let rank =
             e.get("pid").and_then(Value::as_u64).ok_or(format!("event {i}: no numeric \"pid\" (rank)"))?;
+        if rank > MAX_REAL_RANK {
+            return Err(format!("event {i}: rank (\"pid\") {rank} is above {MAX_REAL_RANK}"));
+        }
         let num = |key: &str| {
             e.get(key)
                 .and_then(Value::as_f64)
@@ -108,9 +118,10 @@ pub fn parse_real(text: &str) -> Result<Vec<RealEvent>, String> {
 /// A report without a timeline.
 pub fn compare(report: &SimReport, real: &[RealEvent]) -> Result<Vec<TrackCompare>, String> {
     let tl = report.timeline.as_ref().ok_or("the simulation recorded no timeline")?;
-    let ranks = u64::from(report.world).max(real.iter().map(|e| e.rank + 1).max().unwrap_or(0));
+    let ranks: std::collections::BTreeSet<u64> =
+        (0..u64::from(report.world)).chain(real.iter().map(|e| e.rank)).collect();
     let mut out = Vec::new();
-    for rank in 0..ranks {
+    for rank in ranks {
         for lane in 0..2 {
             // The simulator's collectives run on every rank at once: one list for all.
             let sim: &[_] = if rank < u64::from(report.world) { &tl.collectives[lane] } else { &[] };
@@ -137,12 +148,14 @@ pub fn compare(report: &SimReport, real: &[RealEvent]) -> Result<Vec<TrackCompar
     Ok(out)
 }
 
-/// `sim_trace` (the simulator's Chrome trace JSON) with `real`'s events added as processes
-/// `REAL_PID + rank`, named "real rank R", on the same threads.
+/// `sim_trace` (the simulator's Chrome trace JSON of a world of `world` ranks) with `real`'s
+/// events added as processes [`real_pid_base`]` + rank`, named "real rank R", on the same
+/// threads.
 ///
 /// # Errors
 /// `sim_trace` that is not a Chrome trace.
-pub fn overlay(sim_trace: &str, real: &[RealEvent]) -> Result<String, String> {
+pub fn overlay(sim_trace: &str, real: &[RealEvent], world: u32) -> Result<String, String> {
+    let base = real_pid_base(world);
     let mut v: Value = serde_json::from_str(sim_trace).map_err(|e| format!("the simulator's trace: {e}"))?;
     let events = v
         .get_mut("traceEvents")
@@ -152,7 +165,7 @@ pub fn overlay(sim_trace: &str, real: &[RealEvent]) -> Result<String, String> {
     ranks.sort_unstable();
     ranks.dedup();
     for rank in ranks {
-        let pid = REAL_PID + rank;
+        let pid = base + rank;
         events.push(serde_json::json!({"ph": "M", "name": "process_name", "pid": pid,
             "args": {"name": format!("real rank {rank}")}}));
         for (lane, name) in LANES.iter().enumerate() {
@@ -161,7 +174,7 @@ pub fn overlay(sim_trace: &str, real: &[RealEvent]) -> Result<String, String> {
         }
     }
     for e in real {
-        events.push(serde_json::json!({"ph": "X", "pid": REAL_PID + e.rank, "tid": e.lane + 1,
+        events.push(serde_json::json!({"ph": "X", "pid": base + e.rank, "tid": e.lane + 1,
             "name": e.name, "cat": "real", "ts": e.ts_us, "dur": e.dur_us}));
     }
     serde_json::to_string(&v).map_err(|e| e.to_string())
