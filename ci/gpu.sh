@@ -76,9 +76,10 @@ expect '^rust-backend +FAILED .*exit 3; last line: failing --ignored'
 expect '^rust-fences +FAILED .*timed out after 3s'
 [ "$rc" -ne 0 ] || { cat "$s"; echo "ci/gpu: the rehearsal failed steps but exited 0"; exit 1; }
 tar -tzf "$dry/rehearsal/logs.tar.gz" | grep -q 'logs/rust-fences.log' || { echo "ci/gpu: no logs from the rehearsal"; exit 1; }
-# The device tool brings back 8 files at most: the output folder holds the summary and the logs' tarball alone.
-[ "$(ls -A "$dry/rehearsal" | tr '\n' ' ')" = "logs.tar.gz summary.txt " ] \
-  || { ls -A "$dry/rehearsal"; echo "ci/gpu: the output folder holds more than summary.txt and logs.tar.gz"; exit 1; }
+# The device tool brings back 8 files at most: the output folder holds the summary (text and
+# JSON) and the logs' tarball alone.
+[ "$(ls -A "$dry/rehearsal" | tr '\n' ' ')" = "logs.tar.gz summary.json summary.txt " ] \
+  || { ls -A "$dry/rehearsal"; echo "ci/gpu: the output folder holds more than summary.txt, summary.json and logs.tar.gz"; exit 1; }
 if pgrep -f "$fake/pack/tests" >/dev/null || pgrep -fx 'sleep 300' >/dev/null; then
   echo "ci/gpu: the hung step's processes outlived its timeout"; exit 1
 fi
