@@ -16,10 +16,10 @@ from pathlib import Path
 FIGURES = {
     "bench": re.compile(r"^(==|# collsched bench|# memcpy reference|# host in launch|\s+\d+\s+\d+\s)"),
     "vs-nccl": re.compile(r"^(NVIDIA|H\d|all_gather|reduce_scatter|\s+\d+\s)"),
-    "vs-fsdp2-1b": re.compile(r"^(model:|fsdp2 |collsched |floor |ratio |losses compared)"),
     "vs-fsdp2": re.compile(r"^(model:|fsdp2 |collsched |floor |ratio |losses compared)"),
     "python": re.compile(r"^(=+ )?\d+ (passed|failed).* in [\d.]+s"),
 }
+FIGURES["vs-fsdp2-1b"] = FIGURES["vs-fsdp2"]
 
 
 def probe(logdir: str) -> dict[str, str]:

@@ -45,6 +45,21 @@ fn cli_verdict(dir: &Path) -> String {
     text.lines().next().expect("a verdict line").to_string()
 }
 
+/// `collsched flight DIR --quiet --trace-out DIR/trace.json`, read back.
+fn cli_trace(dir: &Path) -> serde_json::Value {
+    let file = dir.join("trace.json");
+    let run = Command::new(env!("CARGO_BIN_EXE_collsched"))
+        .arg("flight")
+        .arg(dir)
+        .arg("--quiet")
+        .arg("--trace-out")
+        .arg(&file)
+        .output()
+        .expect("run collsched flight");
+    assert!(run.status.success(), "collsched flight failed: {}", String::from_utf8_lossy(&run.stderr));
+    serde_json::from_str(&std::fs::read_to_string(&file).expect("trace written")).expect("JSON")
+}
+
 #[test]
 fn a_collective_the_ranks_disagree_on_is_named_with_what_each_launched() {
     let dir = scratch("mismatch");
@@ -169,18 +184,7 @@ fn a_real_runs_collectives_become_a_chrome_trace_on_the_simulators_tracks() {
     for (r, o) in out.into_iter().enumerate() {
         o.expect("no panic").unwrap_or_else(|e| panic!("rank {r}: {e}"));
     }
-    let file = dir.join("trace.json");
-    let run = Command::new(env!("CARGO_BIN_EXE_collsched"))
-        .arg("flight")
-        .arg(&dir)
-        .arg("--quiet")
-        .arg("--trace-out")
-        .arg(&file)
-        .output()
-        .expect("run collsched");
-    assert!(run.status.success(), "collsched flight failed: {}", String::from_utf8_lossy(&run.stderr));
-    let trace: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&file).expect("trace written")).expect("JSON");
+    let trace = cli_trace(&dir);
     let events = trace["traceEvents"].as_array().expect("traceEvents");
     let spans: Vec<_> = events.iter().filter(|e| e["ph"] == "X").collect();
     // Three all-gathers a rank, each on the simulator's all-gather track of its rank.
@@ -222,18 +226,7 @@ fn the_demo_writes_every_ranks_flight_record_on_request() {
         assert!(dir.join(format!("rank-{r}.json")).is_file(), "rank {r}'s record");
     }
     assert!(cli_verdict(&dir).contains("no disagreement"), "{}", cli_verdict(&dir));
-    let file = dir.join("trace.json");
-    let out = Command::new(env!("CARGO_BIN_EXE_collsched"))
-        .arg("flight")
-        .arg(&dir)
-        .arg("--quiet")
-        .arg("--trace-out")
-        .arg(&file)
-        .output()
-        .expect("run collsched flight");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let trace: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&file).expect("trace written")).expect("JSON");
+    let trace = cli_trace(&dir);
     let spans: Vec<_> =
         trace["traceEvents"].as_array().expect("events").iter().filter(|e| e["ph"] == "X").collect();
     // The demo's table: per step "ag" and "rs" columns of rank 0 (all ranks issue the same).
