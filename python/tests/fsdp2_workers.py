@@ -320,7 +320,16 @@ def unsharding(rank: int, world: int) -> dict[str, Any]:
     out["live_end"] = cst.live_bytes(model)
     model.set_is_last_backward(False)
     model.set_reshard_after_backward(True)
-    out["keep_after_backward"] = error_text(lambda: model.set_reshard_after_backward(False))
+    out["not_bool"] = error_text(lambda: model.set_reshard_after_backward(0))
+    # Held from a backward under no_sync, full values in the modules, until reshard().
+    model.set_reshard_after_backward(False)
+    with model.no_sync():
+        models.loss_fn("mlp", model(x), y).backward()
+    out["held"] = (cst.live_bytes(model), tuple(block.weight.shape))
+    out["held_state_dict"] = error_text(lambda: model.state_dict())
+    for m in [model, *model.blocks]:
+        m.reshard()
+    out["released"] = (cst.live_bytes(model), tuple(block.weight.shape))
     return out
 
 

@@ -161,7 +161,10 @@ def test_unshard_and_reshard_between_steps():
         for n, diff in r["params"].items():
             assert diff <= 2e-7, f"rank {rank}: {n} differs from the reference by {diff}"
         assert r["live_end"] == 0, r["live_end"]
-        assert "set_reshard_after_backward(False)" in r["keep_after_backward"], r["keep_after_backward"]
+        assert "reshard_after_backward: 0; expected True" in r["not_bool"], r["not_bool"]
+        assert r["held"][0] > 0 and len(r["held"][1]) == 2, r["held"]
+        assert "set_reshard_after_backward(False) holds it" in r["held_state_dict"], r["held_state_dict"]
+        assert r["released"][0] == 0 and len(r["released"][1]) == 1, r["released"]
 
 
 def test_a_torchtitan_style_run_resumes_into_another_world_as_plain_pytorch(tmp_path):

@@ -19,7 +19,7 @@ def shard(model: torch.nn.Module, spec: dict[str, Any]) -> torch.nn.Module:
     cst.init(backend, **({"hybrid_group_size": hybrid} if backend == "cuda" else {}))
     if backend == "cuda":
         model.to(torch.device("cuda", torch.cuda.current_device()))
-    keys = ("strategy", "bucket_mb", "prefetch", "reduce_dtype", "auto_refresh_trainable")
+    keys = ("strategy", "bucket_mb", "prefetch", "reduce_dtype", "auto_refresh_trainable", "reshard_after_forward")
     opts = {k: spec[k] for k in keys if k in spec}
     if spec.get("mp"):
         opts["mp_policy"] = cst.MixedPrecisionPolicy(**spec["mp"])
@@ -77,8 +77,13 @@ def train(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
             a.set_modules_to_forward_prefetch([b])
             b.set_modules_to_backward_prefetch([a])
     opt = models.optimizer(spec.get("opt", "adamw"), model.parameters())
-    losses, after, stats, evals, norms = [], [], [], [], []
+    losses, after, stats, evals, norms, held = [], [], [], [], [], []
     micro_n = spec.get("micro", 1)
+    # FSDP2's set_reshard_after_backward: False on the whole model ("never"), or False but
+    # on the last micro-batch ("last", FSDP2's gradient accumulation).
+    keep = spec.get("reshard_after_backward")
+    if keep == "never":
+        model.set_reshard_after_backward(False)
     for step in range(spec["steps"]):
         frozen = spec.get("frozen", {}).get(step, [])
         for n, p in model.named_parameters():
@@ -90,6 +95,8 @@ def train(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
             x, y = models.batch(name, spec.get("seed", 0), step, micro, rank, dtype)
             if spec.get("backend") == "cuda":
                 x, y = x.cuda(), y.cuda()
+            if keep == "last":
+                model.set_reshard_after_backward(micro + 1 == micro_n)
             ctx = model.no_sync() if micro + 1 < micro_n else contextlib.nullcontext()
             with ctx:
                 with models.autocast(spec, x.device.type):
@@ -102,6 +109,7 @@ def train(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
                 else:
                     loss.backward()
             stats.append(cst.stats(model))
+            held.append(cst.live_bytes(model))
             row.append(loss.item())
             if spec.get("eval_between") and micro + 1 < micro_n:
                 with torch.no_grad():
@@ -125,6 +133,7 @@ def train(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
         "plan": plan,
         "live": live,
         "norms": norms,
+        "held": held,
     }
 
 

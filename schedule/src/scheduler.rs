@@ -177,6 +177,7 @@ impl Scheduler {
                 mask_pending: false,
                 my_bucket_users: vec![0; n_gather],
                 waited: vec![None; n_gather],
+                held_over: vec![false; n_gather],
                 pending: VecDeque::with_capacity(n_gather),
                 grad_arrived: vec![0; n_grad],
                 grad_buffer: vec![None; n_grad],
@@ -184,6 +185,7 @@ impl Scheduler {
                 reduce_slot: vec![NONE; n_grad],
                 reduces: Vec::with_capacity(n_grad),
                 grads_this_step: 0,
+                fetched_this_step: false,
                 no_sync: false,
                 counters: StepCounters::default(),
                 report: StepReport {
@@ -289,11 +291,19 @@ impl Scheduler {
         c.check_registry(registry)?;
         c.check_ids("fetch", params)?;
         let mut acquired = false;
+        c.fetched_this_step = true;
         for &p in params {
             let g = c.t.param_gather[p.index()] as usize;
             if c.my_bucket_users[g] == 0 {
                 acquired = true;
                 c.acquire(registry, g, out);
+                self.policy.observe_fetch(c.t.gather[g].id);
+                self.policy.take_skipped(&mut |b| c.discard_prefetch(registry, b, out));
+            } else if std::mem::take(&mut c.held_over[g]) {
+                // Held since the last step: gathered already, and where this step's order
+                // has it (the policy's replay goes on past it).
+                acquired = true;
+                c.counters.already_gathered += 1;
                 self.policy.observe_fetch(c.t.gather[g].id);
                 self.policy.take_skipped(&mut |b| c.discard_prefetch(registry, b, out));
             }
@@ -348,12 +358,17 @@ impl Scheduler {
             }
             let g = c.t.param_gather[p.index()] as usize;
             c.my_bucket_users[g] -= 1;
+            if c.my_bucket_users[g] == 0 {
+                c.held_over[g] = false;
+            }
             if registry.release_user(p, g, after) {
                 c.free_slot(registry, g, out);
                 freed = true;
             }
         }
-        if freed {
+        // Between steps (what the last step held, released) nothing is prefetched: the
+        // next step's first fetch starts its prefetching.
+        if freed && c.fetched_this_step {
             self.prefetch(registry, out);
         }
         Ok(())
@@ -501,6 +516,7 @@ impl Scheduler {
         }
         c.pending.clear();
         for (g, &u) in c.my_bucket_users.iter().enumerate() {
+            c.held_over[g] = u > 0;
             if u > 0 {
                 let held = c.t.gather[g].params.iter().filter(|p| c.my_users[p.index()] > 0);
                 c.report.held.extend(held);
@@ -544,6 +560,7 @@ impl Scheduler {
         c.grad_arrived.iter_mut().for_each(|x| *x = 0);
         c.grad_seen.iter_mut().for_each(|x| *x = false);
         c.grads_this_step = 0;
+        c.fetched_this_step = false;
         c.counters.drained_params = c.report.drained.len() as u64;
         c.counters.zero_filled_params = c.report.zero_filled.len() as u64;
         c.report.step = c.step;

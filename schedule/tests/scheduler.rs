@@ -998,3 +998,54 @@ fn placed_buckets_count_their_unpacked_copy_alone_through_a_refresh() {
     assert_eq!(r.reg.live_bytes(), input.gather[0].unpacked_bytes, "after the refresh");
     r.release(&first);
 }
+
+#[test]
+fn a_bucket_held_over_a_step_boundary_keeps_the_replay_in_order_and_releases_between_steps_prefetch_nothing() {
+    let cfg = SchedulerConfig { max_inflight: 1, ..SchedulerConfig::default() };
+    let mut r = rig(4, cfg);
+    let plan = r.plan.clone();
+    let b = |i: usize| plan.layout().gather_bucket_of(layer(i)[0]).unwrap();
+    let gathered = |a: &[Action]| launches(a).iter().map(|l| (l.id.bucket, l.prefetch)).collect::<Vec<_>>();
+    // Step 0 records the order; step 1 ends with layers 0 and 1 still fetched (an engine's
+    // reshard_after_backward=False keeps them into the next step).
+    for i in 0..4 {
+        r.fetch(&layer(i));
+        r.release(&layer(i));
+    }
+    r.end();
+    for i in 0..4 {
+        r.fetch(&layer(i));
+        if i >= 2 {
+            r.release(&layer(i));
+        }
+    }
+    r.end();
+    assert_eq!(r.s.last_step().held.len(), 2 * layer(0).len(), "{:?}", r.s.last_step());
+    r.out.clear();
+    // Step 2: the held layers are fetched again (nothing gathered) and their holds dropped;
+    // the replay goes on past them: layer 2 is prefetched once layer 1 is fetched.
+    r.fetch(&layer(0));
+    r.release(&layer(0));
+    r.release(&layer(0));
+    assert_eq!(gathered(&r.take()), [], "layer 1 is held: nothing to prefetch yet");
+    r.fetch(&layer(1));
+    assert_eq!(gathered(&r.take()), [(b(2), true)]);
+    r.release(&layer(1));
+    r.release(&layer(1));
+    r.fetch(&layer(2));
+    r.release(&layer(2));
+    r.fetch(&layer(3));
+    r.release(&layer(3));
+    let c = r.s.counters().clone();
+    assert_eq!((c.already_gathered, c.prefetch_hits, c.discarded_prefetches), (2, 2, 0), "{c:?}");
+    assert_eq!(c.all_gathers, 2, "{c:?}");
+    // Held over again, then released between steps: freed, and no prefetch launched.
+    r.fetch(&layer(0));
+    r.end();
+    r.out.clear();
+    r.release(&layer(0));
+    let a = r.take();
+    assert_eq!(gathered(&a), [], "a release between steps launched a gather");
+    assert_eq!(frees(&a).iter().map(|f| f.bucket).collect::<Vec<_>>(), [b(0)]);
+    assert_eq!(r.reg.live_bytes(), 0);
+}

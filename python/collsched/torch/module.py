@@ -97,11 +97,7 @@ class CollschedModule:
         made anew, which exchanges the plan's fingerprint)."""
         want = _reshard_flag(reshard_after_forward, "set_reshard_after_forward") is not False
         state = _state_of(self)  # type: ignore[arg-type]
-        units = [
-            m.__dict__["_collsched_u"]
-            for m in (self.modules() if recurse else [self])  # type: ignore[attr-defined]
-            if m.__dict__.get("_collsched_state") is state and "_collsched_u" in m.__dict__
-        ]
+        units = _units_under(self, state, recurse)
         if all(u.reshard == want for u in units):
             return
         if state.model is not None:
@@ -134,13 +130,29 @@ class CollschedModule:
         _state_of(self).last_backward = bool(is_last_backward)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
-        """FSDP2's method: True (release each unit after its backward) is what collsched does;
-        False (keep units gathered from one backward into the next forward) is refused."""
-        if not reshard_after_backward:
+        """FSDP2's method: whether this unit (and, with ``recurse``, the units under it) is
+        released after its backward (True, the default) or kept fetched, its full parameters
+        in its modules, into the next forward (False: that forward gathers nothing for it; its
+        buckets' memory held in between). Kept only across a backward that does not
+        synchronize (``no_sync``, ``set_requires_gradient_sync(False)``): after a synchronized
+        one the optimizer may step, so the unit is released and the next forward gathers the
+        new values (FSDP2 would keep the old ones). A load, a checkpoint and ``reshard()``
+        release what is held. FSDP2's gradient accumulation::
+
+            for i, batch in enumerate(micro_batches):
+                last = i == len(micro_batches) - 1
+                model.set_requires_gradient_sync(last)
+                model.set_reshard_after_backward(last)
+                model(batch).sum().backward()
+        """
+        if not isinstance(reshard_after_backward, bool):
             raise CollschedError(
-                "set_reshard_after_backward(False): units are released after their backward (the next forward "
-                "gathers them again); accumulate micro-batches with no_sync or set_requires_gradient_sync(False)"
+                f"set_reshard_after_backward: {reshard_after_backward!r}; expected True (release each unit "
+                "after its backward) or False (keep it fetched into the next forward)"
             )
+        state = _state_of(self)
+        for u in _units_under(self, state, recurse):
+            u.reshard_bwd = reshard_after_backward
 
     def refresh_trainable(self) -> bool:
         """Applies the parameters' ``requires_grad`` now (between steps); returns whether it
@@ -264,6 +276,15 @@ def _reshard_flag(value: Any, what: str) -> bool | None:
         "False (keep it fetched into its backward) or None (True); resharding to "
         "a smaller group of ranks (an int) is not supported"
     )
+
+
+def _units_under(module: Any, state: _State, recurse: bool) -> list[Any]:
+    """The units of ``state`` that are ``module`` or (``recurse``) under it."""
+    return [
+        m.__dict__["_collsched_u"]
+        for m in (module.modules() if recurse else [module])
+        if m.__dict__.get("_collsched_state") is state and "_collsched_u" in m.__dict__
+    ]
 
 
 def _state_of(module: nn.Module) -> _State:
@@ -454,5 +475,6 @@ def plan(module: nn.Module) -> dict[str, Any]:
 
 
 def live_bytes(module: nn.Module) -> int:
-    """Gathered bytes held on this rank for ``module``'s sharded model (0 between passes)."""
+    """Gathered bytes held on this rank for ``module``'s sharded model (0 between passes,
+    but for the units ``set_reshard_after_backward(False)`` holds after a no_sync backward)."""
     return int(_root_state(module).train.live_bytes)

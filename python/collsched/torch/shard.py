@@ -168,7 +168,11 @@ class _State:
             raise
 
     def reshard(self, unit: _Unit) -> None:
-        """``module.reshard()``: releases what :meth:`unshard` fetched."""
+        """``module.reshard()``: releases what :meth:`unshard` fetched, or what the last
+        backward held (``reshard_after_backward`` False)."""
+        if unit.held and self.phase == "idle":
+            self._release(unit)
+            return
         if not unit.manual:
             return
         unit.manual = False
@@ -179,7 +183,8 @@ class _State:
     def reshard_all(self) -> None:
         """Releases every unit :meth:`unshard` fetched (a pass, or a gather of everything, starts)."""
         for u in self.units:
-            self.reshard(u)
+            if u.manual:
+                self.reshard(u)
 
     def unit_index(self, module: nn.Module) -> int:
         for i, u in enumerate(self.units):
@@ -311,13 +316,14 @@ class _State:
         """Fetches ``unit`` for a forward (unless a call around this one holds it fetched,
         which releases it) and, in training, watches its arguments for its post-backward."""
         args, kwargs = self._cast_inputs(args, kwargs)
-        if unit.fetched is not None and (not unit.kept or self.engine is not self.train):
-            # Held by a call around this one, or kept for its backward (an evaluation pass
-            # between a forward and its backward leaves it so).
+        held = unit.held and self.engine is self.train
+        if unit.fetched is not None and not held and (not unit.kept or self.engine is not self.train):
+            # Held by a call around this one, kept for its backward, or held since the last
+            # backward (an evaluation pass leaves those so).
             return args, kwargs
         unit.kept = False
         t0 = _clock()
-        native = self._fetch(unit, self.engine, swap=True)
+        native = self._take_held(unit) if held else self._fetch(unit, self.engine, swap=True)
         training = self.engine is self.train and torch.is_grad_enabled()
         frame.entered.append((unit, training))
         if training:
@@ -437,6 +443,36 @@ class _State:
             self._swap_in(unit)
         return native
 
+    def _take_held(self, unit: _Unit) -> float:
+        """A training forward of a unit held since the last backward: fetched again (nothing
+        is gathered: its buffers are live; the schedule sees the fetch in its order), then the
+        backward's hold dropped. Returns the seconds spent in the library."""
+        engine = unit.fetched
+        unit.fetched = None
+        unit.held = False
+        native = self._fetch(unit, self.train, swap=True)
+        t0 = _clock()
+        engine.release(unit.ids)
+        return native + _clock() - t0
+
+    def _after_backward(self, unit: _Unit) -> float:
+        """``unit``'s backward is over: released, or held into the next forward where its
+        ``reshard_after_backward`` is False and this backward does not synchronize (after a
+        synchronized one the optimizer may step: the next forward gathers its new values).
+        Returns the seconds spent in the library."""
+        if unit.fetched is self.train and not unit.reshard_bwd and not self.sync:
+            unit.held = True
+            unit.kept = False
+            return 0.0
+        return self._release(unit)
+
+    def drop_held(self) -> None:
+        """Releases the units held since the last backward (a load writes the shards, a
+        checkpoint or a new engine wants nothing fetched). Every rank holds the same units."""
+        for u in self.units:
+            if u.held:
+                self._release(u)
+
     def _swap_in(self, unit: _Unit) -> None:
         for params, name, full, _ in unit.swaps:
             params[name] = full
@@ -447,6 +483,7 @@ class _State:
         library."""
         engine = unit.fetched
         unit.kept = False
+        unit.held = False
         if engine is None:
             return 0.0
         if unit.swapped:
@@ -619,7 +656,7 @@ class _State:
             self._begin_backward()
         native, done = self._hand(unit.grads)
         if done:
-            native += self._release(unit)
+            native += self._after_backward(unit)
         self.host_s += _clock() - t0 - native
 
     def _end_backward(self) -> None:
@@ -628,7 +665,7 @@ class _State:
         for unit in self.units:
             native += self._hand(unit.grads)[0]
         for unit in self.units:
-            native += self._release(unit)
+            native += self._after_backward(unit)
         self.queued = False
         self.phase = "idle"
         self.host_s += _clock() - t0 - native

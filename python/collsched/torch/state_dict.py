@@ -63,7 +63,8 @@ def _sharded(module: nn.Module, what: str) -> list[tuple[str, Any, _Param]]:
         if found is None:
             raise CollschedError(
                 f"{what}: {type(module).__name__}.{name} holds its full value: a forward or backward is running, "
-                "or unshard() was called without reshard(); call it between steps, after reshard()"
+                "unshard() was called without reshard(), or set_reshard_after_backward(False) holds it since a "
+                "backward under no_sync; call it between synchronized steps, after reshard()"
             )
         st, p = found
         if st.model is None:

@@ -94,6 +94,8 @@ class _Unit:
         "grads",
         "reshard",
         "kept",
+        "reshard_bwd",
+        "held",
         "manual",
         "output_dtype",
     )
@@ -122,6 +124,11 @@ class _Unit:
         # into the backward (False; ``kept`` while so held).
         self.reshard = True
         self.kept = False
+        # ``reshard_after_backward``: released after its backward (True), or kept fetched from
+        # a backward that did not synchronize into the next forward (False; ``held`` while so
+        # held, its full parameters left in its modules, as FSDP2 leaves them).
+        self.reshard_bwd = True
+        self.held = False
         # Fetched by ``module.unshard()`` (between steps, for reading) until ``reshard()``.
         self.manual = False
         # Mixed precision's output_dtype of this unit's own fully_shard call, or None.

@@ -35,6 +35,9 @@ pub(super) struct Core {
     // per gather bucket
     pub(super) my_bucket_users: Vec<u32>,
     pub(super) waited: Vec<Option<LaunchId>>,
+    /// Fetched when a step ended and not fetched since: its next fetch is the new step's
+    /// first use of it (the engine kept it across the boundary), told to the policy.
+    pub(super) held_over: Vec<bool>,
     /// This scheduler's unused prefetches, oldest first (fetches usually hit the front;
     /// evictions take the back).
     pub(super) pending: VecDeque<u32>,
@@ -48,6 +51,8 @@ pub(super) struct Core {
     /// The step's reduce launches in launch order, with their completion.
     pub(super) reduces: Vec<(LaunchId, bool)>,
     pub(super) grads_this_step: usize,
+    /// A fetch came since the last step ended (a release between steps prefetches nothing).
+    pub(super) fetched_this_step: bool,
     pub(super) no_sync: bool,
     pub(super) counters: StepCounters,
     pub(super) report: StepReport,
