@@ -439,7 +439,14 @@ def resharding(rank: int, world: int, spec: dict[str, Any], mode: str) -> dict[s
         out["losses"].append([loss.item()])
         out["params"].append(workers.snapshot(cst.full_parameters(model)))
     out["plan"] = cst.plan(model)
-    out["int"] = error_text(lambda: model.set_reshard_after_forward(2))
+    # FSDP2's int: the number of ranks resharded to (the world is True, 1 is False).
+    state = model.__dict__["_collsched_state"]
+    out["int"] = error_text(lambda: model.set_reshard_after_forward(world + 1))
+    model.set_reshard_after_forward(world)
+    out["int_world"] = [u.reshard for u in state.units]
+    model.set_reshard_after_forward(1)
+    out["int_one"] = [u.reshard for u in state.units]
+    out["zero"] = error_text(lambda: cst.fully_shard(models.build("gpt", 0), reshard_after_forward=0))
     return out
 
 

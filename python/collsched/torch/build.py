@@ -220,7 +220,7 @@ def build(st: _State) -> None:
             users[pid] = users.get(pid, 0) + 1
     for u in st.units:
         u.module.__dict__["_collsched_u"] = u
-        u.reshard = u.module.__dict__.get("_collsched_reshard") is not False
+        u.reshard = after_forward(u.module.__dict__.get("_collsched_reshard"), st, "fully_shard")
         u.swaps = [(m._parameters, name, st.params[pid].full, st.params[pid].shard) for m, name, pid in u.slots]
         u.shared = any(users[pid] > 1 for pid in u.ids)
         u.known = [0] * len(u.ids)
@@ -260,3 +260,23 @@ def _no_values(w: Any, metas: dict[str, bool], sync_module_states: bool) -> bool
             "the meta device (then load its values with load_state_dict or set_model_state_dict) or none of it"
         )
     return True
+
+
+def after_forward(value: Any, st: _State, what: str) -> bool:
+    """Whether a unit is released after its training forward, from its
+    ``reshard_after_forward``: None or True yes, False no; an int as FSDP2 reads it, the
+    number of ranks the parameters are resharded to: the shard group's size (the world, or
+    ``G`` of ``hybrid:G``) is True, 1 (a full copy kept) is False; any other is refused."""
+    if value is None or isinstance(value, bool):
+        return value is not False
+    strategy = st.opts["strategy"]
+    size = int(strategy.split(":")[1]) if strategy.startswith("hybrid:") else st.world.world
+    if value == size:
+        return True
+    if value == 1:
+        return False
+    raise CollschedError(
+        f"{what}: reshard_after_forward={value}: the parameters are sharded over {size} ranks; collsched "
+        f"reshards after the forward to all {size} (True, or {size}) or keeps the full values (False, or 1): "
+        f"resharding to {value} of them is not supported; pass True or False"
+    )

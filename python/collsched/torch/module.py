@@ -16,6 +16,7 @@ from torch import nn
 
 from .._native import CollschedError
 from . import optim_state, state_dict, values
+from .build import after_forward
 from .shard import _State
 from .world import _FROM_TORCH, _TO_TORCH
 
@@ -89,14 +90,15 @@ class CollschedModule:
         finally:
             state.sync = before
 
-    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+    def set_reshard_after_forward(self, reshard_after_forward: bool | int, recurse: bool = True) -> None:
         """Whether this unit (and, with ``recurse``, the units under it) is released after its
         training forward (True) or kept fetched into its backward (False: no second gather,
         its full parameters held meanwhile). FSDP2's method of the same name. Between steps, and
         collective where it changes the setting: every rank calls it alike (the training engine is
         made anew, which exchanges the plan's fingerprint)."""
-        want = _reshard_flag(reshard_after_forward, "set_reshard_after_forward") is not False
+        flag = _reshard_flag(reshard_after_forward, "set_reshard_after_forward")
         state = _state_of(self)  # type: ignore[arg-type]
+        want = after_forward(flag, state, "set_reshard_after_forward")
         units = _units_under(self, state, recurse)
         if all(u.reshard == want for u in units):
             return
@@ -268,13 +270,13 @@ def _ignored(module: nn.Module, params: Any) -> list[nn.Parameter]:
     return given
 
 
-def _reshard_flag(value: Any, what: str) -> bool | None:
-    if value is None or isinstance(value, bool):
+def _reshard_flag(value: Any, what: str) -> bool | int | None:
+    if value is None or isinstance(value, bool) or (isinstance(value, int) and value >= 1):
         return value
     raise CollschedError(
         f"{what}: reshard_after_forward={value!r}; expected True (release each unit after its forward), "
-        "False (keep it fetched into its backward) or None (True); resharding to "
-        "a smaller group of ranks (an int) is not supported"
+        "False (keep it fetched into its backward), None (True) or a number of ranks (FSDP2's int: the shard "
+        "group's size is True, 1 is False)"
     )
 
 
@@ -305,7 +307,7 @@ def fully_shard(
     reduce_dtype: Any = None,
     auto_refresh_trainable: bool = True,
     sync_module_states: bool = False,
-    reshard_after_forward: bool | None = None,
+    reshard_after_forward: bool | int | None = None,
     mp_policy: Any = None,
     ignored_params: Any = None,
     mesh: Any = None,
@@ -345,7 +347,8 @@ def fully_shard(
     0's values (give it to the units' calls too: a unit's shards are cut when it is sharded);
     ``reshard_after_forward`` (``None`` or True: release the module's unit after its training
     forward; False: keep it fetched into its backward, one gather fewer, its full parameters
-    held from forward to backward) is this call's module's own, kept when a root's call
+    held from forward to backward; an int, FSDP2's number of ranks to reshard to: the shard
+    group's size is True, 1 is False, others are refused) is this call's module's own, kept when a root's call
     re-plans the units (FSDP2's ``None`` keeps the root fetched: pass False on the root for
     that); ``mp_policy`` (``None``: none) a :class:`MixedPrecisionPolicy` (this package's or
     FSDP2's): gathers in its ``param_dtype`` with f32 shards for the optimizer, and its
