@@ -11,6 +11,8 @@ use std::os::raw::c_int;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::ffi;
+use pyo3::intern;
+use pyo3::types::PyString;
 use pyo3::prelude::*;
 
 /// The DLPack structures this file exports (DLPack's unversioned ABI, `dlpack.h` v0.8: what
@@ -319,31 +321,50 @@ pub struct TensorSpan {
 /// DLPack's `kDLCUDAHost`: page-locked host memory, readable by the host.
 const DL_CUDA_HOST: i32 = 3;
 
-/// Where tensor `t` lies, by its own account: `__dlpack_device__()` (DLPack's device type and
-/// ordinal, which torch and every array library answer), `data_ptr()` and `nbytes`. `what`
-/// names the tensor in errors (e.g. "parameter h.0.weight's initial value").
+/// Where tensor `t` lies, by its own account: a torch tensor's `is_cuda` / `is_cpu` and
+/// `get_device()` (attribute reads in C, a twentieth of the next one's cost: this runs for
+/// every gradient and every collective's tensor), otherwise `__dlpack_device__()` (DLPack's
+/// device type and ordinal, which torch and every array library answer); then `data_ptr()`
+/// and `nbytes`. `what` names the tensor in errors (e.g. "parameter h.0.weight's initial
+/// value").
 ///
 /// # Errors
 /// A tensor that is not contiguous, or on a device that is neither the host nor CUDA.
 pub fn tensor_span(t: &Bound<'_, PyAny>, what: &str) -> PyResult<TensorSpan> {
-    let (kind, ordinal): (i32, i64) = t.call_method0("__dlpack_device__")?.extract()?;
-    let device = match kind {
-        dl::CPU | DL_CUDA_HOST => None,
-        dl::CUDA => Some(usize::try_from(ordinal).map_err(|_| {
-            PyValueError::new_err(format!("{what}: CUDA device ordinal {ordinal} is not a device"))
-        })?),
-        other => {
-            return Err(PyValueError::new_err(format!(
-                "{what}: on a device of DLPack type {other}; collsched takes host (CPU) and CUDA tensors"
-            )))
+    let py = t.py();
+    let flag = |name: &Bound<'_, PyString>| t.getattr(name).and_then(|v| v.extract::<bool>()).ok();
+    let device = match (flag(intern!(py, "is_cuda")), flag(intern!(py, "is_cpu"))) {
+        (Some(true), _) => {
+            let ordinal: i64 = t.call_method0(intern!(py, "get_device"))?.extract()?;
+            Some(cuda_ordinal(ordinal, what)?)
         }
+        (Some(false), Some(true)) => None,
+        _ => dlpack_device(t, what)?,
     };
-    if !t.call_method0("is_contiguous")?.extract::<bool>()? {
+    if !t.call_method0(intern!(py, "is_contiguous"))?.extract::<bool>()? {
         return Err(PyValueError::new_err(format!("{what}: not contiguous; pass t.contiguous()")));
     }
-    let addr = t.call_method0("data_ptr")?.extract()?;
-    let len = t.getattr("nbytes")?.extract()?;
+    let addr = t.call_method0(intern!(py, "data_ptr"))?.extract()?;
+    let len = t.getattr(intern!(py, "nbytes"))?.extract()?;
     Ok(TensorSpan { addr, len, device })
+}
+
+/// The device of `t` by DLPack's `__dlpack_device__()`: `None` for the host, or a CUDA
+/// ordinal; any other device is refused, named by its DLPack type.
+fn dlpack_device(t: &Bound<'_, PyAny>, what: &str) -> PyResult<Option<usize>> {
+    let (kind, ordinal): (i32, i64) = t.call_method0("__dlpack_device__")?.extract()?;
+    match kind {
+        dl::CPU | DL_CUDA_HOST => Ok(None),
+        dl::CUDA => Ok(Some(cuda_ordinal(ordinal, what)?)),
+        other => Err(PyValueError::new_err(format!(
+            "{what}: on a device of DLPack type {other}; collsched takes host (CPU) and CUDA tensors"
+        ))),
+    }
+}
+
+fn cuda_ordinal(ordinal: i64, what: &str) -> PyResult<usize> {
+    usize::try_from(ordinal)
+        .map_err(|_| PyValueError::new_err(format!("{what}: CUDA device ordinal {ordinal} is not a device")))
 }
 
 /// The place of a device name for messages: `cpu` or `cuda:N`.

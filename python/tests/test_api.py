@@ -161,7 +161,7 @@ def test_tensors_are_read_by_their_own_account_of_their_device():
     fully_shard gathered on the GPU, a gradient, a saved state) is refused, named, where it was
     read as host memory (a crash on a GPU); so is a strided one."""
     for r in run(workers.tensors_by_their_device, 2):
-        for key in ("init_on_cuda", "grad_on_cuda", "save_on_cuda"):
+        for key in ("init_on_cuda", "grad_on_cuda", "grad_dlpack_on_cuda", "save_on_cuda"):
             assert "on cuda:0" in r[key] and "host memory" in r[key], (key, r[key])
         assert "parameter b's initial value" in r["init_on_cuda"], r["init_on_cuda"]
         assert "parameter id 1's gradient" in r["grad_on_cuda"], r["grad_on_cuda"]

@@ -319,10 +319,10 @@ def shard_views(rank: int, world: int) -> dict[str, Any]:
     return {"sizes": sizes, "full": snapshot(cst.full_parameters(model)), "plan": cst.plan(model)}
 
 
-class OnCuda:
-    """A tensor that says it lies on CUDA device 0, as a CUDA tensor of torch answers, over
-    host bytes: what the library must refuse to read as host memory (it reads no further
-    than the tensor's own account)."""
+class DlpackOnCuda:
+    """An array that says (through DLPack alone, as another library's array answers) it lies
+    on CUDA device 0, over host bytes: what the library must refuse to read as host memory
+    (it reads no further than the array's own account)."""
 
     def __init__(self, t: torch.Tensor) -> None:
         self._t = t
@@ -339,6 +339,17 @@ class OnCuda:
     @property
     def nbytes(self) -> int:
         return self._t.nbytes
+
+
+class OnCuda(DlpackOnCuda):
+    """:class:`DlpackOnCuda` answering as a CUDA tensor of torch does (``is_cuda``,
+    ``get_device()``: what the library reads first)."""
+
+    is_cuda = True
+    is_cpu = False
+
+    def get_device(self) -> int:
+        return 0
 
 
 def tensors_by_their_device(rank: int, world: int) -> dict[str, str]:
@@ -369,6 +380,7 @@ def tensors_by_their_device(rank: int, world: int) -> dict[str, str]:
     engine.fetch([0, 1])
     engine.release([0, 1])
     out["grad_on_cuda"] = error(lambda: engine.grad_ready_many([(0, torch.zeros(24)), (1, OnCuda(torch.zeros(6)))]))
+    out["grad_dlpack_on_cuda"] = error(lambda: engine.grad_ready(1, DlpackOnCuda(torch.zeros(6))))
     out["grad_strided"] = error(lambda: engine.grad_ready(0, torch.zeros(6, 4).t()))
     out["save_on_cuda"] = error(
         lambda: model.save("/nonexistent-collsched-dir", 0, [("m", 0, "f32", OnCuda(b_init))], "{}")
