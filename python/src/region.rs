@@ -12,8 +12,8 @@ use std::os::raw::c_int;
 use pyo3::exceptions::PyValueError;
 use pyo3::ffi;
 use pyo3::intern;
-use pyo3::types::PyString;
 use pyo3::prelude::*;
+use pyo3::types::PyString;
 
 /// The DLPack structures this file exports (DLPack's unversioned ABI, `dlpack.h` v0.8: what
 /// every consumer reads, torch's `from_dlpack` included).

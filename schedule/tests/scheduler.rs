@@ -1000,7 +1000,8 @@ fn placed_buckets_count_their_unpacked_copy_alone_through_a_refresh() {
 }
 
 #[test]
-fn a_bucket_held_over_a_step_boundary_keeps_the_replay_in_order_and_releases_between_steps_prefetch_nothing() {
+fn a_bucket_held_over_a_step_boundary_keeps_the_replay_in_order_and_releases_between_steps_prefetch_nothing()
+{
     let cfg = SchedulerConfig { max_inflight: 1, ..SchedulerConfig::default() };
     let mut r = rig(4, cfg);
     let plan = r.plan.clone();
