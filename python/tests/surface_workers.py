@@ -447,6 +447,12 @@ def resharding(rank: int, world: int, spec: dict[str, Any], mode: str) -> dict[s
     model.set_reshard_after_forward(1)
     out["int_one"] = [u.reshard for u in state.units]
     out["zero"] = error_text(lambda: cst.fully_shard(models.build("gpt", 0), reshard_after_forward=0))
+    # Refused by fully_shard itself before anything changes: the module is left unsharded.
+    other = models.build("gpt", 0)
+    out["ctor_int"] = error_text(lambda: cst.fully_shard(other, reshard_after_forward=world + 1))
+    out["ctor_int_unchanged"] = [tuple(p.shape) for p in other.parameters()] == [
+        tuple(p.shape) for p in models.build("gpt", 0).parameters()
+    ] and "_collsched_u" not in other.__dict__
     return out
 
 

@@ -165,6 +165,7 @@ def test_unshard_and_reshard_between_steps():
         assert r["held"][0] > 0 and len(r["held"][1]) == 2, r["held"]
         assert "set_reshard_after_backward(False) holds it" in r["held_state_dict"], r["held_state_dict"]
         assert r["released"][0] == 0 and len(r["released"][1]) == 1, r["released"]
+        assert r["after_hold"] <= 1e-6, r["after_hold"]
 
 
 def test_a_torchtitan_style_run_resumes_into_another_world_as_plain_pytorch(tmp_path):

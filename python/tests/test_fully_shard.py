@@ -169,16 +169,23 @@ def test_mixed_precision_checkpoint_keeps_the_f32_masters(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "keep, forward, backend",
-    [("last", None, "shm"), ("never", None, "shm"), ("last", False, "shm"), ("never", False, "emulated")],
+    "keep, forward, backend, recompute",
+    [
+        ("last", None, "shm", None),
+        ("never", None, "shm", None),
+        ("last", False, "shm", None),
+        ("never", False, "emulated", None),
+        ("last", None, "shm", ("wrapper", False)),
+    ],
 )
-def test_reshard_after_backward_false_keeps_units_between_micro_batches(keep, forward, backend):
+def test_reshard_after_backward_false_keeps_units_between_micro_batches(keep, forward, backend, recompute):
     """FSDP2's ``set_reshard_after_backward(False)`` with no_sync micro-batches: a unit stays
     gathered from a backward that does not synchronize into the next forward, which gathers
     nothing for it (nor its backward, with ``reshard_after_forward=False``); after the
     synchronized backward everything is released (``never``: the flag stays False, and the
     next step still gathers the optimizer's new values). An evaluation pass between
-    micro-batches reads the held values. Against plain PyTorch, exactly."""
+    micro-batches reads the held values; activation checkpointing recomputes on them. Against
+    plain PyTorch, exactly."""
     spec = {
         "model": "gpt",
         "steps": 3,
@@ -189,10 +196,14 @@ def test_reshard_after_backward_false_keeps_units_between_micro_batches(keep, fo
         "reshard_after_forward": forward,
         "eval_between": True,
         "backend": backend,
+        "recompute": recompute,
     }
     runs = run(workers.train, 2, spec)
-    parity.check(runs, models.reference(spec, 2))
+    ref = models.reference(spec, 2)
+    parity.check(runs, ref)
     for rank, r in enumerate(runs):
+        assert len(r["evals"]) == len(ref["evals"][rank]) == 2 * 3, r["evals"]
+        torch.testing.assert_close(torch.tensor(r["evals"]), torch.tensor(ref["evals"][rank]), rtol=1e-6, atol=1e-7)
         gather = [b for b in r["plan"]["buckets"] if b["kind"] == "gather"]
         g = len(gather)
         assert g > 2, r["plan"]
@@ -208,4 +219,3 @@ def test_reshard_after_backward_false_keeps_units_between_micro_batches(keep, fo
             synced = i % 3 == 2
             assert (b == 0) if synced else b > 0, f"rank {rank} micro-batch {i}: {b} bytes held: {r['held']}"
         assert r["held"][0] == r["held"][1], r["held"]
-        assert len(r["evals"]) == 2 * 3, r["evals"]

@@ -719,6 +719,8 @@ def test_reshard_after_forward_keeps_units_fetched_into_their_backward(mode):
         assert r["int_world"] == [True] * len(r["int_world"]) and len(r["int_world"]) > 2, r["int_world"]
         assert r["int_one"] == [False] * len(r["int_world"]), r["int_one"]
         assert "reshard_after_forward=0; expected" in r["zero"], r["zero"]
+        assert "reshard_after_forward=3: the parameters are sharded over 2 ranks" in r["ctor_int"], r["ctor_int"]
+        assert r["ctor_int_unchanged"], "a refused fully_shard left the module changed"
 
 
 def test_mixed_precision_policy_casts_where_fsdp2_does(tmp_path):

@@ -33,7 +33,9 @@ How it works (one rank):
   fetched until the unit's backward is done. Its tensor arguments that need a gradient pass
   through an autograd function in the forward, whose backward runs once the unit's backward
   is done (FSDP2's post-backward hook): then the unit's accumulated gradients go to the library in one call, gradient
-  buckets are reduce-scattered as they fill, and the unit is released. Gradients not in by
+  buckets are reduce-scattered as they fill, and the unit is released (or, with
+  ``set_reshard_after_backward(False)`` and a backward under no_sync, held into the next
+  forward). Gradients not in by
   then (a tied parameter's, a unit without such arguments, the root) go at the end of the
   backward, when the step ends and each shard's ``.grad`` gets the reduced (mean over ranks)
   gradient of its elements, added to what is there (``zero_grad`` as usual).

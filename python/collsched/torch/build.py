@@ -24,6 +24,9 @@ def build(st: _State) -> None:
     """Builds ``st``'s sharded model: its units and parameters from the modules, the plan,
     the library's model and engines, the shards in the modules."""
     w = st.world
+    for m in st.root.modules():
+        # An int refused before anything changes (FSDP2 checks it in fully_shard).
+        after_forward(m.__dict__.get("_collsched_reshard"), st, "fully_shard")
     if w.kind == "cuda":
         st.device = torch.device("cuda", torch.cuda.current_device())
     st.on_device = w.kind in ("cuda", "emulated")
@@ -221,6 +224,7 @@ def build(st: _State) -> None:
     for u in st.units:
         u.module.__dict__["_collsched_u"] = u
         u.reshard = after_forward(u.module.__dict__.get("_collsched_reshard"), st, "fully_shard")
+        u.reshard_bwd = u.module.__dict__.get("_collsched_reshard_bwd", True)
         u.swaps = [(m._parameters, name, st.params[pid].full, st.params[pid].shard) for m, name, pid in u.slots]
         u.shared = any(users[pid] > 1 for pid in u.ids)
         u.known = [0] * len(u.ids)
@@ -266,15 +270,16 @@ def after_forward(value: Any, st: _State, what: str) -> bool:
     """Whether a unit is released after its training forward, from its
     ``reshard_after_forward``: None or True yes, False no; an int as FSDP2 reads it, the
     number of ranks the parameters are resharded to: the shard group's size (the world, or
-    ``G`` of ``hybrid:G``) is True, 1 (a full copy kept) is False; any other is refused."""
+    ``G`` of ``hybrid:G``) is True, 1 (a full copy kept) is False (first, as FSDP2 reads it);
+    any other is refused."""
     if value is None or isinstance(value, bool):
         return value is not False
     strategy = st.opts["strategy"]
     size = int(strategy.split(":")[1]) if strategy.startswith("hybrid:") else st.world.world
-    if value == size:
-        return True
     if value == 1:
         return False
+    if value == size:
+        return True
     raise CollschedError(
         f"{what}: reshard_after_forward={value}: the parameters are sharded over {size} ranks; collsched "
         f"reshards after the forward to all {size} (True, or {size}) or keeps the full values (False, or 1): "

@@ -23,7 +23,9 @@ MASTER = "collsched.master"
 
 
 def _between_steps(state: _State, what: str) -> None:
-    state.drop_held()
+    if state.phase == "idle":
+        # What set_reshard_after_backward(False) held since the last backward.
+        state.drop_held()
     if state.phase != "idle" or any(u.fetched is not None for u in state.units):
         raise CollschedError(f"{what}: call it between steps (after the optimizer's step), not inside a pass")
 

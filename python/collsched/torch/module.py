@@ -121,8 +121,10 @@ class CollschedModule:
         return UnshardHandle() if async_op else None
 
     def reshard(self) -> None:
-        """FSDP2's ``reshard``: releases what :meth:`unshard` gathered (its shards back in its
-        modules); nothing otherwise. Collective where it releases."""
+        """FSDP2's ``reshard``: releases what :meth:`unshard` gathered, or what
+        ``set_reshard_after_backward(False)`` held since the last backward (its shards back in
+        its modules); nothing otherwise. Call it on every rank alike: a unit released on some
+        ranks only is gathered by the next forward on those alone."""
         _root_state(self).reshard(self.__dict__["_collsched_u"])  # type: ignore[arg-type]
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
@@ -138,8 +140,11 @@ class CollschedModule:
         buckets' memory held in between). Kept only across a backward that does not
         synchronize (``no_sync``, ``set_requires_gradient_sync(False)``): after a synchronized
         one the optimizer may step, so the unit is released and the next forward gathers the
-        new values (FSDP2 would keep the old ones). A load, a checkpoint and ``reshard()``
-        release what is held. FSDP2's gradient accumulation::
+        new values (FSDP2 would keep the old ones). ``reshard()`` (on every rank alike),
+        ``save_checkpoint``, ``load_checkpoint``, ``full_state_dict`` and ``save_full`` release
+        what is held; ``state_dict()`` and ``load_state_dict()`` refuse while units are held
+        (as between no_sync micro-batches). Held buckets count against the gathered-memory
+        budget, as a prefetch does. FSDP2's gradient accumulation::
 
             for i, batch in enumerate(micro_batches):
                 last = i == len(micro_batches) - 1
@@ -155,6 +160,8 @@ class CollschedModule:
         state = _state_of(self)
         for u in _units_under(self, state, recurse):
             u.reshard_bwd = reshard_after_backward
+            # Kept where a root's fully_shard, re-planning the units, finds it.
+            u.module.__dict__["_collsched_reshard_bwd"] = reshard_after_backward
 
     def refresh_trainable(self) -> bool:
         """Applies the parameters' ``requires_grad`` now (between steps); returns whether it
@@ -407,6 +414,7 @@ def fully_shard(
         "offload": opts_offload,
     }
     state = _State(module, opts)
+    after_forward(module.__dict__["_collsched_reshard"], state, "fully_shard")
     _mark(module)
     state.build()
     for unit in state.units:

@@ -463,6 +463,10 @@ class _State:
         if unit.fetched is self.train and not unit.reshard_bwd and not self.sync:
             unit.held = True
             unit.kept = False
+            if not unit.swapped:
+                # Fetched for a saved tensor alone: its full values go in its modules too,
+                # where a pass that skips fetching it (an evaluation) reads them.
+                self._swap_in(unit)
             return 0.0
         return self._release(unit)
 

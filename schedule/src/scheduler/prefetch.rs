@@ -1,8 +1,8 @@
 //! Prefetch policies: what to gather ahead of the engine's fetches.
 //!
 //! # Design note: prefetch
-//! A policy only *proposes*: after each fetch (and after each release that freed memory) the
-//! scheduler asks it for candidates, best first, and launches each one that is not gathered
+//! A policy only *proposes*: after each fetch (and after each release that freed memory, but
+//! between steps, where nothing is prefetched) the scheduler asks it for candidates, best first, and launches each one that is not gathered
 //! yet while the budgets allow (`prefetch_bytes`, `max_inflight`, `max_live_bytes`), stopping
 //! at the first one that does not fit (so the order of the proposal is kept). The first bucket
 //! ahead is always admitted by `prefetch_bytes` (a bucket larger than the budget is still

@@ -36,7 +36,9 @@ pub(super) struct Core {
     pub(super) my_bucket_users: Vec<u32>,
     pub(super) waited: Vec<Option<LaunchId>>,
     /// Fetched when a step ended and not fetched since: its next fetch is the new step's
-    /// first use of it (the engine kept it across the boundary), told to the policy.
+    /// first use of it (the engine kept it across the boundary), told to the policy. Per
+    /// bucket: of two units sharing a held bucket (a tied parameter) the first fetch is told,
+    /// the second is not (as within a step).
     pub(super) held_over: Vec<bool>,
     /// This scheduler's unused prefetches, oldest first (fetches usually hit the front;
     /// evictions take the back).
