@@ -195,11 +195,16 @@ pub fn run(args: SimArgs) -> Result<ExitCode, CliError> {
 
 /// The table of `--against`: one row per rank and collective track.
 fn write_against(out: &mut impl Write, rows: &[against::TrackCompare], path: &Path) -> io::Result<()> {
-    writeln!(out, "against {} (matched by order on each track; times in us):", path.display())?;
     writeln!(
         out,
-        "  {:>4} {:<14} {:>6} {:>6} {:>12} {:>12} {:>10}  largest difference",
-        "rank", "track", "sim n", "real n", "sim busy", "real busy", "real/sim"
+        "against {} (matched by bucket and occurrence, or by order where the real names carry no bucket of the \
+         simulation's; times in us):",
+        path.display()
+    )?;
+    writeln!(
+        out,
+        "  {:>4} {:<14} {:>6} {:>6} {:>6} {:<6} {:>12} {:>12} {:>10}  largest difference",
+        "rank", "track", "sim n", "real n", "pairs", "by", "sim busy", "real busy", "real/sim"
     )?;
     for r in rows {
         let ratio =
@@ -210,22 +215,31 @@ fn write_against(out: &mut impl Write, rows: &[against::TrackCompare], path: &Pa
         );
         writeln!(
             out,
-            "  {:>4} {:<14} {:>6} {:>6} {:>12.1} {:>12.1} {:>10}  {worst}",
+            "  {:>4} {:<14} {:>6} {:>6} {:>6} {:<6} {:>12.1} {:>12.1} {:>10}  {worst}",
             r.rank,
             against::LANES[r.lane],
             r.sim_count,
             r.real_count,
+            r.pairs,
+            match r.matching {
+                against::Matching::Bucket => "bucket",
+                against::Matching::Order => "order",
+            },
             r.sim_busy_us,
             r.real_busy_us,
             ratio
         )?;
     }
-    if rows.iter().any(|r| r.sim_count != r.real_count) {
+    if rows.iter().any(|r| r.matching == against::Matching::Order && r.sim_count != r.real_count) {
         writeln!(
             out,
             "  the counts differ on some track: past a collective one side lacks, the pairs matched by order are not \
              the same collective"
         )?;
+    }
+    if rows.iter().any(|r| r.matching == against::Matching::Bucket && r.pairs < r.sim_count.max(r.real_count))
+    {
+        writeln!(out, "  some collectives have no match on the other side (left out of the pairs)")?;
     }
     Ok(())
 }

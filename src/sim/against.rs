@@ -2,10 +2,14 @@
 //!
 //! The real trace is Chrome trace JSON on the simulator's tracks (`collsched flight DIR
 //! --trace-out`: `pid` = rank, `tid` 1 all-gather, 2 reduce-scatter, `"X"` events in
-//! microseconds). On each rank's collective track the k-th real collective is matched with the
-//! k-th simulated one (a stream runs its collectives in order); [`compare`] sums each track's
-//! busy time on both sides and names the pair that differs most (where the counts differ, pairs
-//! past a missing collective are not the same one: the table says so), and [`overlay`] adds the
+//! microseconds). On each rank's collective track a real collective named `... bucket B` is
+//! matched with the simulated one of bucket `B` of the same occurrence (the k-th gather of `B`
+//! with the k-th): collectives one side has and the other lacks (a plan agreement, a final
+//! gather) are left unmatched and counted. A track whose real names carry no bucket the
+//! simulation has is matched by order, the k-th with the k-th (a stream runs its collectives in
+//! order; past a collective one side lacks, those pairs are not the same one: the table says
+//! so). [`compare`] sums each track's busy time on both sides and names the pair that differs
+//! most, and [`overlay`] adds the
 //! real events to the simulator's own trace as processes [`real_pid_base`]` + rank` ("real rank
 //! R"), so one Perfetto view shows both.
 
@@ -53,6 +57,21 @@ pub struct Worst {
     pub real_us: f64,
 }
 
+/// How a track's collectives were paired.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Matching {
+    /// By bucket and occurrence (the real names carry buckets the simulation has).
+    Bucket,
+    /// The k-th with the k-th.
+    Order,
+}
+
+/// The bucket a collective's name carries (`"all_gather bucket 3 (prefetch)"`: 3).
+pub fn bucket_of(name: &str) -> Option<u32> {
+    let (_, rest) = name.rsplit_once("bucket ")?;
+    rest.split_whitespace().next()?.parse().ok()
+}
+
 /// One rank's collective track on both sides.
 #[derive(Clone, Debug, PartialEq)]
 pub struct TrackCompare {
@@ -68,8 +87,33 @@ pub struct TrackCompare {
     pub sim_busy_us: f64,
     /// Summed real durations, microseconds.
     pub real_busy_us: f64,
-    /// Among the first `min(sim_count, real_count)` pairs; `None` when either side is empty.
+    /// How the pairs were made.
+    pub matching: Matching,
+    /// Pairs made (`min(sim_count, real_count)` by order).
+    pub pairs: usize,
+    /// Among the pairs (`k`: the real collective's position on its track); `None` when
+    /// there is none.
     pub worst: Option<Worst>,
+}
+
+/// The pairs `(simulated, real)` of one track, as indices, and how they were made.
+fn pair(sim: &[super::report::Span], real: &[&RealEvent]) -> (Vec<(usize, usize)>, Matching) {
+    let mut by_bucket: std::collections::HashMap<u32, std::collections::VecDeque<usize>> =
+        std::collections::HashMap::new();
+    for (i, s) in sim.iter().enumerate() {
+        by_bucket.entry(s.index).or_default().push_back(i);
+    }
+    let named = real.iter().any(|r| bucket_of(&r.name).is_some_and(|b| by_bucket.contains_key(&b)));
+    if !named {
+        return ((0..sim.len().min(real.len())).map(|k| (k, k)).collect(), Matching::Order);
+    }
+    let mut out = Vec::new();
+    for (k, r) in real.iter().enumerate() {
+        if let Some(i) = bucket_of(&r.name).and_then(|b| by_bucket.get_mut(&b)).and_then(|q| q.pop_front()) {
+            out.push((i, k));
+        }
+    }
+    (out, Matching::Bucket)
 }
 
 /// The collectives of a real trace, in time order per track.
@@ -127,7 +171,9 @@ pub fn compare(report: &SimReport, real: &[RealEvent]) -> Result<Vec<TrackCompar
             let sim: &[_] = if rank < u64::from(report.world) { &tl.collectives[lane] } else { &[] };
             let mine: Vec<&RealEvent> = real.iter().filter(|e| e.rank == rank && e.lane == lane).collect();
             let mut worst: Option<Worst> = None;
-            for (k, (s, r)) in sim.iter().zip(&mine).enumerate() {
+            let (pairs, matching) = pair(sim, &mine);
+            for &(i, k) in &pairs {
+                let (s, r) = (&sim[i], mine[k]);
                 let sim_us = s.dur_ns as f64 / 1000.0;
                 let gap = (sim_us - r.dur_us).abs();
                 if worst.as_ref().is_none_or(|w| gap > (w.sim_us - w.real_us).abs()) {
@@ -141,6 +187,8 @@ pub fn compare(report: &SimReport, real: &[RealEvent]) -> Result<Vec<TrackCompar
                 real_count: mine.len(),
                 sim_busy_us: sim.iter().map(|s| s.dur_ns as f64 / 1000.0).sum(),
                 real_busy_us: mine.iter().map(|e| e.dur_us).sum(),
+                matching,
+                pairs: pairs.len(),
                 worst,
             });
         }
