@@ -14,13 +14,9 @@ from pathlib import Path
 
 # The lines of a step's log that carry its figures, by step.
 FIGURES = {
-    "bench": re.compile(
-        r"^(==|# collsched bench|# memcpy reference|# host in launch|\s+\d+\s+\d+\s)"
-    ),
+    "bench": re.compile(r"^(==|# collsched bench|# memcpy reference|# host in launch|\s+\d+\s+\d+\s)"),
     "vs-nccl": re.compile(r"^(NVIDIA|H\d|all_gather|reduce_scatter|\s+\d+\s)"),
-    "vs-fsdp2": re.compile(
-        r"^(model:|fsdp2 |collsched |floor |ratio |losses compared)"
-    ),
+    "vs-fsdp2": re.compile(r"^(model:|fsdp2 |collsched |floor |ratio |losses compared)"),
     "python": re.compile(r"^(=+ )?\d+ (passed|failed).* in [\d.]+s"),
 }
 FIGURES["vs-fsdp2-1b"] = FIGURES["vs-fsdp2"]
@@ -52,9 +48,7 @@ def main() -> None:
     summary, logdir = sys.argv[1], sys.argv[2]
     steps = []
     for line in Path(summary).read_text().splitlines():
-        m = re.match(
-            r"^(\S+)\s+(ok|FAILED|skipped)\s+(\d+)s\s*(.*)$", line.rstrip("\n")
-        )
+        m = re.match(r"^(\S+)\s+(ok|FAILED|skipped)\s+(\d+)s\s*(.*)$", line.rstrip("\n"))
         if not m:
             continue
         name, result, secs, why = m.groups()
