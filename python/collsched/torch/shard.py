@@ -447,12 +447,11 @@ class _State:
         """A training forward of a unit held since the last backward: fetched again (nothing
         is gathered: its buffers are live; the schedule sees the fetch in its order), then the
         backward's hold dropped. Returns the seconds spent in the library."""
-        engine = unit.fetched
         unit.fetched = None
         unit.held = False
         native = self._fetch(unit, self.train, swap=True)
         t0 = _clock()
-        engine.release(unit.ids)
+        self.train.release(unit.ids)
         return native + _clock() - t0
 
     def _after_backward(self, unit: _Unit) -> float:
@@ -471,8 +470,9 @@ class _State:
         return self._release(unit)
 
     def drop_held(self) -> None:
-        """Releases the units held since the last backward (a load writes the shards, a
-        checkpoint or a new engine wants nothing fetched). Every rank holds the same units."""
+        """Releases the units held since the last backward (``save_checkpoint``,
+        ``load_checkpoint``, ``full_state_dict``, ``save_full`` want nothing fetched). Every
+        rank holds the same units."""
         for u in self.units:
             if u.held:
                 self._release(u)
