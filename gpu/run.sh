@@ -11,6 +11,7 @@
 #   OUTDIR/logs.tar.gz    every step's log (logs/STEP.log, tarred again after each step)
 #   OUTDIR/summary.json   the same as JSON: device, versions, each step's result and figures
 #                         (gpu/summary.py; commit a run's as benches/gpu/<device>-<date>.json)
+#   OUTDIR/trace-collsched.json.gz   the vs-fsdp2 step's trace of collsched's step (rank 0)
 # and nothing else there (the device tool brings back 8 files at most); the logs themselves
 # are written under $COLLSCHED_GPU_LOGS (default: a new folder in $TMPDIR or /tmp).
 # Each step runs under its own timeout, inside a total of $COLLSCHED_GPU_TOTAL_SECS (default
@@ -34,7 +35,7 @@ STEPS=(
   "rust-demo:120:the demo's ZeRO-3 parity on every visible GPU (tests/gpu_demo --ignored)"
   "demo:60:collsched demo --backend cuda on every visible GPU (at most 2)"
   "bench:90:collsched bench --backend cuda, all-gather and reduce-scatter, 4 KiB to 256 MiB, 1 and 2 in flight"
-  "python:150:python/tests/test_cuda.py (collsched.torch on NCCL, against plain PyTorch)"
+  "python:220:python/tests/test_cuda.py (collsched.torch on NCCL, against plain PyTorch)"
   "vs-nccl:90:python/benchmarks/vs_nccl.py: collsched's collectives beside torch's NCCL and a device copy"
   "vs-fsdp2:150:python/benchmarks/vs_fsdp2.py --device cuda: step and host time against FSDP2, 3 runs up to GPT-2 small"
   "vs-fsdp2-1b:150:python/benchmarks/vs_fsdp2.py --device cuda: a 0.9B-parameter shape in bf16"
@@ -144,7 +145,20 @@ step_vs_fsdp2() {
   local gpt2=(--dim 768 --heads 12 --blocks 12 --seq 512 --batch 8)
   vs_fsdp2 "$n" || return 1
   vs_fsdp2 "$n" "${gpt2[@]}" || return 1
-  vs_fsdp2 "$n" "${gpt2[@]}" --mp bf16 --loss-rtol 1e-2
+  # The bf16 run also traces one step of each (torch.profiler): the traces stay out of the logs'
+  # tarball (their size), drawn as SVG into it; collsched's rank 0 trace comes back gzipped.
+  local traces="$logs/traces"
+  vs_fsdp2 "$n" "${gpt2[@]}" --mp bf16 --loss-rtol 1e-2 --trace "$traces" || return 1
+  local t
+  for t in "$traces"/*-rank0.json; do
+    python3 python/benchmarks/trace_svg.py "$t" "$logs/logs/$(basename "$t" .json).svg" --title "$(basename "$t" .json), GPT-2 small bf16, $(nvidia-smi -L | head -n 1 | cut -d'(' -f1)" || return 1
+  done
+  gzip -c "$traces/collsched-rank0.json" >"$out/trace-collsched.json.gz.part" || return 1
+  if [ "$(stat -c %s "$out/trace-collsched.json.gz.part")" -lt 15000000 ]; then
+    mv "$out/trace-collsched.json.gz.part" "$out/trace-collsched.json.gz"
+  else
+    echo "trace-collsched.json.gz over 15 MB: not brought back"; rm -f "$out/trace-collsched.json.gz.part"
+  fi
 }
 # A 0.9B-parameter shape (16 blocks of dim 2048), bf16.
 step_vs_fsdp2_1b() {

@@ -278,6 +278,8 @@ def train(
             if probed_now is not None:
                 probed.append(probed_now)
         losses.append(loss.item())
+    if getattr(args, "trace", None) and getattr(args, "impl", None) in ("collsched", "fsdp2"):
+        trace_step(args, model, opt, rank, autocast)
     return {
         "median_s": statistics.median(times),
         "passes_s": statistics.median(passes),
@@ -285,6 +287,30 @@ def train(
         "losses": losses,
         **({"probe": statistics.median(probed)} if probed else {}),
     }
+
+
+def trace_step(
+    args: argparse.Namespace, model: nn.Module, opt: torch.optim.Optimizer, rank: int, autocast: bool
+) -> None:
+    """One more step, untimed, under ``torch.profiler`` (the host's calls and, on a GPU, every
+    kernel and copy on every stream, the library's own included), written as a Chrome trace."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+    x, y = batch(args, args.warmup + args.steps, rank)
+    sync(args)
+    with profile(activities=activities) as prof:
+        with torch.autocast(device(args).type, dtype=torch.bfloat16, enabled=autocast):
+            out = model(x)
+        loss = nn.functional.cross_entropy(out.reshape(-1, args.vocab), y.reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        sync(args)
+    os.makedirs(args.trace, exist_ok=True)
+    path = os.path.join(args.trace, f"{args.impl}-rank{rank}.json")
+    prof.export_chrome_trace(path)
+    print(f"trace: {path}", file=sys.stderr, flush=True)
 
 
 def run_collsched(args: argparse.Namespace, rank: int) -> dict[str, Any]:
@@ -374,6 +400,14 @@ def parse() -> argparse.Namespace:
     )
     p.add_argument(
         "--loss-rtol", type=float, default=1e-5, help="largest relative loss difference FSDP2/collsched that passes"
+    )
+    p.add_argument(
+        "--trace",
+        metavar="DIR",
+        default=None,
+        help="after the timed steps, one more step of FSDP2 and of collsched under torch.profiler (CPU and "
+        "CUDA activity), written as Chrome traces DIR/fsdp2-rankR.json and DIR/collsched-rankR.json "
+        "(python/benchmarks/trace_svg.py draws one)",
     )
     p.add_argument("--impl", choices=["collsched", "fsdp2", "plain"], help=argparse.SUPPRESS)
     return p.parse_args()
