@@ -255,21 +255,37 @@ def train(
     under ``torch.autocast`` to bf16 (the floor's mixed precision)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     times, passes, opts, losses, probed = [], [], [], [], []
+    phases: list[float] = []
+    before = 0.0
+    on_gpu = getattr(args, "device", "cpu") == "cuda"
     for step in range(args.warmup + args.steps):
         x, y = batch(args, step, rank)
         sync(args)
         dist.barrier()
+        # The last step's peak allocated memory by phase (torch's allocator; on a GPU).
+        last = on_gpu and step == args.warmup + args.steps - 1
+        if last:
+            before = torch.cuda.max_memory_allocated() / 2**20
+            torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         with torch.autocast(device(args).type, dtype=torch.bfloat16, enabled=autocast):
             out = model(x)
         loss = nn.functional.cross_entropy(out.reshape(-1, args.vocab), y.reshape(-1))
+        if last:
+            phases.append(torch.cuda.max_memory_allocated() / 2**20)
+            torch.cuda.reset_peak_memory_stats()
         loss.backward()
         sync(args)
         t1 = time.perf_counter()
+        if last:
+            phases.append(torch.cuda.max_memory_allocated() / 2**20)
+            torch.cuda.reset_peak_memory_stats()
         opt.step()
         opt.zero_grad()
         sync(args)
         t2 = time.perf_counter()
+        if last:
+            phases.append(torch.cuda.max_memory_allocated() / 2**20)
         probed_now = probe() if probe is not None else None
         if step >= args.warmup:
             times.append(t2 - t0)
@@ -285,6 +301,8 @@ def train(
         "passes_s": statistics.median(passes),
         "opt_s": statistics.median(opts),
         "losses": losses,
+        "phase_peaks": phases,
+        "peak_before_last": before,
         **({"probe": statistics.median(probed)} if probed else {}),
     }
 
@@ -432,8 +450,12 @@ def child(args: argparse.Namespace) -> None:
     out["pss"] = pss_mib()
     if args.device == "cuda":
         free, total = torch.cuda.mem_get_info()
-        out["gpu_peak_torch"] = torch.cuda.max_memory_allocated() / 2**20
+        # The whole run's peak: the phases of the last step reset torch's counter.
+        out["gpu_peak_torch"] = max(
+            torch.cuda.max_memory_allocated() / 2**20, out["peak_before_last"], *out["phase_peaks"]
+        )
         out["gpu_used_end"] = (total - free) / 2**20
+        out["gpu_reserved_end"] = torch.cuda.memory_reserved() / 2**20
     dist.barrier()
     dist.destroy_process_group()
     print("RESULT " + json.dumps(out), flush=True)
@@ -466,7 +488,11 @@ def main() -> None:
                 "rss_all": [r["rss"] for r in every],
                 "pss_all": [r["pss"] for r in every],
                 "losses_all": [r["losses"] for r in every],
-                "gpu_all": [(r["gpu_peak_torch"], r["gpu_used_end"]) for r in every if "gpu_used_end" in r],
+                "gpu_all": [
+                    (r["gpu_peak_torch"], r["gpu_used_end"], r["gpu_reserved_end"], r["phase_peaks"])
+                    for r in every
+                    if "gpu_used_end" in r
+                ],
             }
     finally:
         # The file stores of the runs, on success or failure.
@@ -531,9 +557,13 @@ def report(args: argparse.Namespace, world: int, results: dict[str, dict[str, An
         )
     for name in ("fsdp2", "collsched"):
         print(f"{name:10} losses (rank 0) " + " ".join(f"{x:.5f}" for x in results[name]["losses"]))
-        for i, (peak, used) in enumerate(results[name]["gpu_all"]):
+    for name in ("fsdp2", "collsched", "plain"):
+        for i, (peak, used, reserved, phases) in enumerate(results[name]["gpu_all"]):
             print(
-                f"{name:10} rank {i} GPU: torch's peak allocated {peak:.0f} MiB, device used at the end {used:.0f} MiB"
+                f"{name:10} rank {i} GPU: torch's peak allocated {peak:.0f} MiB (the last step's forward, "
+                f"backward, optimizer: {' / '.join(f'{x:.0f}' for x in phases)}); at the end torch reserves "
+                f"{reserved:.0f} MiB, the device has {used:.0f} MiB in use ({used - reserved:.0f} outside torch's "
+                "allocator: the CUDA context, NCCL's and collsched's buffers)"
             )
     pairs = [
         (a, b)

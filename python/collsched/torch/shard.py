@@ -607,7 +607,7 @@ class _State:
         """Hands the accumulated gradients of ``params`` to the library; returns the seconds
         spent there and whether every one of them is in (one still to come, or of a parameter
         this backward does not reach, is not)."""
-        batch, keep, done, got = [], [], True, self.got
+        batch, cast, done, got = [], [], True, self.got
         on_device = self.on_device
         for p in params:
             if p.pid in got:
@@ -631,18 +631,19 @@ class _State:
                 continue
             full.grad = None
             # Host gradients go over in the parameter's dtype (the library casts); device ones
-            # in the reduction dtype (cast here, on the compute stream), with what no_sync
-            # micro-batches accumulated.
-            if g.dtype != want or not g.is_contiguous():
-                g = g.contiguous().to(want)
+            # in the reduction dtype (cast here, on the compute stream, all in one
+            # multi-tensor copy below), with what no_sync micro-batches accumulated.
             acc = self.accum.pop(p.pid, None) if on_device else None
             if acc is not None:
                 g = acc.add_(g)
-            keep.append(g)
+            elif g.dtype != want or not g.is_contiguous():
+                cast.append((len(batch), want, None))
             batch.append((p.pid, g))
             got.add(p.pid)
         if not batch:
             return 0.0, done
+        if cast:
+            values_.cast_batch(batch, cast)
         t0 = _clock()
         self.train.grad_ready_many(batch)
         return _clock() - t0, done
@@ -693,20 +694,32 @@ class _State:
         grads = self.train.take_grads()
         if not deliver:
             return
+        fresh, onto = [], []
         for pid, _offset, data, dtype in grads:
             p = self.params[pid]
             if isinstance(data, (bytes, bytearray)):
                 g = torch.frombuffer(data, dtype=_TO_TORCH[dtype])
-            else:
-                # Library memory on the device, valid until the next call: copied out here.
-                t = _TO_TORCH[dtype]
-                g = _tensor(data, t, [len(data) // _DTYPE_BYTES[dtype]], self.device).clone()
-            if g.dtype != p.shard.dtype or g.device != p.shard.device:
-                g = g.to(p.shard.device, p.shard.dtype)
-            if p.shard.grad is None:
+                if g.dtype != p.shard.dtype or g.device != p.shard.device:
+                    g = g.to(p.shard.device, p.shard.dtype)
+                if p.shard.grad is None:
+                    p.shard.grad = g
+                else:
+                    p.shard.grad.add_(g)
+                continue
+            # Library memory on the device, valid until the next call: copied out here, all
+            # the new gradients by one multi-tensor copy into views of one tensor (as FSDP2's
+            # sharded gradients view its reduce-scatter's output), the others added by one.
+            g = _tensor(data, _TO_TORCH[dtype], [len(data) // _DTYPE_BYTES[dtype]], self.device)
+            (fresh if p.shard.grad is None else onto).append((p, g))
+        if fresh:
+            batch = [(i, g) for i, (_p, g) in enumerate(fresh)]
+            values_.cast_batch(batch, [(i, p.shard.dtype, p.shard.device) for i, (p, _g) in enumerate(fresh)])
+            for (p, _g), (_i, g) in zip(fresh, batch):
                 p.shard.grad = g
-            else:
-                p.shard.grad.add_(g)
+        if onto:
+            dsts = [p.shard.grad for p, _g in onto]
+            with torch.no_grad():
+                torch._foreach_add_(dsts, [g.to(d.device, d.dtype) for d, (_p, g) in zip(dsts, onto)])
 
     # ---- whole model -------------------------------------------------------------------
 

@@ -135,13 +135,44 @@ def from_rank0(w: Any, full: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
+def cast_batch(
+    batch: list[tuple[int, torch.Tensor]], which: list[tuple[int, torch.dtype, torch.device | None]]
+) -> None:
+    """Replaces ``batch[i]``'s tensor, for each ``(i, dtype, device)`` of ``which``, by a
+    contiguous copy in ``dtype`` on ``device`` (``None``: the tensor's own): the copies of one
+    dtype and device are views of one new flat tensor, written by one multi-tensor copy (on a
+    GPU a launch or two for a unit's gradients, where a cast each launches one per tensor)."""
+    groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+    for i, dtype, device in which:
+        groups.setdefault((dtype, batch[i][1].device if device is None else device), []).append(i)
+    for (dtype, device), at in groups.items():
+        srcs = [batch[i][1] for i in at]
+        flat = torch.empty(sum(t.numel() for t in srcs), dtype=dtype, device=device)
+        # split's views are 1-D already; others take the source's shape (unpacked: a
+        # torch.Size argument parses slower).
+        dsts = [
+            v if t.dim() == 1 else v.view(*t.shape) if t.dim() else v.view(())
+            for v, t in zip(flat.split([t.numel() for t in srcs]), srcs)
+        ]
+        with torch.no_grad():
+            if all(t.device == device for t in srcs):
+                torch._foreach_copy_(dsts, srcs)
+            else:
+                for d, t in zip(dsts, srcs):
+                    d.copy_(t)
+        for i, d in zip(at, dsts):
+            batch[i] = (batch[i][0], d)
+
+
 def push_masters(state: _State) -> None:
     """Casts the f32 masters into the library's shards the next gathers read. At every pass's
     start: an optimizer, or ``p.data`` written by hand (which no version counter sees), may
     have changed them; it costs a cast of this rank's elements."""
-    with torch.no_grad():
-        for p in state.masters:
-            p.home.copy_(p.shard)
+    masters = state.masters
+    if masters:
+        with torch.no_grad():
+            # One multi-tensor cast (a launch or two on a GPU, not one per parameter).
+            torch._foreach_copy_([p.home for p in masters], [p.shard for p in masters])
 
 
 _HEAD = struct.Struct("<QQQ")
