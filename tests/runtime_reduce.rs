@@ -624,13 +624,15 @@ use device::OnDevice;
 /// and hands the sum over in the last one (`grad_ready_on_device`). Step 0's optimizer reads
 /// the gradients through `update_shards` (copied to the host), later steps' through
 /// `take_grad_shards` (where they are; `read` copies a region to the host) and write the shards
-/// with `write_shard`.
+/// with `write_shard`. `batched`: the last micro-batch fetches every parameter and hands all
+/// their gradients in one `grad_ready_many_on_device` call (one pack a bucket).
 fn device_rank<B: Backend>(
     case: &Case,
     plan: &Plan,
     refs: &[&[u8]],
     be: B,
     read: &dyn Fn(&B, &GradRegion) -> Vec<u8>,
+    batched: bool,
 ) -> Result<Seen, RuntimeError> {
     let (p, r) = (elem(case.dtype), elem(case.reduce));
     let state = ModelState::new(Arc::new(be), plan, refs)?;
@@ -647,6 +649,7 @@ fn device_rank<B: Backend>(
             }
             g.end_step()?;
         }
+        let mut held = Vec::new();
         for k in (0..SIZES.len()).rev() {
             let id = ParamId(k as u32);
             c.fetch(&[id])?;
@@ -657,10 +660,26 @@ fn device_rank<B: Backend>(
                     .collect();
                 let mut buf = be.alloc(SIZES[k] * r.size()).map_err(backend)?;
                 be.write_from_host(&mut buf, 0, &encode(r, &sum)).map_err(backend)?;
+                if batched {
+                    held.push((id, buf));
+                    continue;
+                }
                 c.grad_ready_on_device(id, &buf)?;
                 be.free(buf, Some(&be.record(Stream::Compute).map_err(backend)?));
             }
-            c.release(&[id])?;
+            if !batched {
+                c.release(&[id])?;
+            }
+        }
+        if batched {
+            let lent: Vec<(ParamId, &B::Buffer)> = held.iter().map(|(id, b)| (*id, b)).collect();
+            c.grad_ready_many_on_device(&lent)?;
+            let after = be.record(Stream::Compute).map_err(backend)?;
+            for (_, b) in held {
+                be.free(b, Some(&after));
+            }
+            let all: Vec<ParamId> = (0..SIZES.len() as u32).rev().map(ParamId).collect();
+            c.release(&all)?;
         }
         c.end_step()?;
         let mut seen = Vec::new();
@@ -696,7 +715,7 @@ fn device_rank<B: Backend>(
 }
 
 /// [`device_rank`] on every rank of `case`'s world of `OnDevice` local ranks.
-fn sharded_on_device(case: &Case) -> Vec<Seen> {
+fn sharded_on_device(case: &Case, batched: bool) -> Vec<Seen> {
     let plan = case.plan();
     let bytes: Vec<Vec<u8>> = case.init().iter().map(|v| encode(elem(case.dtype), v)).collect();
     let refs: Vec<&[u8]> = bytes.iter().map(Vec::as_slice).collect();
@@ -705,8 +724,9 @@ fn sharded_on_device(case: &Case) -> Vec<Seen> {
         // region is valid until the next call into the coordinator.
         unsafe { std::slice::from_raw_parts(g.ptr, g.numel * g.elem.size()) }.to_vec()
     };
-    let results =
-        world(case.world).run(|rank| device_rank(case, &plan, &refs, OnDevice(rank), &read)).expect("ranks");
+    let results = world(case.world)
+        .run(|rank| device_rank(case, &plan, &refs, OnDevice(rank), &read, batched))
+        .expect("ranks");
     results
         .into_iter()
         .enumerate()
@@ -728,7 +748,20 @@ fn gradients_given_on_a_device_match_the_reference_and_stay_there() {
         for (k, sharding) in strategies(world).into_iter().enumerate() {
             let (dtype, reduce) = [(DType::F32, DType::F32), (DType::BF16, DType::F32)][k % 2];
             let case = Case { dtype, reduce, world, sharding, pre: None, post: None, missing: world == 3 };
-            check_runs(&case, &sharded_on_device(&case));
+            check_runs(&case, &sharded_on_device(&case, false));
+        }
+    }
+}
+
+#[test]
+fn gradients_given_on_a_device_in_one_call_match_the_reference() {
+    // As above, every gradient of the step in one call: buckets fill during the call (their
+    // packs go before their reductions) and after it.
+    for world in [1, 2, 3, 4] {
+        for (k, sharding) in strategies(world).into_iter().enumerate() {
+            let (dtype, reduce) = [(DType::F32, DType::F32), (DType::BF16, DType::F32)][k % 2];
+            let case = Case { dtype, reduce, world, sharding, pre: None, post: None, missing: world == 3 };
+            check_runs(&case, &sharded_on_device(&case, true));
         }
     }
 }
@@ -741,7 +774,8 @@ fn gradients_given_on_a_device_match_the_reference_and_stay_there() {
 fn gradients_given_on_gpus_match_the_reference_and_stay_there() {
     use collsched::backend::cuda::{CudaBackend, CudaBuffer, CudaWorld};
     let n = gpu::gpus("gradients_given_on_gpus_match_the_reference_and_stay_there", 2);
-    for world in 1..=n {
+    // One gradient a call, and every gradient of a step in one call (one pack a bucket).
+    for (world, batched) in (1..=n).flat_map(|w| [(w, false), (w, true)]) {
         for (k, sharding) in [Sharding::EvenSplit, Sharding::Flat, Sharding::Greedy].into_iter().enumerate() {
             let (dtype, reduce) = [(DType::F32, DType::F32), (DType::BF16, DType::F32)][k % 2];
             let case = Case { dtype, reduce, world, sharding, pre: None, post: None, missing: k == 2 };
@@ -758,13 +792,13 @@ fn gradients_given_on_gpus_match_the_reference_and_stay_there() {
             };
             let ranks: Vec<Seen> = CudaWorld::new(world)
                 .expect("CUDA world")
-                .run(|be| device_rank(&case, &plan, &refs, be, &read))
+                .run(|be| device_rank(&case, &plan, &refs, be, &read, batched))
                 .expect("ranks")
                 .into_iter()
                 .enumerate()
                 .map(|(r, x)| {
                     x.unwrap_or_else(|_| panic!("{case:?}: rank {r} panicked"))
-                        .unwrap_or_else(|e| panic!("{case:?}: rank {r} on a GPU: {e}"))
+                        .unwrap_or_else(|e| panic!("{case:?} (batched: {batched}): rank {r} on a GPU: {e}"))
                 })
                 .collect();
             check_runs(&case, &ranks);

@@ -499,11 +499,84 @@ impl Engine {
 
     /// [`Engine::grad_ready`] for each `(id, grad)` of `grads`, in order (one call for a
     /// unit's gradients); the first failure stops there and is raised.
+    ///
+    /// Device gradients (`cuda`, `emulated`) go over in one call to the library, which packs
+    /// each gradient bucket's of them with one launch.
     fn grad_ready_many(&mut self, grads: Vec<(u32, Bound<'_, PyAny>)>) -> PyResult<()> {
-        for (id, grad) in grads {
-            self.grad_ready(id, grad)?;
+        match &mut self.coord {
+            Co::Host(_) => {
+                for (id, grad) in grads {
+                    self.grad_ready(id, grad)?;
+                }
+                Ok(())
+            }
+            Co::Emulated(c) => {
+                // As `grad_ready`: each gradient into a buffer of the backend's, freed after
+                // the packs the compute stream holds once the call returns.
+                let be = Arc::clone(c.model().backend());
+                let rank = c.model().rank();
+                let backend_err = |source| RuntimeError::Backend {
+                    rank,
+                    op: "grad_ready (staging an emulated device gradient)",
+                    bucket: None,
+                    source,
+                };
+                let mut buffers = Vec::with_capacity(grads.len());
+                let mut staged = Ok(());
+                for (id, grad) in &grads {
+                    let what = format!("grad_ready: parameter id {id}'s gradient");
+                    // SAFETY: `host_tensor_bytes`' contract: `grad` is held for the call, and
+                    // the bytes are copied into the buffer before the next line.
+                    let bytes = unsafe { host_tensor_bytes(grad, &what) }?;
+                    let made = be
+                        .alloc(bytes.len())
+                        .and_then(|mut b| be.write_from_host(&mut b, 0, bytes).map(|()| b));
+                    match made {
+                        Ok(b) => buffers.push((ParamId(*id), b)),
+                        Err(e) => {
+                            staged = Err(backend_err(e));
+                            break;
+                        }
+                    }
+                }
+                let lent: Vec<(ParamId, &_)> = buffers.iter().map(|(id, b)| (*id, b)).collect();
+                let r = staged.and_then(|()| c.grad_ready_many_on_device(&lent));
+                drop(lent);
+                match be.record(Stream::Compute) {
+                    Ok(after) => buffers.into_iter().for_each(|(_, b)| be.free(b, Some(&after))),
+                    Err(e) => {
+                        // Never given back: the packs may still read them.
+                        std::mem::forget(buffers);
+                        return Err(errors::runtime(backend_err(e)));
+                    }
+                }
+                r.map_err(errors::runtime)
+            }
+            #[cfg(feature = "cuda")]
+            Co::Cuda(c) => {
+                let device = collsched::backend::Backend::device(&**c.model().backend());
+                let mut buffers = Vec::with_capacity(grads.len());
+                for (id, grad) in &grads {
+                    let what = format!("grad_ready: parameter id {id}'s gradient");
+                    let span = tensor_span(grad, &what)?;
+                    if span.device != device {
+                        return Err(errors::other(format!(
+                            "{what}: on {}, where this rank's device is cuda:{}; move it there first",
+                            span.device.map_or_else(|| "cpu".to_string(), |d| format!("cuda:{d}")),
+                            device.unwrap_or(0)
+                        )));
+                    }
+                    // SAFETY: as in `grad_ready`: `span.len` contiguous bytes on the rank's
+                    // device (checked above), alive during the call (`grads` holds them); the
+                    // packs that read them are queued on the compute stream before it returns.
+                    let buffer =
+                        unsafe { collsched::backend::cuda::CudaBuffer::from_raw(span.addr as u64, span.len) };
+                    buffers.push((ParamId(*id), buffer));
+                }
+                let lent: Vec<(ParamId, &_)> = buffers.iter().map(|(id, b)| (*id, b)).collect();
+                c.grad_ready_many_on_device(&lent).map_err(errors::runtime)
+            }
         }
-        Ok(())
     }
 
     /// no_sync on (`True`: gradients accumulate locally) or off, from the next gradient on.

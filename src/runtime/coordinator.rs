@@ -305,6 +305,32 @@ impl<B: Backend> Coordinator<B> {
         self.grad_ready_inner(param, Fresh::Device(grad), None)
     }
 
+    /// [`grad_ready_on_device`](Self::grad_ready_on_device) for each `(param, grad)` of
+    /// `grads`, in order (a unit's gradients at its post-backward), with one copy-in launch
+    /// per gradient bucket where one a gradient would launch as many: the copy-ins are put
+    /// off until the bucket's reduction launches or the call ends, and go as one pack of the
+    /// bucket's gradients of this call. Every `grad` must stay alive and unchanged by the host
+    /// until the call returns (then, as for one gradient, the compute stream orders the rest).
+    ///
+    /// # Errors
+    /// As [`grad_ready_on_device`](Self::grad_ready_on_device), for the first gradient that
+    /// fails: those before it are taken (and packed), it and those after it are not.
+    pub fn grad_ready_many_on_device(&mut self, grads: &[(ParamId, &B::Buffer)]) -> Result<(), RuntimeError> {
+        let buffers: Vec<&B::Buffer> = grads.iter().map(|g| g.1).collect();
+        let mut result = Ok(());
+        for (k, &(param, _)) in grads.iter().enumerate() {
+            result = self.grad_ready_inner(param, Fresh::Batch(&buffers, k), None);
+            if result.is_err() {
+                break;
+            }
+        }
+        // What the call took goes in, also after a failure (the scheduler counts it copied).
+        let shared = &self.state.shared;
+        let _st = shared.lock();
+        let packed = self.driver.reduce.pack_deferred(&*shared.backend, &self.grad, &buffers, None);
+        result.and(packed)
+    }
+
     /// [`grad_ready`](Self::grad_ready) for a gradient that is complete only once `event`
     /// completed (e.g. the engine queued the device-to-host copy of `grad` on its stream and
     /// recorded `event` after it). The gradient is a host slice borrowed for this call only,
@@ -336,7 +362,7 @@ impl<B: Backend> Coordinator<B> {
         self.take_parked()?;
         let t = &self.state.shared.tables;
         let name = || self.state.plan().layout().params().name(param).to_string();
-        if let (Fresh::Device(_), true) = (grad, self.sched.is_no_sync()) {
+        if let (Some(_), true) = (grad.device_buffer(), self.sched.is_no_sync()) {
             return Err(RuntimeError::Param {
                 rank: t.rank,
                 param: Some(name()),
@@ -349,13 +375,13 @@ impl<B: Backend> Coordinator<B> {
         if let Some(slot) = t.params.get(param.index()) {
             // A device gradient comes in the reduction dtype (a frozen parameter has no bucket:
             // the scheduler refuses it below).
-            let (len, elem_size, exact) = match grad {
-                Fresh::Host(g) => (g.len(), slot.elem_size, true),
-                Fresh::Device(b) => {
+            let (len, elem_size, exact) = match (grad, grad.device_buffer()) {
+                (Fresh::Host(g), _) => (g.len(), slot.elem_size, true),
+                (_, b) => {
                     let g = self.grad.params.get(param.index()).map(|s| s.bucket as usize);
                     let reduced =
                         g.and_then(|j| self.grad.grad.get(j)).map_or(slot.elem_size, |t| t.elem.size());
-                    (b.len(), reduced, false)
+                    (b.map_or(0, |b| b.len()), reduced, false)
                 }
             };
             let want = slot.numel * elem_size;
@@ -390,7 +416,7 @@ impl<B: Backend> Coordinator<B> {
         let mut st = shared.lock();
         // A gradient its bucket cannot take now is refused before the scheduler counts it
         // (taken, then dropped, it would be reduced as zeros).
-        let on_device = matches!(grad, Fresh::Device(_));
+        let on_device = grad.device_buffer().is_some();
         if let Some(e) =
             self.driver.reduce.refuses(&*shared.backend, st.grads_mut(), &self.grad, param, on_device)
         {

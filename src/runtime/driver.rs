@@ -125,6 +125,10 @@ impl<B: Backend> Driver<B> {
             }
             Action::Launch(l) => {
                 let j = grad_position(cx, l.buffer.bucket)?;
+                if let Some(Fresh::Batch(grads, _)) = fresh {
+                    // The bucket's copy-ins put off by this call go first, in one pack.
+                    self.reduce.pack_deferred(be, cx.grad, grads, Some(j))?;
+                }
                 // Fences: launches still in flight (finished ones need no wait; engine events
                 // are complete by construction).
                 self.events.clear();

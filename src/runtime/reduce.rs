@@ -10,7 +10,7 @@
 use std::sync::Arc;
 
 use collsched_buckets::ParamId;
-use collsched_kernels::{accumulate_cast, cast_or_copy, copy_in_cast, ElemType, KernelError};
+use collsched_kernels::{accumulate_cast, cast_or_copy, copy_in_cast, CopySegment, ElemType, KernelError};
 use collsched_schedule::{GradSource, Launch, LaunchId};
 
 use super::bytes::Bytes;
@@ -146,6 +146,21 @@ impl<B: Backend> GradStore<B> {
 pub(crate) enum Fresh<'a, B: Backend> {
     Host(&'a [u8]),
     Device(&'a B::Buffer),
+    /// Gradient `.1` of the device gradients of one `grad_ready_many_on_device` call: its
+    /// copy-in is put off and packed with the call's others of its bucket, in one launch,
+    /// before the bucket's reduction launches or when the call ends.
+    Batch(&'a [&'a B::Buffer], usize),
+}
+
+impl<B: Backend> Fresh<'_, B> {
+    /// The backend buffer of a device gradient.
+    pub(crate) fn device_buffer(&self) -> Option<&B::Buffer> {
+        match *self {
+            Fresh::Host(_) => None,
+            Fresh::Device(b) => Some(b),
+            Fresh::Batch(all, i) => all.get(i).copied(),
+        }
+    }
 }
 
 impl<B: Backend> Clone for Fresh<'_, B> {
@@ -193,6 +208,9 @@ pub(crate) struct ReduceSide<B: Backend> {
     /// a gradient was packed into its backend buffer on the device, since its `AllocGrad`.
     staged: Vec<bool>,
     packed: Vec<bool>,
+    /// The copy-ins put off by a `grad_ready_many_on_device` call: (bucket position, the
+    /// gradient's index in the call, its parameter). Empty outside such a call.
+    deferred: Vec<(usize, usize, ParamId)>,
     spare: Vec<Vec<Collective<B::Buffer>>>,
 }
 
@@ -252,6 +270,7 @@ impl<B: Backend> ReduceSide<B> {
             copied: Vec::new(),
             staged: Vec::new(),
             packed: Vec::new(),
+            deferred: Vec::new(),
             spare: Vec::with_capacity(n_grad.max(4)),
         }
     }
@@ -382,7 +401,17 @@ impl<B: Backend> ReduceSide<B> {
                 self.copied[p] = true;
                 return Ok(());
             }
-            Some(Fresh::Device(_)) => return Err(device_accumulated(rank, param)),
+            Some(Fresh::Batch(_, i)) if source == GradSource::Fresh => {
+                let input = open_input(&mut self.inputs, rank, t, j)?;
+                if self.staged[j] && be.host_bytes_mut(input).is_none() {
+                    return Err(mixed(rank, param, t.id));
+                }
+                self.deferred.push((j, i, param));
+                self.packed[j] = true;
+                self.copied[p] = true;
+                return Ok(());
+            }
+            Some(Fresh::Device(_) | Fresh::Batch(..)) => return Err(device_accumulated(rank, param)),
             Some(Fresh::Host(f)) => Some(f),
             None => None,
         };
@@ -416,6 +445,59 @@ impl<B: Backend> ReduceSide<B> {
         Ok(())
     }
 
+    /// Packs the copy-ins put off by a `grad_ready_many_on_device` call (`grads`: its
+    /// gradients), those of bucket `only` or all: one pack a bucket, on the compute stream,
+    /// its sources the call's gradients in the order they came. Whatever happens, the packed
+    /// ones are forgotten (all of them when `only` is `None`: none outlives the call that
+    /// lends its buffers).
+    pub(crate) fn pack_deferred(
+        &mut self,
+        be: &B,
+        tables: &GradTables,
+        grads: &[&B::Buffer],
+        only: Option<usize>,
+    ) -> Result<(), RuntimeError> {
+        if self.deferred.is_empty() {
+            return Ok(());
+        }
+        let mut take = std::mem::take(&mut self.deferred);
+        if let Some(j) = only {
+            let (mine, rest): (Vec<_>, Vec<_>) = take.into_iter().partition(|d| d.0 == j);
+            self.deferred = rest;
+            take = mine;
+        }
+        let rank = self.rank;
+        let mut buckets: Vec<usize> = take.iter().map(|d| d.0).collect();
+        buckets.sort_unstable();
+        buckets.dedup();
+        let mut sources: Vec<&B::Buffer> = Vec::new();
+        let mut segs = Vec::new();
+        for j in buckets {
+            sources.clear();
+            segs.clear();
+            for &(_, i, param) in take.iter().filter(|d| d.0 == j) {
+                let grad = grads.get(i).copied().ok_or_else(|| RuntimeError::Internal {
+                    rank,
+                    what: format!("parameter id {param}: gradient {i} of a call of {}", grads.len()),
+                })?;
+                let (lo, hi) = tables.params[param.index()].copy_in;
+                let k = sources.len();
+                sources.push(grad);
+                segs.extend(
+                    tables.copy_in[lo as usize..hi as usize].iter().map(|s| CopySegment { buffer: k, ..*s }),
+                );
+            }
+            let t = &tables.grad[j];
+            let input = open_input(&mut self.inputs, rank, t, j)?;
+            be.pack(Stream::Compute, input, &sources, &segs, t.elem.size()).map_err(backend_err(
+                rank,
+                "reduce_scatter copy-in",
+                Some(t.id),
+            ))?;
+        }
+        Ok(())
+    }
+
     /// `AccumulateGrad`: adds the fresh gradient into the parameter's full-size accumulator, in
     /// the reduction dtype.
     pub(crate) fn accumulate_grad(
@@ -428,7 +510,7 @@ impl<B: Backend> ReduceSide<B> {
         let rank = self.rank;
         let f = match fresh {
             Some(Fresh::Host(f)) => f,
-            Some(Fresh::Device(_)) => return Err(device_accumulated(rank, param)),
+            Some(Fresh::Device(_) | Fresh::Batch(..)) => return Err(device_accumulated(rank, param)),
             None => return Err(no_fresh(rank, param)),
         };
         let p = param.index();
