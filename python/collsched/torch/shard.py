@@ -53,6 +53,7 @@ class _State:
         self.eval: Any = None
         self.last: dict[str, Any] = {}
         self.host_s = 0.0
+        self.native_s = 0.0
         self.host_units = 0
         self._queued = False
         self.got: set[int] = set()
@@ -329,6 +330,7 @@ class _State:
         if training:
             args, kwargs = self._watch(unit, args, kwargs)
         self.host_s += _clock() - t0 - native
+        self.native_s += native
         return args, kwargs
 
     def _cast_inputs(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
@@ -351,6 +353,7 @@ class _State:
             if not unit.kept:
                 native = self._release(unit)
             self.host_s += _clock() - t0 - native
+            self.native_s += native
             self.host_units += 1
 
     def _hook_pre_backward(self, unit: _Unit, out: Any) -> None:
@@ -371,6 +374,7 @@ class _State:
             self._begin_backward()
         native = self._fetch(unit, self.train, swap=True)
         self.host_s += _clock() - t0 - native
+        self.native_s += native
 
     def _watch(self, unit: _Unit, args: Any, kwargs: Any) -> tuple[Any, Any]:
         """Passes the unit's tensor arguments that need a gradient through
@@ -583,6 +587,7 @@ class _State:
             base = base.view(x.dtype)
         out = base.as_strided(x.size, x.stride, x.offset)
         self.host_s += _clock() - t0 - native
+        self.native_s += native
         return out
 
     # ---- backward ----------------------------------------------------------------------
@@ -663,6 +668,7 @@ class _State:
         if done:
             native += self._after_backward(unit)
         self.host_s += _clock() - t0 - native
+        self.native_s += native
 
     def _end_backward(self) -> None:
         t0 = _clock()
@@ -674,6 +680,7 @@ class _State:
         self.queued = False
         self.phase = "idle"
         self.host_s += _clock() - t0 - native
+        self.native_s += native
         self._end_step()
 
     def _end_step(self, deliver: bool = True) -> None:
@@ -683,7 +690,9 @@ class _State:
         stats = self.train.end_step()
         host_s = self.host_s + self.hooks.take_seconds()
         stats["host_us_per_unit"] = 1e6 * host_s / max(self.host_units, 1)
+        stats["native_us_per_unit"] = 1e6 * self.native_s / max(self.host_units, 1)
         self.host_s = 0.0
+        self.native_s = 0.0
         self.host_units = 0
         self.last = stats
         if not self.sync:
