@@ -14,6 +14,7 @@ use std::time::Instant;
 
 use pyo3::intern;
 use pyo3::prelude::*;
+use pyo3::{PyTraverseError, PyVisit};
 
 /// A saved tensor that viewed parameter `pid`'s gathered value.
 #[pyclass(module = "collsched._native", frozen)]
@@ -54,8 +55,9 @@ pub struct Hooks {
     views: Vec<Option<Py<PyAny>>>,
     /// Whether the backward has begun (the engine fetches for it).
     backward: bool,
-    /// Python's unpacking of a [`Saved`] reference, for what this cannot do.
-    unpack_saved: Py<PyAny>,
+    /// Python's unpacking of a [`Saved`] reference, for what this cannot do (`None` once
+    /// Python's garbage collector cleared this).
+    unpack_saved: Option<Py<PyAny>>,
     /// Time spent in `pack` and `unpack` (callbacks into Python excluded), in nanoseconds.
     nanos: u64,
 }
@@ -101,6 +103,24 @@ impl Hooks {
 
 #[pymethods]
 impl Hooks {
+    /// Python's garbage collector sees the objects this holds: the unpack callback (a bound
+    /// method of the state that holds this) and the views, so that a state and its hooks,
+    /// which refer to each other, are freed together once nothing else refers to them.
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        if let Some(c) = &self.unpack_saved {
+            visit.call(c)?;
+        }
+        for v in self.views.iter().flatten() {
+            visit.call(v)?;
+        }
+        Ok(())
+    }
+
+    fn __clear__(&mut self) {
+        self.unpack_saved = None;
+        self.views.iter_mut().for_each(|v| *v = None);
+    }
+
     /// Hooks for `units` units and a parameter per entry of `owner` (its unit's index);
     /// `unpack_saved(saved)` returns the tensor a [`Saved`] stands for, fetching its unit.
     #[new]
@@ -115,7 +135,7 @@ impl Hooks {
             views: (0..owner.len()).map(|_| None).collect(),
             owner,
             backward: false,
-            unpack_saved,
+            unpack_saved: Some(unpack_saved),
             nanos: 0,
         })
     }
@@ -200,7 +220,13 @@ impl Hooks {
         let Some(view) = view else {
             // Python fetches the unit (beginning the backward first if need be). Not borrowed
             // during the callback: the fetch shows the unit's spans.
-            let call = slf.borrow().unpack_saved.clone_ref(py);
+            let call = slf.borrow().unpack_saved.as_ref().map(|c| c.clone_ref(py));
+            let Some(call) = call else {
+                return Err(crate::errors::other(
+                    "hooks: a saved tensor unpacked after its sharded model was freed (the backward of a \
+                     graph that outlived the model)",
+                ));
+            };
             return call.bind(py).call1((x,));
         };
         let mut base = view.into_bound(py);

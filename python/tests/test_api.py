@@ -356,3 +356,11 @@ def test_a_rank_killed_during_save_leaves_the_previous_checkpoint_loadable(tmp_p
     later = run(workers.checkpointed, 2, spec, good, "load")
     ref = models.reference({**spec, "worlds": [2, 2, 2]}, 2)
     parity.check(later, {"params": ref["params"][1:], "losses": ref["losses"][1:]})
+
+
+@pytest.mark.parametrize("backend", ["shm", "emulated"])
+def test_sharded_states_are_freed_once_unreferenced(backend):
+    for r in run(workers.states_are_freed, 2, backend):
+        assert r["n"] == 2 + 2 * 12, r  # two block states and their parameters' masters
+        assert all(r["blocks_and_masters_freed"]), r
+        assert r["root_freed"], r

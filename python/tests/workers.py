@@ -677,3 +677,35 @@ def world_cuda_through_the_store(rank: int, world: int) -> dict[str, Any]:
     store = dist.distributed_c10d._get_default_store()
     kept = [[store.check([ex.key(k, r)]) for r in range(world)] for k in range(1, ex.round + 1)]
     return {"rounds": [[r.decode() for r in one] for one in rounds], "error": err, "calls": ex.round, "kept": kept}
+
+
+def states_are_freed(rank: int, world: int, backend: str) -> dict[str, Any]:
+    """A sharded model's state, and the blocks' states a root's fully_shard took over, are freed
+    once nothing refers to them (the saved-tensor hooks, native, refer back to their state):
+    the blocks' at the root's fully_shard, the root's when the model and optimizer go."""
+    import gc
+    import weakref
+
+    import collsched.torch as cst
+    from collsched.torch.module import _root_state
+
+    cst.init(backend)
+    torch.manual_seed(0)
+    model = models.Gpt(dim=16, heads=2, layers=2)
+    mp = cst.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        cst.fully_shard(block, mp_policy=mp)
+    del block  # the last block (and through it the state) is no longer referred to here
+    blocks = [weakref.ref(_root_state(b)) for b in model.blocks]
+    masters = [weakref.ref(p.own) for b in model.blocks for p in _root_state(b).params]
+    cst.fully_shard(model, mp_policy=mp)
+    gc.collect()
+    after_root = [r() is None for r in blocks + masters]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    idx = torch.randint(0, models.VOCAB, (2, models.SEQ))
+    model(idx).float().sum().backward()
+    opt.step()
+    root = weakref.ref(_root_state(model))
+    del model, opt
+    gc.collect()
+    return {"blocks_and_masters_freed": after_root, "n": len(blocks) + len(masters), "root_freed": root() is None}

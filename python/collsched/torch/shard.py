@@ -207,9 +207,14 @@ class _State:
         return sum(largest), max(len(v) for v in per_unit) + 1
 
     def retire(self) -> None:
-        """This state's parameters moved to a new root's state (a root over sharded units)."""
-        self.model = self.train = self.eval = None
+        """This state's parameters moved to a new root's state (a root over sharded units):
+        what it held goes now (its masters, the library's model, the hooks viewing its
+        buffers), not when the garbage collector finds it."""
+        self.model = self.train = self.eval = self.hooks = None
         self.units = []
+        self.params = []
+        self.masters = []
+        self.accum = {}
 
     # ---- passes ------------------------------------------------------------------------
 
