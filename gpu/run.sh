@@ -36,7 +36,7 @@ STEPS=(
   "demo:60:collsched demo --backend cuda on every visible GPU (at most 2)"
   "bench:90:collsched bench --backend cuda, all-gather and reduce-scatter, 4 KiB to 256 MiB, 1 and 2 in flight"
   "python:220:python/tests/test_cuda.py (collsched.torch on NCCL, against plain PyTorch)"
-  "vs-nccl:90:python/benchmarks/vs_nccl.py: collsched's collectives beside torch's NCCL and a device copy"
+  "vs-nccl:90:python/benchmarks/vs_nccl.py: collsched's collectives beside torch's NCCL and a device copy, 1 and 2 in flight"
   "vs-fsdp2:150:python/benchmarks/vs_fsdp2.py --device cuda: step and host time against FSDP2, GPT-2 small in f32 and bf16"
   "vs-fsdp2-1b:120:python/benchmarks/vs_fsdp2.py --device cuda: a 0.9B-parameter shape in bf16"
 )
@@ -135,7 +135,8 @@ python_site() {
   python3 -c "import collsched, collsched._native; print('collsched from', collsched.__file__)"
 }
 step_python() { python_site && COLLSCHED_GPU=1 python3 -m pytest -q -rs -p no:cacheprovider python/tests/test_cuda.py; }
-step_vs_nccl() { python_site && python3 python/benchmarks/vs_nccl.py; }
+# Each collective alone, then 2 queued at once (collsched's in flight, torch's async_op).
+step_vs_nccl() { python_site && python3 python/benchmarks/vs_nccl.py && python3 python/benchmarks/vs_nccl.py --inflight 2; }
 step_vs_fsdp2() {
   python_site || return 1
   local n; n=$(gpus); [ "$n" -gt 2 ] && n=2

@@ -1,6 +1,6 @@
 """collsched's collectives on its cuda backend beside torch's NCCL and a device copy, in one run.
 
-    python python/benchmarks/vs_nccl.py [--ranks 1] [--min-kb 4 --max-mb 256 --factor 4]
+    python python/benchmarks/vs_nccl.py [--ranks 1] [--min-kb 4 --max-mb 256 --factor 4] [--inflight 2]
 
 For each size (bytes of the whole, gathered buffer, as nccl-tests and ``collsched bench``
 count them) and each of all-gather and reduce-scatter (f32), three columns measured here, one
@@ -11,7 +11,9 @@ after the other on the same GPUs:
   GPU spawned here), every element checked against the expected values;
 - ``copy``: a device-to-device copy of the whole buffer on one GPU (``Tensor.copy_``, a
   ``cudaMemcpyAsync``): what one GPU's memory moves, the ceiling of a one-GPU "collective".
-Times are the median of ``--iters`` after ``--warmup``, each closed by a synchronize; the
+Times are the median of ``--iters`` after ``--warmup``, each closed by a synchronize (with
+``--inflight K``, K collectives queued at once in each and the time divided by K: collsched's
+in flight, torch's ``async_op``); the
 busbw columns use nccl-tests' factor (n-1)/n, so at one rank they are 0 and algbw is what
 compares. The run fails (exit 1) on a wrong element, a NaN time, or a size missing from any
 column.
@@ -65,25 +67,28 @@ def torch_rank(rank: int, world: int, store: str, args: argparse.Namespace, q: A
     try:
         for whole in sizes(args):
             n = whole // 4 // world  # f32 elements per rank
+            k = args.inflight
             for op in OPS:
+                # k input/output pairs: each iteration queues k collectives (async_op) and
+                # waits for them all; the time per collective is the iteration's / k.
                 if op == "all_gather":
-                    inp = torch.full((n,), float(rank + 1), device="cuda")
-                    out = torch.empty(n * world, device="cuda")
-
-                    def run(inp: torch.Tensor = inp, out: torch.Tensor = out) -> None:
-                        dist.all_gather_into_tensor(out, inp)
-
+                    ins = [torch.full((n,), float(rank + 1), device="cuda") for _ in range(k)]
+                    outs = [torch.empty(n * world, device="cuda") for _ in range(k)]
+                    call = dist.all_gather_into_tensor
                     want = torch.arange(1, world + 1, device="cuda", dtype=torch.float32).repeat_interleave(n)
                 else:
-                    inp = torch.full((n * world,), float(rank + 1), device="cuda")
-                    out = torch.empty(n, device="cuda")
-
-                    def run(inp: torch.Tensor = inp, out: torch.Tensor = out) -> None:
-                        dist.reduce_scatter_tensor(out, inp)
-
+                    ins = [torch.full((n * world,), float(rank + 1), device="cuda") for _ in range(k)]
+                    outs = [torch.empty(n, device="cuda") for _ in range(k)]
+                    call = dist.reduce_scatter_tensor
                     want = torch.full((n,), float(world * (world + 1) // 2), device="cuda")
-                t = timed(run, args.iters, args.warmup)
-                wrong = int((out != want).sum().item())
+
+                def run(ins: list = ins, outs: list = outs, call: Any = call) -> None:
+                    works = [call(o, i, async_op=True) for o, i in zip(outs, ins)]
+                    for w in works:
+                        w.wait()
+
+                t = timed(run, args.iters, args.warmup) / k
+                wrong = sum(int((o != want).sum().item()) for o in outs)
                 rows[op][whole] = (t, wrong)
         q.put((rank, True, rows))
     except BaseException as e:  # reported to the parent
@@ -135,7 +140,15 @@ def main() -> None:
     p.add_argument("--factor", type=int, default=4)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument(
+        "--inflight",
+        type=int,
+        default=1,
+        help="collectives queued at once (collsched.bench's inflight; torch's async_op), time per collective",
+    )
     args = p.parse_args()
+    if args.inflight < 1:
+        raise SystemExit(f"vs_nccl: --inflight {args.inflight}; give 1 or more")
     if not torch.cuda.is_available():
         raise SystemExit("vs_nccl: no CUDA device here (torch.cuda.is_available() is False)")
     world = args.ranks or min(8, torch.cuda.device_count())
@@ -152,7 +165,7 @@ def main() -> None:
             warmup=args.warmup,
             check=True,
             backend="cuda",
-            inflight=1,
+            inflight=args.inflight,
         )
         for op in OPS
     }
@@ -161,7 +174,8 @@ def main() -> None:
     bus = (world - 1) / world
     print(
         f"{torch.cuda.get_device_name(0)}, {world} rank(s); torch {torch.__version__} (CUDA {torch.version.cuda}, "
-        f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}); f32; median of {args.iters} after {args.warmup}"
+        f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}); f32; median of {args.iters} after {args.warmup}; "
+        f"{args.inflight} in flight"
     )
     problems = []
     for op in OPS:
