@@ -501,7 +501,8 @@ impl Engine {
     /// unit's gradients); the first failure stops there and is raised.
     ///
     /// Device gradients (`cuda`, `emulated`) go over in one call to the library, which packs
-    /// each gradient bucket's of them with one launch.
+    /// each gradient bucket's of them with one launch; a gradient it cannot take as a buffer
+    /// (on another device, not contiguous) is refused before any of the call's is taken.
     fn grad_ready_many(&mut self, grads: Vec<(u32, Bound<'_, PyAny>)>) -> PyResult<()> {
         match &mut self.coord {
             Co::Host(_) => {
@@ -527,20 +528,28 @@ impl Engine {
                     let what = format!("grad_ready: parameter id {id}'s gradient");
                     // SAFETY: `host_tensor_bytes`' contract: `grad` is held for the call, and
                     // the bytes are copied into the buffer before the next line.
-                    let bytes = unsafe { host_tensor_bytes(grad, &what) }?;
+                    let bytes = match unsafe { host_tensor_bytes(grad, &what) } {
+                        Ok(bytes) => bytes,
+                        Err(e) => {
+                            staged = Err(e);
+                            break;
+                        }
+                    };
                     let made = be
                         .alloc(bytes.len())
                         .and_then(|mut b| be.write_from_host(&mut b, 0, bytes).map(|()| b));
                     match made {
                         Ok(b) => buffers.push((ParamId(*id), b)),
                         Err(e) => {
-                            staged = Err(backend_err(e));
+                            staged = Err(errors::runtime(backend_err(e)));
                             break;
                         }
                     }
                 }
                 let lent: Vec<(ParamId, &_)> = buffers.iter().map(|(id, b)| (*id, b)).collect();
-                let r = staged.and_then(|()| c.grad_ready_many_on_device(&lent));
+                // Nothing is taken unless every gradient was staged; the staged buffers go
+                // back to the backend below either way.
+                let r = staged.and_then(|()| c.grad_ready_many_on_device(&lent).map_err(errors::runtime));
                 drop(lent);
                 match be.record(Stream::Compute) {
                     Ok(after) => buffers.into_iter().for_each(|(_, b)| be.free(b, Some(&after))),
@@ -550,7 +559,7 @@ impl Engine {
                         return Err(errors::runtime(backend_err(e)));
                     }
                 }
-                r.map_err(errors::runtime)
+                r
             }
             #[cfg(feature = "cuda")]
             Co::Cuda(c) => {

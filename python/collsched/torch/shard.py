@@ -637,7 +637,9 @@ class _State:
                 if g.dtype != want:
                     full.grad = None
                     acc = self.accum.get(p.pid)
-                    self.accum[p.pid] = g.to(want) if acc is None else acc.add_(g.to(want))
+                    # Contiguous: the synchronized micro-batch hands the sum over as it is.
+                    summand = g.to(want, memory_format=torch.contiguous_format)
+                    self.accum[p.pid] = summand if acc is None else acc.add_(summand)
                 continue
             full.grad = None
             # Host gradients go over in the parameter's dtype (the library casts); device ones

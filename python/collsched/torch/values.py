@@ -141,7 +141,8 @@ def cast_batch(
     """Replaces ``batch[i]``'s tensor, for each ``(i, dtype, device)`` of ``which``, by a
     contiguous copy in ``dtype`` on ``device`` (``None``: the tensor's own): the copies of one
     dtype and device are views of one new flat tensor, written by one multi-tensor copy (on a
-    GPU a launch or two for a unit's gradients, where a cast each launches one per tensor)."""
+    GPU a launch or two for a unit's gradients where the sources share a dtype and layout, as
+    autograd's do, and a cast each launches one per tensor; across devices, a copy each)."""
     groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
     for i, dtype, device in which:
         groups.setdefault((dtype, batch[i][1].device if device is None else device), []).append(i)
