@@ -115,9 +115,11 @@ fn steady_state_launches_records_and_waits_allocate_nothing() {
             assert!(sums.iter().all(|&x| x == want), "rank {r}: all-reduce gave {sums:?}, want {want}");
         }
         assert_eq!(
-            allocs, 0,
+            allocs,
+            0,
             "{n} ranks: {allocs} heap allocations in {STEPS} steady-state steps (launches, a group \
-             launch, a record, a cross-stream wait and host waits per step)"
+             launch, a record, a cross-stream wait and host waits per step); the first at:\n{}",
+            counting::first_backtrace().unwrap_or_default()
         );
     }
 }
