@@ -101,6 +101,16 @@ impl Hooks {
     }
 }
 
+/// `t` itself, or a detached alias of it where it has a `grad_fn` (see [`Hooks::pack`]).
+fn detached(t: Bound<'_, PyAny>) -> PyResult<Bound<'_, PyAny>> {
+    let py = t.py();
+    match t.getattr(intern!(py, "grad_fn")) {
+        Ok(f) if !f.is_none() => t.call_method0(intern!(py, "detach")),
+        // Not a tensor (a hook sees tensors alone), or a leaf: as it is.
+        _ => Ok(t),
+    }
+}
+
 #[pymethods]
 impl Hooks {
     /// Python's garbage collector sees the objects this holds: the unpack callback (a bound
@@ -191,15 +201,18 @@ impl Hooks {
         Ok(())
     }
 
-    /// The pack hook: a [`Saved`] for a view of a shown parameter, the tensor itself otherwise.
+    /// The pack hook: a [`Saved`] for a view of a shown parameter; otherwise the tensor, or
+    /// for one of the graph (with a `grad_fn`) a detached alias of it. Saved as itself, an
+    /// output its own node saves (a ReLU's, a softmax's) would refer to that node, which
+    /// refers to it: a cycle through autograd's C++ that Python's collector cannot see, which
+    /// kept every forward's graph and activations alive when no backward ran. Autograd gives
+    /// the unpacked alias its place in the graph back.
     fn pack<'py>(&mut self, t: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
-        if self.live.is_empty() {
-            return Ok(t);
-        }
         let t0 = Instant::now();
-        let out = match self.pack_inner(&t)? {
+        let found = if self.live.is_empty() { None } else { self.pack_inner(&t)? };
+        let out = match found {
             Some(saved) => Bound::new(t.py(), saved)?.into_any(),
-            None => t,
+            None => detached(t)?,
         };
         self.nanos += t0.elapsed().as_nanos() as u64;
         Ok(out)

@@ -364,3 +364,13 @@ def test_sharded_states_are_freed_once_unreferenced(backend):
         assert r["n"] == 2 + 2 * 12, r  # two block states and their parameters' masters
         assert all(r["blocks_and_masters_freed"]), r
         assert r["root_freed"], r
+
+
+@pytest.mark.parametrize("backend", ["shm", "emulated"])
+def test_training_forwards_without_a_backward_free_their_graphs(backend):
+    for r in run(workers.forward_only_passes, 2, backend):
+        for name in ("plain", "sharded"):
+            counts = r[name]
+            assert len(counts) == 5 and all(c > 0 for c in counts), r
+            # After the first pass (the library's first views), not one tensor more a pass.
+            assert counts[1:] == [counts[1]] * 4, f"{name}: live tensors after each pass {counts}"

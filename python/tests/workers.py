@@ -709,3 +709,36 @@ def states_are_freed(rank: int, world: int, backend: str) -> dict[str, Any]:
     del model, opt
     gc.collect()
     return {"blocks_and_masters_freed": after_root, "n": len(blocks) + len(masters), "root_freed": root() is None}
+
+
+def forward_only_passes(rank: int, world: int, backend: str) -> dict[str, Any]:
+    """Training forwards that no backward follows (a loss computed for a log, a pass that
+    raised before its backward): the number of live tensors after each, for the model sharded
+    and, as the reference, unsharded. Nothing may pile up pass after pass."""
+    import gc
+
+    import collsched.torch as cst
+
+    def live() -> int:
+        gc.collect()
+        return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+
+    cst.init(backend)
+    idx = torch.randint(0, models.VOCAB, (2, models.SEQ), generator=torch.Generator().manual_seed(rank))
+    out = {}
+    for name in ("plain", "sharded"):
+        torch.manual_seed(0)
+        model = models.Gpt(dim=16, heads=2, layers=2)
+        if name == "sharded":
+            for block in model.blocks:
+                cst.fully_shard(block)
+            cst.fully_shard(model)
+        counts = []
+        for _ in range(5):
+            loss = model(idx).float().sum()
+            assert loss.requires_grad
+            del loss
+            counts.append(live())
+        out[name] = counts
+        del model
+    return out
