@@ -444,56 +444,8 @@ impl Engine {
                 let bytes = unsafe { host_tensor_bytes(&grad, &what) }?;
                 c.grad_ready(ParamId(id), bytes).map_err(errors::runtime)
             }
-            Co::Emulated(c) => {
-                // The emulated device's memory is the host's: the gradient, a CPU tensor in
-                // the reduction dtype, goes into a buffer of the backend's, given as a device
-                // gradient (packed on the compute stream, as on CUDA).
-                // SAFETY: `host_tensor_bytes`' contract: `grad` is held for the call, and the
-                // bytes are copied into the buffer before it returns.
-                let bytes = unsafe { host_tensor_bytes(&grad, &what) }?;
-                let be = Arc::clone(c.model().backend());
-                let rank = c.model().rank();
-                let backend_err = |source| RuntimeError::Backend {
-                    rank,
-                    op: "grad_ready (staging an emulated device gradient)",
-                    bucket: None,
-                    source,
-                };
-                let mut buffer = be.alloc(bytes.len()).map_err(backend_err).map_err(errors::runtime)?;
-                let r = be
-                    .write_from_host(&mut buffer, 0, bytes)
-                    .map_err(backend_err)
-                    .and_then(|()| c.grad_ready_on_device(ParamId(id), &buffer));
-                // The pack that reads the buffer is queued on the compute stream.
-                match be.record(Stream::Compute) {
-                    Ok(after) => be.free(buffer, Some(&after)),
-                    Err(e) => {
-                        // Never given back: the pack may still read it.
-                        std::mem::forget(buffer);
-                        return Err(errors::runtime(backend_err(e)));
-                    }
-                }
-                r.map_err(errors::runtime)
-            }
-            #[cfg(feature = "cuda")]
-            Co::Cuda(c) => {
-                let span = tensor_span(&grad, &what)?;
-                let device = collsched::backend::Backend::device(&**c.model().backend());
-                if span.device != device {
-                    return Err(errors::other(format!(
-                        "{what}: on {}, where this rank's device is cuda:{}; move it there first",
-                        span.device.map_or_else(|| "cpu".to_string(), |d| format!("cuda:{d}")),
-                        device.unwrap_or(0)
-                    )));
-                }
-                // SAFETY: the tensor says it is `span.len` contiguous bytes on the rank's
-                // device (checked above), alive during the call; the copy that reads it is
-                // queued on the compute stream, so torch reuses the memory only after it
-                // (stream order).
-                let buffer =
-                    unsafe { collsched::backend::cuda::CudaBuffer::from_raw(span.addr as u64, span.len) };
-                c.grad_ready_on_device(ParamId(id), &buffer).map_err(errors::runtime)
-            }
+            // A device gradient: as one of a unit's (one pack, the same checks).
+            _ => self.grad_ready_many(vec![(id, grad)]),
         }
     }
 
