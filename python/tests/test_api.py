@@ -368,9 +368,15 @@ def test_sharded_states_are_freed_once_unreferenced(backend):
 
 @pytest.mark.parametrize("backend", ["shm", "emulated"])
 def test_training_forwards_without_a_backward_free_their_graphs(backend):
+    from collsched.torch.shard import _VIEWS_KEPT
+
     for r in run(workers.forward_only_passes, 2, backend):
         for name in ("plain", "sharded"):
             counts = r[name]
-            assert len(counts) == 5 and all(c > 0 for c in counts), r
-            # After the first pass (the library's first views), not one tensor more a pass.
-            assert counts[1:] == [counts[1]] * 4, f"{name}: live tensors after each pass {counts}"
+            assert len(counts) == 10 and all(c > 0 for c in counts), r
+            # A pass's graph kept would add its tensors every pass. What may grow: the views
+            # of the library's buffers, at most _VIEWS_KEPT per parameter (a buffer that comes
+            # back at another address), and nothing over the last passes.
+            bound = counts[0] + _VIEWS_KEPT * r[f"{name}_params"]
+            assert max(counts) <= bound, f"{name}: live tensors after each pass {counts}, bound {bound}"
+            assert counts[-3:] == [counts[-1]] * 3, f"{name}: live tensors after each pass {counts}"

@@ -734,11 +734,12 @@ def forward_only_passes(rank: int, world: int, backend: str) -> dict[str, Any]:
                 cst.fully_shard(block)
             cst.fully_shard(model)
         counts = []
-        for _ in range(5):
+        for _ in range(10):
             loss = model(idx).float().sum()
             assert loss.requires_grad
             del loss
             counts.append(live())
         out[name] = counts
+        out[f"{name}_params"] = len(list(model.parameters()))
         del model
     return out
