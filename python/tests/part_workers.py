@@ -121,19 +121,3 @@ def pipelined(rank: int, world: int, steps: int, n_micro: int, kind: str) -> dic
         opt.zero_grad()
     params = {k: plain(v.full_tensor()) for k, v in part.state_dict().items()}
     return {"stage": stage, "dp_rank": dp_rank, "losses": losses, "params": params}
-
-
-def tp_refused(rank: int, world: int) -> str:
-    """fully_shard of a model whose layer is tensor-parallel (DTensor parameters of
-    ``parallelize_module``): the error's text."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
-
-    tp = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-    model = stage_model(0)
-    parallelize_module(model, tp, {"0": ColwiseParallel()})
-    try:
-        cst.fully_shard(model)
-    except Exception as e:
-        return f"{type(e).__name__}: {e}"
-    return "no error"

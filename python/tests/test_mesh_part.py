@@ -101,10 +101,3 @@ def test_a_pipeline_schedule_over_sharded_stages_gives_plain_pytorchs_losses(kin
         assert sorted(got["params"]) == sorted(names[stage]), got["params"].keys()
         for k, ref in names[stage].items():
             _close(got["params"][k], final[ref], f"rank {rank} {k}")
-
-
-def test_tensor_parallel_parameters_are_refused_by_name():
-    out = run(w.tp_refused, 2, init="collsched", timeout=120)
-    for msg in out:
-        assert msg.startswith("CollschedError: fully_shard: parameter 0.weight is a DTensor"), msg
-        assert "tensor-parallel" in msg and "ignored_params" in msg, msg

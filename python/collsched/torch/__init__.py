@@ -72,7 +72,8 @@ importing this package registers, is :mod:`collsched.torch.distributed`. The fil
 ``shard.py`` (a root's sharded model and its hooks), ``build.py`` (its build), ``units.py`` (parameters and units),
 ``values.py`` (initial values, mixed precision's f32 masters, CPU offload),
 ``state_dict.py`` (``state_dict()`` as DTensors, ``load_state_dict``), ``optim_state.py``
-(an optimizer's state dict likewise),
+(an optimizer's state dict likewise), ``tp.py`` (tensor-parallel DTensor parameters, sharded
+over the data-parallel dimension of a 2-D mesh),
 ``checkpoint.py`` (checkpoints), ``clip.py`` (gradient clipping), ``distributed.py`` (the
 process group backend).
 """

@@ -12,9 +12,10 @@ from torch import nn
 
 from .. import _native, params_json
 from .._native import CollschedError
+from . import tp as tp_
 from . import values as values_
 from .units import _Param, _tensor, _Unit
-from .world import _DTYPE_BYTES, _FROM_TORCH
+from .world import _DTYPE_BYTES, _FROM_TORCH, world
 
 if TYPE_CHECKING:
     from .shard import _State
@@ -73,6 +74,9 @@ def build(st: _State) -> None:
     # ``ignored_params`` of every fully_shard call under the root, and every parameter that is
     # not of a floating dtype: left in the modules as they are.
     ignored = {id(p) for m in root.modules() for p in m.__dict__.get("_collsched_ignored", ())}
+    # The job's ranks the model is sharded over (tensor-parallel meshes must lie across them).
+    job = world()
+    dp_ranks = list(st.part) if st.part is not None else list(range(job.world))
     for m in root.modules():
         u = unit_of[id(m)]
         for name, p in list(m._parameters.items()):
@@ -99,13 +103,10 @@ def build(st: _State) -> None:
                     shape, dtype, requires_grad = old.shape, p.dtype, p.requires_grad
                 else:
                     shape, dtype, requires_grad = p.shape, p.dtype, p.requires_grad
-                if _is_dtensor(p):
-                    raise CollschedError(
-                        f"fully_shard: parameter {qual} is a DTensor ({type(p).__name__} placed "
-                        f"{getattr(p, 'placements', '?')}): tensor-parallel parameters (FSDP2's dp x tp sharding) "
-                        "are not taken; shard the model before parallelize_module, or leave the module unsharded "
-                        "with ignored_params"
-                    )
+                # A tensor-parallel parameter (tp.py): its local tensor is what is sharded.
+                dtensor = tp_.is_dtensor(p)
+                if dtensor:
+                    shape = p._local_tensor.shape
                 if dtype not in _FROM_TORCH:
                     raise CollschedError(
                         f"fully_shard: parameter {qual} has dtype {dtype}; collsched moves float32, bfloat16 "
@@ -123,11 +124,17 @@ def build(st: _State) -> None:
                 gather = mp.param_dtype if mp is not None and mp.param_dtype is not None else dtype
                 info = _Param(len(st.params), qual, shape, gather, st.device)
                 info.unit = u
+                if dtensor:
+                    info.tp = tp_.spec_of(p, qual, dp_ranks, job.rank, gather)
+                elif prev is not None and prev[1].tp is not None:
+                    info.tp = prev[1].tp
+                if info.tp is not None:
+                    info.full = tp_.full_param(info.placeholder, info.tp)
                 info.shard = p if prev is not None else nn.Parameter(torch.empty(0, dtype=dtype, device=st.device))
                 info.shard.requires_grad_(requires_grad)
                 found[id(p)] = info
                 st.params.append(info)
-                values.append(p)
+                values.append(p._local_tensor if dtensor else p)
             st.units[u].slots.append((m, name, info.pid))
     if not st.params:
         raise CollschedError(f"fully_shard: {type(root).__name__} has no parameters to shard")
@@ -231,12 +238,12 @@ def build(st: _State) -> None:
     st.mask = [bool(p.shard.requires_grad) for p in st.params]
     st._own_grads()
     st.hooks = _native.Hooks(len(st.units), [p.unit for p in st.params], st._unpack_saved)
-
-
-def _is_dtensor(p: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(p, DTensor)
+    # The first tensor-parallel parameter's spec: the other parameters are replicated over its mesh.
+    st.tp_spec = next((p.tp for p in st.params if p.tp is not None), None)
+    if st.tp_spec is not None:
+        st.pack, st.unpack = tp_.saved_hooks(st.hooks)
+    else:
+        st.pack, st.unpack = st.hooks.pack, st.hooks.unpack
 
 
 def _no_values(w: Any, metas: dict[str, bool], sync_module_states: bool) -> bool:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from .._native import CollschedError
+from . import tp as tp_
 from . import values
 from .module import _root_state
 from .shard import _State
@@ -38,6 +39,17 @@ def _part_path(state: Any, path: Any) -> str:
     if ranks is None:
         return os.fspath(path)
     return os.path.join(os.fspath(path), "part-" + "-".join(map(str, ranks)))
+
+
+def _tp_layout(state: _State) -> dict[str, str]:
+    """Each tensor-parallel parameter's placements, mesh shape and this rank's place in it,
+    by name: what the local tensors a checkpoint holds were cut by (the same on every rank
+    of the part: its ranks share their tensor-parallel coordinates)."""
+    return {
+        p.name: f"{tuple(p.tp.placements)} on a mesh of shape {tuple(p.tp.mesh.shape)} at {p.tp.mesh.get_coordinate()}"
+        for p in state.params
+        if p.tp is not None
+    }
 
 
 def save_checkpoint(module: nn.Module, optimizer: torch.optim.Optimizer | None, path: Any, step: int = 0) -> dict:
@@ -82,7 +94,9 @@ def save_checkpoint(module: nn.Module, optimizer: torch.optim.Optimizer | None, 
     merged: dict[str, Any] = {}
     for blob in state.world.all_gather(json.dumps(scalars).encode()):
         merged.update(json.loads(blob))
-    meta = {"optimizer": {"groups": groups, "scalars": merged}} if optimizer is not None else {}
+    meta: dict[str, Any] = {"optimizer": {"groups": groups, "scalars": merged}} if optimizer is not None else {}
+    if state.tp_spec is not None:
+        meta["tp"] = _tp_layout(state)
     text = state.model.save(_part_path(state, path), int(step), extras, json.dumps(meta, default=str))
     del keep
     return json.loads(text)
@@ -102,8 +116,18 @@ def load_checkpoint(module: nn.Module, optimizer: torch.optim.Optimizer | None, 
         with open(os.path.join(_part_path(state, path), "index.json")) as f:
             saved = json.load(f)
     except (OSError, ValueError):
-        saved = {"extras": []}  # the library's load names what is wrong, on every rank
-    names = {e["name"] for e in saved.get("extras", [])}
+        saved = None  # the library's load names what is wrong, on every rank
+    layout = ((saved or {}).get("meta") or {}).get("tp")
+    if saved is not None and (state.tp_spec is not None or layout is not None):
+        mine = _tp_layout(state) if state.tp_spec is not None else None
+        if layout != mine:
+            raise CollschedError(
+                f"load_checkpoint: the checkpoint at {_part_path(state, path)} holds tensor-parallel local tensors "
+                f"laid out {layout}, this model's are {mine}; a checkpoint of save_checkpoint reloads at its own "
+                "tensor-parallel layout: change the layout through torch.distributed.checkpoint (dcp.save of "
+                "model.state_dict(), dcp.load) instead; nothing was loaded"
+            )
+    names = {e["name"] for e in (saved or {}).get("extras", [])}
     wanted = [
         (p.pid, n.split("#", 1)[1])
         for p in state.params
@@ -167,7 +191,8 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
         state.eval.end_step()
     for pid, v in values.master_values(state).items():
         out[state.params[pid].name] = v
-    return {p.name: out[p.name] for p in state.params}
+    # A tensor-parallel parameter's global value: its local tensors gathered over its mesh.
+    return {p.name: out[p.name] if p.tp is None else tp_.full_value(out[p.name], p.tp) for p in state.params}
 
 
 def save_full(module: nn.Module, path: Any) -> None:
@@ -177,6 +202,11 @@ def save_full(module: nn.Module, path: Any) -> None:
     bucket at a time; rank 0 writes. Collective: every rank calls it, between steps."""
     state = _root_state(module)
     _between_steps(state, "save_full")
+    if state.tp_spec is not None:
+        raise CollschedError(
+            "save_full: the model has tensor-parallel parameters, and the library holds their local tensors alone; "
+            "write cst.full_state_dict(module) (their global values) with safetensors.torch.save_file on rank 0"
+        )
     if any(p.own.dtype != p.dtype for p in state.masters):
         raise CollschedError(
             "save_full: the model gathers in its mixed-precision param_dtype, and the file would hold those values; "

@@ -39,13 +39,21 @@ def _shards(parameters: Any) -> tuple[list[nn.Parameter], list[torch.Tensor]]:
     return shards, others
 
 
-def _replicas(state: Any) -> int:
-    """How many ranks hold each element of ``state``'s shards: the number of groups of a
-    ``hybrid:G`` strategy (its shards repeat in every group), else 1."""
+def _replicas(state: Any, p: Any) -> int:
+    """How many ranks of the job hold each element of parameter ``p``'s shards: the number of
+    groups of a ``hybrid:G`` strategy (its shards repeat in every group), times, in a model
+    with tensor-parallel parameters, the tensor-parallel ranks holding the same elements:
+    those of a ``Replicate`` placement for a tensor-parallel parameter, all of them for
+    another (the tensor-parallel ranks run the same model on the same batch)."""
     strategy = str(state.opts["strategy"])
-    if strategy.startswith("hybrid:"):
-        return state.world.world // int(strategy.split(":")[1])
-    return 1
+    k = state.world.world // int(strategy.split(":")[1]) if strategy.startswith("hybrid:") else 1
+    spec = p.tp if p.tp is not None else state.tp_spec
+    if spec is None:
+        return k
+    for dim, placement in enumerate(spec.placements):
+        if p.tp is None or placement.is_replicate():
+            k *= spec.mesh.size(dim)
+    return k
 
 
 def clip_grad_norm_(
@@ -79,13 +87,11 @@ def clip_grad_norm_(
         raise CollschedError(f"clip_grad_norm_: norm_type={norm_type}; expected a positive number or inf")
     # This rank's part, summed on the gradients' device and read once (one host sync).
     parts = []
-    replicas: dict[int, int] = {}
     for s in shards:
         g = s.grad
         if g is None or g.numel() == 0:
             continue
-        state = s._collsched_param[0]
-        k = replicas.setdefault(id(state), _replicas(state))
+        k = _replicas(*s._collsched_param)
         g64 = g.detach().to(torch.float64).abs()
         parts.append(g64.max() if math.isinf(p) else g64.pow(p).sum() / k)
     local = 0.0

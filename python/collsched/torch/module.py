@@ -367,7 +367,9 @@ def fully_shard(
     ``strategy="hybrid:G"`` over its ranks with ``G`` the shard dimension's size (HSDP); a mesh
     over part of the job (a slice of a larger mesh, pipeline parallelism beside) shards over
     that part alone, in a world of its own (``shm`` backend; made at the first model over
-    those ranks, every one of them calling);
+    those ranks, every one of them calling); tensor-parallel parameters (DTensors of
+    ``parallelize_module`` on ``world_mesh["tp"]``) are sharded over ``world_mesh["dp"]`` by
+    their local tensors, as FSDP2's 2-D sharding (``tp.py``);
     ``offload_policy`` (``None``: none) a :class:`CPUOffloadPolicy` (this package's or FSDP2's):
     the module's shards and their gradients in host memory, the optimizer stepping there.
     """

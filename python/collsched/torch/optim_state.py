@@ -21,7 +21,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .._native import CollschedError
-from .state_dict import _mesh, _rows
+from .state_dict import _mesh, mine, place
 
 _INSTALLED: list[Any] = []
 
@@ -85,7 +85,6 @@ def _sharded_keys(states: dict, p: Any) -> list[str]:
 
 def _save(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
 
     ours = _ours(opt)
     if not ours:
@@ -136,11 +135,7 @@ def _save(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
         holder = next(piece for piece in pieces if any(v.numel() for v in piece[1].values()))
         out = dict(holder[2])
         for k, v in full.items():
-            value = v.view(p.shape).to(st.device)
-            local_rows, placements = _rows(value, mesh)
-            out[k] = DTensor.from_local(
-                local_rows, mesh, placements, run_check=False, shape=value.shape, stride=value.stride()
-            )
+            out[k] = place(p, v.view(p.shape).to(st.device), mesh)
         state[i] = out
     return {**sd, "state": state}
 
@@ -162,16 +157,14 @@ def _load(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
         i = keys[at]
         # In one order on every rank: each DTensor's gather is collective.
         for k, v in sorted((state.get(i) or {}).items(), key=lambda kv: str(kv[0])):
-            if isinstance(v, DTensor) or (torch.is_tensor(v) and v.dim() > 0 and tuple(v.shape) == tuple(p.shape)):
-                if tuple(v.shape) != tuple(p.shape):
+            shape = tuple(p.global_shape)
+            if isinstance(v, DTensor) or (torch.is_tensor(v) and v.dim() > 0 and tuple(v.shape) == shape):
+                if tuple(v.shape) != shape:
                     raise CollschedError(
                         f"optimizer.load_state_dict: state {k!r} of parameter {p.name} is a DTensor of shape "
-                        f"{tuple(v.shape)}; the parameter's is {tuple(p.shape)}; nothing was loaded"
+                        f"{tuple(v.shape)}; the parameter's is {shape}; nothing was loaded"
                     )
                 todo.append((i, k, p, v))
     for i, k, p, v in todo:
-        if isinstance(v, DTensor):
-            v = v.full_tensor()
-        n = p.shard.numel()
-        state[i] = {**state[i], k: v.detach().reshape(-1)[p.offset : p.offset + n].clone()}
+        state[i] = {**state[i], k: mine(p, v)}
     return {**sd, "state": state}

@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils import _pytree
 
 from .._native import CollschedError
+from . import tp as tp_
 from . import values as values_
 from .build import build as _build
 from .units import _Frame, _needing_grad, _Param, _PostBackward, _recomputing, _tensor, _Unit
@@ -41,8 +42,13 @@ class _State:
         self.part: tuple[int, ...] | None = opts["part"]
         self.units: list[_Unit] = []
         self.params: list[_Param] = []
-        # The saved-tensor hooks (native): the fetched units' parameter spans by address.
+        # The saved-tensor hooks (native): the fetched units' parameter spans by address; the
+        # pack and unpack hooks a pass pushes (the native ones, or tp.py's around them).
         self.hooks: Any = None
+        self.pack: Any = None
+        self.unpack: Any = None
+        # The spec of the first tensor-parallel parameter (``tp.py``), or None.
+        self.tp_spec: Any = None
         self.sync = True
         self.unsynced = False
         self.phase = "idle"
@@ -210,7 +216,7 @@ class _State:
         """This state's parameters moved to a new root's state (a root over sharded units):
         what it held goes now (its masters, the library's model, the hooks viewing its
         buffers), not when the garbage collector finds it."""
-        self.model = self.train = self.eval = self.hooks = None
+        self.model = self.train = self.eval = self.hooks = self.pack = self.unpack = None
         self.units = []
         self.params = []
         self.masters = []
@@ -253,7 +259,7 @@ class _State:
         if self.masters and frame.outer is None:
             values_.push_masters(self)
         self.engine = frame.engine
-        saved = torch.autograd.graph.saved_tensors_hooks(self.hooks.pack, self.hooks.unpack)
+        saved = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         saved.__enter__()
         frame.saved = saved
         self.host_s += _clock() - t0
@@ -441,7 +447,7 @@ class _State:
                     if len(p.views) >= _VIEWS_KEPT:
                         del p.views[next(iter(p.views))]
                     p.views[addr] = view
-                p.full.data = view
+                p.point(view)
                 p.addr = addr
             unit.known = [p.addr for p in unit.params]
         if moved or unit.shared:
@@ -587,7 +593,7 @@ class _State:
         p = self.params[x.pid]
         unit = self.units[p.unit]
         native = self._fetch(unit, self.train, swap=False) if unit.fetched is None else 0.0
-        base = p.full.data
+        base = p.gathered()
         if x.dtype != base.dtype:
             base = base.view(x.dtype)
         out = base.as_strided(x.size, x.stride, x.offset)
@@ -635,12 +641,16 @@ class _State:
                 self.withheld = True
                 got.add(p.pid)
                 if g.dtype != want:
+                    if p.tp is not None:
+                        g = tp_.local_grad(g, p.tp)
                     full.grad = None
                     acc = self.accum.get(p.pid)
                     # Contiguous: the synchronized micro-batch hands the sum over as it is.
                     summand = g.to(want, memory_format=torch.contiguous_format)
                     self.accum[p.pid] = summand if acc is None else acc.add_(summand)
                 continue
+            if p.tp is not None:
+                g = tp_.local_grad(g, p.tp)
             full.grad = None
             # Host gradients go over in the parameter's dtype (the library casts); device ones
             # in the reduction dtype (cast here, on the compute stream, all in one

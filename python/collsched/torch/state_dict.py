@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from .._native import CollschedError
+from . import tp as tp_
 from . import values as values_
 from .units import _Param, _tensor
 from .world import world
@@ -128,7 +129,6 @@ def _rows(full: torch.Tensor, mesh: Any) -> tuple[torch.Tensor, list[Any]]:
 
 
 def _save_hook(module: nn.Module, sd: dict[str, Any], prefix: str, _meta: Any) -> None:
-    from torch.distributed.tensor import DTensor
 
     entries = _sharded(module, "state_dict")
     if not entries:
@@ -136,10 +136,10 @@ def _save_hook(module: nn.Module, sd: dict[str, Any], prefix: str, _meta: Any) -
     st = entries[0][1]
     mesh = _mesh(st, "state_dict")
     params = list({p.pid: p for _, _, p in entries}.values())
-    local: dict[int, tuple[torch.Tensor, list[Any]]] = {}
+    placed: dict[int, Any] = {}
 
     def keep(p: _Param, full: torch.Tensor) -> None:
-        local[p.pid] = _rows(full.to(p.shard.dtype), mesh)
+        placed[p.pid] = place(p, full.to(p.shard.dtype), mesh)
 
     masters = {p.pid for p in st.masters}
     for pid, full in values_.master_values(st, [p for p in params if p.pid in masters]).items():
@@ -155,10 +155,34 @@ def _save_hook(module: nn.Module, sd: dict[str, Any], prefix: str, _meta: Any) -
             st.eval.release(ids)
             st.eval.end_step()
     for name, _, p in entries:
-        t, placements = local[p.pid]
-        sd[prefix + name] = DTensor.from_local(
-            t, mesh, placements, run_check=False, shape=p.shape, stride=torch.empty(p.shape, device="meta").stride()
-        )
+        sd[prefix + name] = placed[p.pid]
+
+
+def place(p: _Param, full: torch.Tensor, mesh: Any) -> Any:
+    """The state dict's DTensor of ``p`` from ``full`` (its value as the library holds it,
+    gathered over ``mesh``'s ranks): ``Shard(0)`` over ``mesh``, of the parameter's global
+    shape; a tensor-parallel parameter's on the mesh of its tensor-parallel dimensions and
+    ``mesh`` (``tp.py``)."""
+    from torch.distributed.tensor import DTensor
+
+    if p.tp is not None:
+        return tp_.place(full, p.tp, mesh, _rows)
+    t, placements = _rows(full, mesh)
+    return DTensor.from_local(t, mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
+
+
+def mine(p: _Param, v: torch.Tensor) -> torch.Tensor:
+    """This rank's elements of ``p`` (a copy, 1-D) from ``v``, a value of the parameter's global
+    shape or a DTensor of it (gathered with ``full_tensor()``: collective)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(v, DTensor):
+        v = v.full_tensor()
+    if p.tp is not None:
+        v = tp_.local_of(v, p.tp)
+    n = p.shard.numel()
+    # A copy: a DTensor's gathered full value is freed before the next one is gathered.
+    return v.detach().reshape(-1)[p.offset : p.offset + n].clone()
 
 
 def _load_hook(
@@ -174,7 +198,6 @@ def _load_hook(
     """The first of these hooks a load reaches (the outermost sharded module) checks every
     sharded parameter's value under it before any is copied (a refused load changes nothing),
     then puts each rank's elements in their place; the hooks below find them done."""
-    from torch.distributed.tensor import DTensor
 
     todo = []
     for mname, m in module.named_modules(prefix=prefix[:-1], remove_duplicate=False):
@@ -190,19 +213,15 @@ def _load_hook(
             "collsched's memory and are copied into, never replaced; load without assign"
         )
     for key, _, p, v in todo:
-        if not isinstance(v, torch.Tensor) or tuple(v.shape) != tuple(p.shape):
+        if not isinstance(v, torch.Tensor) or tuple(v.shape) != tuple(p.global_shape):
             got = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
             raise CollschedError(
                 f"load_state_dict: {key} is {got}; a sharded parameter loads its full value (shape "
-                f"{tuple(p.shape)}) or a DTensor of it (a local 1-D shard is not one: load those with "
+                f"{tuple(p.global_shape)}) or a DTensor of it (a local 1-D shard is not one: load those with "
                 "collsched.torch.load_checkpoint); nothing was loaded"
             )
     for key, st, p, v in todo:
         st.meta = False
-        if isinstance(v, DTensor):
-            v = v.full_tensor()
-        n = p.shard.numel()
-        # A copy: a DTensor's gathered full value is freed before the next one is gathered.
-        mine = v.detach().reshape(-1)[p.offset : p.offset + n].clone()
-        mine._collsched_loaded = True
-        sd[key] = mine
+        elements = mine(p, v)
+        elements._collsched_loaded = True
+        sd[key] = elements

@@ -43,6 +43,7 @@ class _Param:
         "unit",
         "views",
         "addr",
+        "tp",
     )
 
     def __init__(self, pid: int, name: str, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> None:
@@ -74,6 +75,25 @@ class _Param:
         # address the full parameter's data views now (0: the placeholder).
         self.views: dict[int, torch.Tensor] = {}
         self.addr = 0
+        # A tensor-parallel parameter's spec (``tp.py``; ``shape`` is then its local tensor's),
+        # of the gathers' dtype, or None.
+        self.tp: Any = None
+
+    @property
+    def global_shape(self) -> torch.Size:
+        """The parameter's shape as the model has it (a tensor-parallel one's global shape)."""
+        return self.shape if self.tp is None else self.tp.shape
+
+    def gathered(self) -> torch.Tensor:
+        """The tensor the full parameter's data is now (a tensor-parallel one's local tensor)."""
+        return self.full.data if self.tp is None else self.full._local_tensor
+
+    def point(self, view: torch.Tensor) -> None:
+        """The full parameter views ``view`` (a tensor-parallel one: its local tensor does)."""
+        if self.tp is None:
+            self.full.data = view
+        else:
+            self.full._local_tensor = view
 
 
 class _Unit:

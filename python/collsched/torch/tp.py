@@ -1,0 +1,177 @@
+"""Tensor-parallel parameters under ``fully_shard`` (FSDP2's 2-D dp x tp sharding).
+
+``parallelize_module`` (``ColwiseParallel``, ``RowwiseParallel``, ...) makes a module's
+parameters DTensors on a tensor-parallel mesh; ``fully_shard(module, mesh=world_mesh["dp"])``
+then shards each one's local tensor over the data-parallel ranks as it shards any parameter.
+In the modules, between steps, a parameter is this rank's 1-D shard of its local tensor; in a
+pass, it is a DTensor of the tensor-parallel spec whose local tensor views the gathered buffer
+(the library's memory), so the module's forward runs on DTensors as it did before sharding.
+Its gradient, a DTensor, is redistributed to the parameter's placements (a ``Partial`` one
+reduced over the tensor-parallel ranks, as FSDP2 does) and its local tensor reduced over the
+data-parallel ranks. Saved tensors of the graph that are DTensors viewing a gathered parameter
+are saved as references too (:func:`saved_hooks`). State dicts give DTensors on the mesh of
+the data-parallel dimension followed by the tensor-parallel ones (:func:`place`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._native import CollschedError
+
+
+def is_dtensor(t: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def spec_of(p: Any, qual: str, dp_ranks: list[int], rank: int, dtype: torch.dtype) -> Any:
+    """The spec of tensor-parallel parameter ``p`` (a DTensor) that its gathered value takes,
+    of ``dtype`` (the gathers' dtype); refused by name where collsched cannot shard it: a
+    placement other than ``Shard`` or ``Replicate``, or a mesh that shares ranks with the
+    data-parallel ones (``dp_ranks``) beside this rank."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._dtensor_spec import TensorMeta
+
+    spec = p._spec
+    odd = [pl for pl in spec.placements if type(pl) not in (Shard, Replicate)]
+    if odd:
+        raise CollschedError(
+            f"fully_shard: parameter {qual} is a DTensor placed {tuple(spec.placements)}; collsched shards "
+            f"tensor-parallel parameters placed Shard or Replicate, not {odd[0]}: redistribute it first"
+        )
+    tp_ranks = spec.mesh.mesh.flatten().tolist()
+    both = sorted(set(tp_ranks) & set(dp_ranks) - {rank})
+    if both:
+        raise CollschedError(
+            f"fully_shard: parameter {qual} is a DTensor on a mesh of ranks {tp_ranks}, and the model is sharded "
+            f"over ranks {dp_ranks}: ranks {both} would be in both; shard over the data-parallel dimension alone "
+            "(fully_shard(module, mesh=world_mesh['dp']) with parallelize_module on world_mesh['tp'])"
+        )
+    return dataclasses.replace(spec, tensor_meta=TensorMeta(spec.shape, spec.stride, dtype))
+
+
+def full_param(placeholder: torch.Tensor, spec: Any) -> nn.Parameter:
+    """The parameter a pass puts in the modules: a DTensor of ``spec`` whose local tensor is
+    ``placeholder`` until a fetch points it at the gathered buffer (``_Param.point``)."""
+    from torch.distributed.tensor import DTensor
+
+    return nn.Parameter(DTensor(placeholder, spec, requires_grad=False), requires_grad=False)
+
+
+def local_grad(g: Any, spec: Any) -> torch.Tensor:
+    """The local tensor of a gradient of a tensor-parallel parameter, redistributed to the
+    parameter's placements first where autograd left it otherwise (``Partial``: collective
+    over the tensor-parallel ranks, which all hand the same gradients in the same order)."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    if isinstance(g, AsyncCollectiveTensor):
+        g = g.wait()
+    if not is_dtensor(g):
+        raise CollschedError(
+            f"fully_shard: a tensor-parallel parameter's gradient is a {type(g).__name__}, not a DTensor; "
+            "a hook that replaced it must give a DTensor of the parameter's spec"
+        )
+    if tuple(g.placements) != tuple(spec.placements):
+        g = g.redistribute(spec.mesh, spec.placements)
+    local = g._local_tensor
+    # A functional collective's result is read by address below: wait for it first.
+    return local.wait() if isinstance(local, AsyncCollectiveTensor) else local
+
+
+class _Saved:
+    """A saved DTensor whose local tensor is a reference to a gathered parameter."""
+
+    __slots__ = ("inner", "spec", "requires_grad")
+
+    def __init__(self, inner: Any, spec: Any, requires_grad: bool) -> None:
+        self.inner = inner
+        self.spec = spec
+        self.requires_grad = requires_grad
+
+
+def saved_hooks(hooks: Any) -> tuple[Any, Any]:
+    """The saved-tensor hooks of a model with tensor-parallel parameters: the native ``hooks``
+    for plain tensors, and for a DTensor, a reference where its local tensor views a gathered
+    parameter (the native hooks decide, and unpack it: the unit fetched again if released);
+    otherwise the DTensor, detached where it has a ``grad_fn`` (as the native hook does)."""
+    from torch.distributed.tensor import DTensor
+
+    native_pack, native_unpack = hooks.pack, hooks.unpack
+
+    def pack(t: Any) -> Any:
+        if not isinstance(t, DTensor):
+            return native_pack(t)
+        inner = native_pack(t._local_tensor)
+        if not isinstance(inner, torch.Tensor):
+            return _Saved(inner, t._spec, t.requires_grad)
+        return t.detach() if t.grad_fn is not None else t
+
+    def unpack(x: Any) -> Any:
+        if type(x) is _Saved:
+            return DTensor(native_unpack(x.inner), x.spec, requires_grad=x.requires_grad)
+        return native_unpack(x)
+
+    return pack, unpack
+
+
+# The meshes of the data-parallel dimension followed by the tensor-parallel ones, by the two
+# meshes' ids, with the two meshes (held: an id is another mesh's once its mesh is freed).
+_MESHES: dict[tuple[int, int], tuple[Any, Any, Any]] = {}
+
+
+def place(local: torch.Tensor, spec: Any, dp_mesh: Any, rows: Any) -> Any:
+    """A state dict's DTensor of a tensor-parallel parameter of ``spec`` from ``local`` (this
+    rank's whole local tensor, gathered over the data-parallel ranks): on the mesh of the
+    data-parallel dimension followed by the tensor-parallel ones (FSDP2's), of the parameter's
+    global shape; this rank holds its rows of the local tensor (cut by ``rows``, state_dict.py's
+    cut), which is ``Shard(0)`` over the data-parallel ranks, or, where the tensor-parallel
+    ranks shard rows first, ``_StridedShard(0)`` (as FSDP2 places it), or, where they cut
+    the rows unevenly, ``Replicate()`` (the whole local tensor)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    key = (id(dp_mesh), id(spec.mesh))
+    known = _MESHES.get(key)
+    if known is None or known[0] is not dp_mesh or known[1] is not spec.mesh:
+        known = _MESHES[key] = (dp_mesh, spec.mesh, DeviceMesh._concatenate([dp_mesh, spec.mesh]))
+    mesh = known[2]
+    split = 1
+    for dim, placement in enumerate(spec.placements):
+        if isinstance(placement, Shard) and placement.dim == 0:
+            split *= spec.mesh.size(dim)
+    if split > 1 and spec.shape[0] % split:
+        # DTensor reads _StridedShard as equal pieces of rows, one a tensor-parallel rank,
+        # cut alike over dp: with rows the tensor-parallel ranks cut unevenly, the rows of a
+        # dp rank would be placed on other tp ranks. Whole local tensors, replicated over dp.
+        return DTensor.from_local(
+            local.clone(), mesh, [Replicate(), *spec.placements], run_check=False, shape=spec.shape, stride=spec.stride
+        )
+    mine, (dp_placement,) = rows(local, dp_mesh)
+    if split > 1 and isinstance(dp_placement, Shard):
+        dp_placement = _StridedShard(0, split_factor=split)
+    return DTensor.from_local(
+        mine, mesh, [dp_placement, *spec.placements], run_check=False, shape=spec.shape, stride=spec.stride
+    )
+
+
+def local_of(full: torch.Tensor, spec: Any) -> torch.Tensor:
+    """This rank's local tensor of ``spec`` cut from the parameter's global value ``full``."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(spec.shape, spec.mesh, spec.placements)
+    return full[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+
+
+def full_value(local: torch.Tensor, spec: Any) -> torch.Tensor:
+    """The global value of a tensor-parallel parameter of ``spec`` from every rank's ``local``
+    (collective over the tensor-parallel ranks)."""
+    from torch.distributed.tensor import DTensor
+
+    d = DTensor.from_local(local, spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride)
+    return d.full_tensor()

@@ -1,0 +1,137 @@
+"""Tensor-parallel models sharded over the data-parallel dimension of a 2-D (dp, tp) mesh
+(FSDP2's 2-D sharding: ``parallelize_module`` on ``mesh["tp"]``, ``fully_shard(mesh=mesh["dp"])``),
+against plain unsharded PyTorch computed here."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import tp_workers as w
+
+from ranks import run
+
+
+def _reference(dp_size: int, steps: int) -> dict:
+    """Plain PyTorch in float64: the model stepped on the mean of the dp ranks' losses (the
+    sharded gradient is their average), gradients clipped to norm 0.5, Adam; each dp rank's
+    losses, the norms, the final values and Adam's first moments in parameter order."""
+    m = w.model(0).double()
+    opt = torch.optim.Adam(m.parameters(), lr=0.01)
+    losses: list[list[float]] = [[] for _ in range(dp_size)]
+    norms = []
+    for step in range(steps):
+        total = 0.0
+        for r in range(dp_size):
+            loss = m(w.batch(r, step).double()).pow(2).mean()
+            losses[r].append(loss.item())
+            total = total + loss / dp_size
+        total.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)))
+        opt.step()
+        opt.zero_grad()
+    moments = [opt.state[p]["exp_avg"].reshape(-1).tolist() for p in m.parameters()]
+    params = {k: v.reshape(-1).tolist() for k, v in m.state_dict().items()}
+    return {"losses": losses, "norms": norms, "params": params, "moments": moments}
+
+
+def _close(got: list[float], want: list[float], what: str, tol: float) -> None:
+    assert len(got) == len(want), (what, len(got), len(want))
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert math.isfinite(a) and abs(a - b) <= tol * max(1.0, abs(b)), (what, i, a, b)
+
+
+@pytest.mark.parametrize("checkpointed,bf16", [(False, False), (True, False), (False, True)])
+def test_a_tensor_parallel_model_sharded_over_dp_trains_as_plain_pytorch(checkpointed, bf16, tmp_path):
+    world, steps = 4, 3
+    dp_size = world // 2
+    path = str(tmp_path / "dcp")
+    out = run(w.train_2d, world, steps, path, checkpointed, bf16, init="collsched", timeout=300)
+    ref = _reference(dp_size, steps)
+    # float32 sharded and tensor-parallel (partial sums in another order) against float64
+    # (1e-7 passes here); gathered in bfloat16 (8 bits of mantissa), about its rounding.
+    tol = 2e-2 if bf16 else 1e-6
+    # Adam turns the rounding of a gradient near zero into a step of up to lr either way: in
+    # bfloat16 the values may differ by 2 lr a step.
+    value_tol = 2 * 0.01 * steps if bf16 else tol
+    for rank in range(world):
+        got = out[rank]
+        assert got["dp_rank"] == rank // 2, got["dp_rank"]
+        _close(got["losses"], ref["losses"][got["dp_rank"]], f"rank {rank} losses", tol)
+        _close(got["norms"], ref["norms"], f"rank {rank} clipped norms", tol)
+        for key in ("params", "full", "loaded"):
+            assert sorted(got[key]) == sorted(ref["params"]), (key, sorted(got[key]))
+            for k, v in ref["params"].items():
+                _close(got[key][k], v, f"rank {rank} {key} {k}", value_tol)
+        # The checkpoint's round trip is exact.
+        assert got["loaded"] == got["params"], rank
+        assert sorted(got["moments"]) == list(range(len(ref["moments"]))), sorted(got["moments"])
+        for i, want in enumerate(ref["moments"]):
+            _close(got["moments"][i], want, f"rank {rank} Adam moment {i}", tol)
+        # Tensor-parallel parameters on (dp, tp) as FSDP2 places them; the others over dp alone.
+        # In float32 (the masters, under mixed precision).
+        placed = got["placements"]
+        assert placed["blocks.0.up.weight"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0)) torch.float32", placed
+        assert placed["blocks.1.down.weight"] == "(Shard(dim=0), Shard(dim=1)) torch.float32", placed
+        assert placed["blocks.0.down.bias"] == "(Shard(dim=0), Replicate()) torch.float32", placed
+        assert placed["head.weight"] == "(Shard(dim=0),) torch.float32", placed
+    # Every rank the same values.
+    for rank in range(1, world):
+        assert out[rank]["params"] == out[0]["params"], rank
+
+
+def test_a_dcp_checkpoint_of_a_2d_model_loads_into_a_1d_one(tmp_path):
+    world = 4
+    path = str(tmp_path / "dcp")
+    out = run(w.train_2d, world, 2, path, False, init="collsched", timeout=300)
+    loaded = run(w.load_1d, world, path, init="collsched", timeout=240)
+    for rank in range(world):
+        assert loaded[rank] == out[0]["params"], rank
+
+
+def test_what_a_tensor_parallel_model_refuses_is_named(tmp_path):
+    out = run(w.refusals, 4, str(tmp_path / "ckpt"), init="collsched", timeout=240)
+    for rank, got in enumerate(out):
+        assert got["whole_job"].startswith("CollschedError: fully_shard: parameter blocks.0.up.weight is a DTensor"), (
+            rank,
+            got["whole_job"],
+        )
+        assert "mesh=world_mesh['dp']" in got["whole_job"], got["whole_job"]
+        assert got["save_full"].startswith("CollschedError: save_full: the model has tensor-parallel"), got["save_full"]
+        assert got["layout"].startswith("CollschedError: load_checkpoint: the checkpoint at"), got["layout"]
+        assert "nothing was loaded" in got["layout"], got["layout"]
+        assert got["same_layout"] == "no error", got["same_layout"]
+        assert got["same_values"] == "True", got
+
+
+@pytest.mark.parametrize("no_sync,backend", [(False, "shm"), (True, "shm"), (True, "emulated")])
+def test_sequence_parallel_norms_partial_gradients_are_reduced_over_tp(no_sync, backend):
+    world, steps = 4, 3
+    out = run(w.sequence_parallel, world, steps, no_sync, backend, init="collsched", timeout=300)
+    # Plain PyTorch in float64 on whole sequences, stepped on the mean of the dp ranks' losses.
+    m = w.model(0).double()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    losses: list[list[float]] = [[], []]
+    for step in range(steps):
+        total = 0.0
+        for r in range(2):
+            loss = m(w.seq_batch(r, step).double()).pow(2).mean()
+            losses[r].append(loss.item())
+            total = total + loss / 2
+        total.backward()
+        opt.step()
+        opt.zero_grad()
+    params = {k: v.reshape(-1).tolist() for k, v in m.state_dict().items()}
+    for rank, got in enumerate(out):
+        _close(got["losses"], losses[rank // 2], f"rank {rank} losses", 1e-6)
+        assert sorted(got["params"]) == sorted(params), sorted(got["params"])
+        for k, v in params.items():
+            _close(got["params"][k], v, f"rank {rank} {k}", 1e-6)
+        # The head's 5 rows are cut 3 and 2 over tp: whole local tensors, replicated over dp;
+        # the up projection's 10 rows evenly: strided over dp.
+        assert got["placements"]["head.weight"] == "(Replicate(), Shard(dim=0))", got["placements"]
+        assert got["placements"]["blocks.0.up.weight"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))", got[
+            "placements"
+        ]
+        assert got["placements"]["blocks.0.norm.weight"] == "(Shard(dim=0), Replicate())", got["placements"]

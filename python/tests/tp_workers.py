@@ -1,0 +1,253 @@
+"""Rank functions of test_tp.py (importable by spawned processes): tensor-parallel models
+(``parallelize_module`` on a ``tp`` mesh) sharded over the ``dp`` dimension of a 2-D mesh,
+FSDP2's 2-D way."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import nn
+
+import collsched.torch as cst
+
+# HIDDEN 10: a tp rank's 5 rows of the up projection are cut 3 and 2 over dp (uneven).
+D, HIDDEN, OUT, BATCH = 8, 10, 5, 6
+
+
+class Block(nn.Module):
+    """A residual MLP block: layer norm (replicated over tp), an up projection
+    (``ColwiseParallel``) and a down one (``RowwiseParallel``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(D)
+        self.up = nn.Linear(D, HIDDEN)
+        self.down = nn.Linear(HIDDEN, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(self.norm(x))))
+
+
+class Net(nn.Module):
+    """Two blocks and a head; ``recompute``: the blocks under activation checkpointing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(D, OUT)
+        self.recompute = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(b, x, use_reentrant=False) if self.recompute else b(x)
+        return self.head(x)
+
+
+def model(seed: int = 0) -> Net:
+    """The model, the same on every rank (seeded)."""
+    torch.manual_seed(seed)
+    return Net()
+
+
+def batch(dp_rank: int, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(10 * step + dp_rank)
+    return torch.randn(BATCH, D, generator=g)
+
+
+def plain(t: torch.Tensor) -> list:
+    return t.detach().to(torch.float64).reshape(-1).tolist()
+
+
+def _meshes(world: int) -> tuple[Any, Any, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+    return mesh, mesh["dp"], mesh["tp"]
+
+
+def _sharded(dp: Any, tp: Any, seed: int = 0, mp: Any = None) -> Net:
+    """The model made tensor-parallel over ``tp``, then each block and the root sharded over ``dp``."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    m = model(seed)
+    for b in m.blocks:
+        parallelize_module(b, tp, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    for b in m.blocks:
+        cst.fully_shard(b, mesh=dp, mp_policy=mp)
+    return cst.fully_shard(m, mesh=dp, mp_policy=mp, prefetch="none")
+
+
+def train_2d(rank: int, world: int, steps: int, path: str, checkpointed: bool, bf16: bool = False) -> dict[str, Any]:
+    """A (dp, tp) mesh of world/2 x 2: the model tensor-parallel over tp and sharded over dp,
+    Adam with gradient clipping for ``steps`` steps (each dp rank its batch; ``checkpointed``:
+    the blocks under activation checkpointing; ``bf16``: gathered in bfloat16, reduced in
+    float32, under a ``MixedPrecisionPolicy``); returns the losses, the clipped norms, the
+    parameters (the state dict's DTensors' full values, and ``full_state_dict``'s), the Adam
+    moments of the optimizer's state dict, and the parameters after a ``dcp.save`` to ``path``
+    and a ``dcp.load`` into a fresh model of the same layout, and the local shapes."""
+    import torch.distributed.checkpoint as dcp
+
+    _, dp, tp = _meshes(world)
+    mp = cst.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    m = _sharded(dp, tp, mp=mp)
+    m.recompute = checkpointed
+    # Another model of the same shapes: its blocks unsharded between a forward and its
+    # backward take the buffers the forward's gathers used (the part's world is one memory
+    # pool), so the backward gathers at other addresses, and a saved tensor that kept
+    # viewing the old ones would read the other model's values.
+    other = _sharded(dp, tp, seed=5, mp=mp)
+    dp_rank = dp.get_local_rank()
+    opt = torch.optim.Adam(m.parameters(), lr=0.01)
+    losses, norms = [], []
+    for step in range(steps):
+        loss = m(batch(dp_rank, step)).float().pow(2).mean()
+        if step == 1:
+            for b in other.blocks:
+                b.unshard()
+        loss.backward()
+        if step == 1:
+            for b in other.blocks:
+                b.reshard()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    sd = m.state_dict()
+    params = {k: plain(v.full_tensor()) for k, v in sd.items()}
+    full = {k: plain(v) for k, v in cst.full_state_dict(m).items()}
+    osd = opt.state_dict()
+    moments = {i: plain(s["exp_avg"].full_tensor()) for i, s in osd["state"].items()}
+    dcp.save({"model": sd}, checkpoint_id=path)
+    fresh = _sharded(dp, tp, seed=5, mp=mp)
+    target = {"model": fresh.state_dict()}
+    dcp.load(target, checkpoint_id=path)
+    fresh.load_state_dict(target["model"])
+    loaded = {k: plain(v.full_tensor()) for k, v in fresh.state_dict().items()}
+    placements = {k: f"{tuple(v.placements)} {v.dtype}" for k, v in sd.items()}
+    return {
+        "dp_rank": dp_rank,
+        "losses": losses,
+        "norms": norms,
+        "params": params,
+        "full": full,
+        "moments": moments,
+        "loaded": loaded,
+        "placements": placements,
+    }
+
+
+def load_1d(rank: int, world: int, path: str) -> dict[str, Any]:
+    """The checkpoint of :func:`train_2d` loaded (``dcp.load``) into the model sharded over the
+    whole job without tensor parallelism; its parameters' full values."""
+    import torch.distributed.checkpoint as dcp
+
+    m = model(seed=9)
+    for b in m.blocks:
+        cst.fully_shard(b)
+    cst.fully_shard(m)
+    target = {"model": m.state_dict()}
+    dcp.load(target, checkpoint_id=path)
+    m.load_state_dict(target["model"])
+    return {k: plain(v) for k, v in cst.full_state_dict(m).items()}
+
+
+def refusals(rank: int, world: int, path: str) -> dict[str, str]:
+    """The errors of what collsched refuses of a tensor-parallel model: sharding it over the
+    tp ranks too (the whole job), ``save_full``, and ``load_checkpoint`` of a checkpoint of
+    another tensor-parallel layout."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    def error(fn: Any) -> str:
+        try:
+            fn()
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+        return "no error"
+
+    _, dp, tp = _meshes(world)
+    out = {}
+    whole = model()
+    parallelize_module(whole.blocks[0], tp, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    out["whole_job"] = error(lambda: cst.fully_shard(whole))
+    m = _sharded(dp, tp)
+    out["save_full"] = error(lambda: cst.save_full(m, path + "-full.safetensors"))
+    cst.save_checkpoint(m, None, path)
+    other = model()
+    for b in other.blocks:
+        parallelize_module(b, tp, {"up": RowwiseParallel(), "down": ColwiseParallel()})
+        cst.fully_shard(b, mesh=dp)
+    cst.fully_shard(other, mesh=dp)
+    out["layout"] = error(lambda: cst.load_checkpoint(other, None, path))
+    fresh = _sharded(dp, tp, seed=3)
+    out["same_layout"] = error(lambda: cst.load_checkpoint(fresh, None, path))
+    saved, loaded = m.state_dict(), fresh.state_dict()
+    out["same_values"] = str(all(torch.equal(saved[k].full_tensor(), loaded[k].full_tensor()) for k in saved))
+    return out
+
+
+SEQ = 4
+
+
+def seq_batch(dp_rank: int, step: int) -> torch.Tensor:
+    """A batch of sequences (batch, SEQ, D)."""
+    g = torch.Generator().manual_seed(100 + 10 * step + dp_rank)
+    return torch.randn(2, SEQ, D, generator=g)
+
+
+def sequence_parallel(rank: int, world: int, steps: int, no_sync: bool, backend: str) -> dict[str, Any]:
+    """torchtitan's layout of a block: the norms ``SequenceParallel`` (replicated weights whose
+    gradients are ``Partial`` over tp, each tp rank computing on its part of the sequence),
+    the up projection ``ColwiseParallel`` from the sequence-sharded input, the down one
+    ``RowwiseParallel`` back to it, the head ``ColwiseParallel`` to a replicated output; every
+    parameter a DTensor; each tp rank given its part of the sequence. Sharded over dp, SGD,
+    ``no_sync``: each step two micro-batches (halves of the batch), the first under no_sync;
+    on collsched's ``backend`` (``shm``, or ``emulated``: the device paths). Returns the
+    losses, the parameters' full values and their state dict's placements."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    cst.init(backend)
+    _, dp, tp = _meshes(world)
+    m = model(0)
+    for b in m.blocks:
+        parallelize_module(
+            b,
+            tp,
+            {
+                "norm": SequenceParallel(),
+                "up": ColwiseParallel(input_layouts=Shard(1)),
+                "down": RowwiseParallel(output_layouts=Shard(1)),
+            },
+        )
+    parallelize_module(m.head, tp, ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()))
+    for b in m.blocks:
+        cst.fully_shard(b, mesh=dp)
+    cst.fully_shard(m, mesh=dp)
+    t, n = tp.get_local_rank(), tp.size()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    losses = []
+    for step in range(steps):
+        x = seq_batch(dp.get_local_rank(), step)[:, t * SEQ // n : (t + 1) * SEQ // n]
+        parts = [x[:1], x[1:]] if no_sync else [x]
+        total = 0.0
+        for i, part in enumerate(parts):
+            with m.no_sync() if i + 1 < len(parts) else contextlib.nullcontext():
+                loss = m(part).pow(2).mean() / len(parts)
+                loss.backward()
+            total += loss.item()
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    sd = m.state_dict()
+    return {
+        "losses": losses,
+        "params": {k: plain(v.full_tensor()) for k, v in sd.items()},
+        "placements": {k: str(tuple(v.placements)) for k, v in sd.items()},
+    }
