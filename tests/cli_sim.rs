@@ -394,3 +394,65 @@ fn v_name(v: &serde_json::Value, pid: u64, tid: u64, k: usize) -> String {
         .filter(|e| e["ph"] == "X" && e["pid"] == pid && e["tid"] == tid);
     e.clone().nth(k).unwrap()["name"].as_str().unwrap().to_owned()
 }
+
+/// `--against` a real trace with compute (the simulator's own layer arithmetic, as a flight
+/// record's compute track is drawn): a compute row per rank, the same spans paired by order,
+/// busy times equal; the collective rows count none real; the overlay draws the compute on
+/// the real ranks' compute thread. Without compute in the real trace there is no compute row.
+#[test]
+fn against_compares_the_compute_track_where_the_real_run_has_one() {
+    let dir = scratch("against-compute");
+    let w = small_workload(&dir);
+    let sim_trace = dir.join("sim.json");
+    let base = ["--workload", &w, "--world", "2", "--topo", "dgx-h100", "--steps", "2"];
+    ok_stdout(&[&base[..], &["--trace-out", sim_trace.to_str().unwrap()]].concat());
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&sim_trace).unwrap()).unwrap();
+    let real: Vec<serde_json::Value> = v["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| {
+            e["ph"] == "X"
+                && e["tid"] == 0
+                && ["forward", "backward", "recompute"].iter().any(|c| e["cat"] == *c)
+        })
+        .cloned()
+        .collect();
+    let per_rank = |r: u64| real.iter().filter(|e| e["pid"] == r).count();
+    let n = per_rank(0);
+    assert!(n >= 4 && per_rank(1) == n, "{} {}", n, per_rank(1));
+    let busy: f64 = real.iter().filter(|e| e["pid"] == 0).map(|e| e["dur"].as_f64().unwrap()).sum();
+    let real_path = dir.join("real.json");
+    std::fs::write(&real_path, serde_json::json!({"traceEvents": real}).to_string()).unwrap();
+    let both = dir.join("both.json");
+    let out = ok_stdout(
+        &[&base[..], &["--against", real_path.to_str().unwrap(), "--trace-out", both.to_str().unwrap()]]
+            .concat(),
+    );
+    let rows: Vec<Vec<&str>> = out
+        .lines()
+        .skip_while(|l| !l.starts_with("against "))
+        .skip(2)
+        .map(|l| l.split_whitespace().collect::<Vec<_>>())
+        .filter(|c| c.first().is_some_and(|x| x.parse::<u64>().is_ok()))
+        .collect();
+    assert_eq!(rows.len(), 6, "{out}");
+    for rank in 0..2usize {
+        let r = &rows[3 * rank..3 * rank + 3];
+        assert_eq!((r[0][1], r[1][1], r[2][1]), ("all-gather", "reduce-scatter", "compute"), "{out}");
+        assert_eq!((r[0][3], r[1][3]), ("0", "0"), "{out}");
+        let cell = |c: usize| -> f64 { r[2][c].parse().unwrap_or_else(|_| panic!("{out}")) };
+        assert_eq!((cell(2) as usize, cell(3) as usize, cell(4) as usize), (n, n, n), "{out}");
+        assert_eq!(r[2][5], "order", "{out}");
+        assert!((cell(6) - cell(7)).abs() <= 0.1 + 1e-3 * cell(6), "{out}");
+        assert!((cell(7) - busy).abs() <= 0.1 + 1e-3 * busy, "{out}");
+    }
+    let t: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&both).unwrap()).unwrap();
+    let events = t["traceEvents"].as_array().unwrap();
+    let drawn = events.iter().filter(|e| e["ph"] == "X" && e["cat"] == "real" && e["tid"] == 0).count();
+    assert_eq!(drawn, 2 * n, "{t}");
+    assert!(
+        events.iter().any(|e| e["pid"] == 1000 && e["tid"] == 0 && e["args"]["name"] == "compute"),
+        "{t}"
+    );
+}

@@ -212,12 +212,27 @@ fn a_real_runs_collectives_become_a_chrome_trace_on_the_simulators_tracks() {
 
 /// `collsched demo --flight-out DIR`: every rank's record of a successful run, which `collsched
 /// flight` reads back (no finding) and draws, one all-gather track and one reduce-scatter
-/// track a rank, each with what the demo printed it launched at the least.
+/// track a rank, each with what the demo printed it launched at the least, and a compute track
+/// with each layer's forward and backward once a micro-batch, a layer's backward after its
+/// forward, forwards in layer order and backwards in reverse.
 #[test]
 fn the_demo_writes_every_ranks_flight_record_on_request() {
     let dir = scratch("demo");
+    let (steps, micro, layers) = (2usize, 2usize, 6usize);
     let run = Command::new(env!("CARGO_BIN_EXE_collsched"))
-        .args(["demo", "--ranks", "3", "--steps", "2", "--eval-every", "0", "--no-freeze", "--flight-out"])
+        .args([
+            "demo",
+            "--ranks",
+            "3",
+            "--steps",
+            "2",
+            "--micro-batches",
+            "2",
+            "--eval-every",
+            "0",
+            "--no-freeze",
+        ])
+        .arg("--flight-out")
         .arg(&dir)
         .output()
         .expect("run collsched demo");
@@ -248,6 +263,32 @@ fn the_demo_writes_every_ranks_flight_record_on_request() {
             on(1),
             on(2)
         );
+        // The compute track (where collectives of other streams, the plan's agreement, are
+        // drawn too): per micro-batch "forward 0" .. "forward 5", then "backward 5" ..
+        // "backward 0", each span after the one before it.
+        let compute: Vec<_> = spans
+            .iter()
+            .filter(|e| {
+                e["pid"] == rank && e["tid"] == 0 && (e["cat"] == "forward" || e["cat"] == "backward")
+            })
+            .collect();
+        let mut want = Vec::new();
+        for _ in 0..steps * micro {
+            want.extend((0..layers).map(|l| format!("forward {l}")));
+            want.extend((0..layers).rev().map(|l| format!("backward {l}")));
+        }
+        let names: Vec<&str> = compute.iter().map(|e| e["name"].as_str().expect("a name")).collect();
+        assert_eq!(names, want, "rank {rank}'s compute track");
+        for e in &compute {
+            let cat = e["cat"].as_str().expect("a category");
+            assert!(e["name"].as_str().is_some_and(|n| n.starts_with(cat)), "{e}");
+            assert!(e["dur"].as_f64().is_some_and(|d| d.is_finite() && d >= 0.0), "{e}");
+        }
+        let ends = compute.windows(2).all(|w| {
+            let end = w[0]["ts"].as_f64().unwrap() + w[0]["dur"].as_f64().unwrap();
+            w[1]["ts"].as_f64().unwrap() >= end - 1e-3
+        });
+        assert!(ends, "rank {rank}: a compute span begins before the one before it ends");
     }
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -193,7 +193,8 @@ pub fn run(args: SimArgs) -> Result<ExitCode, CliError> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// The table of `--against`: one row per rank and collective track.
+/// The table of `--against`: one row per rank and track (collectives, and compute where the real
+/// run has it).
 fn write_against(out: &mut impl Write, rows: &[against::TrackCompare], path: &Path) -> io::Result<()> {
     writeln!(
         out,

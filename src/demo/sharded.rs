@@ -21,6 +21,7 @@ use collsched_schedule::{Plan, PolicyKind, SchedulerConfig};
 
 use super::model::Mlp;
 use super::{DemoConfig, RunRecord, StepRecord};
+use crate::backend::flight::{now_ns, ComputeSpan};
 use crate::backend::local::{LocalConfig, LocalRank, LocalWorld};
 use crate::backend::{Backend, BackendError};
 use crate::runtime::{Coordinator, ModelState, RuntimeError, StepStats};
@@ -170,6 +171,8 @@ struct RankOutcome {
     evals: Vec<f32>,
     params: Vec<Vec<f32>>,
     cost: Vec<StepCost>,
+    /// The layer arithmetic's spans (with `--flight-out`).
+    compute: Vec<ComputeSpan>,
 }
 
 /// Runs the demo sharded over a local world of `cfg.world` ranks.
@@ -198,8 +201,8 @@ pub fn sharded_run_wrapped<B: Backend>(
     let failed = std::sync::Mutex::new(Vec::new());
     let outcomes = world.run(|rank| {
         let backend = Arc::new(wrap(rank));
-        let out = run_rank(cfg, opts, &plan, &init, Arc::clone(&backend));
-        if let Err(e) = write_flight(opts, &*backend) {
+        let mut out = run_rank(cfg, opts, &plan, &init, Arc::clone(&backend));
+        if let Err(e) = write_flight(opts, &*backend, &mut out) {
             failed.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(e);
         }
         out
@@ -229,8 +232,8 @@ pub fn sharded_run_process<B: Backend>(
     let me = backend.rank();
     let backend = Arc::new(backend);
     // The record is written after a failed run too (what went wrong is in it).
-    let mine = run_rank(cfg, opts, &plan, &init, Arc::clone(&backend));
-    let wrote = write_flight(opts, &*backend);
+    let mut mine = run_rank(cfg, opts, &plan, &init, Arc::clone(&backend));
+    let wrote = write_flight(opts, &*backend, &mut mine);
     let mine = mine?;
     wrote?;
     let bytes: Vec<u8> = mine.losses.iter().flat_map(|l| l.to_le_bytes()).collect();
@@ -249,7 +252,13 @@ pub fn sharded_run_process<B: Backend>(
                     o.losses = losses;
                     o
                 }
-                _ => RankOutcome { losses, evals: Vec::new(), params: Vec::new(), cost: Vec::new() },
+                _ => RankOutcome {
+                    losses,
+                    evals: Vec::new(),
+                    params: Vec::new(),
+                    cost: Vec::new(),
+                    compute: Vec::new(),
+                },
             };
             Ok(Ok(o))
         })
@@ -354,7 +363,7 @@ fn micro_step<B: Backend>(
     mask: &[bool],
     x: &[f32],
     y: &[f32],
-    compute: &mut Duration,
+    compute: &mut Compute<'_>,
 ) -> Result<f32, RuntimeError> {
     let layers = model.layers();
     let mut caches = Vec::with_capacity(layers);
@@ -364,10 +373,7 @@ fn micro_step<B: Backend>(
             let v = c.fetch(&[w, b])?;
             let input = caches.last().map_or(x, |c: &super::model::LayerCache| &c.output[..]);
             let (w, b) = (v.read_f32(w)?, v.read_f32(b)?);
-            let t = Instant::now();
-            let cache = model.layer_forward(l, &w, &b, input);
-            *compute += t.elapsed();
-            cache
+            compute.time("forward", l, || model.layer_forward(l, &w, &b, input))
         };
         c.release(&[w, b])?;
         caches.push(cache);
@@ -381,10 +387,7 @@ fn micro_step<B: Backend>(
         g = {
             let v = c.fetch(&[w, b])?;
             let w = v.read_f32(w)?;
-            let t = Instant::now();
-            let g = model.layer_backward(l, &w, &caches[l], &g, &mut gw, &mut gb);
-            *compute += t.elapsed();
-            g
+            compute.time("backward", l, || model.layer_backward(l, &w, &caches[l], &g, &mut gw, &mut gb))
         };
         c.release(&[w, b])?;
         if mask[w.index()] {
@@ -395,6 +398,26 @@ fn micro_step<B: Backend>(
         }
     }
     Ok(loss)
+}
+
+/// Where a micro-batch's layer arithmetic is counted: its time, added to `total`, and with a
+/// flight record asked for, its spans (`spans`), for the record's compute track.
+struct Compute<'a> {
+    total: &'a mut Duration,
+    spans: Option<&'a mut Vec<ComputeSpan>>,
+}
+
+impl Compute<'_> {
+    /// Runs `f`, the `what` ("forward", "backward") of layer `layer`, counting its time.
+    fn time<T>(&mut self, what: &str, layer: usize, f: impl FnOnce() -> T) -> T {
+        let (t, start_ns) = (Instant::now(), self.spans.as_ref().map(|_| now_ns()));
+        let out = f();
+        *self.total += t.elapsed();
+        if let (Some(spans), Some(start_ns)) = (self.spans.as_mut(), start_ns) {
+            spans.push(ComputeSpan { name: format!("{what} {layer}"), start_ns, end_ns: now_ns() });
+        }
+        out
+    }
 }
 
 fn eval_pass<B: Backend>(c: &mut Coordinator<B>, cfg: &DemoConfig) -> Result<f32, RuntimeError> {
@@ -414,12 +437,20 @@ fn eval_pass<B: Backend>(c: &mut Coordinator<B>, cfg: &DemoConfig) -> Result<f32
 }
 
 /// Writes `backend`'s flight record where `opts.flight_out` says, if it says.
-fn write_flight<B: Backend>(opts: &ShardedOptions, backend: &B) -> Result<(), DemoError> {
+/// `out`'s compute spans go into the record (none where the run failed).
+fn write_flight<B: Backend>(
+    opts: &ShardedOptions,
+    backend: &B,
+    out: &mut Result<RankOutcome, RuntimeError>,
+) -> Result<(), DemoError> {
     let Some(dir) = &opts.flight_out else { return Ok(()) };
     let rank = backend.rank();
-    let dump = backend.flight_dump("the demo's end (--flight-out)").ok_or_else(|| {
+    let mut dump = backend.flight_dump("the demo's end (--flight-out)").ok_or_else(|| {
         DemoError::Flight(format!("rank {rank}: this backend keeps no flight record (local, shm and mpi do)"))
     })?;
+    if let Ok(o) = out {
+        dump.compute = std::mem::take(&mut o.compute);
+    }
     dump.write_to(dir).map(drop).map_err(|e| DemoError::Flight(format!("rank {rank}: {e}")))
 }
 
@@ -444,6 +475,8 @@ fn run_rank<B: Backend>(
     let mut cost = Vec::with_capacity(cfg.steps);
     let lr = cfg.lr;
     let mut progress = (r == 0).then(|| crate::progress::Progress::new("demo (sharded)", cfg.steps as u64));
+    // The layer arithmetic's spans, for the flight record's compute track.
+    let mut spans = opts.flight_out.is_some().then(Vec::new);
     for step in 0..cfg.steps {
         if let Some(p) = progress.as_mut() {
             p.tick(step as u64);
@@ -458,12 +491,13 @@ fn run_rank<B: Backend>(
         for micro in 0..m {
             let sample = (step * m + micro) as u64;
             let (x, y) = cfg.model.batch(cfg.seed, sample, r as u64, cfg.batch);
+            let mut compute = Compute { total: &mut step_cost.compute, spans: spans.as_mut() };
             let (loss, stats) = if micro + 1 < m {
                 let mut g = train.no_sync()?;
-                let loss = micro_step(&mut g, &cfg.model, &mask_now, &x, &y, &mut step_cost.compute)?;
+                let loss = micro_step(&mut g, &cfg.model, &mask_now, &x, &y, &mut compute)?;
                 (loss, g.end_step()?)
             } else {
-                let loss = micro_step(&mut train, &cfg.model, &mask_now, &x, &y, &mut step_cost.compute)?;
+                let loss = micro_step(&mut train, &cfg.model, &mask_now, &x, &y, &mut compute)?;
                 (loss, train.end_step()?)
             };
             step_cost.add(&stats);
@@ -489,7 +523,7 @@ fn run_rank<B: Backend>(
     };
     train.release(&ids)?;
     train.end_step()?;
-    Ok(RankOutcome { losses, evals, params, cost })
+    Ok(RankOutcome { losses, evals, params, cost, compute: spans.unwrap_or_default() })
 }
 
 /// The largest absolute difference between two runs' losses (training and evaluation), and

@@ -1,8 +1,9 @@
 //! A real run's trace beside the simulated one (`collsched sim ... --against REAL.json`).
 //!
 //! The real trace is Chrome trace JSON on the simulator's tracks (`collsched flight DIR
-//! --trace-out`: `pid` = rank, `tid` 1 all-gather, 2 reduce-scatter, `"X"` events in
-//! microseconds). On each rank's collective track a real collective named `... bucket B` is
+//! --trace-out`: `pid` = rank, `tid` 1 all-gather, 2 reduce-scatter, 0 compute, `"X"` events
+//! in microseconds). Compute spans (categories `forward`, `backward`, `recompute`) are
+//! compared with the simulator's layer arithmetic on the same rank, by order. On each rank's collective track a real collective named `... bucket B` is
 //! matched with the simulated one of bucket `B` of the same occurrence (the k-th gather of `B`
 //! with the k-th): collectives one side has and the other lacks (a plan agreement, a final
 //! gather) are left unmatched and counted. A track whose real names carry no bucket the
@@ -26,15 +27,25 @@ pub fn real_pid_base(world: u32) -> u64 {
 /// The largest rank a real trace may name.
 pub const MAX_REAL_RANK: u64 = 1 << 20;
 
-/// The two collective tracks (`tid` 1 and 2), by the simulator's lane order.
-pub const LANES: [&str; 2] = ["all-gather", "reduce-scatter"];
+/// The tracks compared: the two collective tracks (`tid` 1 and 2), by the simulator's lane
+/// order, then the compute track (`tid` 0: forward, backward and recomputed layers).
+pub const LANES: [&str; 3] = ["all-gather", "reduce-scatter", "compute"];
 
-/// One collective of the real trace.
+/// The Chrome trace thread of each of [`LANES`].
+const TIDS: [u64; 3] = [1, 2, 0];
+
+/// Whether a compute-track event of this category is layer arithmetic (what a real record's
+/// compute spans are; the simulator's waits and host time on that track are not).
+fn arithmetic(cat: &str) -> bool {
+    matches!(cat, "forward" | "backward" | "recompute")
+}
+
+/// One collective or compute span of the real trace.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RealEvent {
     /// Its rank (`pid`).
     pub rank: u64,
-    /// 0 all-gather, 1 reduce-scatter.
+    /// 0 all-gather, 1 reduce-scatter, 2 compute (of [`LANES`]).
     pub lane: usize,
     /// Its name (`"all_gather bucket 3"`).
     pub name: String,
@@ -72,12 +83,12 @@ pub fn bucket_of(name: &str) -> Option<u32> {
     rest.split_whitespace().next()?.parse().ok()
 }
 
-/// One rank's collective track on both sides.
+/// One rank's collective or compute track on both sides.
 #[derive(Clone, Debug, PartialEq)]
 pub struct TrackCompare {
     /// The rank.
     pub rank: u64,
-    /// 0 all-gather, 1 reduce-scatter.
+    /// 0 all-gather, 1 reduce-scatter, 2 compute (of [`LANES`]).
     pub lane: usize,
     /// Simulated collectives on the track.
     pub sim_count: usize,
@@ -135,6 +146,7 @@ pub fn parse_real(text: &str) -> Result<Vec<RealEvent>, String> {
         let lane = match e.get("tid").and_then(Value::as_u64) {
             Some(1) => 0,
             Some(2) => 1,
+            Some(0) if e.get("cat").and_then(Value::as_str).is_some_and(arithmetic) => 2,
             _ => continue,
         };
         let rank =
@@ -156,7 +168,8 @@ pub fn parse_real(text: &str) -> Result<Vec<RealEvent>, String> {
 }
 
 /// Every rank's collective tracks of `report` (simulated with a timeline) against `real`,
-/// for the ranks either side has, by rank then lane.
+/// for the ranks either side has, by rank then lane; and their compute tracks where `real`
+/// has compute (its layer arithmetic against the simulator's, paired by order).
 ///
 /// # Errors
 /// A report without a timeline.
@@ -164,11 +177,22 @@ pub fn compare(report: &SimReport, real: &[RealEvent]) -> Result<Vec<TrackCompar
     let tl = report.timeline.as_ref().ok_or("the simulation recorded no timeline")?;
     let ranks: std::collections::BTreeSet<u64> =
         (0..u64::from(report.world)).chain(real.iter().map(|e| e.rank)).collect();
+    let lanes = if real.iter().any(|e| e.lane == 2) { 3 } else { 2 };
     let mut out = Vec::new();
     for rank in ranks {
-        for lane in 0..2 {
+        let simulated = rank < u64::from(report.world);
+        // The simulator's layer arithmetic on this rank.
+        let computed: Vec<super::report::Span> = match tl.compute.get(rank as usize) {
+            Some(spans) if simulated => spans.iter().filter(|s| arithmetic(s.kind.name())).copied().collect(),
+            _ => Vec::new(),
+        };
+        for lane in 0..lanes {
             // The simulator's collectives run on every rank at once: one list for all.
-            let sim: &[_] = if rank < u64::from(report.world) { &tl.collectives[lane] } else { &[] };
+            let sim: &[_] = match lane {
+                2 => &computed,
+                _ if simulated => &tl.collectives[lane],
+                _ => &[],
+            };
             let mine: Vec<&RealEvent> = real.iter().filter(|e| e.rank == rank && e.lane == lane).collect();
             let mut worst: Option<Worst> = None;
             let (pairs, matching) = pair(sim, &mine);
@@ -217,12 +241,12 @@ pub fn overlay(sim_trace: &str, real: &[RealEvent], world: u32) -> Result<String
         events.push(serde_json::json!({"ph": "M", "name": "process_name", "pid": pid,
             "args": {"name": format!("real rank {rank}")}}));
         for (lane, name) in LANES.iter().enumerate() {
-            events.push(serde_json::json!({"ph": "M", "name": "thread_name", "pid": pid, "tid": lane + 1,
+            events.push(serde_json::json!({"ph": "M", "name": "thread_name", "pid": pid, "tid": TIDS[lane],
                 "args": {"name": name}}));
         }
     }
     for e in real {
-        events.push(serde_json::json!({"ph": "X", "pid": base + e.rank, "tid": e.lane + 1,
+        events.push(serde_json::json!({"ph": "X", "pid": base + e.rank, "tid": TIDS[e.lane],
             "name": e.name, "cat": "real", "ts": e.ts_us, "dur": e.dur_us}));
     }
     serde_json::to_string(&v).map_err(|e| e.to_string())

@@ -122,7 +122,9 @@ impl std::fmt::Debug for FlightRecorder {
     }
 }
 
-fn now_ns() -> u64 {
+/// The flight records' clock: nanoseconds since the Unix epoch (0 before it), the time base of
+/// every entry's and [`ComputeSpan`]'s times.
+pub fn now_ns() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
@@ -247,6 +249,7 @@ impl FlightRecorder {
             capacity: self.config.entries,
             dropped: ring.next_id.saturating_sub(ring.entries.len() as u64),
             entries: entries.into_iter().map(FlightEntry::from).collect(),
+            compute: Vec::new(),
         }
     }
 }
@@ -369,6 +372,21 @@ pub struct FlightDump {
     pub dropped: u64,
     /// The entries, oldest first.
     pub entries: Vec<FlightEntry>,
+    /// The compute its caller recorded beside the collectives (the demo's layer arithmetic
+    /// with `--flight-out`), oldest first; none in a record of a failure.
+    #[serde(default)]
+    pub compute: Vec<ComputeSpan>,
+}
+
+/// A span of compute on a rank (a layer's forward or backward), on the clock of [`now_ns`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ComputeSpan {
+    /// What it computed: `"forward L"` or `"backward L"` for layer `L`.
+    pub name: String,
+    /// When it began (nanoseconds since the Unix epoch).
+    pub start_ns: u64,
+    /// When it ended.
+    pub end_ns: u64,
 }
 
 impl FlightDump {

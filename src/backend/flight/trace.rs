@@ -4,7 +4,9 @@
 //! a collective's stream reached it to when it ended, in microseconds from the earliest
 //! launch of any rank (the records' clocks are the machines' wall clocks: ranks of one machine
 //! share it). Collectives not ended are left out; the time each waited in its stream's queue
-//! (launched to reached) is in its `args`.
+//! (launched to reached) is in its `args`. The compute a record holds (`FlightDump::compute`)
+//! is on the compute track (`tid` 0), its category the span's first word (`forward`,
+//! `backward`), as the simulator's compute spans are.
 
 use std::fmt::Write as _;
 
@@ -27,8 +29,9 @@ fn ended(e: &FlightEntry) -> bool {
 
 /// The Chrome trace JSON of `dumps` (every rank's flight record).
 pub fn chrome_trace(dumps: &[FlightDump]) -> String {
-    let t0 =
-        dumps.iter().flat_map(|d| &d.entries).map(|e| e.launched_ns).filter(|&t| t > 0).min().unwrap_or(0);
+    let launches = dumps.iter().flat_map(|d| &d.entries).map(|e| e.launched_ns);
+    let computes = dumps.iter().flat_map(|d| &d.compute).map(|c| c.start_ns);
+    let t0 = launches.chain(computes).filter(|&t| t > 0).min().unwrap_or(0);
     let us = |ns: u64| ns.saturating_sub(t0) as f64 / 1000.0;
     let mut events: Vec<String> = Vec::new();
     for d in dumps {
@@ -60,6 +63,16 @@ pub fn chrome_trace(dumps: &[FlightDump]) -> String {
                 e.state,
             );
             events.push(ev);
+        }
+        for c in d.compute.iter().filter(|c| c.start_ns > 0 && c.end_ns >= c.start_ns) {
+            let name = serde_json::to_string(&c.name).unwrap_or_else(|_| "\"?\"".to_owned());
+            let cat = c.name.split_whitespace().next().unwrap_or("compute");
+            let cat = serde_json::to_string(cat).unwrap_or_else(|_| "\"compute\"".to_owned());
+            events.push(format!(
+                "{{\"ph\":\"X\",\"pid\":{rank},\"tid\":0,\"name\":{name},\"cat\":{cat},\"ts\":{:.3},\"dur\":{:.3}}}",
+                us(c.start_ns),
+                (c.end_ns - c.start_ns) as f64 / 1000.0,
+            ));
         }
     }
     format!("{{\"traceEvents\":[\n{}\n],\"displayTimeUnit\":\"ms\"}}\n", events.join(",\n"))
