@@ -60,6 +60,7 @@ def test_a_tensor_parallel_model_sharded_over_dp_trains_as_plain_pytorch(checkpo
         assert got["dp_rank"] == rank // 2, got["dp_rank"]
         _close(got["losses"], ref["losses"][got["dp_rank"]], f"rank {rank} losses", tol)
         _close(got["norms"], ref["norms"], f"rank {rank} clipped norms", tol)
+        _close(got["totals"], ref["norms"], f"rank {rank} get_total_norm", tol)
         for key in ("params", "full", "loaded"):
             assert sorted(got[key]) == sorted(ref["params"]), (key, sorted(got[key]))
             for k, v in ref["params"].items():

@@ -100,7 +100,7 @@ def train_2d(rank: int, world: int, steps: int, path: str, checkpointed: bool, b
     other = _sharded(dp, tp, seed=5, mp=mp)
     dp_rank = dp.get_local_rank()
     opt = torch.optim.Adam(m.parameters(), lr=0.01)
-    losses, norms = [], []
+    losses, norms, totals = [], [], []
     for step in range(steps):
         loss = m(batch(dp_rank, step)).float().pow(2).mean()
         if step == 1:
@@ -110,6 +110,9 @@ def train_2d(rank: int, world: int, steps: int, path: str, checkpointed: bool, b
         if step == 1:
             for b in other.blocks:
                 b.reshard()
+        # torchtitan's clipping (the norm of the gradients, then a scaling by it), and torch's.
+        grads = [p.grad for p in m.parameters() if p.grad is not None]
+        totals.append(float(torch.nn.utils.get_total_norm(grads, 2.0)))
         norms.append(float(torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)))
         opt.step()
         opt.zero_grad()
@@ -130,6 +133,7 @@ def train_2d(rank: int, world: int, steps: int, path: str, checkpointed: bool, b
         "dp_rank": dp_rank,
         "losses": losses,
         "norms": norms,
+        "totals": totals,
         "params": params,
         "full": full,
         "moments": moments,

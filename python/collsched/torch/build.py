@@ -12,6 +12,7 @@ from torch import nn
 
 from .. import _native, params_json
 from .._native import CollschedError
+from . import clip as clip_
 from . import tp as tp_
 from . import values as values_
 from .units import _Param, _tensor, _Unit
@@ -236,7 +237,9 @@ def build(st: _State) -> None:
         u.shared = any(users[pid] > 1 for pid in u.ids)
         u.known = [0] * len(u.ids)
     st.mask = [bool(p.shard.requires_grad) for p in st.params]
+    st.empty = [p for p in st.params if p.own.numel() == 0]
     st._own_grads()
+    clip_.track(st)
     st.hooks = _native.Hooks(len(st.units), [p.unit for p in st.params], st._unpack_saved)
     # The first tensor-parallel parameter's spec: the other parameters are replicated over its mesh.
     st.tp_spec = next((p.tp for p in st.params if p.tp is not None), None)

@@ -5,13 +5,16 @@ rank's elements counted once, not this rank's shard alone.
 own elements: every rank a different factor, the model no longer the one plain PyTorch trains,
 and no error. Importing ``collsched.torch`` makes that function do the sharded computation when
 it is given collsched's shards (other parameters go to torch's own, unchanged);
-:func:`clip_grad_norm_` here is the same, called by name."""
+:func:`clip_grad_norm_` here is the same, called by name. ``torch.nn.utils.get_total_norm``
+likewise, given the shards' gradients (torchtitan's clipping: the norm, then
+``clip_grads_with_norm_``, which scales each gradient by it)."""
 
 from __future__ import annotations
 
 import functools
 import math
 import struct
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -82,16 +85,30 @@ def clip_grad_norm_(
             f"{tuple(others[0].shape)}); give the sharded model's parameters alone, and clip other parameters "
             "with torch.nn.utils.clip_grad_norm_ apart"
         )
+    total = _total_norm(
+        [(s.grad, *s._collsched_param) for s in shards], norm_type, error_if_nonfinite, "clip_grad_norm_"
+    )
+    coef = min(float(max_norm) / (total + 1e-6), 1.0)
+    for s in shards:
+        if s.grad is not None:
+            s.grad.detach().mul_(coef)
+    dtype = shards[0].dtype if shards else torch.float32
+    device = shards[0].device if shards else torch.device("cpu")
+    return torch.tensor(total, dtype=dtype, device=device)
+
+
+def _total_norm(grads: list[tuple[Any, Any, Any]], norm_type: float, error_if_nonfinite: bool, what: str) -> float:
+    """The ``norm_type`` norm over every rank's elements of the gradients ``grads`` (each with
+    its state and parameter; None or empty ones add nothing): this rank's part, summed on
+    the gradients' device and read once, then every rank's (collective over the job)."""
     p = float(norm_type)
     if p <= 0 and not math.isinf(p):
-        raise CollschedError(f"clip_grad_norm_: norm_type={norm_type}; expected a positive number or inf")
-    # This rank's part, summed on the gradients' device and read once (one host sync).
+        raise CollschedError(f"{what}: norm_type={norm_type}; expected a positive number or inf")
     parts = []
-    for s in shards:
-        g = s.grad
+    for g, state, param in grads:
         if g is None or g.numel() == 0:
             continue
-        k = _replicas(*s._collsched_param)
+        k = _replicas(state, param)
         g64 = g.detach().to(torch.float64).abs()
         parts.append(g64.max() if math.isinf(p) else g64.pow(p).sum() / k)
     local = 0.0
@@ -102,16 +119,58 @@ def clip_grad_norm_(
     total = max(every) if math.isinf(p) else math.fsum(every) ** (1.0 / p)
     if error_if_nonfinite and not math.isfinite(total):
         raise CollschedError(
-            f"clip_grad_norm_: the total norm of order {norm_type} of the gradients is {total}; it cannot be "
+            f"{what}: the total norm of order {norm_type} of the gradients is {total}; it cannot be "
             "clipped (pass error_if_nonfinite=False to scale by it anyway)"
         )
-    coef = min(float(max_norm) / (total + 1e-6), 1.0)
-    for s in shards:
-        if s.grad is not None:
-            s.grad.detach().mul_(coef)
-    dtype = shards[0].dtype if shards else torch.float32
-    device = shards[0].device if shards else torch.device("cpu")
-    return torch.tensor(total, dtype=dtype, device=device)
+    return total
+
+
+# Every sharded model built (its state), so that a gradient handed to get_total_norm is known
+# as a shard's.
+_STATES: weakref.WeakSet = weakref.WeakSet()
+
+
+def track(state: Any) -> None:
+    """Makes ``state``'s shards' gradients known to :func:`get_total_norm`."""
+    _STATES.add(state)
+
+
+def get_total_norm(
+    tensors: Any, norm_type: float = 2.0, error_if_nonfinite: bool = False, foreach: bool | None = None
+) -> torch.Tensor:
+    """``torch.nn.utils.get_total_norm`` over collsched's shards' gradients (the ``.grad`` of
+    a sharded model's parameters, as torchtitan's clipping gathers them before
+    ``clip_grads_with_norm_``): the norm of the whole model's gradient, every element once,
+    over every rank's shards. Collective: every rank calls it at the same point.
+    ``foreach`` is accepted for torch's signature.
+
+    Raises :class:`CollschedError` when the tensors mix shards' gradients with other tensors,
+    and, with ``error_if_nonfinite``, when the norm is NaN or infinite."""
+    del foreach
+    tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    owners = _grad_owners()
+    found = [(g, *owners[id(g)]) for g in tensors if id(g) in owners]
+    if len(found) != len(tensors):
+        other = next(g for g in tensors if id(g) not in owners)
+        raise CollschedError(
+            f"get_total_norm: the tensors given are gradients of collsched shards and other tensors (one of shape "
+            f"{tuple(other.shape)}); give the sharded model's gradients alone, and take other norms apart"
+        )
+    total = _total_norm(found, norm_type, error_if_nonfinite, "get_total_norm")
+    if not tensors:
+        return torch.tensor(total)
+    return torch.tensor(total, dtype=tensors[0].dtype, device=tensors[0].device)
+
+
+def _grad_owners() -> dict[int, tuple[Any, Any]]:
+    """The state and parameter of each live shard's gradient, by the gradient's id."""
+    out = {}
+    for state in list(_STATES):
+        for p in state.params:
+            g = p.shard.grad
+            if g is not None:
+                out[id(g)] = (state, p)
+    return out
 
 
 def _sharding_aware(torch_clip: Any) -> Any:
@@ -132,8 +191,25 @@ def _sharding_aware(torch_clip: Any) -> Any:
     return clip
 
 
+def _norm_aware(torch_norm: Any) -> Any:
+    """``torch_norm`` (torch's ``get_total_norm``) that hands collsched's shards' gradients to
+    :func:`get_total_norm`."""
+
+    @functools.wraps(torch_norm)
+    def norm(tensors: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        listed = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        if listed and _STATES:
+            owners = _grad_owners()
+            if any(id(g) in owners for g in listed):
+                return get_total_norm(listed, *args, **kwargs)
+        return torch_norm(listed, *args, **kwargs)
+
+    norm._collsched = True  # type: ignore[attr-defined]
+    return norm
+
+
 def install() -> None:
-    """Makes ``torch.nn.utils.clip_grad_norm_`` sharding-aware (once)."""
+    """Makes ``torch.nn.utils.clip_grad_norm_`` and ``get_total_norm`` sharding-aware (once)."""
     from torch.nn.utils import clip_grad
 
     if getattr(torch.nn.utils.clip_grad_norm_, "_collsched", False):
@@ -141,3 +217,8 @@ def install() -> None:
     aware = _sharding_aware(torch.nn.utils.clip_grad_norm_)
     torch.nn.utils.clip_grad_norm_ = aware
     clip_grad.clip_grad_norm_ = aware
+    # torch's own clip_grad_norm_ (of other tensors) calls the module's _get_total_norm: the
+    # aware one hands those back to torch's.
+    norm = _norm_aware(clip_grad._get_total_norm)
+    torch.nn.utils.get_total_norm = norm
+    clip_grad._get_total_norm = norm

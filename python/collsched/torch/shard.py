@@ -49,6 +49,8 @@ class _State:
         self.unpack: Any = None
         # The spec of the first tensor-parallel parameter (``tp.py``), or None.
         self.tp_spec: Any = None
+        # The parameters of which this rank holds no element.
+        self.empty: list[_Param] = []
         self.sync = True
         self.unsynced = False
         self.phase = "idle"
@@ -220,6 +222,7 @@ class _State:
         self.units = []
         self.params = []
         self.masters = []
+        self.empty = []
         self.accum = {}
 
     # ---- passes ------------------------------------------------------------------------
@@ -720,6 +723,12 @@ class _State:
         grads = self.train.take_grads()
         if not deliver:
             return
+        for p in self.empty:
+            # A trainable parameter this rank holds no element of gets an empty gradient, as
+            # FSDP2's do: a rank's `p.grad is not None` list (torchtitan's clipping) is then
+            # the same list on every rank.
+            if p.shard.grad is None and self.mask[p.pid]:
+                p.shard.grad = p.own.new_zeros(0)
         fresh, onto = [], []
         for pid, _offset, data, dtype in grads:
             p = self.params[pid]
