@@ -425,9 +425,14 @@ fn against_compares_the_compute_track_where_the_real_run_has_one() {
     let real_path = dir.join("real.json");
     std::fs::write(&real_path, serde_json::json!({"traceEvents": real}).to_string()).unwrap();
     let both = dir.join("both.json");
+    let svg = dir.join("both.svg");
     let out = ok_stdout(
-        &[&base[..], &["--against", real_path.to_str().unwrap(), "--trace-out", both.to_str().unwrap()]]
-            .concat(),
+        &[
+            &base[..],
+            &["--against", real_path.to_str().unwrap(), "--trace-out", both.to_str().unwrap()],
+            &["--svg", svg.to_str().unwrap(), "--svg-rank", "1"],
+        ]
+        .concat(),
     );
     let rows: Vec<Vec<&str>> = out
         .lines()
@@ -437,6 +442,22 @@ fn against_compares_the_compute_track_where_the_real_run_has_one() {
         .filter(|c| c.first().is_some_and(|x| x.parse::<u64>().is_ok()))
         .collect();
     assert_eq!(rows.len(), 6, "{out}");
+    // The SVG: rank 1's last simulated step, and below it the real one (the same spans: the
+    // real trace is the simulation's), each compute span once in each.
+    let picture = std::fs::read_to_string(&svg).unwrap();
+    assert!(picture.contains("below, the real run's step 2"), "{picture}");
+    let lanes =
+        ["compute", "all_gather", "reduce_scatter", "real compute", "real all_gather", "real reduce_scatter"];
+    for lane in lanes {
+        assert!(picture.contains(&format!(">{lane}</text>")), "no lane {lane}: {picture}");
+    }
+    let last: Vec<&serde_json::Value> =
+        real.iter().filter(|e| e["pid"] == 1 && e["args"]["step"] == 2).collect();
+    assert_eq!(last.len(), n / 2, "{n}");
+    for e in &last {
+        let title = format!("<title>{}</title>", e["name"].as_str().unwrap());
+        assert_eq!(picture.matches(&title).count(), 2, "{title} in {picture}");
+    }
     for rank in 0..2usize {
         let r = &rows[3 * rank..3 * rank + 3];
         assert_eq!((r[0][1], r[1][1], r[2][1]), ("all-gather", "reduce-scatter", "compute"), "{out}");

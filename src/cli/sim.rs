@@ -16,7 +16,8 @@
 //! machine). The summary names the profile.
 //! `--trace-out` writes Chrome trace JSON (`pid` = rank, `tid` 0 compute, 1 all_gather, 2
 //! reduce_scatter; `"X"` events, times in µs); `--svg` draws rank `--svg-rank`'s last step, one
-//! lane per stream, waits in red, prefetched collectives lighter.
+//! lane per stream, waits in red, prefetched collectives lighter, and with `--against` a real
+//! trace with compute, the real run's step below on the same scale.
 
 use std::fs::File;
 use std::io::{self, BufWriter, Write};
@@ -117,7 +118,8 @@ pub struct SimArgs {
     /// same trace as processes "real rank R".
     #[arg(long, value_name = "REAL.json")]
     pub against: Option<PathBuf>,
-    /// Draw one rank's last step as an SVG timeline.
+    /// Draw one rank's last step as an SVG timeline (with `--against`, the real run's step
+    /// below, where its trace has compute).
     #[arg(long, value_name = "FILE.svg")]
     pub svg: Option<PathBuf>,
     /// The rank `--svg` draws.
@@ -171,7 +173,7 @@ pub fn run(args: SimArgs) -> Result<ExitCode, CliError> {
             }
             let f = File::create(path).map_err(|e| format!("--svg {}: {e}", path.display()))?;
             let mut w = BufWriter::new(f);
-            write_svg(&mut w, &report, args.svg_rank, report.steps.len() - 1)?;
+            write_svg(&mut w, &report, args.svg_rank, report.steps.len() - 1, real.as_deref())?;
             w.flush().map_err(|e| format!("--svg {}: {e}", path.display()))?;
         }
         if args.json {

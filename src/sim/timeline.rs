@@ -6,10 +6,12 @@
 //!   in microseconds.
 //! - [`write_svg`]: one lane per stream of one rank for one step; compute in blue/green,
 //!   waits (exposed communication) in red, host overhead in grey, collectives in orange
-//!   (prefetched ones lighter), so overlap is visible at a glance.
+//!   (prefetched ones lighter), so overlap is visible at a glance; with a real run's trace
+//!   (`sim --against`), that run's step below on the same scale.
 
 use std::io::{self, Write};
 
+use super::against::RealEvent;
 use super::report::{Lane, SimReport, Span, SpanKind};
 
 fn label(report: &SimReport, span: &Span) -> String {
@@ -104,13 +106,63 @@ fn color(s: &Span) -> &'static str {
     }
 }
 
+/// One lane of the SVG: its name and its boxes (start and end in ns from the lane's step start,
+/// colour, title).
+type Row = (String, Vec<(u64, u64, &'static str, String)>);
+
+/// The real run's lanes of `rank` (of `real`, `sim --against`'s trace) for the step the
+/// simulation draws: its compute spans cut into steps of `per_step` (the simulated step's layer
+/// arithmetic on that rank), step `step` or the real run's last whole one; the window from that
+/// step's first compute span to the next step's (the last step's: to the rank's last event).
+/// `None` where the real trace has no compute on the rank (no step can be told apart).
+fn real_rows(
+    real: &[RealEvent],
+    rank: usize,
+    step: usize,
+    per_step: usize,
+) -> Option<(usize, u64, Vec<Row>)> {
+    let mine: Vec<&RealEvent> = real.iter().filter(|e| e.rank == rank as u64).collect();
+    let compute: Vec<&&RealEvent> = mine.iter().filter(|e| e.lane == 2).collect();
+    let steps = compute.len().checked_div(per_step)?;
+    let k = step.min(steps.checked_sub(1)?);
+    let ns = |us: f64| (us * 1000.0).round() as u64;
+    let start = ns(compute[k * per_step].ts_us);
+    let end = match compute.get((k + 1) * per_step) {
+        Some(next) => ns(next.ts_us),
+        None => mine.iter().map(|e| ns(e.ts_us + e.dur_us)).max().unwrap_or(start),
+    };
+    let mut rows: Vec<Row> = ["real compute", "real all_gather", "real reduce_scatter"]
+        .iter()
+        .map(|n| ((*n).to_owned(), Vec::new()))
+        .collect();
+    for e in mine.iter().filter(|e| ns(e.ts_us) < end && ns(e.ts_us + e.dur_us) > start) {
+        let (row, colour) = match e.lane {
+            2 if e.name.starts_with("backward") => (0, "#59a14f"),
+            2 if e.name.starts_with("recompute") => (0, "#a0cbe8"),
+            2 => (0, "#4e79a7"),
+            lane => (lane + 1, "#f28e2b"),
+        };
+        let (a, b) = (ns(e.ts_us).max(start) - start, ns(e.ts_us + e.dur_us).min(end) - start);
+        rows[row].1.push((a, b, colour, e.name.clone()));
+    }
+    Some((k, end - start, rows))
+}
+
 /// Draws `rank`'s step `step` (0-based) as an SVG timeline: one lane per stream, a time axis in
-/// milliseconds, a legend.
+/// milliseconds, a legend; with `real` (`sim --against`'s trace) where it has compute on that
+/// rank, the real run's step (the same step, or its last) in three lanes below, on the same
+/// time scale.
 ///
 /// # Errors
 /// A failed write, or [`io::ErrorKind::InvalidInput`] when there is no timeline or no such
 /// rank or step.
-pub fn write_svg(out: &mut impl Write, report: &SimReport, rank: usize, step: usize) -> io::Result<()> {
+pub fn write_svg(
+    out: &mut impl Write,
+    report: &SimReport,
+    rank: usize,
+    step: usize,
+    real: Option<&[RealEvent]>,
+) -> io::Result<()> {
     let invalid = |m: String| io::Error::new(io::ErrorKind::InvalidInput, m);
     let tl = report.timeline.as_ref().ok_or_else(|| invalid("the simulation recorded no timeline".into()))?;
     let &(t0, t1) = tl
@@ -118,48 +170,80 @@ pub fn write_svg(out: &mut impl Write, report: &SimReport, rank: usize, step: us
         .get(rank)
         .and_then(|s| s.get(step))
         .ok_or_else(|| invalid(format!("no step {} of rank {rank} in the timeline", step + 1)))?;
-    let span_ns = (t1 - t0).max(1) as f64;
+    let lists: [&[Span]; 3] = [&tl.compute[rank], &tl.collectives[0], &tl.collectives[1]];
+    let mut rows: Vec<Row> = Lane::ALL
+        .iter()
+        .zip(lists)
+        .map(|(lane, list)| {
+            let boxes = list
+                .iter()
+                .filter(|s| s.start_ns < t1 && s.start_ns + s.dur_ns > t0)
+                .map(|s| {
+                    let (a, b) = (s.start_ns.max(t0) - t0, (s.start_ns + s.dur_ns).min(t1) - t0);
+                    (a, b, color(s), label(report, s))
+                })
+                .collect();
+            (lane.name().to_owned(), boxes)
+        })
+        .collect();
+    let per_step = tl.compute[rank]
+        .iter()
+        .filter(|s| {
+            s.step as usize == step
+                && matches!(s.kind, SpanKind::Forward | SpanKind::Backward | SpanKind::Recompute)
+        })
+        .count();
+    let real = real.and_then(|r| real_rows(r, rank, step, per_step));
+    let sim_ns = (t1 - t0).max(1);
+    let mut title = format!(
+        "{} on {} ranks, policy {}: rank {rank}, step {} ({:.3} ms)",
+        xml_escape(&report.workload),
+        report.world,
+        report.policy,
+        step + 1,
+        sim_ns as f64 / 1e6
+    );
+    let mut span_ns = sim_ns as f64;
+    if let Some((k, real_ns, real_rows)) = real {
+        let _ = std::fmt::Write::write_fmt(
+            &mut title,
+            format_args!("; below, the real run's step {} ({:.3} ms)", k + 1, real_ns as f64 / 1e6),
+        );
+        span_ns = span_ns.max(real_ns as f64);
+        rows.extend(real_rows);
+    }
     let (left, width, lane_h, gap, top) = (130.0, 1400.0, 40.0, 14.0, 50.0);
-    let x = |ns: u64| left + (ns.saturating_sub(t0) as f64) / span_ns * width;
-    let height = top + 3.0 * (lane_h + gap) + 70.0;
+    let lanes = rows.len() as f64;
+    let height = top + lanes * (lane_h + gap) + 70.0;
     writeln!(
         out,
         "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{}\" height=\"{height}\" font-family=\"sans-serif\" font-size=\"12\">",
         left + width + 30.0
     )?;
     writeln!(out, "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>")?;
-    writeln!(
-        out,
-        "<text x=\"{left}\" y=\"22\" font-size=\"15\">{} on {} ranks, policy {}: rank {rank}, step {} ({:.3} ms)</text>",
-        xml_escape(&report.workload),
-        report.world,
-        report.policy,
-        step + 1,
-        span_ns / 1e6
-    )?;
-    let lists: [&[Span]; 3] = [&tl.compute[rank], &tl.collectives[0], &tl.collectives[1]];
-    for (i, (lane, list)) in Lane::ALL.iter().zip(lists).enumerate() {
+    writeln!(out, "<text x=\"{left}\" y=\"22\" font-size=\"15\">{title}</text>")?;
+    let x = |ns: u64| left + ns as f64 / span_ns * width;
+    for (i, (name, boxes)) in rows.iter().enumerate() {
         let y = top + i as f64 * (lane_h + gap);
-        writeln!(out, "<text x=\"8\" y=\"{}\">{}</text>", y + lane_h / 2.0 + 4.0, lane.name())?;
+        writeln!(out, "<text x=\"8\" y=\"{}\">{name}</text>", y + lane_h / 2.0 + 4.0)?;
         writeln!(
             out,
             "<rect x=\"{left}\" y=\"{y}\" width=\"{width}\" height=\"{lane_h}\" fill=\"#f4f4f4\"/>"
         )?;
-        for s in list.iter().filter(|s| s.start_ns < t1 && s.start_ns + s.dur_ns > t0) {
-            let (a, b) = (x(s.start_ns.max(t0)), x((s.start_ns + s.dur_ns).min(t1)));
+        for (a, b, colour, what) in boxes {
+            let (a, b) = (x(*a), x(*b));
             // Thin spans get no separating stroke (it would hide them) and at least 0.6 px.
             let w = (b - a).max(0.6);
             let stroke = if w > 4.0 { " stroke=\"white\" stroke-width=\"0.5\"" } else { "" };
             writeln!(
                 out,
-                "<rect x=\"{a:.2}\" y=\"{y}\" width=\"{w:.2}\" height=\"{lane_h}\" fill=\"{}\"{stroke}><title>{}</title></rect>",
-                color(s),
-                xml_escape(&label(report, s))
+                "<rect x=\"{a:.2}\" y=\"{y}\" width=\"{w:.2}\" height=\"{lane_h}\" fill=\"{colour}\"{stroke}><title>{}</title></rect>",
+                xml_escape(what)
             )?;
         }
     }
     // Time axis.
-    let axis_y = top + 3.0 * (lane_h + gap) + 4.0;
+    let axis_y = top + lanes * (lane_h + gap) + 4.0;
     writeln!(
         out,
         "<line x1=\"{left}\" y1=\"{axis_y}\" x2=\"{}\" y2=\"{axis_y}\" stroke=\"black\"/>",
