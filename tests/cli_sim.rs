@@ -329,13 +329,7 @@ fn against_compares_each_track_and_overlays_the_real_run() {
         &[&base[..], &["--against", real_path.to_str().unwrap(), "--trace-out", both.to_str().unwrap()]]
             .concat(),
     );
-    let rows: Vec<Vec<&str>> = out
-        .lines()
-        .skip_while(|l| !l.starts_with("against "))
-        .skip(2)
-        .map(|l| l.split_whitespace().collect::<Vec<_>>())
-        .filter(|c| c.first().is_some_and(|x| x.parse::<u64>().is_ok()))
-        .collect();
+    let rows = against_rows(&out);
     assert_eq!(rows.len(), 4, "{out}");
     assert!(out.contains("some collectives have no match"), "{out}");
     assert!(!out.contains("the counts differ on some track"), "{out}");
@@ -383,6 +377,16 @@ fn against_compares_each_track_and_overlays_the_real_run() {
     std::fs::write(dir.join("bad.json"), "{\"events\": []}").unwrap();
     let e = err_line(&[&base[..], &["--against", dir.join("bad.json").to_str().unwrap()]].concat());
     assert!(e.contains("traceEvents") && e.contains("flight"), "{e}");
+}
+
+/// The rows of `--against`'s table in `out`, split into cells.
+fn against_rows(out: &str) -> Vec<Vec<&str>> {
+    out.lines()
+        .skip_while(|l| !l.starts_with("against "))
+        .skip(2)
+        .map(|l| l.split_whitespace().collect::<Vec<_>>())
+        .filter(|c| c.first().is_some_and(|x| x.parse::<u64>().is_ok()))
+        .collect()
 }
 
 /// The name of the `k`-th event of rank `pid` on thread `tid` in the simulator's trace `v`.
@@ -434,13 +438,7 @@ fn against_compares_the_compute_track_where_the_real_run_has_one() {
         ]
         .concat(),
     );
-    let rows: Vec<Vec<&str>> = out
-        .lines()
-        .skip_while(|l| !l.starts_with("against "))
-        .skip(2)
-        .map(|l| l.split_whitespace().collect::<Vec<_>>())
-        .filter(|c| c.first().is_some_and(|x| x.parse::<u64>().is_ok()))
-        .collect();
+    let rows = against_rows(&out);
     assert_eq!(rows.len(), 6, "{out}");
     // The SVG: rank 1's last simulated step, and below it the real one (the same spans: the
     // real trace is the simulation's), each compute span once in each.

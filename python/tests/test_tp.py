@@ -94,13 +94,12 @@ def test_a_dcp_checkpoint_of_a_2d_model_loads_into_a_1d_one(tmp_path):
 def test_what_a_tensor_parallel_model_refuses_is_named(tmp_path):
     out = run(w.refusals, 4, str(tmp_path / "ckpt"), init="collsched", timeout=240)
     for rank, got in enumerate(out):
-        assert got["whole_job"].startswith("CollschedError: fully_shard: parameter blocks.0.up.weight is a DTensor"), (
-            rank,
-            got["whole_job"],
-        )
+        error = "collsched.CollschedError: "
+        whole = got["whole_job"]
+        assert whole.startswith(error + "fully_shard: parameter blocks.0.up.weight is a DTensor"), (rank, whole)
         assert "mesh=world_mesh['dp']" in got["whole_job"], got["whole_job"]
-        assert got["save_full"].startswith("CollschedError: save_full: the model has tensor-parallel"), got["save_full"]
-        assert got["layout"].startswith("CollschedError: load_checkpoint: the checkpoint at"), got["layout"]
+        assert got["save_full"].startswith(error + "save_full: the model has tensor-parallel"), got["save_full"]
+        assert got["layout"].startswith(error + "load_checkpoint: the checkpoint at"), got["layout"]
         assert "nothing was loaded" in got["layout"], got["layout"]
         assert got["same_layout"] == "no error", got["same_layout"]
         assert got["same_values"] == "True", got

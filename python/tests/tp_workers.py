@@ -12,6 +12,8 @@ from torch import nn
 
 import collsched.torch as cst
 
+from surface_workers import error_text
+
 # HIDDEN 10: a tp rank's 5 rows of the up projection are cut 3 and 2 over dp (uneven).
 D, HIDDEN, OUT, BATCH = 8, 10, 5, 6
 
@@ -163,13 +165,7 @@ def refusals(rank: int, world: int, path: str) -> dict[str, str]:
     another tensor-parallel layout."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    def error(fn: Any) -> str:
-        try:
-            fn()
-        except Exception as e:
-            return f"{type(e).__name__}: {e}"
-        return "no error"
-
+    error = error_text
     _, dp, tp = _meshes(world)
     out = {}
     whole = model()
