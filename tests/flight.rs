@@ -289,6 +289,21 @@ fn the_demo_writes_every_ranks_flight_record_on_request() {
             w[1]["ts"].as_f64().unwrap() >= end - 1e-3
         });
         assert!(ends, "rank {rank}: a compute span begins before the one before it ends");
+        // On the collectives' clock: the first forward after the first gather began, the last
+        // backward before the last collective ended.
+        let rank_spans = || spans.iter().filter(|e| e["pid"] == rank && e["tid"] != 0);
+        let first = rank_spans().map(|e| e["ts"].as_f64().unwrap()).fold(f64::INFINITY, f64::min);
+        let last =
+            rank_spans().map(|e| e["ts"].as_f64().unwrap() + e["dur"].as_f64().unwrap()).fold(0.0, f64::max);
+        let c0 = compute[0]["ts"].as_f64().unwrap();
+        let c1 = compute[compute.len() - 1]["ts"].as_f64().unwrap();
+        assert!(
+            first <= c0 && c1 <= last,
+            "rank {rank}: compute {c0}..{c1} us, collectives {first}..{last} us"
+        );
+        for (i, e) in compute.iter().enumerate() {
+            assert_eq!(e["args"]["step"], i / (micro * 2 * layers) + 1, "{e}");
+        }
     }
     let _ = std::fs::remove_dir_all(&dir);
 }

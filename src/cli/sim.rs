@@ -226,6 +226,7 @@ fn write_against(out: &mut impl Write, rows: &[against::TrackCompare], path: &Pa
             r.pairs,
             match r.matching {
                 against::Matching::Bucket => "bucket",
+                against::Matching::Layer => "layer",
                 against::Matching::Order => "order",
             },
             r.sim_busy_us,
@@ -240,9 +241,12 @@ fn write_against(out: &mut impl Write, rows: &[against::TrackCompare], path: &Pa
              the same collective"
         )?;
     }
-    if rows.iter().any(|r| r.matching == against::Matching::Bucket && r.pairs < r.sim_count.max(r.real_count))
+    if rows.iter().any(|r| r.matching != against::Matching::Order && r.pairs < r.sim_count.max(r.real_count))
     {
-        writeln!(out, "  some collectives have no match on the other side (left out of the pairs)")?;
+        writeln!(
+            out,
+            "  some collectives or compute spans have no match on the other side (left out of the pairs)"
+        )?;
     }
     Ok(())
 }

@@ -405,6 +405,7 @@ fn micro_step<B: Backend>(
 struct Compute<'a> {
     total: &'a mut Duration,
     spans: Option<&'a mut Vec<ComputeSpan>>,
+    step: usize,
 }
 
 impl Compute<'_> {
@@ -414,7 +415,8 @@ impl Compute<'_> {
         let out = f();
         *self.total += t.elapsed();
         if let (Some(spans), Some(start_ns)) = (self.spans.as_mut(), start_ns) {
-            spans.push(ComputeSpan { name: format!("{what} {layer}"), start_ns, end_ns: now_ns() });
+            let (name, step) = (format!("{what} {layer}"), self.step as u64);
+            spans.push(ComputeSpan { name, step, start_ns, end_ns: now_ns() });
         }
         out
     }
@@ -449,7 +451,13 @@ fn write_flight<B: Backend>(
         DemoError::Flight(format!("rank {rank}: this backend keeps no flight record (local, shm and mpi do)"))
     })?;
     if let Ok(o) = out {
+        // The compute of the steps whose collectives the record still holds (its ring keeps the
+        // last entries alone).
+        let oldest = dump.entries.iter().map(|e| e.launched_ns).filter(|&t| t > 0).min().unwrap_or(0);
         dump.compute = std::mem::take(&mut o.compute);
+        if dump.dropped > 0 {
+            dump.compute.retain(|c| c.end_ns >= oldest);
+        }
     }
     dump.write_to(dir).map(drop).map_err(|e| DemoError::Flight(format!("rank {rank}: {e}")))
 }
@@ -491,7 +499,7 @@ fn run_rank<B: Backend>(
         for micro in 0..m {
             let sample = (step * m + micro) as u64;
             let (x, y) = cfg.model.batch(cfg.seed, sample, r as u64, cfg.batch);
-            let mut compute = Compute { total: &mut step_cost.compute, spans: spans.as_mut() };
+            let mut compute = Compute { total: &mut step_cost.compute, spans: spans.as_mut(), step };
             let (loss, stats) = if micro + 1 < m {
                 let mut g = train.no_sync()?;
                 let loss = micro_step(&mut g, &cfg.model, &mask_now, &x, &y, &mut compute)?;

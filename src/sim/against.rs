@@ -3,7 +3,8 @@
 //! The real trace is Chrome trace JSON on the simulator's tracks (`collsched flight DIR
 //! --trace-out`: `pid` = rank, `tid` 1 all-gather, 2 reduce-scatter, 0 compute, `"X"` events
 //! in microseconds). Compute spans (categories `forward`, `backward`, `recompute`) are
-//! compared with the simulator's layer arithmetic on the same rank, by order. On each rank's collective track a real collective named `... bucket B` is
+//! compared with the simulator's layer arithmetic on the same rank, by kind, layer and
+//! occurrence where their names carry layers (`"forward 3"`), else by order. On each rank's collective track a real collective named `... bucket B` is
 //! matched with the simulated one of bucket `B` of the same occurrence (the k-th gather of `B`
 //! with the k-th): collectives one side has and the other lacks (a plan agreement, a final
 //! gather) are left unmatched and counted. A track whose real names carry no bucket the
@@ -53,6 +54,8 @@ pub struct RealEvent {
     pub ts_us: f64,
     /// Duration, microseconds.
     pub dur_us: f64,
+    /// A compute span's step (1-based, its `args.step`), where the trace says.
+    pub step: Option<u64>,
 }
 
 /// The pair of a track that differs most.
@@ -73,6 +76,9 @@ pub struct Worst {
 pub enum Matching {
     /// By bucket and occurrence (the real names carry buckets the simulation has).
     Bucket,
+    /// Compute, by kind, layer and occurrence (the real names are `"forward L"` with `L` a
+    /// layer the simulation has).
+    Layer,
     /// The k-th with the k-th.
     Order,
 }
@@ -127,6 +133,35 @@ fn pair(sim: &[super::report::Span], real: &[&RealEvent]) -> (Vec<(usize, usize)
     (out, Matching::Bucket)
 }
 
+/// A compute span's kind and layer from its real name (`"backward 3"`: backward, 3).
+fn layer_of(name: &str) -> Option<(&str, u32)> {
+    let mut words = name.split_whitespace();
+    let kind = words.next().filter(|k| arithmetic(k))?;
+    Some((kind, words.next()?.parse().ok()?))
+}
+
+/// The pairs `(simulated, real)` of one compute track: by kind, layer and occurrence where the
+/// real names carry layers the simulation has (a recomputation one side lacks stays
+/// unpaired), else the k-th with the k-th.
+fn pair_compute(sim: &[super::report::Span], real: &[&RealEvent]) -> (Vec<(usize, usize)>, Matching) {
+    let mut by_layer: std::collections::HashMap<(&str, u32), std::collections::VecDeque<usize>> =
+        std::collections::HashMap::new();
+    for (i, s) in sim.iter().enumerate() {
+        by_layer.entry((s.kind.name(), s.index)).or_default().push_back(i);
+    }
+    if !real.iter().any(|r| layer_of(&r.name).is_some_and(|k| by_layer.contains_key(&k))) {
+        return ((0..sim.len().min(real.len())).map(|k| (k, k)).collect(), Matching::Order);
+    }
+    let mut out = Vec::new();
+    for (k, r) in real.iter().enumerate() {
+        if let Some(i) = layer_of(&r.name).and_then(|key| by_layer.get_mut(&key)).and_then(|q| q.pop_front())
+        {
+            out.push((i, k));
+        }
+    }
+    (out, Matching::Layer)
+}
+
 /// The collectives of a real trace, in time order per track.
 ///
 /// # Errors
@@ -161,15 +196,17 @@ pub fn parse_real(text: &str) -> Result<Vec<RealEvent>, String> {
                 .ok_or(format!("event {i} (rank {rank}): \"{key}\" is not a non-negative number"))
         };
         let name = e.get("name").and_then(Value::as_str).unwrap_or("?").to_owned();
-        out.push(RealEvent { rank, lane, name, ts_us: num("ts")?, dur_us: num("dur")? });
+        let step = e.get("args").and_then(|a| a.get("step")).and_then(Value::as_u64);
+        out.push(RealEvent { rank, lane, name, ts_us: num("ts")?, dur_us: num("dur")?, step });
     }
     out.sort_by(|a, b| (a.rank, a.lane).cmp(&(b.rank, b.lane)).then(a.ts_us.total_cmp(&b.ts_us)));
     Ok(out)
 }
 
 /// Every rank's collective tracks of `report` (simulated with a timeline) against `real`,
-/// for the ranks either side has, by rank then lane; and their compute tracks where `real`
-/// has compute (its layer arithmetic against the simulator's, paired by order).
+/// for the ranks either side has, by rank then lane; and a rank's compute track where `real`
+/// has compute on it (its layer arithmetic against the simulator's, paired by kind, layer and
+/// occurrence, or by order).
 ///
 /// # Errors
 /// A report without a timeline.
@@ -177,9 +214,9 @@ pub fn compare(report: &SimReport, real: &[RealEvent]) -> Result<Vec<TrackCompar
     let tl = report.timeline.as_ref().ok_or("the simulation recorded no timeline")?;
     let ranks: std::collections::BTreeSet<u64> =
         (0..u64::from(report.world)).chain(real.iter().map(|e| e.rank)).collect();
-    let lanes = if real.iter().any(|e| e.lane == 2) { 3 } else { 2 };
     let mut out = Vec::new();
     for rank in ranks {
+        let lanes = if real.iter().any(|e| e.rank == rank && e.lane == 2) { 3 } else { 2 };
         let simulated = rank < u64::from(report.world);
         // The simulator's layer arithmetic on this rank.
         let computed: Vec<super::report::Span> = match tl.compute.get(rank as usize) {
@@ -195,7 +232,7 @@ pub fn compare(report: &SimReport, real: &[RealEvent]) -> Result<Vec<TrackCompar
             };
             let mine: Vec<&RealEvent> = real.iter().filter(|e| e.rank == rank && e.lane == lane).collect();
             let mut worst: Option<Worst> = None;
-            let (pairs, matching) = pair(sim, &mine);
+            let (pairs, matching) = if lane == 2 { pair_compute(sim, &mine) } else { pair(sim, &mine) };
             for &(i, k) in &pairs {
                 let (s, r) = (&sim[i], mine[k]);
                 let sim_us = s.dur_ns as f64 / 1000.0;

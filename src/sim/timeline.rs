@@ -111,26 +111,47 @@ fn color(s: &Span) -> &'static str {
 type Row = (String, Vec<(u64, u64, &'static str, String)>);
 
 /// The real run's lanes of `rank` (of `real`, `sim --against`'s trace) for the step the
-/// simulation draws: its compute spans cut into steps of `per_step` (the simulated step's layer
-/// arithmetic on that rank), step `step` or the real run's last whole one; the window from that
-/// step's first compute span to the next step's (the last step's: to the rank's last event).
-/// `None` where the real trace has no compute on the rank (no step can be told apart).
-fn real_rows(
-    real: &[RealEvent],
-    rank: usize,
-    step: usize,
-    per_step: usize,
-) -> Option<(usize, u64, Vec<Row>)> {
+/// simulation draws (`step`, 0-based), or the real run's last where it has fewer: the steps are
+/// told apart by the compute spans' steps (their `args.step`), or, in a trace that gives none,
+/// by cutting them into runs of `per_step` (the simulated step's layer arithmetic on that
+/// rank). The window runs from the previous step's last compute span (the rank's first event
+/// for the first step) to the step's last compute span, or past it to the end of the
+/// reduce-scatters that begin before the next step's compute (the last step: any). `None`
+/// where the real trace has no compute on the rank (no step can be told apart). Returns the
+/// real step (1-based), the window's length and the lanes.
+fn real_rows(real: &[RealEvent], rank: usize, step: usize, per_step: usize) -> Option<(u64, u64, Vec<Row>)> {
     let mine: Vec<&RealEvent> = real.iter().filter(|e| e.rank == rank as u64).collect();
-    let compute: Vec<&&RealEvent> = mine.iter().filter(|e| e.lane == 2).collect();
-    let steps = compute.len().checked_div(per_step)?;
-    let k = step.min(steps.checked_sub(1)?);
-    let ns = |us: f64| (us * 1000.0).round() as u64;
-    let start = ns(compute[k * per_step].ts_us);
-    let end = match compute.get((k + 1) * per_step) {
-        Some(next) => ns(next.ts_us),
-        None => mine.iter().map(|e| ns(e.ts_us + e.dur_us)).max().unwrap_or(start),
+    let compute: Vec<&RealEvent> = mine.iter().copied().filter(|e| e.lane == 2).collect();
+    // Each compute span's step (1-based).
+    let steps: Vec<u64> = if compute.iter().all(|e| e.step.is_some()) {
+        compute.iter().map(|e| e.step.unwrap_or(0)).collect()
+    } else {
+        let per = per_step.max(1);
+        (0..compute.len()).map(|i| (i / per) as u64 + 1).collect()
     };
+    let last = *steps.iter().max()?;
+    let want = (step as u64 + 1).min(last);
+    let k = if steps.contains(&want) { want } else { last };
+    let ns = |us: f64| (us * 1000.0).round() as u64;
+    let ends_of = |s: u64| {
+        compute.iter().zip(&steps).filter(move |(_, &t)| t == s).map(|(e, _)| ns(e.ts_us + e.dur_us))
+    };
+    let begins_of =
+        |s: u64| compute.iter().zip(&steps).filter(move |(_, &t)| t == s).map(|(e, _)| ns(e.ts_us));
+    let before =
+        compute.iter().zip(&steps).filter(|(_, &t)| t < k).map(|(e, _)| ns(e.ts_us + e.dur_us)).max();
+    let start = match before {
+        Some(t) => t,
+        None => mine.iter().map(|e| ns(e.ts_us)).min()?,
+    };
+    let done = ends_of(k).max()?;
+    let next = begins_of(k + 1).min().unwrap_or(u64::MAX);
+    let end = mine
+        .iter()
+        .filter(|e| e.lane == 1 && ns(e.ts_us) < next && ns(e.ts_us) >= start)
+        .map(|e| ns(e.ts_us + e.dur_us))
+        .fold(done, u64::max)
+        .max(start + 1);
     let mut rows: Vec<Row> = ["real compute", "real all_gather", "real reduce_scatter"]
         .iter()
         .map(|n| ((*n).to_owned(), Vec::new()))
@@ -207,7 +228,7 @@ pub fn write_svg(
     if let Some((k, real_ns, real_rows)) = real {
         let _ = std::fmt::Write::write_fmt(
             &mut title,
-            format_args!("; below, the real run's step {} ({:.3} ms)", k + 1, real_ns as f64 / 1e6),
+            format_args!("; below, the real run's step {k} ({:.3} ms)", real_ns as f64 / 1e6),
         );
         span_ns = span_ns.max(real_ns as f64);
         rows.extend(real_rows);
@@ -284,4 +305,54 @@ pub fn write_svg(
 
 fn xml_escape(s: &str) -> String {
     s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{real_rows, RealEvent};
+
+    fn ev(lane: usize, name: &str, ts_us: f64, dur_us: f64, step: Option<u64>) -> RealEvent {
+        RealEvent { rank: 0, lane, name: name.to_owned(), ts_us, dur_us, step }
+    }
+
+    /// Two steps of two compute spans each, a reduce-scatter trailing each step's compute, the
+    /// second step's gather ahead of its compute and a final gather after everything.
+    fn trace(steps: bool) -> Vec<RealEvent> {
+        let s = |k: u64| steps.then_some(k);
+        vec![
+            ev(2, "forward 0", 0.0, 10.0, s(1)),
+            ev(2, "backward 0", 10.0, 10.0, s(1)),
+            ev(1, "reduce_scatter bucket 1", 15.0, 15.0, None),
+            ev(0, "all_gather bucket 0", 35.0, 5.0, None),
+            ev(2, "forward 0", 40.0, 10.0, s(2)),
+            ev(2, "backward 0", 50.0, 10.0, s(2)),
+            ev(1, "reduce_scatter bucket 1", 55.0, 15.0, None),
+            ev(0, "all_gather bucket 0", 80.0, 10.0, None),
+        ]
+    }
+
+    #[test]
+    fn a_real_step_runs_from_the_last_compute_before_it_to_its_trailing_reductions() {
+        for steps in [true, false] {
+            let real = trace(steps);
+            let (k, len, rows) = real_rows(&real, 0, 0, 2).expect("a first step");
+            assert_eq!((k, len), (1, 30_000), "steps given: {steps}");
+            let counts: Vec<usize> = rows.iter().map(|r| r.1.len()).collect();
+            assert_eq!(counts, [2, 0, 1], "steps given: {steps}");
+            // The last step (asked for, or past the real run's end): from the first step's last
+            // compute (20 us) to its own reduce-scatter's end (70 us), without the final gather.
+            for want in [1, 5] {
+                let (k, len, rows) = real_rows(&real, 0, want, 2).expect("a last step");
+                assert_eq!((k, len), (2, 50_000), "steps given: {steps}, step {want}");
+                let boxes: Vec<Vec<(u64, u64)>> =
+                    rows.iter().map(|r| r.1.iter().map(|b| (b.0, b.1)).collect()).collect();
+                assert_eq!(boxes[0], [(20_000, 30_000), (30_000, 40_000)], "steps given: {steps}");
+                assert_eq!(boxes[1], [(15_000, 20_000)], "steps given: {steps}");
+                assert_eq!(boxes[2], [(0, 10_000), (35_000, 50_000)], "steps given: {steps}");
+            }
+        }
+        assert!(real_rows(&trace(true), 1, 0, 2).is_none(), "a rank without compute");
+        let collectives: Vec<RealEvent> = trace(true).into_iter().filter(|e| e.lane != 2).collect();
+        assert!(real_rows(&collectives, 0, 0, 2).is_none(), "a trace without compute");
+    }
 }

@@ -383,6 +383,9 @@ pub struct FlightDump {
 pub struct ComputeSpan {
     /// What it computed: `"forward L"` or `"backward L"` for layer `L`.
     pub name: String,
+    /// The training step it belongs to (0-based).
+    #[serde(default)]
+    pub step: u64,
     /// When it began (nanoseconds since the Unix epoch).
     pub start_ns: u64,
     /// When it ended.

@@ -2,11 +2,11 @@
 //! simulator's trace has (`sim::timeline`): one process per rank (`pid` = rank), one thread
 //! per stream (`tid` 1 all-gather, 2 reduce-scatter, 0 anything else), `"X"` events from when
 //! a collective's stream reached it to when it ended, in microseconds from the earliest
-//! launch of any rank (the records' clocks are the machines' wall clocks: ranks of one machine
+//! launch or compute span of any rank (the records' clocks are the machines' wall clocks: ranks of one machine
 //! share it). Collectives not ended are left out; the time each waited in its stream's queue
 //! (launched to reached) is in its `args`. The compute a record holds (`FlightDump::compute`)
 //! is on the compute track (`tid` 0), its category the span's first word (`forward`,
-//! `backward`), as the simulator's compute spans are.
+//! `backward`) and its step (1-based) in its `args`, as the simulator's compute spans are.
 
 use std::fmt::Write as _;
 
@@ -46,14 +46,14 @@ pub fn chrome_trace(dumps: &[FlightDump]) -> String {
         }
         for e in d.entries.iter().filter(|e| ended(e)) {
             let mut ev = String::new();
+            let op = serde_json::to_string(&e.op).unwrap_or_else(|_| "\"?\"".to_owned());
+            let name =
+                serde_json::to_string(&format!("{} bucket {}", e.op, e.tag)).unwrap_or_else(|_| op.clone());
             let _ = write!(
                 ev,
-                "{{\"ph\":\"X\",\"pid\":{rank},\"tid\":{},\"name\":\"{} bucket {}\",\"cat\":\"{}\",\"ts\":{:.3},\
+                "{{\"ph\":\"X\",\"pid\":{rank},\"tid\":{},\"name\":{name},\"cat\":{op},\"ts\":{:.3},\
                  \"dur\":{:.3},\"args\":{{\"seq\":{},\"bytes\":{},\"ops\":{},\"queued_us\":{:.3},\"state\":\"{:?}\"}}}}",
                 tid(&e.stream),
-                e.op,
-                e.tag,
-                e.op,
                 us(e.started_ns),
                 (e.ended_ns - e.started_ns) as f64 / 1000.0,
                 e.seq,
@@ -69,9 +69,11 @@ pub fn chrome_trace(dumps: &[FlightDump]) -> String {
             let cat = c.name.split_whitespace().next().unwrap_or("compute");
             let cat = serde_json::to_string(cat).unwrap_or_else(|_| "\"compute\"".to_owned());
             events.push(format!(
-                "{{\"ph\":\"X\",\"pid\":{rank},\"tid\":0,\"name\":{name},\"cat\":{cat},\"ts\":{:.3},\"dur\":{:.3}}}",
+                "{{\"ph\":\"X\",\"pid\":{rank},\"tid\":0,\"name\":{name},\"cat\":{cat},\"ts\":{:.3},\"dur\":{:.3},\
+                 \"args\":{{\"step\":{}}}}}",
                 us(c.start_ns),
                 (c.end_ns - c.start_ns) as f64 / 1000.0,
+                c.step + 1,
             ));
         }
     }
