@@ -135,3 +135,15 @@ def test_sequence_parallel_norms_partial_gradients_are_reduced_over_tp(no_sync, 
             "placements"
         ]
         assert got["placements"]["blocks.0.norm.weight"] == "(Shard(dim=0), Replicate())", got["placements"]
+
+
+def test_a_meta_device_tensor_parallel_model_takes_rank_0s_values():
+    out = run(w.meta_init, 4, init="collsched", timeout=240)
+    ref = w.model(0)
+    want = {k: v.reshape(-1).tolist() for k, v in ref.state_dict().items()}
+    with torch.no_grad():
+        losses = [ref(w.batch(r, 0)).pow(2).mean().item() for r in range(2)]
+    for rank, got in enumerate(out):
+        # Values exact (copied, never computed); the forward in float32 through tp's partial sums.
+        assert got["values"] == want, rank
+        _close([got["loss"]], [losses[rank // 2]], f"rank {rank} loss", 1e-6)

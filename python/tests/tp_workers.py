@@ -251,3 +251,28 @@ def sequence_parallel(rank: int, world: int, steps: int, no_sync: bool, backend:
         "params": {k: plain(v.full_tensor()) for k, v in sd.items()},
         "placements": {k: str(tuple(v.placements)) for k, v in sd.items()},
     }
+
+
+def meta_init(rank: int, world: int) -> dict[str, Any]:
+    """torchtitan's start with tensor parallelism: the model built on the meta device, made
+    tensor-parallel over tp, sharded over dp, ``to_empty``, then rank 0's full values broadcast
+    (``set_model_state_dict(..., broadcast_from_rank0=True)``). Returns the state dict's full
+    values and a forward's loss."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    _, dp, tp = _meshes(world)
+    with torch.device("meta"):
+        m = Net()
+    for b in m.blocks:
+        parallelize_module(b, tp, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    for b in m.blocks:
+        cst.fully_shard(b, mesh=dp)
+    cst.fully_shard(m, mesh=dp)
+    m.to_empty(device="cpu")
+    full = model(0).state_dict() if rank == 0 else {}
+    set_model_state_dict(m, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    values = {k: plain(v.full_tensor()) for k, v in m.state_dict().items()}
+    with torch.no_grad():
+        loss = m(batch(dp.get_local_rank(), 0)).pow(2).mean().item()
+    return {"values": values, "loss": loss}
