@@ -101,6 +101,7 @@ def test_what_a_tensor_parallel_model_refuses_is_named(tmp_path):
         assert got["save_full"].startswith(error + "save_full: the model has tensor-parallel"), got["save_full"]
         assert got["layout"].startswith(error + "load_checkpoint: the checkpoint at"), got["layout"]
         assert "nothing was loaded" in got["layout"], got["layout"]
+        assert "holds parameter blocks.0.down.bias cut (Replicate(),)" in got["layout"], got["layout"]
         assert got["same_layout"] == "no error", got["same_layout"]
         assert got["same_values"] == "True", got
 

@@ -113,24 +113,32 @@ pub struct TrackCompare {
     pub worst: Option<Worst>,
 }
 
-/// The pairs `(simulated, real)` of one track, as indices, and how they were made.
-fn pair(sim: &[super::report::Span], real: &[&RealEvent]) -> (Vec<(usize, usize)>, Matching) {
-    let mut by_bucket: std::collections::HashMap<u32, std::collections::VecDeque<usize>> =
+/// The pairs `(simulated, real)` of one track, as indices, and how they were made: by key and
+/// occurrence (the k-th of a key with the k-th; `sim_key` of a simulated span, `real_key` of a
+/// real name) where some real name has a key the simulation has (`keyed` says so), else the
+/// k-th with the k-th.
+fn pair_by<'a, K: Eq + std::hash::Hash>(
+    sim: &'a [super::report::Span],
+    real: &[&'a RealEvent],
+    sim_key: impl Fn(&'a super::report::Span) -> K,
+    real_key: impl Fn(&'a str) -> Option<K>,
+    keyed: Matching,
+) -> (Vec<(usize, usize)>, Matching) {
+    let mut by_key: std::collections::HashMap<K, std::collections::VecDeque<usize>> =
         std::collections::HashMap::new();
     for (i, s) in sim.iter().enumerate() {
-        by_bucket.entry(s.index).or_default().push_back(i);
+        by_key.entry(sim_key(s)).or_default().push_back(i);
     }
-    let named = real.iter().any(|r| bucket_of(&r.name).is_some_and(|b| by_bucket.contains_key(&b)));
-    if !named {
+    if !real.iter().any(|r| real_key(&r.name).is_some_and(|k| by_key.contains_key(&k))) {
         return ((0..sim.len().min(real.len())).map(|k| (k, k)).collect(), Matching::Order);
     }
     let mut out = Vec::new();
     for (k, r) in real.iter().enumerate() {
-        if let Some(i) = bucket_of(&r.name).and_then(|b| by_bucket.get_mut(&b)).and_then(|q| q.pop_front()) {
+        if let Some(i) = real_key(&r.name).and_then(|key| by_key.get_mut(&key)).and_then(|q| q.pop_front()) {
             out.push((i, k));
         }
     }
-    (out, Matching::Bucket)
+    (out, keyed)
 }
 
 /// A compute span's kind and layer from its real name (`"backward 3"`: backward, 3).
@@ -138,28 +146,6 @@ fn layer_of(name: &str) -> Option<(&str, u32)> {
     let mut words = name.split_whitespace();
     let kind = words.next().filter(|k| arithmetic(k))?;
     Some((kind, words.next()?.parse().ok()?))
-}
-
-/// The pairs `(simulated, real)` of one compute track: by kind, layer and occurrence where the
-/// real names carry layers the simulation has (a recomputation one side lacks stays
-/// unpaired), else the k-th with the k-th.
-fn pair_compute(sim: &[super::report::Span], real: &[&RealEvent]) -> (Vec<(usize, usize)>, Matching) {
-    let mut by_layer: std::collections::HashMap<(&str, u32), std::collections::VecDeque<usize>> =
-        std::collections::HashMap::new();
-    for (i, s) in sim.iter().enumerate() {
-        by_layer.entry((s.kind.name(), s.index)).or_default().push_back(i);
-    }
-    if !real.iter().any(|r| layer_of(&r.name).is_some_and(|k| by_layer.contains_key(&k))) {
-        return ((0..sim.len().min(real.len())).map(|k| (k, k)).collect(), Matching::Order);
-    }
-    let mut out = Vec::new();
-    for (k, r) in real.iter().enumerate() {
-        if let Some(i) = layer_of(&r.name).and_then(|key| by_layer.get_mut(&key)).and_then(|q| q.pop_front())
-        {
-            out.push((i, k));
-        }
-    }
-    (out, Matching::Layer)
 }
 
 /// The collectives of a real trace, in time order per track.
@@ -232,7 +218,13 @@ pub fn compare(report: &SimReport, real: &[RealEvent]) -> Result<Vec<TrackCompar
             };
             let mine: Vec<&RealEvent> = real.iter().filter(|e| e.rank == rank && e.lane == lane).collect();
             let mut worst: Option<Worst> = None;
-            let (pairs, matching) = if lane == 2 { pair_compute(sim, &mine) } else { pair(sim, &mine) };
+            // Collectives by bucket, compute by kind and layer (a recomputation one side lacks
+            // stays unpaired); by order where the real names carry neither.
+            let (pairs, matching) = if lane == 2 {
+                pair_by(sim, &mine, |s| (s.kind.name(), s.index), layer_of, Matching::Layer)
+            } else {
+                pair_by(sim, &mine, |s| s.index, bucket_of, Matching::Bucket)
+            };
             for &(i, k) in &pairs {
                 let (s, r) = (&sim[i], mine[k]);
                 let sim_us = s.dur_ns as f64 / 1000.0;
@@ -287,4 +279,38 @@ pub fn overlay(sim_trace: &str, real: &[RealEvent], world: u32) -> Result<String
             "name": e.name, "cat": "real", "ts": e.ts_us, "dur": e.dur_us}));
     }
     serde_json::to_string(&v).map_err(|e| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::report::{Span, SpanKind};
+    use super::{layer_of, pair_by, Matching, RealEvent};
+
+    fn span(kind: SpanKind, index: u32) -> Span {
+        Span { start_ns: 0, dur_ns: 1, kind, index, step: 0, prefetch: false }
+    }
+
+    fn real(name: &str) -> RealEvent {
+        RealEvent { rank: 0, lane: 2, name: name.to_owned(), ts_us: 0.0, dur_us: 1.0, step: None }
+    }
+
+    /// Compute pairs by kind, layer and occurrence: the simulated recomputation the real run
+    /// lacks stays unpaired instead of shifting every pair after it; names without layers
+    /// fall back to order.
+    #[test]
+    fn compute_pairs_by_kind_and_layer() {
+        use SpanKind::{Backward, Forward, Recompute};
+        let sim =
+            [span(Forward, 0), span(Forward, 1), span(Recompute, 1), span(Backward, 1), span(Backward, 0)];
+        let events = [real("forward 0"), real("forward 1"), real("backward 1"), real("backward 0")];
+        let refs: Vec<&RealEvent> = events.iter().collect();
+        let key = |s: &Span| (s.kind.name(), s.index);
+        let (pairs, how) = pair_by(&sim, &refs, key, layer_of, Matching::Layer);
+        assert_eq!(how, Matching::Layer);
+        assert_eq!(pairs, [(0, 0), (1, 1), (3, 2), (4, 3)]);
+        let unnamed = [real("a"), real("b")];
+        let refs: Vec<&RealEvent> = unnamed.iter().collect();
+        let (pairs, how) = pair_by(&sim, &refs, key, layer_of, Matching::Layer);
+        assert_eq!((pairs, how), (vec![(0, 0), (1, 1)], Matching::Order));
+    }
 }

@@ -119,13 +119,17 @@ def load_checkpoint(module: nn.Module, optimizer: torch.optim.Optimizer | None, 
         saved = None  # the library's load names what is wrong, on every rank
     layout = ((saved or {}).get("meta") or {}).get("tp")
     if saved is not None and (state.tp_spec is not None or layout is not None):
-        mine = _tp_layout(state) if state.tp_spec is not None else None
-        if layout != mine:
+        mine = _tp_layout(state) if state.tp_spec is not None else {}
+        saved_layout = layout or {}
+        differ = [n for n in sorted(set(mine) | set(saved_layout)) if mine.get(n) != saved_layout.get(n)]
+        if differ:
+            n = differ[0]
             raise CollschedError(
-                f"load_checkpoint: the checkpoint at {_part_path(state, path)} holds tensor-parallel local tensors "
-                f"laid out {layout}, this model's are {mine}; a checkpoint of save_checkpoint reloads at its own "
-                "tensor-parallel layout: change the layout through torch.distributed.checkpoint (dcp.save of "
-                "model.state_dict(), dcp.load) instead; nothing was loaded"
+                f"load_checkpoint: the checkpoint at {_part_path(state, path)} holds parameter {n} cut "
+                f"{saved_layout.get(n, 'without tensor parallelism')}, this model's is "
+                f"{mine.get(n, 'not tensor-parallel')} ({len(differ)} parameters differ); a checkpoint of "
+                "save_checkpoint reloads at its own tensor-parallel layout: change the layout through "
+                "torch.distributed.checkpoint (dcp.save of model.state_dict(), dcp.load) instead; nothing was loaded"
             )
     names = {e["name"] for e in (saved or {}).get("extras", [])}
     wanted = [

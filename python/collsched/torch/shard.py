@@ -645,7 +645,7 @@ class _State:
                 got.add(p.pid)
                 if g.dtype != want:
                     if p.tp is not None:
-                        g = tp_.local_grad(g, p.tp)
+                        g = tp_.local_grad(g, p.tp, p.name)
                     full.grad = None
                     acc = self.accum.get(p.pid)
                     # Contiguous: the synchronized micro-batch hands the sum over as it is.
@@ -653,7 +653,7 @@ class _State:
                     self.accum[p.pid] = summand if acc is None else acc.add_(summand)
                 continue
             if p.tp is not None:
-                g = tp_.local_grad(g, p.tp)
+                g = tp_.local_grad(g, p.tp, p.name)
             full.grad = None
             # Host gradients go over in the parameter's dtype (the library casts); device ones
             # in the reduction dtype (cast here, on the compute stream, all in one

@@ -63,7 +63,7 @@ def full_param(placeholder: torch.Tensor, spec: Any) -> nn.Parameter:
     return nn.Parameter(DTensor(placeholder, spec, requires_grad=False), requires_grad=False)
 
 
-def local_grad(g: Any, spec: Any) -> torch.Tensor:
+def local_grad(g: Any, spec: Any, name: str) -> torch.Tensor:
     """The local tensor of a gradient of a tensor-parallel parameter, redistributed to the
     parameter's placements first where autograd left it otherwise (``Partial``: collective
     over the tensor-parallel ranks, which all hand the same gradients in the same order)."""
@@ -73,8 +73,9 @@ def local_grad(g: Any, spec: Any) -> torch.Tensor:
         g = g.wait()
     if not is_dtensor(g):
         raise CollschedError(
-            f"fully_shard: a tensor-parallel parameter's gradient is a {type(g).__name__}, not a DTensor; "
-            "a hook that replaced it must give a DTensor of the parameter's spec"
+            f"backward: the gradient of tensor-parallel parameter {name} is a {type(g).__name__}, not a "
+            f"DTensor placed {tuple(spec.placements)}; a hook that replaced it must give a DTensor of the "
+            "parameter's spec"
         )
     if tuple(g.placements) != tuple(spec.placements):
         g = g.redistribute(spec.mesh, spec.placements)
