@@ -3,8 +3,9 @@
 # address and host name, and an Open MPI job across them over TCP (mpirun's rsh agent enters
 # the other namespace with `ip netns exec`). Runs the demo (parity with the unsharded reference)
 # and checked benches over the link with the mpi backend, and runs the simulator, given the
-# link's latency and bandwidth as the bench measures them, on the demo's workload: it prints
-# the measured and the simulated step time and their ratio (numbers in benches/README.md),
+# link's latency and bandwidth as the bench measures them, and again priced by the cost profile
+# `collsched calibrate --backend mpi` measures across the link, on the demo's workload: it prints
+# the measured and the simulated step times and their ratios (numbers in benches/README.md),
 # and fails only when either is not a positive number. How close the two are is a timing, so
 # no CI verdict rests on it (a busy machine slows the measurement by 10x). Then the same on the link slowed to
 # 50 Mbit/s by `tc tbf` (where the kernel has tbf), and parity, bench and prediction on a link
@@ -154,10 +155,24 @@ TOPO
   echo "ci/multihost: $label link as a collective sees it: latency $a_us us, bandwidth $bw GB/s;" \
     "demo step: measured $step ms, simulated $sim ms" \
     "(ratio $(awk -v m="$step" -v s="$sim" 'BEGIN { printf "%.2f", s / m }'))"
-  # Either figure missing or not positive (a parse failure, a NaN) is a failure; the ratio is
+  # The same link calibrated (`collsched calibrate --backend mpi`: each kind's fixed and per-byte
+  # cost fitted over the demo's bucket sizes, the host time per collective, how compute shares
+  # the cores) and the simulator priced by that profile (`--cost`) instead of the topology.
+  cal=$(across calibrate --backend mpi -b 4K -e 64K -f 4 --iters 20 --warmup 3 --demo-steps 10 \
+    --out "$work/profile.json")
+  grep -q '^# wrote ' <<<"$cal" || { echo "$cal"; echo "ci/multihost: calibrate wrote no profile on the $label link"; exit 1; }
+  if [ -n "${MULTIHOST_VERBOSE:-}" ]; then echo "$cal"; fi
+  grep -E '^# (all_gather|reduce_scatter|launch|sharing|host):|^# no fit' <<<"$cal" \
+    | sed "s|^# |ci/multihost: $label link calibrated: |" || true
+  cal=$("$exe" sim --workload "$work/demo.json" --world 2 --cost "$work/profile.json" --tflops "$tflops" \
+    --bucket-by size --bucket-mb 0.00390625 --steps 6 --json)
+  cal=$(grep -o '"step_ms":[0-9.e+-]*' <<<"$cal" | cut -d: -f2)
+  echo "ci/multihost: $label link, demo step simulated from the calibrated profile: $cal ms" \
+    "(ratio $(awk -v m="$step" -v s="$cal" 'BEGIN { printf "%.2f", s / m }'))"
+  # Any figure missing or not positive (a parse failure, a NaN) is a failure; the ratios are
   # printed only.
-  awk -v m="$step" -v s="$sim" 'BEGIN { exit !(m > 0 && s > 0) }' \
-    || { echo "ci/multihost: no measured ($step) or simulated ($sim) step time on the $label link"; exit 1; }
+  awk -v m="$step" -v s="$sim" -v c="$cal" 'BEGIN { exit !(m > 0 && s > 0 && c > 0) }' \
+    || { echo "ci/multihost: no measured ($step), simulated ($sim) or calibrated ($cal) step time on the $label link"; exit 1; }
 }
 predict() {
   predict_once "$1"

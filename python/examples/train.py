@@ -64,6 +64,14 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--strategy", default="even", help="even, flat, greedy or hybrid:G")
     p.add_argument("--backend", default="shm", help="shm (CPU tensors) or cuda (one GPU per process)")
+    p.add_argument("--eval-every", type=int, default=5, help="steps between evaluation passes (0: none)")
+    p.add_argument(
+        "--flight-out",
+        metavar="DIR",
+        help="at the end, each rank's flight record (collectives, and on the CPU each unit's compute) into DIR "
+        "and rank 0's workload as DIR/workload.json, for `collsched flight DIR --trace-out` and `collsched sim "
+        "--workload DIR/workload.json --tflops 1 --against`",
+    )
     args = p.parse_args()
 
     hybrid = {"hybrid_group_size": int(args.strategy[7:])} if args.strategy.startswith("hybrid:") else {}
@@ -92,12 +100,18 @@ def main() -> None:
                 loss.backward()
         opt.step()
         opt.zero_grad()
-        if step % 5 == 4 or step + 1 == args.steps:
+        if args.eval_every > 0 and (step % args.eval_every == args.eval_every - 1 or step + 1 == args.steps):
             with torch.no_grad():
                 x, y = batch(10**6 + step, 0)
                 val = F.cross_entropy(model(x).reshape(-1, args.vocab), y.reshape(-1)).item()
             if world.rank == 0:
                 print(f"step {step + 1:3}: train loss {loss.item():.4f}, validation loss {val:.4f}", flush=True)
+        elif args.eval_every == 0 and world.rank == 0 and step + 1 == args.steps:
+            print(f"step {step + 1:3}: train loss {loss.item():.4f}", flush=True)
+    if args.flight_out:
+        cst.flight_record(args.flight_out)
+        if world.rank == 0 and args.backend != "cuda":
+            cst.workload_record(model, f"{args.flight_out}/workload.json")
     if world.rank == 0:
         s = cst.stats(model)
         print(

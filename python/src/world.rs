@@ -5,6 +5,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use collsched::backend::flight::ComputeSpan;
 use collsched::backend::local::LocalRank;
 use collsched::backend::ondevice::OnDevice;
 use collsched::backend::shm::{join, ShmConfig};
@@ -301,14 +302,27 @@ impl World {
     }
 
     /// This rank's flight record (its last collectives: sequence number, op, bucket, group,
-    /// bytes, dtype, stream, state, times) as JSON text, taken because of `reason`; with
+    /// bytes, dtype, stream, state, times) as JSON text, taken because of `reason`, with
+    /// `compute` (`(name, step, start_ns, end_ns)`, oldest first) on its compute track; with
     /// `dir`, also written there as `rank-R.json` for `collsched flight DIR`. Not collective.
-    #[pyo3(signature = (reason="requested", dir=None))]
-    fn flight_record(&self, reason: &str, dir: Option<std::path::PathBuf>) -> PyResult<String> {
-        let dump = match &self.backend {
+    #[pyo3(signature = (reason="requested", dir=None, compute=Vec::new()))]
+    fn flight_record(
+        &self,
+        reason: &str,
+        dir: Option<std::path::PathBuf>,
+        compute: Vec<(String, u64, u64, u64)>,
+    ) -> PyResult<String> {
+        let mut dump = match &self.backend {
             Rank::Emulated(b) => b.0.flight_record(reason),
             other => other.host("flight_record")?.flight_record(reason),
         };
+        let spans = compute.into_iter().map(|(name, step, start_ns, end_ns)| ComputeSpan {
+            name,
+            step,
+            start_ns,
+            end_ns,
+        });
+        dump.set_compute(spans.collect());
         if let Some(dir) = dir {
             dump.write_to(&dir).map_err(errors::other)?;
         }

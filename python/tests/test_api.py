@@ -270,15 +270,23 @@ def test_fully_shard_errors_name_the_parameter_or_knob(case, words):
         assert w in text, text
 
 
-def test_the_example_trains_under_torchrun():
+def test_the_example_trains_under_torchrun(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "0"]
     cmd += [str(REPO / "python/examples/train.py"), "--steps", "10", "--layers", "2", "--dim", "64"]
+    cmd += ["--flight-out", str(tmp_path)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO)
     assert p.returncode == 0, p.stderr[-3000:]
     losses = [float(line.split("validation loss")[1]) for line in p.stdout.splitlines() if "validation loss" in line]
     assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses))), p.stdout
     assert losses[-1] < losses[0], p.stdout
     assert "reduce-scatters" in p.stdout
+    # --flight-out: each rank's record with its compute spans, rank 0's workload of the root and
+    # the two blocks.
+    for rank in (0, 1):
+        record = json.loads((tmp_path / f"rank-{rank}.json").read_text())
+        assert record["rank"] == rank and record["entries"] and record["compute"], sorted(record)
+    workload = json.loads((tmp_path / "workload.json").read_text())
+    assert [layer["name"] for layer in workload["layers"]] == ["unit 0", "unit 1", "unit 2"], workload["layers"]
 
 
 def test_sync_module_states_starts_every_rank_from_rank_0():

@@ -451,13 +451,7 @@ fn write_flight<B: Backend>(
         DemoError::Flight(format!("rank {rank}: this backend keeps no flight record (local, shm and mpi do)"))
     })?;
     if let Ok(o) = out {
-        // The compute of the steps whose collectives the record still holds (its ring keeps the
-        // last entries alone).
-        let oldest = dump.entries.iter().map(|e| e.launched_ns).filter(|&t| t > 0).min().unwrap_or(0);
-        dump.compute = std::mem::take(&mut o.compute);
-        if dump.dropped > 0 {
-            dump.compute.retain(|c| c.end_ns >= oldest);
-        }
+        dump.set_compute(std::mem::take(&mut o.compute));
     }
     dump.write_to(dir).map(drop).map_err(|e| DemoError::Flight(format!("rank {rank}: {e}")))
 }

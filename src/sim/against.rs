@@ -4,7 +4,8 @@
 //! --trace-out`: `pid` = rank, `tid` 1 all-gather, 2 reduce-scatter, 0 compute, `"X"` events
 //! in microseconds). Compute spans (categories `forward`, `backward`, `recompute`) are
 //! compared with the simulator's layer arithmetic on the same rank, by kind, layer and
-//! occurrence where their names carry layers (`"forward 3"`), else by order. On each rank's collective track a real collective named `... bucket B` is
+//! occurrence where their names carry layers (`"forward 3"`), else by order; a layer's pieces
+//! within one phase of a step (a root's forward around its blocks') count as one span. On each rank's collective track a real collective named `... bucket B` is
 //! matched with the simulated one of bucket `B` of the same occurrence (the k-th gather of `B`
 //! with the k-th): collectives one side has and the other lacks (a plan agreement, a final
 //! gather) are left unmatched and counted. A track whose real names carry no bucket the
@@ -141,6 +142,26 @@ fn pair_by<'a, K: Eq + std::hash::Hash>(
     (out, keyed)
 }
 
+/// A layer's compute that ran in pieces, other layers' between them (`collsched.torch`'s root
+/// around its blocks), as one span, the simulator's: within a phase of a step (a run of spans
+/// of one kind), the spans of one name joined at the first one's start, their durations
+/// summed. Spans one a layer a phase (the demo's) are left as they are.
+fn join_pieces(track: &[&RealEvent]) -> Vec<RealEvent> {
+    let kind = |e: &RealEvent| e.name.split_whitespace().next().map(str::to_owned);
+    let mut out: Vec<RealEvent> = Vec::new();
+    let mut phase = 0;
+    for &e in track {
+        if out.get(phase).is_none_or(|f| f.step != e.step || kind(f) != kind(e)) {
+            phase = out.len();
+        }
+        match out[phase..].iter_mut().find(|x| x.name == e.name) {
+            Some(x) => x.dur_us += e.dur_us,
+            None => out.push(e.clone()),
+        }
+    }
+    out
+}
+
 /// A compute span's kind and layer from its real name (`"backward 3"`: backward, 3).
 fn layer_of(name: &str) -> Option<(&str, u32)> {
     let mut words = name.split_whitespace();
@@ -216,7 +237,13 @@ pub fn compare(report: &SimReport, real: &[RealEvent]) -> Result<Vec<TrackCompar
                 _ if simulated => &tl.collectives[lane],
                 _ => &[],
             };
-            let mine: Vec<&RealEvent> = real.iter().filter(|e| e.rank == rank && e.lane == lane).collect();
+            let mut mine: Vec<&RealEvent> =
+                real.iter().filter(|e| e.rank == rank && e.lane == lane).collect();
+            let joined;
+            if lane == 2 {
+                joined = join_pieces(&mine);
+                mine = joined.iter().collect();
+            }
             let mut worst: Option<Worst> = None;
             // Collectives by bucket, compute by kind and layer (a recomputation one side lacks
             // stays unpaired); by order where the real names carry neither.
@@ -284,7 +311,7 @@ pub fn overlay(sim_trace: &str, real: &[RealEvent], world: u32) -> Result<String
 #[cfg(test)]
 mod tests {
     use super::super::report::{Span, SpanKind};
-    use super::{layer_of, pair_by, Matching, RealEvent};
+    use super::{join_pieces, layer_of, pair_by, Matching, RealEvent};
 
     fn span(kind: SpanKind, index: u32) -> Span {
         Span { start_ns: 0, dur_ns: 1, kind, index, step: 0, prefetch: false }
@@ -312,5 +339,41 @@ mod tests {
         let refs: Vec<&RealEvent> = unnamed.iter().collect();
         let (pairs, how) = pair_by(&sim, &refs, key, layer_of, Matching::Layer);
         assert_eq!((pairs, how), (vec![(0, 0), (1, 1)], Matching::Order));
+    }
+
+    /// A root's pieces around its blocks join into one span a phase; the same layer in another
+    /// phase (the backward, a second micro-batch) or another step stays apart.
+    #[test]
+    fn a_layers_pieces_in_one_phase_join() {
+        let names =
+            ["forward 0", "forward 1", "forward 0", "forward 2", "forward 0", "backward 0", "backward 2"];
+        let more = ["backward 0", "backward 1", "backward 0", "forward 0", "forward 1", "forward 0"];
+        let events: Vec<RealEvent> = names
+            .iter()
+            .chain(&more)
+            .enumerate()
+            .map(|(i, n)| RealEvent {
+                ts_us: i as f64,
+                dur_us: (i + 1) as f64,
+                step: Some(1 + u64::from(i >= 10)),
+                ..real(n)
+            })
+            .collect();
+        let refs: Vec<&RealEvent> = events.iter().collect();
+        let got: Vec<(String, f64, f64, Option<u64>)> =
+            join_pieces(&refs).into_iter().map(|e| (e.name, e.ts_us, e.dur_us, e.step)).collect();
+        let want = [
+            ("forward 0", 0.0, 1.0 + 3.0 + 5.0, Some(1)),
+            ("forward 1", 1.0, 2.0, Some(1)),
+            ("forward 2", 3.0, 4.0, Some(1)),
+            ("backward 0", 5.0, 6.0 + 8.0 + 10.0, Some(1)),
+            ("backward 2", 6.0, 7.0, Some(1)),
+            ("backward 1", 8.0, 9.0, Some(1)),
+            ("forward 0", 10.0, 11.0 + 13.0, Some(2)),
+            ("forward 1", 11.0, 12.0, Some(2)),
+        ];
+        let want: Vec<(String, f64, f64, Option<u64>)> =
+            want.iter().map(|&(n, t, d, s)| (n.to_owned(), t, d, s)).collect();
+        assert_eq!(got, want);
     }
 }

@@ -63,6 +63,11 @@ this package makes it sharding-aware), or :func:`clip_grad_norm_` by name, takes
 every rank's elements, as FSDP2's DTensor parameters do (torch's own, on a rank's shards, would
 clip each rank by its shard's norm).
 
+Traces: :func:`flight_record` holds this rank's last collectives and, on a host backend,
+each unit's forward and backward compute (``collsched flight DIR --trace-out`` draws both);
+:func:`workload_record` writes the model and its measured compute as the simulator's workload,
+so ``collsched sim --against`` lays a real step beside the simulated one (``spans.py``).
+
 Knobs are the arguments of :func:`fully_shard` and :func:`init`; errors are
 :class:`collsched.CollschedError` and its subclasses, with the library's message.
 
@@ -74,8 +79,8 @@ importing this package registers, is :mod:`collsched.torch.distributed`. The fil
 ``state_dict.py`` (``state_dict()`` as DTensors, ``load_state_dict``), ``optim_state.py``
 (an optimizer's state dict likewise), ``tp.py`` (tensor-parallel DTensor parameters, sharded
 over the data-parallel dimension of a 2-D mesh),
-``checkpoint.py`` (checkpoints), ``clip.py`` (gradient clipping), ``distributed.py`` (the
-process group backend).
+``checkpoint.py`` (checkpoints), ``clip.py`` (gradient clipping), ``spans.py`` (the compute
+track, the simulator's workload), ``distributed.py`` (the process group backend).
 """
 
 from __future__ import annotations
@@ -94,6 +99,7 @@ from .module import (
     register_fsdp_forward_method,
     stats,
 )
+from .spans import workload_record
 from .values import CPUOffloadPolicy, MixedPrecisionPolicy
 from .world import flight_record, init, world
 
@@ -116,6 +122,7 @@ __all__ = [
     "plan",
     "register_fsdp_forward_method",
     "stats",
+    "workload_record",
     "world",
 ]
 

@@ -15,6 +15,7 @@ from .._native import CollschedError
 from . import clip as clip_
 from . import tp as tp_
 from . import values as values_
+from .spans import Spans
 from .units import _Param, _tensor, _Unit
 from .world import _DTYPE_BYTES, _FROM_TORCH, world
 
@@ -32,6 +33,7 @@ def build(st: _State) -> None:
     if w.kind == "cuda":
         st.device = torch.device("cuda", torch.cuda.current_device())
     st.on_device = w.kind in ("cuda", "emulated")
+    st.spans = Spans(w.kind != "cuda")
     root = st.root
     mp = st.opts["mp"]
     unit_of: dict[int, int] = {}

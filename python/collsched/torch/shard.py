@@ -337,6 +337,7 @@ class _State:
             # backward (an evaluation pass leaves those so).
             return args, kwargs
         unit.kept = False
+        self.spans.pause()
         t0 = _clock()
         native = self._take_held(unit) if held else self._fetch(unit, self.engine, swap=True)
         training = self.engine is self.train and torch.is_grad_enabled()
@@ -345,6 +346,9 @@ class _State:
             args, kwargs = self._watch(unit, args, kwargs)
         self.host_s += _clock() - t0 - native
         self.native_s += native
+        if training:
+            self.spans.begin("forward", unit.index)
+        self.spans.resume()
         return args, kwargs
 
     def _cast_inputs(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
@@ -357,6 +361,7 @@ class _State:
         """Releases ``unit`` after its forward (``hook``: a training forward that returned,
         whose outputs get its pre-backward hook; the unit is kept fetched for its backward
         instead where its ``reshard_after_forward`` is False)."""
+        self.spans.end(unit.index)
         t0 = _clock()
         native = 0.0
         try:
@@ -369,6 +374,7 @@ class _State:
             self.host_s += _clock() - t0 - native
             self.native_s += native
             self.host_units += 1
+            self.spans.resume()
 
     def _hook_pre_backward(self, unit: _Unit, out: Any) -> None:
         """Once the gradient of one of ``out``'s tensors (the unit's outputs) is computed, the
@@ -383,12 +389,14 @@ class _State:
         """The unit's backward is about to run: it is fetched for it, its full parameters in
         its modules (a forward recomputed by activation checkpointing reads them there),
         until its post-backward or the backward's end releases it."""
+        self.spans.pause()
         t0 = _clock()
         if not self.queued:
             self._begin_backward()
         native = self._fetch(unit, self.train, swap=True)
         self.host_s += _clock() - t0 - native
         self.native_s += native
+        self.spans.begin("backward", unit.index)
 
     def _watch(self, unit: _Unit, args: Any, kwargs: Any) -> tuple[Any, Any]:
         """Passes the unit's tensor arguments that need a gradient through
@@ -681,6 +689,7 @@ class _State:
     def _post_backward(self, unit: _Unit) -> None:
         """The gradients of ``unit``'s arguments are computed: its backward is over. Its
         gradients go to the library and, once all are in, it is released."""
+        self.spans.end(unit.index)
         t0 = _clock()
         if not self.queued:
             self._begin_backward()
@@ -689,8 +698,10 @@ class _State:
             native += self._after_backward(unit)
         self.host_s += _clock() - t0 - native
         self.native_s += native
+        self.spans.resume()
 
     def _end_backward(self) -> None:
+        self.spans.pause()
         t0 = _clock()
         native = 0.0
         for unit in self.units:
@@ -706,6 +717,7 @@ class _State:
     def _end_step(self, deliver: bool = True) -> None:
         """Ends the library's step; after a synchronized backward, adds the reduced gradients
         to the shards' ``.grad`` (``deliver=False``: takes them and drops them)."""
+        self.spans.next_step()
         self.got.clear()
         stats = self.train.end_step()
         host_s = self.host_s + self.hooks.take_seconds()

@@ -257,12 +257,16 @@ def world() -> Any:
 def flight_record(path: Any = None, reason: str = "requested") -> dict:
     """This rank's flight record: its last collectives (``COLLSCHED_FLIGHT_ENTRIES``, default
     2000), each with its sequence number on its (group, stream), op, bucket (tag), group, bytes,
-    dtype, stream, state (launched, started, completed, failed) and times, as a dict. With
+    dtype, stream, state (launched, started, completed, failed) and times, as a dict; and on a
+    host backend the sharded models' compute (``"compute"``: each unit's forward and backward
+    spans, ``spans.py``), which ``collsched flight PATH --trace-out`` draws beside them. With
     ``path`` (a directory), also written there as ``rank-R.json``; ``collsched flight PATH``
     reads every rank's and says what went wrong. Not collective: call it on any rank, any time
     (a hang's watchdog, an exception handler). ``COLLSCHED_FLIGHT_RECORDER=DIR`` has every rank
     write its record there by itself when a collective fails."""
     import json
 
-    text = world().flight_record(reason, None if path is None else os.fspath(path))
+    from .spans import recorded
+
+    text = world().flight_record(reason, None if path is None else os.fspath(path), recorded())
     return json.loads(text)

@@ -393,6 +393,17 @@ pub struct ComputeSpan {
 }
 
 impl FlightDump {
+    /// Puts `spans` (oldest first) on the record's compute track, those of them that end before
+    /// its oldest collective left out where its ring dropped entries (the compute of steps
+    /// whose collectives it no longer holds).
+    pub fn set_compute(&mut self, mut spans: Vec<ComputeSpan>) {
+        if self.dropped > 0 {
+            let oldest = self.entries.iter().map(|e| e.launched_ns).filter(|&t| t > 0).min().unwrap_or(0);
+            spans.retain(|c| c.end_ns >= oldest);
+        }
+        self.compute = spans;
+    }
+
     /// Writes the record to `dir/rank-R.json` (through a temporary file renamed into place, so
     /// a reader never sees half a record); creates `dir` if needed. Returns the file's path.
     ///

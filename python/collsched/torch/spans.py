@@ -1,0 +1,173 @@
+"""The compute track of a rank's flight record, and the simulator's workload of a sharded model.
+
+Each unit's forward and backward compute is timed on the host between this package's hooks
+(their fetches, releases and hand-overs left out): spans ``"forward U"`` and ``"backward U"``,
+``U`` the unit's index (0 the root), each with its training pass (0-based: a forward and its
+backward; each micro-batch under ``no_sync`` is one). A unit whose forward runs others' (the
+root around its blocks) has one span per piece between them; a forward recomputed by
+activation checkpointing counts in its unit's backward. Recorded on host backends, where the
+host's time is the compute's (on ``cuda`` the host only queues kernels: nothing is recorded),
+the last ``COLLSCHED_FLIGHT_ENTRIES`` (default 2000) spans; :func:`flight_record` puts them on
+the record's compute track, beside the collectives (``collsched flight DIR --trace-out``).
+
+:func:`workload_record` writes what ``collsched sim --workload`` reads: the sharded parameters,
+one layer per unit with the compute the spans of the last pass measured, at 1 TFLOP/s (run the
+simulator with ``--tflops 1``: compute is its input, the collectives and waits its prediction).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import weakref
+from collections import deque
+from typing import Any
+
+from .world import CollschedError
+
+_ALL: weakref.WeakSet = weakref.WeakSet()
+# The rate the workload's FLOPs are counted at: measured seconds times this (``--tflops 1``).
+FLOPS_PER_SECOND = 1e12
+_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+
+
+def _capacity() -> int:
+    try:
+        return max(int(os.environ.get("COLLSCHED_FLIGHT_ENTRIES", "2000")), 0)
+    except ValueError:
+        return 2000
+
+
+class Spans:
+    """One sharded model's compute spans on this rank: the units whose compute runs (innermost
+    last) and the span in progress (``open``: its start, 0 for none)."""
+
+    __slots__ = ("on", "spans", "stack", "open", "step", "__weakref__")
+
+    def __init__(self, on: bool) -> None:
+        self.on = on
+        self.spans: deque[tuple[str, int, int, int]] = deque(maxlen=_capacity())
+        self.stack: list[tuple[str, int]] = []
+        self.open = 0
+        self.step = 0
+        if on:
+            _ALL.add(self)
+
+    def pause(self) -> None:
+        """A hook's own work begins: the span in progress ends."""
+        if self.open:
+            kind, index = self.stack[-1]
+            self.spans.append((f"{kind} {index}", self.step, self.open, time.time_ns()))
+            self.open = 0
+
+    def begin(self, kind: str, index: int) -> None:
+        """Unit ``index``'s ``kind`` (forward, backward) compute begins now (a unit begun
+        again, as a recomputed forward's unit is at its own pre-backward, is not stacked twice)."""
+        if self.on:
+            self.pause()
+            self.stack = [u for u in self.stack if u[1] != index]
+            self.stack.append((kind, index))
+            self.open = time.time_ns()
+
+    def end(self, index: int) -> None:
+        """Unit ``index``'s compute is over (the one around it goes on at :meth:`resume`)."""
+        if self.on:
+            self.pause()
+            for i in range(len(self.stack) - 1, -1, -1):
+                if self.stack[i][1] == index:
+                    del self.stack[i]
+                    break
+
+    def resume(self) -> None:
+        """A hook's own work is over: the innermost unit's compute goes on."""
+        if self.on and self.stack and not self.open:
+            self.open = time.time_ns()
+
+    def next_step(self) -> None:
+        """The pass ended (or was given up): what was open closes."""
+        if self.on:
+            self.pause()
+            self.stack.clear()
+            self.step += 1
+
+
+def recorded() -> list[tuple[str, int, int, int]]:
+    """Every live sharded model's spans on this rank, by start."""
+    return sorted((s for sp in list(_ALL) for s in sp.spans), key=lambda s: s[2])
+
+
+def workload_record(module: Any, path: Any = None) -> dict[str, Any]:
+    """The workload ``collsched sim --workload`` reads, of ``module``'s sharded model (its root,
+    or any module of it) as this rank ran its last training pass: each sharded parameter (the
+    shape collsched shards: a tensor-parallel one's local tensor; the dtype it is gathered in;
+    its unit as its ``"module"``), one layer per unit (``unit U``, its parameters) with the
+    forward and backward compute of its spans at 1 TFLOP/s, and the orders the units ran in.
+    With ``path``, also written there. Simulate it with ``collsched sim --workload PATH --world
+    N --tflops 1 --bucket-by module ...``; with ``--against`` a trace of this run's flight
+    record, the compute is paired by unit. Raises on the cuda backend (no spans) and before a
+    training pass."""
+    from .module import _root_state
+
+    st = _root_state(module)
+    if not st.spans.on:
+        raise CollschedError(
+            "workload_record: the cuda backend records no compute spans (the host only queues kernels); "
+            "record the workload of a run on a host backend (local, shm, mpi)"
+        )
+    last = st.spans.step - 1
+    mine = [s for s in st.spans.spans if s[1] == last] if last >= 0 else []
+    if not mine:
+        raise CollschedError(
+            "workload_record: no training pass recorded yet (or COLLSCHED_FLIGHT_ENTRIES=0); run a forward and "
+            "backward first"
+        )
+    seconds: dict[tuple[str, int], float] = {}
+    first: dict[tuple[str, int], int] = {}
+    for name, _step, start, end in mine:
+        kind, index = name.split()
+        key = (kind, int(index))
+        seconds[key] = seconds.get(key, 0.0) + (end - start) / 1e9
+        first.setdefault(key, start)
+    params = [
+        {
+            "name": p.name,
+            "shape": list(p.shape),
+            "dtype": _DTYPES[str(p.dtype).removeprefix("torch.")],
+            "trainable": bool(st.mask[p.pid]),
+            # Its unit: buckets end between units (``--bucket-by module``), as collsched's do.
+            "module": f"unit {p.unit}",
+        }
+        for p in st.params
+    ]
+    # Every unit a layer, the k-th unit the k-th layer: the simulator's layer index is the
+    # spans' unit index.
+    units = st.units
+    layers = [
+        {
+            "name": f"unit {u.index}",
+            "params": [p.name for p in u.params],
+            "forward_flops": seconds.get(("forward", u.index), 0.0) * FLOPS_PER_SECOND,
+            "backward_flops": seconds.get(("backward", u.index), 0.0) * FLOPS_PER_SECOND,
+            "recompute_flops": 0.0,
+        }
+        for u in units
+    ]
+
+    def order(kind: str) -> list[str]:
+        ran = sorted(units, key=lambda u: (first.get((kind, u.index), 1 << 63), u.index))
+        return [f"unit {u.index}" for u in ran]
+
+    out = {
+        "format": "collsched-workload",
+        "version": 1,
+        "name": type(st.root).__name__,
+        "params": params,
+        "layers": layers,
+        "forward_order": order("forward"),
+        "backward_order": order("backward"),
+    }
+    if path is not None:
+        with open(path, "w") as f:
+            json.dump(out, f)
+    return out

@@ -1,0 +1,52 @@
+"""What each rank runs in test_spans.py: a sharded gpt trained a few steps, then its flight
+record (collectives and compute spans) and its simulator workload."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import models
+from workers import shard, snapshot
+
+
+def traced(rank: int, world: int, spec: dict[str, Any], out: str) -> dict[str, Any]:
+    """Trains like ``workers.train`` (losses and parameters for the parity check), then writes
+    this rank's flight record into ``out`` and the workload as ``out/workload-R.json``."""
+    import collsched.torch as cst
+
+    name = spec["model"]
+    recompute = spec.get("recompute")
+    model = shard(models.build(name, 0, torch.float32, recompute and tuple(recompute)), spec)
+    opt = models.optimizer("adamw", model.parameters())
+    losses, after = [], []
+    for step in range(spec["steps"]):
+        x, y = models.batch(name, 0, step, 0, rank)
+        loss = models.loss_fn(name, model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append([loss.item()])
+        after.append(snapshot(cst.full_parameters(model)))
+    if spec.get("eval_after"):
+        # An evaluation pass after the last step adds no compute span.
+        with torch.no_grad():
+            model(models.batch(name, 9, 0, 0, rank)[0])
+    record = cst.flight_record(out)
+    workload = cst.workload_record(model, f"{out}/workload-{rank}.json")
+    # The plain model's parameters (a tied one once), as the workload should name them.
+    shapes = {n: list(p.shape) for n, p in models.build(name).named_parameters()}
+    return {"losses": losses, "params": after, "record": record, "workload": workload, "shapes": shapes}
+
+
+def refused(rank: int, world: int) -> str:
+    """``workload_record`` before any training pass: the error's text."""
+    import collsched.torch as cst
+
+    model = shard(models.build("gpt"), {"bucket_mb": 0.002})
+    try:
+        cst.workload_record(model)
+    except cst.CollschedError as e:
+        return str(e)
+    return "no error"

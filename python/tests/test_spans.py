@@ -1,0 +1,162 @@
+"""collsched.torch's compute track (``spans.py``): each unit's forward and backward compute in
+the flight record, beside the collectives, with the hooks' own work left out; the workload it
+writes for the simulator; both read by ``collsched flight`` and ``collsched sim --against``."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from collections import defaultdict
+
+import pytest
+
+import models
+import parity
+import spans_workers
+from ranks import run
+from test_api import cli
+
+SPEC = {"model": "gpt", "steps": 3, "bucket_mb": 0.002, "eval_after": True}
+UNITS = 3  # the root and the gpt's two blocks
+
+
+@pytest.fixture(scope="module", params=[None, ("call", False)], ids=["plain", "recompute"])
+def traced(request, tmp_path_factory):
+    """Every rank's run and the folder of their records; with activation checkpointing around
+    the blocks (a block's forward recomputed in its backward counts there)."""
+    out = tmp_path_factory.mktemp("flight")
+    spec = dict(SPEC, recompute=request.param)
+    runs = run(spans_workers.traced, 2, spec, str(out))
+    parity.check(runs, models.reference(spec, 2))
+    return out, runs
+
+
+def by_step(compute: list[dict]) -> dict[int, list[dict]]:
+    steps = defaultdict(list)
+    for c in compute:
+        steps[c["step"]].append(c)
+    return steps
+
+
+def units_in_order(spans: list[dict], kind: str) -> list[int]:
+    """The units whose ``kind`` spans ran, in the order each first ran."""
+    seen: list[int] = []
+    for c in spans:
+        k, u = c["name"].split()
+        if k == kind and int(u) not in seen:
+            seen.append(int(u))
+    return seen
+
+
+def test_each_unit_has_its_forward_and_backward_spans_every_step(traced):
+    _out, runs = traced
+    for rank, r in enumerate(runs):
+        compute = r["record"]["compute"]
+        steps = by_step(compute)
+        # One pass a step; the evaluation pass after them adds none.
+        assert sorted(steps) == list(range(SPEC["steps"])), (rank, sorted(steps))
+        for step, spans in steps.items():
+            for c in spans:
+                assert re.fullmatch(r"(forward|backward) [0-9]+", c["name"]), c
+                assert 0 < c["start_ns"] <= c["end_ns"], c
+            # Forward: the root (embeddings), block 1, block 2, the root again (norm, head);
+            # backward the other way, the root first (head) and last (embeddings).
+            assert units_in_order(spans, "forward") == [0, 1, 2], (rank, step, spans)
+            assert units_in_order(spans, "backward") == [0, 2, 1], (rank, step, spans)
+            names = [c["name"] for c in spans]
+            assert names[0] == "forward 0" and names[-1] == "backward 0", names
+            last_forward = max(i for i, n in enumerate(names) if n.startswith("forward"))
+            assert all(n.startswith("backward") for n in names[last_forward + 1 :]), names
+        # One thread's compute, one span at a time, in the order they ran.
+        for a, b in zip(compute, compute[1:]):
+            assert a["end_ns"] <= b["start_ns"], (rank, a, b)
+
+
+def test_the_hooks_collectives_are_launched_outside_the_compute_spans(traced):
+    """The fetches, releases and gradient hand-overs (where every collective of a pass is
+    launched) are not in the compute spans: no collective's launch falls inside one."""
+    _out, runs = traced
+    for rank, r in enumerate(runs):
+        compute = r["record"]["compute"]
+        entries = r["record"]["entries"]
+        first, last = compute[0]["start_ns"], compute[-1]["end_ns"]
+        launched = [e["launched_ns"] for e in entries if first <= e["launched_ns"] <= last]
+        kinds = {e["op"] for e in entries if first <= e["launched_ns"] <= last}
+        assert len(launched) >= 3 * SPEC["steps"] and {"all_gather", "reduce_scatter"} <= kinds, (rank, kinds)
+        for t in launched:
+            inside = [c for c in compute if c["start_ns"] < t < c["end_ns"]]
+            assert not inside, (rank, t, inside)
+
+
+def test_the_workload_is_the_model_and_the_last_pass_measured(traced):
+    _out, runs = traced
+    for rank, r in enumerate(runs):
+        w = r["workload"]
+        assert w["format"] == "collsched-workload" and w["version"] == 1, w
+        # Every parameter once, with its full shape (the shape collsched shards), f32.
+        assert {p["name"]: p["shape"] for p in w["params"]} == r["shapes"], rank
+        assert all(p["dtype"] == "f32" and p["trainable"] for p in w["params"]), w["params"]
+        named = [n for layer in w["layers"] for n in layer["params"]]
+        assert sorted(named) == sorted(r["shapes"]), named
+        # Each parameter in its unit's layer and module (the root's embeddings, norm and tied
+        # head: unit 0; block k's: unit k + 1).
+        for p in w["params"]:
+            block = re.match(r"blocks\.([0-9]+)\.", p["name"])
+            unit = f"unit {int(block.group(1)) + 1}" if block else "unit 0"
+            assert p["module"] == unit, p
+            assert p["name"] in next(layer["params"] for layer in w["layers"] if layer["name"] == unit), p
+        assert [layer["name"] for layer in w["layers"]] == [f"unit {u}" for u in range(UNITS)]
+        assert w["forward_order"] == ["unit 0", "unit 1", "unit 2"], w["forward_order"]
+        assert w["backward_order"] == ["unit 0", "unit 2", "unit 1"], w["backward_order"]
+        # Each layer's FLOPs: its spans' seconds in the last step at 1 TFLOP/s.
+        want = defaultdict(float)
+        for c in by_step(r["record"]["compute"])[SPEC["steps"] - 1]:
+            want[c["name"]] += (c["end_ns"] - c["start_ns"]) * 1e-9 * 1e12
+        for u, layer in enumerate(w["layers"]):
+            for kind in ("forward", "backward"):
+                got = layer[f"{kind}_flops"]
+                assert got > 0 and got == pytest.approx(want[f"{kind} {u}"], rel=1e-12), (rank, u, kind, got)
+            assert layer["recompute_flops"] == 0.0
+
+
+def test_flight_and_sim_against_read_them(traced):
+    exe = cli()
+    if exe is None:
+        pytest.skip("no collsched binary (cargo build) to read the record with")
+    out, runs = traced
+    real = out / "real.json"
+    subprocess.run([exe, "flight", str(out), "--trace-out", str(real)], check=True, capture_output=True)
+    events = json.loads(real.read_text())["traceEvents"]
+    for rank, r in enumerate(runs):
+        # The compute track also holds the collectives of the compute stream (the plan's
+        # agreement): the compute spans are those of category forward or backward.
+        mine = [
+            e
+            for e in events
+            if e.get("ph") == "X" and e.get("pid") == rank and e.get("tid") == 0 and e["cat"] in ("forward", "backward")
+        ]
+        compute = r["record"]["compute"]
+        assert [e["name"] for e in mine] == [c["name"] for c in compute], rank
+        assert [e["args"]["step"] for e in mine] == [c["step"] + 1 for c in compute], rank
+    sim = subprocess.run(
+        [exe, "sim", "--workload", str(out / "workload-0.json"), "--world", "2", "--tflops", "1", "--steps",
+         str(SPEC["steps"]), "--policy", "trace", "--topo", "dgx-h100", "--against", str(real)],
+        check=True, capture_output=True, text=True,
+    ).stdout  # fmt: skip
+    table = sim.splitlines()
+    start = next(i for i, line in enumerate(table) if line.startswith("against ")) + 2
+    rows = [line.split() for line in table[start:] if line.split() and line.split()[0].isdigit()]
+    compute = [r for r in rows if r[1] == "compute"]
+    # A compute row per rank: a forward and a backward per unit a step on both sides (the
+    # root's pieces around its blocks' joined into one a phase), each simulated span paired
+    # with the real one of its unit.
+    assert [r[0] for r in compute] == ["0", "1"], sim
+    for r in compute:
+        sim_n, real_n, pairs, by = int(r[2]), int(r[3]), int(r[4]), r[5]
+        assert sim_n == 2 * UNITS * SPEC["steps"] and real_n == sim_n and pairs == sim_n and by == "layer", r
+
+
+def test_workload_record_before_a_pass_says_what_to_do():
+    for text in run(spans_workers.refused, 2):
+        assert "no training pass recorded yet" in text and "run a forward and backward first" in text, text
