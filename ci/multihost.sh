@@ -6,7 +6,7 @@
 # link's latency and bandwidth as the bench measures them, and again priced by the cost profile
 # `collsched calibrate --backend mpi` measures across the link, on the demo's workload: it prints
 # the measured and the simulated step times and their ratios (numbers in benches/README.md),
-# and fails only when either is not a positive number. How close the two are is a timing, so
+# and fails only when one is not a positive number. How close the two are is a timing, so
 # no CI verdict rests on it (a busy machine slows the measurement by 10x). Then the same on the link slowed to
 # 50 Mbit/s by `tc tbf` (where the kernel has tbf), and parity, bench and prediction on a link
 # delayed 2 ms each way (`tc netem`, or where the kernel lacks it, a second link of TAP devices
@@ -126,7 +126,7 @@ check_bench reduce_scatter
 # --host-overhead-us). The demo runs one
 # micro-batch per step without evaluation or freezing: one simulated step.
 predict_once() {
-  local label="$1" out rows a_us bw step tflops host sim
+  local label="$1" out rows a_us bw step tflops host sim cal
   out=$(across bench --backend mpi --op all_gather -b 4K -e 64K -f 16 --iters 40 --warmup 5)
   rows=$(grep -v '^#' <<<"$out" | awk 'NF >= 8 { print $1, $6 }')
   read -r a_us bw < <(awk 'NR == 1 { s1 = $1; t1 = $2 } NR == 2 { s2 = $1; t2 = $2 }
@@ -150,29 +150,43 @@ TOPO
   sim=$("$exe" sim --workload "$work/demo.json" --world 2 --topo "$work/link.json" --tflops "$tflops" \
     --host-overhead-us "$host" \
     --bucket-by size --bucket-mb 0.00390625 --steps 6 --json)
-  sim=$(grep -o '"step_ms":[0-9.e+-]*' <<<"$sim" | cut -d: -f2)
+  sim=$(grep -o '"step_ms":[0-9.e+-]*' <<<"$sim" | cut -d: -f2 || true)
   # (1000 GB/s: the time did not grow from 4 KiB to 64 KiB; latency is all there is to it.)
   echo "ci/multihost: $label link as a collective sees it: latency $a_us us, bandwidth $bw GB/s;" \
     "demo step: measured $step ms, simulated $sim ms" \
     "(ratio $(awk -v m="$step" -v s="$sim" 'BEGIN { printf "%.2f", s / m }'))"
+  # Either figure missing or not positive (a parse failure, a NaN) is a failure; the ratio is
+  # printed only.
+  awk -v m="$step" -v s="$sim" 'BEGIN { exit !(m > 0 && s > 0) }' \
+    || { echo "ci/multihost: no measured ($step) or simulated ($sim) step time on the $label link"; exit 1; }
   # The same link calibrated (`collsched calibrate --backend mpi`: each kind's fixed and per-byte
-  # cost fitted over the demo's bucket sizes, the host time per collective, how compute shares
-  # the cores) and the simulator priced by that profile (`--cost`) instead of the topology.
-  cal=$(across calibrate --backend mpi -b 4K -e 64K -f 4 --iters 20 --warmup 3 --demo-steps 10 \
-    --out "$work/profile.json")
-  grep -q '^# wrote ' <<<"$cal" || { echo "$cal"; echo "ci/multihost: calibrate wrote no profile on the $label link"; exit 1; }
+  # cost fitted over the demo's bucket sizes, or its latency alone where the time is flat over
+  # them; the host time per collective; how compute shares the cores) and the simulator priced
+  # by that profile (`--cost`) instead of the topology. A kind the probe could not fit is a
+  # timing's outcome: said, and the prediction left out; any other failure fails the step.
+  if ! cal=$(across calibrate --backend mpi -b 4K -e 64K -f 4 --iters 20 --warmup 3 --demo-steps 10 \
+    --out "$work/profile.json" 2>&1); then
+    grep -q 'no collective kind could be fitted' <<<"$cal" \
+      || { echo "$cal"; echo "ci/multihost: calibrate failed on the $label link"; exit 1; }
+  fi
   if [ -n "${MULTIHOST_VERBOSE:-}" ]; then echo "$cal"; fi
   grep -E '^# (all_gather|reduce_scatter|launch|sharing|host):|^# no fit' <<<"$cal" \
     | sed "s|^# |ci/multihost: $label link calibrated: |" || true
-  cal=$("$exe" sim --workload "$work/demo.json" --world 2 --cost "$work/profile.json" --tflops "$tflops" \
-    --bucket-by size --bucket-mb 0.00390625 --steps 6 --json)
-  cal=$(grep -o '"step_ms":[0-9.e+-]*' <<<"$cal" | cut -d: -f2)
+  if ! grep -q '^# wrote ' <<<"$cal"; then
+    echo "ci/multihost: $label link: no prediction from a calibrated profile (no kind could be fitted)"
+    return 0
+  fi
+  if ! cal=$("$exe" sim --workload "$work/demo.json" --world 2 --cost "$work/profile.json" --tflops "$tflops" \
+    --bucket-by size --bucket-mb 0.00390625 --steps 6 --json 2>&1); then
+    grep -q 'has no fit for' <<<"$cal" || { echo "$cal"; echo "ci/multihost: sim --cost failed on the $label link"; exit 1; }
+    echo "ci/multihost: $label link: no prediction from the calibrated profile: $(tail -n 1 <<<"$cal")"
+    return 0
+  fi
+  cal=$(grep -o '"step_ms":[0-9.e+-]*' <<<"$cal" | cut -d: -f2 || true)
   echo "ci/multihost: $label link, demo step simulated from the calibrated profile: $cal ms" \
     "(ratio $(awk -v m="$step" -v s="$cal" 'BEGIN { printf "%.2f", s / m }'))"
-  # Any figure missing or not positive (a parse failure, a NaN) is a failure; the ratios are
-  # printed only.
-  awk -v m="$step" -v s="$sim" -v c="$cal" 'BEGIN { exit !(m > 0 && s > 0 && c > 0) }' \
-    || { echo "ci/multihost: no measured ($step), simulated ($sim) or calibrated ($cal) step time on the $label link"; exit 1; }
+  awk -v c="$cal" 'BEGIN { exit !(c > 0) }' \
+    || { echo "ci/multihost: no step time simulated from the calibrated profile on the $label link"; exit 1; }
 }
 predict() {
   predict_once "$1"

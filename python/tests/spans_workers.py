@@ -40,6 +40,36 @@ def traced(rank: int, world: int, spec: dict[str, Any], out: str) -> dict[str, A
     return {"losses": losses, "params": after, "record": record, "workload": workload, "shapes": shapes}
 
 
+def raised_in_backward(rank: int, world: int) -> list[dict[str, Any]]:
+    """Three steps, the second's backward raising in blocks.0's (caught, then ``zero_grad``):
+    this rank's compute spans."""
+    import collsched.torch as cst
+
+    model = shard(models.build("gpt"), {"bucket_mb": 0.002})
+    opt = models.optimizer("adamw", model.parameters())
+
+    def fail(_grad: torch.Tensor) -> None:
+        raise ValueError("injected failure in the backward of blocks.0")
+
+    def hook(_module: torch.nn.Module, _args: Any, out: torch.Tensor) -> None:
+        out.register_hook(fail)
+
+    for step in range(3):
+        x, y = models.batch("gpt", 0, step, 0, rank)
+        arm = model.blocks[0].register_forward_hook(hook) if step == 1 else None
+        try:
+            models.loss_fn("gpt", model(x), y).backward()
+            opt.step()
+            assert arm is None, "the injected failure did not propagate"
+        except ValueError as e:
+            assert arm is not None and "injected failure" in str(e), e
+        finally:
+            if arm is not None:
+                arm.remove()
+        opt.zero_grad()
+    return cst.flight_record()["compute"]
+
+
 def refused(rank: int, world: int) -> str:
     """``workload_record`` before any training pass: the error's text."""
     import collsched.torch as cst

@@ -21,10 +21,11 @@ SPEC = {"model": "gpt", "steps": 3, "bucket_mb": 0.002, "eval_after": True}
 UNITS = 3  # the root and the gpt's two blocks
 
 
-@pytest.fixture(scope="module", params=[None, ("call", False)], ids=["plain", "recompute"])
+@pytest.fixture(scope="module", params=[None, ("call", False), ("call", True)], ids=["plain", "recompute", "reentrant"])
 def traced(request, tmp_path_factory):
     """Every rank's run and the folder of their records; with activation checkpointing around
-    the blocks (a block's forward recomputed in its backward counts there)."""
+    the blocks, non-reentrant or reentrant (a block's forward recomputed in its backward counts
+    there; a reentrant checkpoint's first forward runs under no_grad, and counts as forward)."""
     out = tmp_path_factory.mktemp("flight")
     spec = dict(SPEC, recompute=request.param)
     runs = run(spans_workers.traced, 2, spec, str(out))
@@ -39,14 +40,20 @@ def by_step(compute: list[dict]) -> dict[int, list[dict]]:
     return steps
 
 
-def units_in_order(spans: list[dict], kind: str) -> list[int]:
-    """The units whose ``kind`` spans ran, in the order each first ran."""
-    seen: list[int] = []
+def pieces(spans: list[dict]) -> list[str]:
+    """The span names in order, a run of one name once (a recomputation inside a unit's
+    backward splits its span)."""
+    out: list[str] = []
     for c in spans:
-        k, u = c["name"].split()
-        if k == kind and int(u) not in seen:
-            seen.append(int(u))
-    return seen
+        if not out or out[-1] != c["name"]:
+            out.append(c["name"])
+    return out
+
+
+# A step of the gpt: the root's embeddings, block 1, the root between the blocks, block 2, the
+# root's norm and head; backward the other way.
+STEP = ["forward 0", "forward 1", "forward 0", "forward 2", "forward 0"]
+STEP += ["backward 0", "backward 2", "backward 0", "backward 1", "backward 0"]
 
 
 def test_each_unit_has_its_forward_and_backward_spans_every_step(traced):
@@ -60,14 +67,7 @@ def test_each_unit_has_its_forward_and_backward_spans_every_step(traced):
             for c in spans:
                 assert re.fullmatch(r"(forward|backward) [0-9]+", c["name"]), c
                 assert 0 < c["start_ns"] <= c["end_ns"], c
-            # Forward: the root (embeddings), block 1, block 2, the root again (norm, head);
-            # backward the other way, the root first (head) and last (embeddings).
-            assert units_in_order(spans, "forward") == [0, 1, 2], (rank, step, spans)
-            assert units_in_order(spans, "backward") == [0, 2, 1], (rank, step, spans)
-            names = [c["name"] for c in spans]
-            assert names[0] == "forward 0" and names[-1] == "backward 0", names
-            last_forward = max(i for i, n in enumerate(names) if n.startswith("forward"))
-            assert all(n.startswith("backward") for n in names[last_forward + 1 :]), names
+            assert pieces(spans) == STEP, (rank, step, pieces(spans))
         # One thread's compute, one span at a time, in the order they ran.
         for a, b in zip(compute, compute[1:]):
             assert a["end_ns"] <= b["start_ns"], (rank, a, b)
@@ -155,6 +155,18 @@ def test_flight_and_sim_against_read_them(traced):
     for r in compute:
         sim_n, real_n, pairs, by = int(r[2]), int(r[3]), int(r[4]), r[5]
         assert sim_n == 2 * UNITS * SPEC["steps"] and real_n == sim_n and pairs == sim_n and by == "layer", r
+
+
+def test_a_backward_that_raises_leaves_no_span():
+    """The step whose backward raised (found at the next forward) is dropped from the compute
+    track; the steps around it are whole."""
+    for rank, compute in enumerate(run(spans_workers.raised_in_backward, 2)):
+        steps = by_step(compute)
+        assert sorted(steps) == [0, 2], (rank, sorted(steps))
+        for step in (0, 2):
+            assert pieces(steps[step]) == STEP, (rank, step, pieces(steps[step]))
+        for a, b in zip(compute, compute[1:]):
+            assert a["end_ns"] <= b["start_ns"], (rank, a, b)
 
 
 def test_workload_record_before_a_pass_says_what_to_do():

@@ -26,7 +26,7 @@
 
 use std::time::{Duration, Instant};
 
-use collsched_topo::calibration::{fit_linear, CalibrationError, CollectiveFit};
+use collsched_topo::calibration::{fit_latency_only, fit_linear, CalibrationError, CollectiveFit};
 use collsched_topo::{CollectiveKind, CostProfile};
 
 use crate::backend::{Backend, CollDesc, Collective, RankGroup, Stream};
@@ -331,7 +331,12 @@ pub fn fit_profile(
     profile.machine = format!("{cores} core(s)");
     let mut refused = Vec::new();
     for (kind, pts) in &measured.points {
-        match fit_linear(&format!("{kind} on {ranks} ranks"), pts) {
+        // A kind whose time is flat over the sizes is priced by its latency alone.
+        let fit = match fit_linear(&format!("{kind} on {ranks} ranks"), pts) {
+            Err(e @ CalibrationError::AbsurdBandwidth { .. }) => fit_latency_only(pts).ok_or(e),
+            other => other,
+        };
+        match fit {
             Ok(fit) => profile.collectives.push(CollectiveFit { kind: *kind, ranks, fit }),
             Err(e) => refused.push(e),
         }
@@ -364,10 +369,29 @@ mod tests {
     }
 
     #[test]
+    fn a_flat_kind_is_priced_by_its_latency_alone() {
+        let good: Vec<(f64, f64)> =
+            [4096.0, 16384.0, 65536.0].iter().map(|&s| (s, 5e-6 + s * 1e-10)).collect();
+        let flat = vec![(4096.0, 2e-4), (16384.0, 2.1e-4), (65536.0, 1.9e-4)];
+        let m = Measured {
+            points: vec![(CollectiveKind::AllGather, good), (CollectiveKind::ReduceScatter, flat)],
+            launch_s: 1e-6,
+            ..Measured::default()
+        };
+        let (p, refused) = fit_profile("local", 2, &m, None);
+        assert!(refused.is_empty(), "{refused:?}");
+        let kinds: Vec<_> = p.collectives.iter().map(|c| (c.kind, c.fit.latency_only())).collect();
+        assert_eq!(kinds, [(CollectiveKind::AllGather, false), (CollectiveKind::ReduceScatter, true)]);
+        let rs = &p.collectives[1].fit;
+        assert!((rs.fixed_s - 2e-4).abs() < 1e-5 && rs.max_residual() < 0.06, "{rs:?}");
+    }
+
+    #[test]
     fn a_kind_that_cannot_be_fitted_is_left_out_with_its_reason() {
         let good: Vec<(f64, f64)> =
             [4096.0, 16384.0, 65536.0].iter().map(|&s| (s, 5e-6 + s * 1e-10)).collect();
-        let flat = vec![(4096.0, 1e-4), (16384.0, 1e-4), (65536.0, 1e-4)];
+        // Falling by half over the sizes: no slope, and no flat line within a quarter.
+        let flat = vec![(4096.0, 2e-4), (16384.0, 1.5e-4), (65536.0, 1e-4)];
         let m = Measured {
             points: vec![(CollectiveKind::AllGather, good), (CollectiveKind::ReduceScatter, flat)],
             launch_s: 1e-6,

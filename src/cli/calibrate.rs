@@ -289,7 +289,16 @@ fn print_table(
             );
         }
     }
-    for c in &profile.collectives {
+    for c in profile.collectives.iter().filter(|c| c.fit.latency_only()) {
+        println!(
+            "# {}: latency only: fixed {:.2} us; the time does not grow with the size over these sizes (max \
+             |residual| {:.1}%), the bandwidth is beyond what they show",
+            c.kind,
+            c.fit.fixed_s * 1e6,
+            c.fit.max_residual() * 100.0
+        );
+    }
+    for c in profile.collectives.iter().filter(|c| !c.fit.latency_only()) {
         println!(
             "# {}: fixed {:.2} us, per byte {:.4} ns ({:.2} GB/s of the whole buffer), max |residual| {:.1}%",
             c.kind,

@@ -151,7 +151,8 @@ fn join_pieces(track: &[&RealEvent]) -> Vec<RealEvent> {
     let mut out: Vec<RealEvent> = Vec::new();
     let mut phase = 0;
     for &e in track {
-        if out.get(phase).is_none_or(|f| f.step != e.step || kind(f) != kind(e)) {
+        // A trace without steps joins nothing (its phases cannot be told apart).
+        if out.get(phase).is_none_or(|f| f.step.is_none() || f.step != e.step || kind(f) != kind(e)) {
             phase = out.len();
         }
         match out[phase..].iter_mut().find(|x| x.name == e.name) {
@@ -375,5 +376,9 @@ mod tests {
         let want: Vec<(String, f64, f64, Option<u64>)> =
             want.iter().map(|&(n, t, d, s)| (n.to_owned(), t, d, s)).collect();
         assert_eq!(got, want);
+        // Without steps, nothing is joined.
+        let stepless: Vec<RealEvent> = events.iter().map(|e| RealEvent { step: None, ..e.clone() }).collect();
+        let refs: Vec<&RealEvent> = stepless.iter().collect();
+        assert_eq!(join_pieces(&refs), stepless);
     }
 }

@@ -9,7 +9,9 @@
 //! It refuses, naming why, instead of returning an absurd value: fewer than
 //! [`MIN_FIT_POINTS`] points or fewer than two distinct sizes, a size or time that is not finite
 //! and positive, a negative fixed cost (a latency below zero), or a per-byte cost that is not
-//! positive or means a bandwidth above [`MAX_PLAUSIBLE_BANDWIDTH_BPS`].
+//! positive or means a bandwidth above [`MAX_PLAUSIBLE_BANDWIDTH_BPS`]. Where that last is why
+//! and the time is flat over the sizes (within [`FLAT_TOLERANCE`]), [`fit_latency_only`] gives
+//! the fit a latency-bound link has: a fixed cost, bandwidth beyond what the sizes show.
 //!
 //! # The profile file
 //! [`CostProfile`] is JSON (`CostProfile::to_json`, [`CostProfile::from_json`]):
@@ -42,6 +44,13 @@ pub const MIN_FIT_POINTS: usize = 3;
 /// Highest bandwidth a fit may mean (bytes per second): 10 TB/s, above any memory system or
 /// link a collective of this library runs on; a fit above it measured noise, not a slope.
 pub const MAX_PLAUSIBLE_BANDWIDTH_BPS: f64 = 1e13;
+/// The per-byte cost of a latency-only fit ([`fit_latency_only`]): that of the highest
+/// plausible bandwidth (0.1 us a MiB).
+pub const LATENCY_ONLY_PER_BYTE_S: f64 = 1.0 / MAX_PLAUSIBLE_BANDWIDTH_BPS;
+/// The largest relative residual a latency-only fit may leave: a quarter, the spread of one
+/// collective's time across repeated probes of a shared 2-core machine's link (benches/README.md,
+/// "Across two hosts": 191-294 us for one all-gather).
+pub const FLAT_TOLERANCE: f64 = 0.25;
 
 /// Why a fit or a profile was refused.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -137,10 +146,43 @@ impl LinearFit {
         self.points.iter().map(|p| p.residual.abs()).fold(0.0, f64::max)
     }
 
+    /// Whether it is a latency-only fit ([`fit_latency_only`]): time that did not grow with
+    /// the size over the sizes measured.
+    pub fn latency_only(&self) -> bool {
+        (self.per_byte_s - LATENCY_ONLY_PER_BYTE_S).abs() <= LATENCY_ONLY_PER_BYTE_S * 1e-9
+    }
+
     /// The bandwidth `1 / per_byte_s` in GB/s (algorithm bandwidth: whole-buffer bytes per second).
     pub fn bandwidth_gbs(&self) -> f64 {
         1.0 / self.per_byte_s / 1e9
     }
+}
+
+/// The fit of `points` whose time does not grow with the size over the sizes measured (where
+/// [`fit_linear`] finds no plausible bandwidth: a link whose latency is all of a collective's
+/// time at these sizes): the fixed cost the points' mean (weighted as [`fit_linear`] weighs
+/// them), the per-byte cost [`LATENCY_ONLY_PER_BYTE_S`]. `None` where a point is not finite and
+/// positive, there are fewer than [`MIN_FIT_POINTS`] or fewer than two sizes, or a point is
+/// more than [`FLAT_TOLERANCE`] off the mean (the time does change with the size, or the
+/// probe measured noise).
+pub fn fit_latency_only(points: &[(f64, f64)]) -> Option<LinearFit> {
+    let valid = |&(s, t): &(f64, f64)| s.is_finite() && s > 0.0 && t.is_finite() && t > 0.0;
+    let mut sizes: Vec<f64> = points.iter().map(|p| p.0).collect();
+    sizes.sort_by(f64::total_cmp);
+    sizes.dedup();
+    if points.len() < MIN_FIT_POINTS || sizes.len() < 2 || !points.iter().all(valid) {
+        return None;
+    }
+    // Minimising sum (a - t)^2 / t^2 gives a = sum(1/t) / sum(1/t^2).
+    let fixed_s =
+        points.iter().map(|p| 1.0 / p.1).sum::<f64>() / points.iter().map(|p| 1.0 / (p.1 * p.1)).sum::<f64>();
+    let per_byte_s = LATENCY_ONLY_PER_BYTE_S;
+    let points: Vec<FitPoint> = points
+        .iter()
+        .map(|&(s, t)| FitPoint { bytes: s as u64, seconds: t, residual: (fixed_s + per_byte_s * s - t) / t })
+        .collect();
+    let fit = LinearFit { fixed_s, per_byte_s, points };
+    (fit.max_residual() <= FLAT_TOLERANCE).then_some(fit)
 }
 
 /// Fits `t = fixed + per_byte * S` to `points` (`(bytes, seconds)`) by least squares on

@@ -2,7 +2,10 @@
 //! residuals are the points' relative errors, it refuses what cannot be fitted with an error
 //! naming why; and a cost profile prices collectives and reads back what it wrote.
 
-use collsched_topo::calibration::{fit_linear, CalibrationError, CollectiveFit, MIN_FIT_POINTS};
+use collsched_topo::calibration::{
+    fit_latency_only, fit_linear, CalibrationError, CollectiveFit, FLAT_TOLERANCE, LATENCY_ONLY_PER_BYTE_S,
+    MIN_FIT_POINTS,
+};
 use collsched_topo::{CollectiveKind, CostProfile};
 use proptest::prelude::*;
 
@@ -113,6 +116,27 @@ fn refuses_absurd_bandwidth() {
     // 1 ns over 1 GB: 10^18 B/s.
     let fast = [(1e9, 1e-3), (2e9, 1e-3 + 1e-9), (4e9, 1e-3 + 3e-9)];
     assert!(matches!(fit_linear("p", &fast).unwrap_err(), CalibrationError::AbsurdBandwidth { .. }));
+}
+
+#[test]
+fn a_flat_probe_has_a_latency_only_fit_within_the_tolerance() {
+    // What fit_linear refuses as flat: the mean of the times, the bound's per-byte cost.
+    let flat = [(4096.0, 2e-4), (16384.0, 2e-4), (65536.0, 2e-4)];
+    let fit = fit_latency_only(&flat).unwrap();
+    assert!(fit.latency_only() && (fit.fixed_s - 2e-4).abs() < 1e-15, "{fit:?}");
+    assert_eq!(fit.per_byte_s, LATENCY_ONLY_PER_BYTE_S);
+    assert!(fit.max_residual() < 1e-4 && fit.points.len() == 3);
+    // Times apart by up to a quarter of the mean: still latency only; a linear fit is not.
+    let noisy = [(4096.0, 2.2e-4), (16384.0, 1.9e-4), (65536.0, 1.8e-4)];
+    let fit = fit_latency_only(&noisy).unwrap();
+    assert!(fit.max_residual() <= FLAT_TOLERANCE && fit.fixed_s > 1.8e-4 && fit.fixed_s < 2.2e-4, "{fit:?}");
+    let sloped: Vec<(f64, f64)> = [4096.0, 65536.0, 1e6].iter().map(|&s| (s, 5e-6 + s * 1e-10)).collect();
+    assert!(!fit_linear("p", &sloped).unwrap().latency_only());
+    // Halving over the sizes, too few points, one size, a bad point: none.
+    assert!(fit_latency_only(&[(4096.0, 2e-4), (16384.0, 1.5e-4), (65536.0, 1e-4)]).is_none());
+    assert!(fit_latency_only(&flat[..2]).is_none());
+    assert!(fit_latency_only(&[(4096.0, 2e-4), (4096.0, 2e-4), (4096.0, 2e-4)]).is_none());
+    assert!(fit_latency_only(&[(4096.0, 2e-4), (16384.0, f64::NAN), (65536.0, 2e-4)]).is_none());
 }
 
 fn profile() -> CostProfile {

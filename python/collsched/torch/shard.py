@@ -283,6 +283,10 @@ class _State:
         ok = sys.exc_info()[1] is frame.raised
         unit = frame.module.__dict__.get("_collsched_u")
         cast = None if unit is None or not ok else unit.output_dtype
+        if unit is not None and not frame.entered and self.frames and _recomputing(self):
+            # A unit recomputed inside another's recomputation: its backward comes later.
+            self.spans.end(unit.index)
+            self.spans.resume()
         if frame.engine is None:
             for unit, training in reversed(frame.entered):
                 self._leave(unit, out, ok and training)
@@ -346,7 +350,7 @@ class _State:
             args, kwargs = self._watch(unit, args, kwargs)
         self.host_s += _clock() - t0 - native
         self.native_s += native
-        if training:
+        if self.engine is self.train:  # (a reentrant checkpoint's first forward runs under no_grad)
             self.spans.begin("forward", unit.index)
         self.spans.resume()
         return args, kwargs
@@ -598,6 +602,7 @@ class _State:
     def _unpack_saved(self, x: Any) -> torch.Tensor:
         """The tensor a saved reference (``_native.Saved``) stands for: the parameter's full
         value viewed as the saved tensor was, its unit fetched again if released."""
+        self.spans.pause()
         t0 = _clock()
         if not self.queued:
             self._begin_backward()
@@ -610,6 +615,7 @@ class _State:
         out = base.as_strided(x.size, x.stride, x.offset)
         self.host_s += _clock() - t0 - native
         self.native_s += native
+        self.spans.resume()
         return out
 
     # ---- backward ----------------------------------------------------------------------
@@ -717,7 +723,7 @@ class _State:
     def _end_step(self, deliver: bool = True) -> None:
         """Ends the library's step; after a synchronized backward, adds the reduced gradients
         to the shards' ``.grad`` (``deliver=False``: takes them and drops them)."""
-        self.spans.next_step()
+        self.spans.next_step(keep=deliver)
         self.got.clear()
         stats = self.train.end_step()
         host_s = self.host_s + self.hooks.take_seconds()

@@ -5,10 +5,12 @@ Each unit's forward and backward compute is timed on the host between this packa
 ``U`` the unit's index (0 the root), each with its training pass (0-based: a forward and its
 backward; each micro-batch under ``no_sync`` is one). A unit whose forward runs others' (the
 root around its blocks) has one span per piece between them; a forward recomputed by
-activation checkpointing counts in its unit's backward. Recorded on host backends, where the
-host's time is the compute's (on ``cuda`` the host only queues kernels: nothing is recorded),
-the last ``COLLSCHED_FLIGHT_ENTRIES`` (default 2000) spans; :func:`flight_record` puts them on
-the record's compute track, beside the collectives (``collsched flight DIR --trace-out``).
+activation checkpointing counts in its unit's backward; a pass given up (a backward that
+raised) leaves no span. Recorded on host backends, where the host's time is the compute's (on
+``cuda`` the host only queues kernels: nothing is recorded), the last
+``COLLSCHED_FLIGHT_ENTRIES`` (default 2000) spans; :func:`flight_record` puts them on the
+record's compute track, beside the collectives (``collsched flight DIR --trace-out``). A record
+the library writes by itself on a failure (``COLLSCHED_FLIGHT_RECORDER``) holds none.
 
 :func:`workload_record` writes what ``collsched sim --workload`` reads: the sharded parameters,
 one layer per unit with the compute the spans of the last pass measured, at 1 TFLOP/s (run the
@@ -84,10 +86,15 @@ class Spans:
         if self.on and self.stack and not self.open:
             self.open = time.time_ns()
 
-    def next_step(self) -> None:
-        """The pass ended (or was given up): what was open closes."""
+    def next_step(self, keep: bool = True) -> None:
+        """The pass ended: what was open closes; or (``keep`` False) it was given up (a backward
+        that raised): its spans are dropped."""
         if self.on:
-            self.pause()
+            if keep:
+                self.pause()
+            self.open = 0
+            while not keep and self.spans and self.spans[-1][1] == self.step:
+                self.spans.pop()
             self.stack.clear()
             self.step += 1
 
@@ -129,16 +136,19 @@ def workload_record(module: Any, path: Any = None) -> dict[str, Any]:
         key = (kind, int(index))
         seconds[key] = seconds.get(key, 0.0) + (end - start) / 1e9
         first.setdefault(key, start)
+    # A parameter of no element (a tensor-parallel piece of an uneven cut) is not gathered; a
+    # scalar is one element.
+    kept = [p for p in st.params if p.numel > 0]
     params = [
         {
             "name": p.name,
-            "shape": list(p.shape),
+            "shape": list(p.shape) or [1],
             "dtype": _DTYPES[str(p.dtype).removeprefix("torch.")],
             "trainable": bool(st.mask[p.pid]),
             # Its unit: buckets end between units (``--bucket-by module``), as collsched's do.
             "module": f"unit {p.unit}",
         }
-        for p in st.params
+        for p in kept
     ]
     # Every unit a layer, the k-th unit the k-th layer: the simulator's layer index is the
     # spans' unit index.
@@ -146,7 +156,7 @@ def workload_record(module: Any, path: Any = None) -> dict[str, Any]:
     layers = [
         {
             "name": f"unit {u.index}",
-            "params": [p.name for p in u.params],
+            "params": [p.name for p in u.params if p.numel > 0],
             "forward_flops": seconds.get(("forward", u.index), 0.0) * FLOPS_PER_SECOND,
             "backward_flops": seconds.get(("backward", u.index), 0.0) * FLOPS_PER_SECOND,
             "recompute_flops": 0.0,
