@@ -70,6 +70,36 @@ def raised_in_backward(rank: int, world: int) -> list[dict[str, Any]]:
     return cst.flight_record()["compute"]
 
 
+def raised_in_forward(rank: int, world: int) -> list[dict[str, Any]]:
+    """Three steps, the second's first forward raising in blocks.1 (caught, the step's forward
+    then run again): this rank's compute spans."""
+    import collsched.torch as cst
+
+    model = shard(models.build("gpt"), {"bucket_mb": 0.002})
+    opt = models.optimizer("adamw", model.parameters())
+    armed = {"on": False}
+
+    def fail(_module: torch.nn.Module, _args: Any) -> None:
+        if armed["on"]:
+            armed["on"] = False
+            raise ValueError("injected failure in blocks.1")
+
+    model.blocks[1].register_forward_pre_hook(fail)
+    for step in range(3):
+        x, y = models.batch("gpt", 0, step, 0, rank)
+        if step == 1:
+            armed["on"] = True
+            try:
+                model(x)
+                raise AssertionError("the injected failure did not propagate")
+            except ValueError as e:
+                assert "injected failure" in str(e), e
+        models.loss_fn("gpt", model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return cst.flight_record()["compute"]
+
+
 def refused(rank: int, world: int) -> str:
     """``workload_record`` before any training pass: the error's text."""
     import collsched.torch as cst

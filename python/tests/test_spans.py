@@ -157,13 +157,17 @@ def test_flight_and_sim_against_read_them(traced):
         assert sim_n == 2 * UNITS * SPEC["steps"] and real_n == sim_n and pairs == sim_n and by == "layer", r
 
 
-def test_a_backward_that_raises_leaves_no_span():
+@pytest.mark.parametrize("where", ["backward", "forward"])
+def test_a_pass_that_raises_leaves_no_span(where):
     """The step whose backward raised (found at the next forward) is dropped from the compute
-    track; the steps around it are whole."""
-    for rank, compute in enumerate(run(spans_workers.raised_in_backward, 2)):
+    track; a forward that raised leaves its step to the forward run again. The steps around
+    them are whole."""
+    worker = spans_workers.raised_in_backward if where == "backward" else spans_workers.raised_in_forward
+    want = [0, 2] if where == "backward" else [0, 1, 2]
+    for rank, compute in enumerate(run(worker, 2)):
         steps = by_step(compute)
-        assert sorted(steps) == [0, 2], (rank, sorted(steps))
-        for step in (0, 2):
+        assert sorted(steps) == want, (rank, sorted(steps))
+        for step in want:
             assert pieces(steps[step]) == STEP, (rank, step, pieces(steps[step]))
         for a, b in zip(compute, compute[1:]):
             assert a["end_ns"] <= b["start_ns"], (rank, a, b)

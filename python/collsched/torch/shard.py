@@ -256,6 +256,7 @@ class _State:
             if self.phase == "idle":
                 self._step_boundary()
             frame.engine = self.train
+            self.spans.mark()
         else:
             frame.engine = self.eval
         frame.outer = self.engine
@@ -542,6 +543,8 @@ class _State:
                 self._release(unit)
         if engine is self.eval:
             engine.end_step()
+        else:
+            self.spans.drop_pass()
 
     def _recover(self) -> None:
         """A backward that raised left units fetched, and gradients accumulated that were

@@ -5,8 +5,8 @@ Each unit's forward and backward compute is timed on the host between this packa
 ``U`` the unit's index (0 the root), each with its training pass (0-based: a forward and its
 backward; each micro-batch under ``no_sync`` is one). A unit whose forward runs others' (the
 root around its blocks) has one span per piece between them; a forward recomputed by
-activation checkpointing counts in its unit's backward; a pass given up (a backward that
-raised) leaves no span. Recorded on host backends, where the host's time is the compute's (on
+activation checkpointing counts in its unit's backward; a pass given up (a forward or a
+backward that raised) leaves no span. Recorded on host backends, where the host's time is the compute's (on
 ``cuda`` the host only queues kernels: nothing is recorded), the last
 ``COLLSCHED_FLIGHT_ENTRIES`` (default 2000) spans; :func:`flight_record` puts them on the
 record's compute track, beside the collectives (``collsched flight DIR --trace-out``). A record
@@ -45,7 +45,7 @@ class Spans:
     """One sharded model's compute spans on this rank: the units whose compute runs (innermost
     last) and the span in progress (``open``: its start, 0 for none)."""
 
-    __slots__ = ("on", "spans", "stack", "open", "step", "__weakref__")
+    __slots__ = ("on", "spans", "stack", "open", "step", "begun", "__weakref__")
 
     def __init__(self, on: bool) -> None:
         self.on = on
@@ -53,6 +53,8 @@ class Spans:
         self.stack: list[tuple[str, int]] = []
         self.open = 0
         self.step = 0
+        # When the training pass in progress began (:meth:`mark`).
+        self.begun = 0
         if on:
             _ALL.add(self)
 
@@ -85,6 +87,20 @@ class Spans:
         """A hook's own work is over: the innermost unit's compute goes on."""
         if self.on and self.stack and not self.open:
             self.open = time.time_ns()
+
+    def mark(self) -> None:
+        """A training pass begins: what :meth:`drop_pass` drops."""
+        if self.on:
+            self.begun = time.time_ns()
+
+    def drop_pass(self) -> None:
+        """The pass begun at :meth:`mark` raised in its forward: its spans are dropped (its step
+        goes on with the next forward)."""
+        if self.on:
+            self.open = 0
+            self.stack.clear()
+            while self.spans and self.spans[-1][1] == self.step and self.spans[-1][2] >= self.begun:
+                self.spans.pop()
 
     def next_step(self, keep: bool = True) -> None:
         """The pass ended: what was open closes; or (``keep`` False) it was given up (a backward
