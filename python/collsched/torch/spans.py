@@ -69,8 +69,7 @@ class Spans:
         """Unit ``index``'s ``kind`` (forward, backward) compute begins now (a unit begun
         again, as a recomputed forward's unit is at its own pre-backward, is not stacked twice)."""
         if self.on:
-            self.pause()
-            self.stack = [u for u in self.stack if u[1] != index]
+            self.end(index)
             self.stack.append((kind, index))
             self.open = time.time_ns()
 
@@ -97,10 +96,7 @@ class Spans:
         """The pass begun at :meth:`mark` raised in its forward: its spans are dropped (its step
         goes on with the next forward)."""
         if self.on:
-            self.open = 0
-            self.stack.clear()
-            while self.spans and self.spans[-1][1] == self.step and self.spans[-1][2] >= self.begun:
-                self.spans.pop()
+            self._drop(self.begun)
 
     def next_step(self, keep: bool = True) -> None:
         """The pass ended: what was open closes; or (``keep`` False) it was given up (a backward
@@ -108,11 +104,15 @@ class Spans:
         if self.on:
             if keep:
                 self.pause()
-            self.open = 0
-            while not keep and self.spans and self.spans[-1][1] == self.step:
-                self.spans.pop()
-            self.stack.clear()
+            self._drop(1 << 63 if keep else 0)
             self.step += 1
+
+    def _drop(self, since: int) -> None:
+        """Nothing is open any more; this step's spans begun at ``since`` or later are dropped."""
+        self.open = 0
+        self.stack.clear()
+        while self.spans and self.spans[-1][1] == self.step and self.spans[-1][2] >= since:
+            self.spans.pop()
 
 
 def recorded() -> list[tuple[str, int, int, int]]:
