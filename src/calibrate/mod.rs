@@ -368,16 +368,20 @@ mod tests {
         assert_eq!(host_seconds_per_collective(&[step(1, 0, 0, 0), step(1, 0, 0, 0)]), None);
     }
 
-    #[test]
-    fn a_flat_kind_is_priced_by_its_latency_alone() {
+    /// A sloped all-gather (5 us + 0.1 ns/B) and a reduce-scatter of `reduce_scatter`'s points.
+    fn measured(reduce_scatter: Vec<(f64, f64)>) -> Measured {
         let good: Vec<(f64, f64)> =
             [4096.0, 16384.0, 65536.0].iter().map(|&s| (s, 5e-6 + s * 1e-10)).collect();
-        let flat = vec![(4096.0, 2e-4), (16384.0, 2.1e-4), (65536.0, 1.9e-4)];
-        let m = Measured {
-            points: vec![(CollectiveKind::AllGather, good), (CollectiveKind::ReduceScatter, flat)],
+        Measured {
+            points: vec![(CollectiveKind::AllGather, good), (CollectiveKind::ReduceScatter, reduce_scatter)],
             launch_s: 1e-6,
             ..Measured::default()
-        };
+        }
+    }
+
+    #[test]
+    fn a_flat_kind_is_priced_by_its_latency_alone() {
+        let m = measured(vec![(4096.0, 2e-4), (16384.0, 2.1e-4), (65536.0, 1.9e-4)]);
         let (p, refused) = fit_profile("local", 2, &m, None);
         assert!(refused.is_empty(), "{refused:?}");
         let kinds: Vec<_> = p.collectives.iter().map(|c| (c.kind, c.fit.latency_only())).collect();
@@ -388,15 +392,8 @@ mod tests {
 
     #[test]
     fn a_kind_that_cannot_be_fitted_is_left_out_with_its_reason() {
-        let good: Vec<(f64, f64)> =
-            [4096.0, 16384.0, 65536.0].iter().map(|&s| (s, 5e-6 + s * 1e-10)).collect();
         // Falling by half over the sizes: no slope, and no flat line within a quarter.
-        let flat = vec![(4096.0, 2e-4), (16384.0, 1.5e-4), (65536.0, 1e-4)];
-        let m = Measured {
-            points: vec![(CollectiveKind::AllGather, good), (CollectiveKind::ReduceScatter, flat)],
-            launch_s: 1e-6,
-            ..Measured::default()
-        };
+        let m = measured(vec![(4096.0, 2e-4), (16384.0, 1.5e-4), (65536.0, 1e-4)]);
         let (p, refused) = fit_profile("local", 2, &m, Some(2e-5));
         assert_eq!(p.collectives.len(), 1);
         assert_eq!(p.collectives[0].kind, CollectiveKind::AllGather);
