@@ -40,7 +40,10 @@ fn run(w: &Workload, c: &SimConfig) -> SimReport {
 
 #[test]
 fn one_rank_takes_exactly_its_compute_time() {
-    for w in workloads() {
+    for (k, mut w) in workloads().into_iter().enumerate() {
+        // The step's compute outside the layers counts too (none in the first workload).
+        w.loss_flops = 1.5e9 * k as f64;
+        w.update_flops = 2.5e9 * k as f64;
         for policy in Policy::LIBRARY {
             let mut c = config("dgx-h100", 1, policy);
             c.host_overhead_s = Some(0.0);
@@ -51,7 +54,9 @@ fn one_rank_takes_exactly_its_compute_time() {
                 .layers
                 .iter()
                 .map(|l| ns(l.forward_flops) + ns(l.recompute_flops) + ns(l.backward_flops))
-                .sum();
+                .sum::<u64>()
+                + ns(w.loss_flops)
+                + ns(w.update_flops);
             for s in &r.steps {
                 assert_eq!(s.step_ns, per_step, "{} {policy}", w.name);
                 assert_eq!(s.compute_ns, per_step as f64);
@@ -311,6 +316,8 @@ fn a_hand_written_trace_runs() {
         layers: vec![layer("l0", &["a", "b"], 1e12), layer("l1", &["c"], 2e12)],
         forward_order: vec!["l0".into(), "l1".into()],
         backward_order: vec!["l1".into(), "l0".into()],
+        loss_flops: 0.0,
+        update_flops: 0.0,
     };
     let c = config("p4d", 8, Policy::Trace);
     let r = run(&w, &c);
@@ -320,7 +327,9 @@ fn a_hand_written_trace_runs() {
 
 #[test]
 fn the_timeline_adds_up_to_the_summary() {
-    let w = small(Architecture::Roberta, 2, 384, true);
+    let mut w = small(Architecture::Roberta, 2, 384, true);
+    w.loss_flops = 1e9;
+    w.update_flops = 4e9;
     let mut c = config("p4d", 16, Policy::Explicit);
     c.timeline = true;
     c.jitter = 0.1;
@@ -341,7 +350,13 @@ fn the_timeline_adds_up_to_the_summary() {
             total as f64 / f64::from(r.world)
         };
         assert!((mean(&[SpanKind::Wait]) - stats.exposed_ns).abs() < 1e-6, "step {s}");
-        let compute = mean(&[SpanKind::Forward, SpanKind::Recompute, SpanKind::Backward]);
+        let compute = mean(&[
+            SpanKind::Forward,
+            SpanKind::Recompute,
+            SpanKind::Backward,
+            SpanKind::Loss,
+            SpanKind::Update,
+        ]);
         assert!((compute - stats.compute_ns).abs() < 1e-6, "step {s}");
         for (lane, list) in tl.collectives.iter().enumerate() {
             let busy: u64 = list.iter().filter(|x| x.step as usize == s).map(|x| x.dur_ns).sum();
@@ -354,6 +369,57 @@ fn the_timeline_adds_up_to_the_summary() {
         // Each rank's compute lane is a sequence of disjoint spans.
         for spans in &tl.compute {
             assert!(spans.windows(2).all(|p| p[0].start_ns + p[0].dur_ns <= p[1].start_ns));
+        }
+    }
+}
+
+/// The loss runs between a step's last forward and its first backward; the update after the
+/// step's last reduce-scatter ended, before the next step's first forward; each once a step
+/// on each rank, for its FLOPs at the compute rate.
+#[test]
+fn the_loss_and_the_update_run_between_the_passes_and_after_the_reductions() {
+    use collsched::sim::SpanKind;
+    let mut w = small(Architecture::Gpt2, 3, 256, false);
+    w.loss_flops = 2e9;
+    w.update_flops = 6e9;
+    for policy in [Policy::Trace, Policy::Zero3_2021] {
+        let mut c = config("p4d", 8, policy);
+        c.timeline = true;
+        c.steps = 3;
+        let r = run(&w, &c);
+        let tl = r.timeline.as_ref().unwrap();
+        let ns = |f: f64| (f / (c.tflops * 1e12) * 1e9).round() as u64;
+        let reductions_end = |step: u32| {
+            tl.collectives[1].iter().filter(|x| x.step == step).map(|x| x.start_ns + x.dur_ns).max()
+        };
+        for spans in &tl.compute {
+            for step in 0..c.steps {
+                let of = |kind: SpanKind| spans.iter().filter(move |x| x.step == step && x.kind == kind);
+                let (loss, update): (Vec<_>, Vec<_>) =
+                    (of(SpanKind::Loss).collect(), of(SpanKind::Update).collect());
+                assert_eq!((loss.len(), update.len()), (1, 1), "{policy} step {step}");
+                assert_eq!((loss[0].dur_ns, update[0].dur_ns), (ns(w.loss_flops), ns(w.update_flops)));
+                let last_forward = of(SpanKind::Forward).map(|x| x.start_ns + x.dur_ns).max().unwrap();
+                let first_backward = of(SpanKind::Backward).map(|x| x.start_ns).min().unwrap();
+                assert!(
+                    last_forward <= loss[0].start_ns && loss[0].start_ns + loss[0].dur_ns <= first_backward
+                );
+                let reduced = reductions_end(step).expect("a reduce-scatter a step");
+                assert!(
+                    reduced <= update[0].start_ns,
+                    "{policy} step {step}: {reduced} > {}",
+                    update[0].start_ns
+                );
+                let next = spans
+                    .iter()
+                    .filter(|x| x.step == step + 1 && x.kind == SpanKind::Forward)
+                    .map(|x| x.start_ns)
+                    .min();
+                assert!(
+                    next.is_none_or(|n| update[0].start_ns + update[0].dur_ns <= n),
+                    "{policy} step {step}"
+                );
+            }
         }
     }
 }

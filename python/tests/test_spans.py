@@ -51,9 +51,10 @@ def pieces(spans: list[dict]) -> list[str]:
 
 
 # A step of the gpt: the root's embeddings, block 1, the root between the blocks, block 2, the
-# root's norm and head; backward the other way.
-STEP = ["forward 0", "forward 1", "forward 0", "forward 2", "forward 0"]
-STEP += ["backward 0", "backward 2", "backward 0", "backward 1", "backward 0"]
+# root's norm and head; the loss; backward the other way; the update (the optimizer step), when
+# a pass came after it to end it.
+STEP = ["forward 0", "forward 1", "forward 0", "forward 2", "forward 0", "loss"]
+STEP += ["backward 0", "backward 2", "backward 0", "backward 1", "backward 0", "update"]
 
 
 def test_each_unit_has_its_forward_and_backward_spans_every_step(traced):
@@ -65,7 +66,7 @@ def test_each_unit_has_its_forward_and_backward_spans_every_step(traced):
         assert sorted(steps) == list(range(SPEC["steps"])), (rank, sorted(steps))
         for step, spans in steps.items():
             for c in spans:
-                assert re.fullmatch(r"(forward|backward) [0-9]+", c["name"]), c
+                assert re.fullmatch(r"(forward|backward) [0-9]+|loss|update", c["name"]), c
                 assert 0 < c["start_ns"] <= c["end_ns"], c
             assert pieces(spans) == STEP, (rank, step, pieces(spans))
         # One thread's compute, one span at a time, in the order they ran.
@@ -75,7 +76,8 @@ def test_each_unit_has_its_forward_and_backward_spans_every_step(traced):
 
 def test_the_hooks_collectives_are_launched_outside_the_compute_spans(traced):
     """The fetches, releases and gradient hand-overs (where every collective of a pass is
-    launched) are not in the compute spans: no collective's launch falls inside one."""
+    launched) are not in the compute spans: no collective's launch falls inside one (the
+    update's span ends where the loop gathers the whole model)."""
     _out, runs = traced
     for rank, r in enumerate(runs):
         compute = r["record"]["compute"]
@@ -118,6 +120,10 @@ def test_the_workload_is_the_model_and_the_last_pass_measured(traced):
                 got = layer[f"{kind}_flops"]
                 assert got > 0 and got == pytest.approx(want[f"{kind} {u}"], rel=1e-12), (rank, u, kind, got)
             assert layer["recompute_flops"] == 0.0
+        # The loss and the update of the last step (its update ended by the evaluation pass).
+        for kind in ("loss", "update"):
+            got = w[f"{kind}_flops"]
+            assert got > 0 and got == pytest.approx(want[kind], rel=1e-12), (rank, kind, got)
 
 
 def test_flight_and_sim_against_read_them(traced):
@@ -134,7 +140,10 @@ def test_flight_and_sim_against_read_them(traced):
         mine = [
             e
             for e in events
-            if e.get("ph") == "X" and e.get("pid") == rank and e.get("tid") == 0 and e["cat"] in ("forward", "backward")
+            if e.get("ph") == "X"
+            and e.get("pid") == rank
+            and e.get("tid") == 0
+            and e["cat"] in ("forward", "backward", "loss", "update")
         ]
         compute = r["record"]["compute"]
         assert [e["name"] for e in mine] == [c["name"] for c in compute], rank
@@ -149,12 +158,12 @@ def test_flight_and_sim_against_read_them(traced):
     rows = [line.split() for line in table[start:] if line.split() and line.split()[0].isdigit()]
     compute = [r for r in rows if r[1] == "compute"]
     # A compute row per rank: a forward and a backward per unit a step on both sides (the
-    # root's pieces around its blocks' joined into one a phase), each simulated span paired
-    # with the real one of its unit.
+    # root's pieces around its blocks' joined into one a phase), and the loss and the update,
+    # each simulated span paired with the real one of its unit or kind.
     assert [r[0] for r in compute] == ["0", "1"], sim
     for r in compute:
         sim_n, real_n, pairs, by = int(r[2]), int(r[3]), int(r[4]), r[5]
-        assert sim_n == 2 * UNITS * SPEC["steps"] and real_n == sim_n and pairs == sim_n and by == "layer", r
+        assert sim_n == (2 * UNITS + 2) * SPEC["steps"] and real_n == sim_n and pairs == sim_n and by == "layer", r
 
 
 @pytest.mark.parametrize("where", ["backward", "forward"])
@@ -168,7 +177,8 @@ def test_a_pass_that_raises_leaves_no_span(where):
         steps = by_step(compute)
         assert sorted(steps) == want, (rank, sorted(steps))
         for step in want:
-            assert pieces(steps[step]) == STEP, (rank, step, pieces(steps[step]))
+            # The last step's update goes on past the record.
+            assert pieces(steps[step]) == (STEP if step < 2 else STEP[:-1]), (rank, step, pieces(steps[step]))
         for a, b in zip(compute, compute[1:]):
             assert a["end_ns"] <= b["start_ns"], (rank, a, b)
 

@@ -167,7 +167,15 @@ pub fn workload(cfg: &DemoConfig) -> crate::sim::workload::Workload {
     }
     let forward_order: Vec<String> = layers.iter().map(|l| l.name.clone()).collect();
     let backward_order = forward_order.iter().rev().cloned().collect();
-    Workload { name: "demo-mlp".to_owned(), params, layers, forward_order, backward_order }
+    Workload {
+        name: "demo-mlp".to_owned(),
+        params,
+        layers,
+        forward_order,
+        backward_order,
+        loss_flops: 0.0,
+        update_flops: 0.0,
+    }
 }
 
 /// Evaluation loss on the held-out batch (sample and shard index `u64::MAX`, never trained on),

@@ -2,8 +2,8 @@
 //!
 //! The real trace is Chrome trace JSON on the simulator's tracks (`collsched flight DIR
 //! --trace-out`: `pid` = rank, `tid` 1 all-gather, 2 reduce-scatter, 0 compute, `"X"` events
-//! in microseconds). Compute spans (categories `forward`, `backward`, `recompute`) are
-//! compared with the simulator's layer arithmetic on the same rank, by kind, layer and
+//! in microseconds). Compute spans (categories `forward`, `backward`, `recompute`, and the
+//! step's `loss` and `update` outside the layers) are compared with the simulator's layer arithmetic on the same rank, by kind, layer and
 //! occurrence where their names carry layers (`"forward 3"`), else by order; a layer's pieces
 //! within one phase of a step (a root's forward around its blocks') count as one span. On each rank's collective track a real collective named `... bucket B` is
 //! matched with the simulated one of bucket `B` of the same occurrence (the k-th gather of `B`
@@ -19,6 +19,7 @@
 use serde_json::Value;
 
 use super::report::SimReport;
+use super::step::NO_LAYER;
 
 /// The first process id of the real events in an [`overlay`] of a simulated world of `world`
 /// ranks: the first multiple of 1000 above the simulated ranks (1000 below 1000 ranks).
@@ -39,7 +40,7 @@ const TIDS: [u64; 3] = [1, 2, 0];
 /// Whether a compute-track event of this category is layer arithmetic (what a real record's
 /// compute spans are; the simulator's waits and host time on that track are not).
 fn arithmetic(cat: &str) -> bool {
-    matches!(cat, "forward" | "backward" | "recompute")
+    matches!(cat, "forward" | "backward" | "recompute" | "loss" | "update")
 }
 
 /// One collective or compute span of the real trace.
@@ -163,11 +164,16 @@ fn join_pieces(track: &[&RealEvent]) -> Vec<RealEvent> {
     out
 }
 
-/// A compute span's kind and layer from its real name (`"backward 3"`: backward, 3).
+/// A compute span's kind and layer from its real name (`"backward 3"`: backward, 3); the
+/// step's compute outside the layers (`"loss"`, `"update"`) has the simulator's layer of none.
 fn layer_of(name: &str) -> Option<(&str, u32)> {
     let mut words = name.split_whitespace();
     let kind = words.next().filter(|k| arithmetic(k))?;
-    Some((kind, words.next()?.parse().ok()?))
+    match (kind, words.next()) {
+        ("loss" | "update", None) => Some((kind, NO_LAYER)),
+        (_, Some(layer)) => Some((kind, layer.parse().ok()?)),
+        _ => None,
+    }
 }
 
 /// The collectives of a real trace, in time order per track.
@@ -327,15 +333,32 @@ mod tests {
     /// fall back to order.
     #[test]
     fn compute_pairs_by_kind_and_layer() {
-        use SpanKind::{Backward, Forward, Recompute};
-        let sim =
-            [span(Forward, 0), span(Forward, 1), span(Recompute, 1), span(Backward, 1), span(Backward, 0)];
-        let events = [real("forward 0"), real("forward 1"), real("backward 1"), real("backward 0")];
+        use super::NO_LAYER;
+        use SpanKind::{Backward, Forward, Loss, Recompute, Update};
+        let sim = [
+            span(Forward, 0),
+            span(Forward, 1),
+            span(Loss, NO_LAYER),
+            span(Recompute, 1),
+            span(Backward, 1),
+            span(Backward, 0),
+            span(Update, NO_LAYER),
+        ];
+        // The real run's update a step is paired; a loss it did not record is not (a name with
+        // a layer the simulation lacks neither).
+        let events = [
+            real("forward 0"),
+            real("forward 1"),
+            real("backward 1"),
+            real("backward 0"),
+            real("update"),
+            real("loss 3"),
+        ];
         let refs: Vec<&RealEvent> = events.iter().collect();
         let key = |s: &Span| (s.kind.name(), s.index);
         let (pairs, how) = pair_by(&sim, &refs, key, layer_of, Matching::Layer);
         assert_eq!(how, Matching::Layer);
-        assert_eq!(pairs, [(0, 0), (1, 1), (3, 2), (4, 3)]);
+        assert_eq!(pairs, [(0, 0), (1, 1), (4, 2), (5, 3), (6, 4)]);
         let unnamed = [real("a"), real("b")];
         let refs: Vec<&RealEvent> = unnamed.iter().collect();
         let (pairs, how) = pair_by(&sim, &refs, key, layer_of, Matching::Layer);

@@ -6,9 +6,9 @@
 //! - **Clock**: integer nanoseconds (deterministic; no float accumulation across events).
 //! - **Ranks**: each has its own [`Scheduler`] and [`InflightRegistry`], fed by the engine
 //!   program of the workload: per step, forward over the layers (`Fetch` -> compute ->
-//!   `Release`), then backward in reverse (`Fetch` -> recompute under checkpointing -> backward
-//!   compute -> `GradReady` for each trainable parameter whose last use this is -> `Release`),
-//!   then `EndStep`.
+//!   `Release`), the loss, then backward in reverse (`Fetch` -> recompute under checkpointing ->
+//!   backward compute -> `GradReady` for each trainable parameter whose last use this is ->
+//!   `Release`), then `EndStep` and the update (the workload's `loss_flops` and `update_flops`).
 //! - **The engine is synchronous with its compute stream**: each engine call happens when the
 //!   rank's compute stream reached it (no CPU run-ahead), so every engine event recorded after
 //!   a compute op is complete when the next call is made. Overlap therefore comes from the
@@ -441,12 +441,14 @@ fn advance(sh: &mut Program, colls: &mut Colls, st: &mut SimRank) -> Result<bool
                     st.in_actions = false;
                     st.acts.clear();
                     st.act_pos = 0;
-                    if matches!(sh.program[st.pc - 1], Call::EndStep) {
-                        end_step(sh, st);
-                    }
                     continue;
                 }
             }
+        }
+        if st.pc == sh.program.len() {
+            // The step's last call (its end, or the update after it) is done.
+            end_step(sh, st);
+            continue;
         }
         let before = progressed;
         progressed = true;

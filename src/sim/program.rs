@@ -205,7 +205,9 @@ impl Program {
         for (c, &ns) in self.program.iter().zip(&self.compute_ns) {
             if !(ns.is_finite() && ns <= MAX_CLOCK_NS) {
                 let layer = match c {
-                    Call::Compute(l, _) => workload.layers[*l as usize].name.as_str(),
+                    Call::Compute(l, kind) => {
+                        workload.layers.get(*l as usize).map_or(kind.name(), |l| &l.name)
+                    }
                     _ => "?",
                 };
                 return Err(too_long(
@@ -256,8 +258,9 @@ impl Program {
 }
 
 /// The program of one step of the library's engine: forward over the layers (`Fetch` ->
-/// compute -> `Release`), then backward (`Fetch` -> recompute -> backward -> `Grad` for each
-/// trainable parameter whose last use this is -> `Release`), then `EndStep`.
+/// compute -> `Release`), the loss, then backward (`Fetch` -> recompute -> backward -> `Grad`
+/// for each trainable parameter whose last use this is -> `Release`), then `EndStep` and the
+/// update.
 fn library_step(
     workload: &Workload,
     set: &ParamSet,
@@ -274,6 +277,7 @@ fn library_step(
         s.push(Call::Compute(l, SpanKind::Forward), layer.forward_flops * ns_per_flop, 0);
         s.push(Call::Release(l), 0.0, 0);
     }
+    s.outside(SpanKind::Loss, workload.loss_flops, ns_per_flop);
     s.push(Call::Phase { backward: true }, 0.0, 0);
     for (k, &l) in bwd.iter().enumerate() {
         let layer = &workload.layers[l as usize];
@@ -290,6 +294,7 @@ fn library_step(
         s.push(Call::Release(l), 0.0, 0);
     }
     s.push(Call::EndStep, 0.0, 0);
+    s.outside(SpanKind::Update, workload.update_flops, ns_per_flop);
     s
 }
 

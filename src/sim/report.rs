@@ -38,6 +38,11 @@ pub enum SpanKind {
     Recompute,
     /// A layer's backward.
     Backward,
+    /// The step's compute between its forward and its backward outside every layer (the
+    /// workload's `loss_flops`).
+    Loss,
+    /// The step's compute after its gradients are reduced (the workload's `update_flops`).
+    Update,
     /// The compute stream waiting for a collective (exposed communication).
     Wait,
     /// Host overhead of launching a collective.
@@ -58,6 +63,8 @@ impl SpanKind {
             SpanKind::Forward => "forward",
             SpanKind::Recompute => "recompute",
             SpanKind::Backward => "backward",
+            SpanKind::Loss => "loss",
+            SpanKind::Update => "update",
             SpanKind::Wait => "wait",
             SpanKind::Host => "host",
             SpanKind::Hook => "hook",
@@ -105,7 +112,7 @@ pub struct SimStepStats {
     /// Wall time of the step: from the end of the previous step (the last rank's) to the end
     /// of this one (the last rank's), ns.
     pub step_ns: u64,
-    /// Compute time (forward, recompute, backward), mean over ranks, ns.
+    /// Compute time (forward, recompute, backward, the loss and the update), mean over ranks, ns.
     pub compute_ns: f64,
     /// Time the compute stream waited for collectives, mean over ranks, ns.
     pub exposed_ns: f64,

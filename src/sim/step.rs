@@ -13,6 +13,8 @@ pub(crate) enum Call {
         backward: bool,
     },
     Fetch(u32),
+    /// Compute of a layer, or of the step outside every layer ([`NO_LAYER`]: the loss, the
+    /// update).
     Compute(u32, SpanKind),
     Release(u32),
     Grad(ParamId),
@@ -23,6 +25,9 @@ pub(crate) enum Call {
     /// nanoseconds.
     Drain,
 }
+
+/// The layer of a [`Call::Compute`] outside every layer.
+pub(crate) const NO_LAYER: u32 = u32::MAX;
 
 /// One step's program with its durations (host time for [`Call::Host`] and [`Call::Drain`],
 /// compute time for [`Call::Compute`]) and its host-device syncs per position.
@@ -38,5 +43,13 @@ impl StepProgram {
         self.program.push(c);
         self.ns.push(ns);
         self.syncs.push(syncs);
+    }
+
+    /// The step's compute outside the layers, `flops` of `kind` (the loss after the forward,
+    /// the update after the step's end), where there is any.
+    pub(crate) fn outside(&mut self, kind: SpanKind, flops: f64, ns_per_flop: f64) {
+        if flops > 0.0 {
+            self.push(Call::Compute(NO_LAYER, kind), flops * ns_per_flop, 0);
+        }
     }
 }

@@ -21,6 +21,7 @@ fn label(report: &SimReport, span: &Span) -> String {
             let name = tl.and_then(|t| t.layer_names.get(span.index as usize)).map_or("?", String::as_str);
             format!("{} {name}", span.kind.name())
         }
+        SpanKind::Loss | SpanKind::Update => span.kind.name().to_owned(),
         SpanKind::Wait if span.index == u32::MAX => "wait device drain".to_owned(),
         SpanKind::Wait => format!("wait bucket {}", span.index),
         SpanKind::Host => format!("host launch bucket {}", span.index),
@@ -94,11 +95,15 @@ pub fn write_chrome_trace(out: &mut impl Write, report: &SimReport) -> io::Resul
     out.write_all(b"\n]}\n")
 }
 
+/// The colour of the step's compute outside the layers (the loss, the update).
+const OUTSIDE: &str = "#76b7b2";
+
 fn color(s: &Span) -> &'static str {
     match s.kind {
         SpanKind::Forward => "#4e79a7",
         SpanKind::Recompute => "#a0cbe8",
         SpanKind::Backward => "#59a14f",
+        SpanKind::Loss | SpanKind::Update => OUTSIDE,
         SpanKind::Wait => "#e15759",
         SpanKind::Host | SpanKind::Hook => "#9d9d9d",
         SpanKind::AllGather | SpanKind::ReduceScatter if s.prefetch => "#ffbe7d",
@@ -160,6 +165,7 @@ fn real_rows(real: &[RealEvent], rank: usize, step: usize, per_step: usize) -> O
         let (row, colour) = match e.lane {
             2 if e.name.starts_with("backward") => (0, "#59a14f"),
             2 if e.name.starts_with("recompute") => (0, "#a0cbe8"),
+            2 if e.name == "loss" || e.name == "update" => (0, OUTSIDE),
             2 => (0, "#4e79a7"),
             lane => (lane + 1, "#f28e2b"),
         };
@@ -211,7 +217,14 @@ pub fn write_svg(
         .iter()
         .filter(|s| {
             s.step as usize == step
-                && matches!(s.kind, SpanKind::Forward | SpanKind::Backward | SpanKind::Recompute)
+                && matches!(
+                    s.kind,
+                    SpanKind::Forward
+                        | SpanKind::Backward
+                        | SpanKind::Recompute
+                        | SpanKind::Loss
+                        | SpanKind::Update
+                )
         })
         .count();
     let real = real.and_then(|r| real_rows(r, rank, step, per_step));
@@ -289,6 +302,7 @@ pub fn write_svg(
         ("forward", "#4e79a7"),
         ("recompute", "#a0cbe8"),
         ("backward", "#59a14f"),
+        ("loss, update", OUTSIDE),
         ("wait (exposed comm)", "#e15759"),
         ("host overhead", "#9d9d9d"),
         ("collective", "#f28e2b"),

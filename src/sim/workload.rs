@@ -21,8 +21,12 @@
 //!  "params": [{"name": "w0", "shape": [1024, 1024], "dtype": "bf16", "trainable": true}],
 //!  "layers": [{"name": "l0", "params": ["w0"], "forward_flops": 2.1e9,
 //!              "backward_flops": 4.2e9, "recompute_flops": 0.0}],
-//!  "forward_order": ["l0"], "backward_order": ["l0"]}
+//!  "forward_order": ["l0"], "backward_order": ["l0"],
+//!  "loss_flops": 1.0e8, "update_flops": 3.0e8}
 //! ```
+//! `loss_flops` (between the forward and the backward) and `update_flops` (after the step's
+//! gradients are reduced: the optimizer) are the step's compute outside the layers; each may
+//! be left out (0).
 //! A file may instead hold a generator config: `{"format": "collsched-workload", "version": 1,
 //! "transformer": {...}}` with the fields of [`TransformerConfig`].
 
@@ -140,6 +144,19 @@ pub struct Workload {
     pub forward_order: Vec<String>,
     /// Layer names in backward order.
     pub backward_order: Vec<String>,
+    /// Compute per rank per step between the forward and the backward outside every layer
+    /// (the loss; 0 where the trace does not say).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub loss_flops: f64,
+    /// Compute per rank per step after the step's gradients are reduced, before the next
+    /// forward (the optimizer's update, zeroing gradients, the loop's own work; 0 where the
+    /// trace does not say).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub update_flops: f64,
+}
+
+fn is_zero(x: &f64) -> bool {
+    *x == 0.0
 }
 
 #[derive(Serialize, Deserialize)]
@@ -421,7 +438,15 @@ impl TransformerConfig {
 
         let forward_order: Vec<String> = layers.iter().map(|l| l.name.clone()).collect();
         let backward_order = forward_order.iter().rev().cloned().collect();
-        let w = Workload { name: self.name.clone(), params, layers, forward_order, backward_order };
+        let w = Workload {
+            name: self.name.clone(),
+            params,
+            layers,
+            forward_order,
+            backward_order,
+            loss_flops: 0.0,
+            update_flops: 0.0,
+        };
         w.validate()?;
         Ok(w)
     }
@@ -439,9 +464,13 @@ impl Workload {
         self.layers.iter().map(|l| l.forward_flops + l.backward_flops).sum()
     }
 
-    /// FLOPs actually executed per rank per step: model FLOPs plus recomputation.
+    /// FLOPs actually executed per rank per step: model FLOPs plus recomputation, the loss
+    /// and the update.
     pub fn executed_flops(&self) -> f64 {
-        self.model_flops() + self.layers.iter().map(|l| l.recompute_flops).sum::<f64>()
+        self.model_flops()
+            + self.layers.iter().map(|l| l.recompute_flops).sum::<f64>()
+            + self.loss_flops
+            + self.update_flops
     }
 
     /// A layer by name.
@@ -576,6 +605,11 @@ impl Workload {
                 if !(f.is_finite() && f >= 0.0) {
                     return bad(format!("layer `{}` has {what} = {f}; give a finite number >= 0", l.name));
                 }
+            }
+        }
+        for (what, f) in [("loss_flops", self.loss_flops), ("update_flops", self.update_flops)] {
+            if !(f.is_finite() && f >= 0.0) {
+                return bad(format!("{what} = {f}; give a finite number >= 0"));
             }
         }
         for (what, order) in

@@ -127,6 +127,7 @@ pub(crate) fn step_program(
         );
         release(&mut s, l);
     }
+    s.outside(SpanKind::Loss, workload.loss_flops, ns_per_flop);
     s.push(Call::Phase { backward: true }, 0.0, 0);
     let world = f64::from(world.max(1));
     let mut in_bucket = 0u64;
@@ -184,5 +185,6 @@ pub(crate) fn step_program(
         3 + 2 * n_trainable,
     );
     s.push(Call::EndStep, 0.0, 0);
+    s.outside(SpanKind::Update, workload.update_flops, ns_per_flop);
     s
 }

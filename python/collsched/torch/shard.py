@@ -722,6 +722,7 @@ class _State:
         self.host_s += _clock() - t0 - native
         self.native_s += native
         self._end_step()
+        self.spans.idle()
 
     def _end_step(self, deliver: bool = True) -> None:
         """Ends the library's step; after a synchronized backward, adds the reduced gradients
@@ -782,6 +783,7 @@ class _State:
     def gather_all(self) -> dict[int, torch.Tensor]:
         """Every parameter's full value (copies; a mixed-precision one's f32 master), by id.
         Collective."""
+        self.spans.pause()
         self.reshard_all()
         if self.masters:
             values_.push_masters(self)

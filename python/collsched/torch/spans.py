@@ -6,15 +6,20 @@ Each unit's forward and backward compute is timed on the host between this packa
 backward; each micro-batch under ``no_sync`` is one). A unit whose forward runs others' (the
 root around its blocks) has one span per piece between them; a forward recomputed by
 activation checkpointing counts in its unit's backward; a pass given up (a forward or a
-backward that raised) leaves no span. Recorded on host backends, where the host's time is the compute's (on
-``cuda`` the host only queues kernels: nothing is recorded), the last
-``COLLSCHED_FLIGHT_ENTRIES`` (default 2000) spans; :func:`flight_record` puts them on the
+backward that raised) leaves no span. The step's compute outside the units has two spans:
+``"loss"``, from the end of a training forward to its backward's first hook (the loss), and
+``"update"``, from the end of the library's step (the reduced gradients delivered) to the next
+pass's first hook or the next call that gathers the whole model (the optimizer step,
+``zero_grad``, the loop's own work), each with the pass it follows. Recorded on host
+backends, where the host's time is the compute's (on ``cuda`` the host only queues kernels:
+nothing is recorded), the last ``COLLSCHED_FLIGHT_ENTRIES`` (default 2000) spans; :func:`flight_record` puts them on the
 record's compute track, beside the collectives (``collsched flight DIR --trace-out``). A record
 the library writes by itself on a failure (``COLLSCHED_FLIGHT_RECORDER``) holds none.
 
 :func:`workload_record` writes what ``collsched sim --workload`` reads: the sharded parameters,
-one layer per unit with the compute the spans of the last pass measured, at 1 TFLOP/s (run the
-simulator with ``--tflops 1``: compute is its input, the collectives and waits its prediction).
+one layer per unit with the compute the spans of the last pass measured, and the step's loss
+and update, at 1 TFLOP/s (run the simulator with ``--tflops 1``: compute is its input, the
+collectives and waits its prediction).
 """
 
 from __future__ import annotations
@@ -43,9 +48,10 @@ def _capacity() -> int:
 
 class Spans:
     """One sharded model's compute spans on this rank: the units whose compute runs (innermost
-    last) and the span in progress (``open``: its start, 0 for none)."""
+    last), the span in progress (``open``: its start, 0 for none) and the step's compute outside
+    the units in progress (``gap``: its name, pass and start, or None)."""
 
-    __slots__ = ("on", "spans", "stack", "open", "step", "begun", "__weakref__")
+    __slots__ = ("on", "spans", "stack", "open", "step", "begun", "gap", "__weakref__")
 
     def __init__(self, on: bool) -> None:
         self.on = on
@@ -55,15 +61,20 @@ class Spans:
         self.step = 0
         # When the training pass in progress began (:meth:`mark`).
         self.begun = 0
+        self.gap: tuple[str, int, int] | None = None
         if on:
             _ALL.add(self)
 
     def pause(self) -> None:
-        """A hook's own work begins: the span in progress ends."""
+        """A hook's own work begins: the span in progress ends, and the loss or update."""
         if self.open:
             kind, index = self.stack[-1]
             self.spans.append((f"{kind} {index}", self.step, self.open, time.time_ns()))
             self.open = 0
+        if self.gap is not None:
+            if self.gap[2]:
+                self.spans.append((*self.gap, time.time_ns()))
+            self.gap = None
 
     def begin(self, kind: str, index: int) -> None:
         """Unit ``index``'s ``kind`` (forward, backward) compute begins now (a unit begun
@@ -79,13 +90,19 @@ class Spans:
             self.pause()
             for i in range(len(self.stack) - 1, -1, -1):
                 if self.stack[i][1] == index:
-                    del self.stack[i]
+                    kind, _ = self.stack.pop(i)
+                    if kind == "forward" and not self.stack:
+                        # The training forward is over: the loss runs from the end of this
+                        # hook (:meth:`resume`) to the next.
+                        self.gap = ("loss", self.step, 0)
                     break
 
     def resume(self) -> None:
-        """A hook's own work is over: the innermost unit's compute goes on."""
+        """A hook's own work is over: the innermost unit's compute goes on, or the loss begins."""
         if self.on and self.stack and not self.open:
             self.open = time.time_ns()
+        elif self.gap is not None and not self.gap[2]:
+            self.gap = (*self.gap[:2], time.time_ns())
 
     def mark(self) -> None:
         """A training pass begins: what :meth:`drop_pass` drops."""
@@ -107,9 +124,16 @@ class Spans:
             self._drop(1 << 63 if keep else 0)
             self.step += 1
 
+    def idle(self) -> None:
+        """The library's step that :meth:`next_step` kept is over (its gradients delivered):
+        the update runs until the next hook."""
+        if self.on and self.spans and self.spans[-1][1] == self.step - 1:
+            self.gap = ("update", self.step - 1, time.time_ns())
+
     def _drop(self, since: int) -> None:
         """Nothing is open any more; this step's spans begun at ``since`` or later are dropped."""
         self.open = 0
+        self.gap = None
         self.stack.clear()
         while self.spans and self.spans[-1][1] == self.step and self.spans[-1][2] >= since:
             self.spans.pop()
@@ -125,7 +149,9 @@ def workload_record(module: Any, path: Any = None) -> dict[str, Any]:
     or any module of it) as this rank ran its last training pass: each sharded parameter (the
     shape collsched shards: a tensor-parallel one's local tensor; the dtype it is gathered in;
     its unit as its ``"module"``), one layer per unit (``unit U``, its parameters) with the
-    forward and backward compute of its spans at 1 TFLOP/s, and the orders the units ran in.
+    forward and backward compute of its spans at 1 TFLOP/s, the orders the units ran in, and the
+    step's compute outside the units: the last pass's loss, the last update recorded (the last
+    pass's runs on until the next pass; none recorded: 0).
     With ``path``, also written there. Simulate it with ``collsched sim --workload PATH --world
     N --tflops 1 --bucket-by module ...``; with ``--against`` a trace of this run's flight
     record, the compute is paired by unit. Raises on the cuda backend (no spans) and before a
@@ -145,13 +171,13 @@ def workload_record(module: Any, path: Any = None) -> dict[str, Any]:
             "workload_record: no training pass recorded yet (or COLLSCHED_FLIGHT_ENTRIES=0); run a forward and "
             "backward first"
         )
-    seconds: dict[tuple[str, int], float] = {}
-    first: dict[tuple[str, int], int] = {}
+    seconds: dict[str, float] = {}
+    first: dict[str, int] = {}
     for name, _step, start, end in mine:
-        kind, index = name.split()
-        key = (kind, int(index))
-        seconds[key] = seconds.get(key, 0.0) + (end - start) / 1e9
-        first.setdefault(key, start)
+        seconds[name] = seconds.get(name, 0.0) + (end - start) / 1e9
+        first.setdefault(name, start)
+    # The last pass's update runs until the next pass: the last one recorded.
+    update = next((e - b for n, _s, b, e in reversed(st.spans.spans) if n == "update"), 0)
     # A parameter of no element (a tensor-parallel piece of an uneven cut) is not gathered; a
     # scalar is one element.
     kept = [p for p in st.params if p.numel > 0]
@@ -173,15 +199,15 @@ def workload_record(module: Any, path: Any = None) -> dict[str, Any]:
         {
             "name": f"unit {u.index}",
             "params": [p.name for p in u.params if p.numel > 0],
-            "forward_flops": seconds.get(("forward", u.index), 0.0) * FLOPS_PER_SECOND,
-            "backward_flops": seconds.get(("backward", u.index), 0.0) * FLOPS_PER_SECOND,
+            "forward_flops": seconds.get(f"forward {u.index}", 0.0) * FLOPS_PER_SECOND,
+            "backward_flops": seconds.get(f"backward {u.index}", 0.0) * FLOPS_PER_SECOND,
             "recompute_flops": 0.0,
         }
         for u in units
     ]
 
     def order(kind: str) -> list[str]:
-        ran = sorted(units, key=lambda u: (first.get((kind, u.index), 1 << 63), u.index))
+        ran = sorted(units, key=lambda u: (first.get(f"{kind} {u.index}", 1 << 63), u.index))
         return [f"unit {u.index}" for u in ran]
 
     out = {
@@ -192,6 +218,8 @@ def workload_record(module: Any, path: Any = None) -> dict[str, Any]:
         "layers": layers,
         "forward_order": order("forward"),
         "backward_order": order("backward"),
+        "loss_flops": seconds.get("loss", 0.0) * FLOPS_PER_SECOND,
+        "update_flops": update / 1e9 * FLOPS_PER_SECOND,
     }
     if path is not None:
         with open(path, "w") as f:
