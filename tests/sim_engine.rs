@@ -41,9 +41,11 @@ fn run(w: &Workload, c: &SimConfig) -> SimReport {
 #[test]
 fn one_rank_takes_exactly_its_compute_time() {
     for (k, mut w) in workloads().into_iter().enumerate() {
-        // The step's compute outside the layers counts too (none in the first workload).
+        // The step's compute outside the layers counts too, and the engine's hooks' host time
+        // (none in the first workload).
         w.loss_flops = 1.5e9 * k as f64;
         w.update_flops = 2.5e9 * k as f64;
+        w.hook_s = 3.3e-6 * k as f64;
         for policy in Policy::LIBRARY {
             let mut c = config("dgx-h100", 1, policy);
             c.host_overhead_s = Some(0.0);
@@ -57,13 +59,16 @@ fn one_rank_takes_exactly_its_compute_time() {
                 .sum::<u64>()
                 + ns(w.loss_flops)
                 + ns(w.update_flops);
+            // A quarter of a layer's hook time at each of its two fetches and two releases.
+            let hooks = 4 * w.layers.len() as u64 * (w.hook_s * 1e9 / 4.0).round() as u64;
             for s in &r.steps {
-                assert_eq!(s.step_ns, per_step, "{} {policy}", w.name);
+                assert_eq!(s.step_ns, per_step + hooks, "{} {policy}", w.name);
                 assert_eq!(s.compute_ns, per_step as f64);
+                assert_eq!(s.host_ns, hooks as f64);
                 assert_eq!(s.exposed_ns, 0.0);
                 assert_eq!(s.comm_ns, [0, 0], "a group of one rank moves nothing");
             }
-            let exact = w.executed_flops() / (c.tflops * 1e12) * 1e3;
+            let exact = (w.executed_flops() / (c.tflops * 1e12) + w.hook_s * w.layers.len() as f64) * 1e3;
             assert!(
                 (r.step_ms() - exact).abs() < 1e-5 * w.layers.len() as f64 * 3.0,
                 "{} vs {exact}",
@@ -318,6 +323,7 @@ fn a_hand_written_trace_runs() {
         backward_order: vec!["l1".into(), "l0".into()],
         loss_flops: 0.0,
         update_flops: 0.0,
+        hook_s: 0.0,
     };
     let c = config("p4d", 8, Policy::Trace);
     let r = run(&w, &c);
@@ -422,6 +428,15 @@ fn the_loss_and_the_update_run_between_the_passes_and_after_the_reductions() {
             }
         }
     }
+}
+
+/// A hook time the virtual clock cannot hold is refused by name, as the other knobs are.
+#[test]
+fn a_hook_time_beyond_the_clock_is_refused_by_name() {
+    let mut w = small(Architecture::Gpt2, 3, 256, false);
+    w.hook_s = 1e12;
+    let e = simulate(&w, &config("p4d", 8, Policy::Trace)).err().expect("refused").to_string();
+    assert!(e.contains("hook_s") && e.contains("beyond the simulator's clock"), "{e}");
 }
 
 mod prop {

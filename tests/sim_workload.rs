@@ -154,9 +154,10 @@ fn bad_workloads_are_clear_errors() {
     assert!(mutate(&|w| w.layers[1].forward_flops = -1.0).contains("forward_flops"));
     assert!(mutate(&|w| w.update_flops = -2.0).contains("update_flops = -2; give a finite number >= 0"));
     assert!(mutate(&|w| w.loss_flops = -1.0).contains("loss_flops = -1"));
+    assert!(mutate(&|w| w.hook_s = -1e-6).contains("hook_s = -0.000001"));
     // The step's compute outside the layers goes through the file; absent, it is 0.
     let mut outside = good.clone();
-    (outside.loss_flops, outside.update_flops) = (3e9, 7e9);
+    (outside.loss_flops, outside.update_flops, outside.hook_s) = (3e9, 7e9, 2.5e-4);
     assert_eq!(Workload::from_json(&outside.to_json()).unwrap(), outside);
     assert!(!good.to_json().contains("update_flops"), "0 is left out");
     assert_eq!(Workload::from_json(&good.to_json()).unwrap().update_flops, 0.0);

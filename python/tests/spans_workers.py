@@ -35,9 +35,10 @@ def traced(rank: int, world: int, spec: dict[str, Any], out: str) -> dict[str, A
             model(models.batch(name, 9, 0, 0, rank)[0])
     record = cst.flight_record(out)
     workload = cst.workload_record(model, f"{out}/workload-{rank}.json")
+    stats = cst.stats(model)
     # The plain model's parameters (a tied one once), as the workload should name them.
     shapes = {n: list(p.shape) for n, p in models.build(name).named_parameters()}
-    return {"losses": losses, "params": after, "record": record, "workload": workload, "shapes": shapes}
+    return {"losses": losses, "params": after, "record": record, "workload": workload, "shapes": shapes, "stats": stats}
 
 
 def raised_in_backward(rank: int, world: int) -> list[dict[str, Any]]:

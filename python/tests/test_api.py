@@ -280,13 +280,14 @@ def test_the_example_trains_under_torchrun(tmp_path):
     assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses))), p.stdout
     assert losses[-1] < losses[0], p.stdout
     assert "reduce-scatters" in p.stdout
-    # --flight-out: each rank's record with its compute spans, rank 0's workload of the root and
-    # the two blocks.
+    # --flight-out: each rank's record with its compute spans, the workload of the root and the
+    # two blocks, with the step's loss and update and the hooks' host time.
     for rank in (0, 1):
         record = json.loads((tmp_path / f"rank-{rank}.json").read_text())
         assert record["rank"] == rank and record["entries"] and record["compute"], sorted(record)
     workload = json.loads((tmp_path / "workload.json").read_text())
     assert [layer["name"] for layer in workload["layers"]] == ["unit 0", "unit 1", "unit 2"], workload["layers"]
+    assert all(workload[k] > 0 for k in ("loss_flops", "update_flops", "hook_s")), workload
 
 
 def test_sync_module_states_starts_every_rank_from_rank_0():

@@ -175,6 +175,7 @@ pub fn workload(cfg: &DemoConfig) -> crate::sim::workload::Workload {
         backward_order,
         loss_flops: 0.0,
         update_flops: 0.0,
+        hook_s: 0.0,
     }
 }
 

@@ -208,6 +208,12 @@ impl Program {
                     Call::Compute(l, kind) => {
                         workload.layers.get(*l as usize).map_or(kind.name(), |l| &l.name)
                     }
+                    _ if !self.zero3 => {
+                        return Err(too_long(
+                            "workload",
+                            format!("a hook takes {ns:e} ns (the workload's hook_s)"),
+                        ))
+                    }
                     _ => "?",
                 };
                 return Err(too_long(
@@ -260,7 +266,7 @@ impl Program {
 /// The program of one step of the library's engine: forward over the layers (`Fetch` ->
 /// compute -> `Release`), the loss, then backward (`Fetch` -> recompute -> backward -> `Grad`
 /// for each trainable parameter whose last use this is -> `Release`), then `EndStep` and the
-/// update.
+/// update; the workload's engine hooks' host time after each `Fetch` and `Release`.
 fn library_step(
     workload: &Workload,
     set: &ParamSet,
@@ -270,18 +276,23 @@ fn library_step(
     ns_per_flop: f64,
 ) -> StepProgram {
     let mut s = StepProgram::default();
+    // The engine's hooks: a quarter of a layer's at each of its fetches and releases.
+    let hook = workload.hook_s * 1e9 / 4.0;
     s.push(Call::Phase { backward: false }, 0.0, 0);
     for &l in fwd {
         let layer = &workload.layers[l as usize];
         s.push(Call::Fetch(l), 0.0, 0);
+        s.hook(l, hook);
         s.push(Call::Compute(l, SpanKind::Forward), layer.forward_flops * ns_per_flop, 0);
         s.push(Call::Release(l), 0.0, 0);
+        s.hook(l, hook);
     }
     s.outside(SpanKind::Loss, workload.loss_flops, ns_per_flop);
     s.push(Call::Phase { backward: true }, 0.0, 0);
     for (k, &l) in bwd.iter().enumerate() {
         let layer = &workload.layers[l as usize];
         s.push(Call::Fetch(l), 0.0, 0);
+        s.hook(l, hook);
         if layer.recompute_flops > 0.0 {
             s.push(Call::Compute(l, SpanKind::Recompute), layer.recompute_flops * ns_per_flop, 0);
         }
@@ -292,6 +303,7 @@ fn library_step(
             }
         }
         s.push(Call::Release(l), 0.0, 0);
+        s.hook(l, hook);
     }
     s.push(Call::EndStep, 0.0, 0);
     s.outside(SpanKind::Update, workload.update_flops, ns_per_flop);

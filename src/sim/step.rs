@@ -45,6 +45,13 @@ impl StepProgram {
         self.syncs.push(syncs);
     }
 
+    /// Host time of the training engine's hook at layer `l`, where there is any.
+    pub(crate) fn hook(&mut self, l: u32, ns: f64) {
+        if ns > 0.0 {
+            self.push(Call::Host(l), ns, 0);
+        }
+    }
+
     /// The step's compute outside the layers, `flops` of `kind` (the loss after the forward,
     /// the update after the step's end), where there is any.
     pub(crate) fn outside(&mut self, kind: SpanKind, flops: f64, ns_per_flop: f64) {

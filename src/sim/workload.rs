@@ -22,10 +22,11 @@
 //!  "layers": [{"name": "l0", "params": ["w0"], "forward_flops": 2.1e9,
 //!              "backward_flops": 4.2e9, "recompute_flops": 0.0}],
 //!  "forward_order": ["l0"], "backward_order": ["l0"],
-//!  "loss_flops": 1.0e8, "update_flops": 3.0e8}
+//!  "loss_flops": 1.0e8, "update_flops": 3.0e8, "hook_s": 2.0e-4}
 //! ```
 //! `loss_flops` (between the forward and the backward) and `update_flops` (after the step's
-//! gradients are reduced: the optimizer) are the step's compute outside the layers; each may
+//! gradients are reduced: the optimizer) are the step's compute outside the layers; `hook_s`
+//! the training engine's own host time per layer per step ([`Workload::hook_s`]); each may
 //! be left out (0).
 //! A file may instead hold a generator config: `{"format": "collsched-workload", "version": 1,
 //! "transformer": {...}}` with the fields of [`TransformerConfig`].
@@ -153,6 +154,12 @@ pub struct Workload {
     /// trace does not say).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub update_flops: f64,
+    /// Host seconds per layer per step that the training engine's hooks spend outside the
+    /// library (`collsched.torch`'s Python hooks: its `host_us_per_unit`), simulated as a
+    /// quarter at each of the layer's two fetches and two releases of the library's engine
+    /// (the `zero3-2021` policy has hooks of its own); 0 where the trace does not say.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub hook_s: f64,
 }
 
 fn is_zero(x: &f64) -> bool {
@@ -446,6 +453,7 @@ impl TransformerConfig {
             backward_order,
             loss_flops: 0.0,
             update_flops: 0.0,
+            hook_s: 0.0,
         };
         w.validate()?;
         Ok(w)
@@ -607,7 +615,9 @@ impl Workload {
                 }
             }
         }
-        for (what, f) in [("loss_flops", self.loss_flops), ("update_flops", self.update_flops)] {
+        for (what, f) in
+            [("loss_flops", self.loss_flops), ("update_flops", self.update_flops), ("hook_s", self.hook_s)]
+        {
             if !(f.is_finite() && f >= 0.0) {
                 return bad(format!("{what} = {f}; give a finite number >= 0"));
             }

@@ -17,15 +17,16 @@ record's compute track, beside the collectives (``collsched flight DIR --trace-o
 the library writes by itself on a failure (``COLLSCHED_FLIGHT_RECORDER``) holds none.
 
 :func:`workload_record` writes what ``collsched sim --workload`` reads: the sharded parameters,
-one layer per unit with the compute the spans of the last pass measured, and the step's loss
-and update, at 1 TFLOP/s (run the simulator with ``--tflops 1``: compute is its input, the
-collectives and waits its prediction).
+one layer per unit with the compute its spans measured (the median pass), the step's loss and
+update, at 1 TFLOP/s (run the simulator with ``--tflops 1``: compute is its input, the
+collectives and waits its prediction), and the hooks' own host time.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import time
 import weakref
 from collections import deque
@@ -146,16 +147,19 @@ def recorded() -> list[tuple[str, int, int, int]]:
 
 def workload_record(module: Any, path: Any = None) -> dict[str, Any]:
     """The workload ``collsched sim --workload`` reads, of ``module``'s sharded model (its root,
-    or any module of it) as this rank ran its last training pass: each sharded parameter (the
-    shape collsched shards: a tensor-parallel one's local tensor; the dtype it is gathered in;
-    its unit as its ``"module"``), one layer per unit (``unit U``, its parameters) with the
-    forward and backward compute of its spans at 1 TFLOP/s, the orders the units ran in, and the
-    step's compute outside the units: the last pass's loss, the last update recorded (the last
-    pass's runs on until the next pass; none recorded: 0).
-    With ``path``, also written there. Simulate it with ``collsched sim --workload PATH --world
-    N --tflops 1 --bucket-by module ...``; with ``--against`` a trace of this run's flight
-    record, the compute is paired by unit. Raises on the cuda backend (no spans) and before a
-    training pass."""
+    or any module of it) as the job ran it: each sharded parameter (the shape collsched shards:
+    a tensor-parallel one's local tensor; the dtype it is gathered in; its unit as its
+    ``"module"``), one layer per unit (``unit U``, its parameters) with the forward and backward
+    compute of its spans at 1 TFLOP/s, the step's compute outside the units (the loss and the
+    update; the last pass's update runs on until the next pass, and is not counted), the
+    hooks' own host time per unit of the last step (``hook_s``), and the orders the units ran in
+    this rank's last pass. Each time is a rank's median over its recorded passes (the first left
+    out where there are others), of the slowest rank: the simulator runs every rank alike, and
+    the real ranks wait for the slowest at each collective. Collective: every rank calls it,
+    and gets the same workload; with ``path``, also written there (give it on one rank).
+    Simulate it with ``collsched sim --workload PATH --world N --tflops 1 --bucket-by module
+    ...``; with ``--against`` a trace of this run's flight record, the compute is paired by unit.
+    Raises on the cuda backend (no spans) and before a training pass on any rank."""
     from .module import _root_state
 
     st = _root_state(module)
@@ -166,18 +170,30 @@ def workload_record(module: Any, path: Any = None) -> dict[str, Any]:
         )
     last = st.spans.step - 1
     mine = [s for s in st.spans.spans if s[1] == last] if last >= 0 else []
-    if not mine:
-        raise CollschedError(
-            "workload_record: no training pass recorded yet (or COLLSCHED_FLIGHT_ENTRIES=0); run a forward and "
-            "backward first"
-        )
-    seconds: dict[str, float] = {}
     first: dict[str, int] = {}
-    for name, _step, start, end in mine:
-        seconds[name] = seconds.get(name, 0.0) + (end - start) / 1e9
+    for name, _step, start, _end in mine:
         first.setdefault(name, start)
-    # The last pass's update runs until the next pass: the last one recorded.
-    update = next((e - b for n, _s, b, e in reversed(st.spans.spans) if n == "update"), 0)
+    # Each span's seconds a pass (a unit's pieces summed), by name.
+    per: dict[str, dict[int, float]] = {}
+    for name, step, start, end in st.spans.spans:
+        at = per.setdefault(name, {})
+        at[step] = at.get(step, 0.0) + (end - start) / 1e9
+    # The median over the recorded passes, the first (first-call costs) left out where there
+    # are others; and the hooks' time (a key no span has).
+    typical = {n: statistics.median([v for k, v in at.items() if k > 0] or at.values()) for n, at in per.items()}
+    if mine:
+        typical["hooks"] = st.last.get("host_us_per_unit", 0.0) * 1e-6
+    every = [json.loads(b) for b in st.world.all_gather(json.dumps(typical if mine else {}).encode())]
+    if not all(every):
+        idle = [r for r, t in enumerate(every) if not t]
+        raise CollschedError(
+            f"workload_record: no training pass recorded yet on rank(s) {idle} (or COLLSCHED_FLIGHT_ENTRIES=0); "
+            "run a forward and backward first"
+        )
+
+    def seconds(name: str) -> float:
+        return max(t.get(name, 0.0) for t in every)
+
     # A parameter of no element (a tensor-parallel piece of an uneven cut) is not gathered; a
     # scalar is one element.
     kept = [p for p in st.params if p.numel > 0]
@@ -199,8 +215,8 @@ def workload_record(module: Any, path: Any = None) -> dict[str, Any]:
         {
             "name": f"unit {u.index}",
             "params": [p.name for p in u.params if p.numel > 0],
-            "forward_flops": seconds.get(f"forward {u.index}", 0.0) * FLOPS_PER_SECOND,
-            "backward_flops": seconds.get(f"backward {u.index}", 0.0) * FLOPS_PER_SECOND,
+            "forward_flops": seconds(f"forward {u.index}") * FLOPS_PER_SECOND,
+            "backward_flops": seconds(f"backward {u.index}") * FLOPS_PER_SECOND,
             "recompute_flops": 0.0,
         }
         for u in units
@@ -218,8 +234,10 @@ def workload_record(module: Any, path: Any = None) -> dict[str, Any]:
         "layers": layers,
         "forward_order": order("forward"),
         "backward_order": order("backward"),
-        "loss_flops": seconds.get("loss", 0.0) * FLOPS_PER_SECOND,
-        "update_flops": update / 1e9 * FLOPS_PER_SECOND,
+        "loss_flops": seconds("loss") * FLOPS_PER_SECOND,
+        "update_flops": seconds("update") * FLOPS_PER_SECOND,
+        # The hooks' own host time per unit of the last step (``stats``' host_us_per_unit).
+        "hook_s": seconds("hooks"),
     }
     if path is not None:
         with open(path, "w") as f:
