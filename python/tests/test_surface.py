@@ -208,8 +208,8 @@ def test_max_inflight_and_prefetch_mb_bound_the_gathered_bytes(knob_runs, knobs)
 def check_byte_counters(runs: list[dict], reduce_dtype: str | None) -> None:
     """Every step's ``gathered_bytes`` is every gather bucket's full buffer twice (the forward
     and the backward), ``reduced_bytes`` every gradient bucket's once in the reduction dtype,
-    the launch counts agree, and ``wait_ms``, ``host_us_per_unit`` and ``native_us_per_unit``
-    are finite and not negative."""
+    the launch counts agree, and ``wait_ms``, ``host_us_per_unit``, ``native_us_per_unit`` and
+    ``calls_us_per_unit`` are finite and not negative."""
     for rank, r in enumerate(runs):
         plan = r["plan"]
         gather, grad = buckets(plan, "gather"), buckets(plan, "grad")
@@ -221,9 +221,11 @@ def check_byte_counters(runs: list[dict], reduce_dtype: str | None) -> None:
             assert st["gathered_bytes"] == want_gathered, f"{where}: gathered {st['gathered_bytes']}, {want_gathered}"
             assert st["reduce_scatters"] == len(grad), f"{where}: {st['reduce_scatters']} reductions, {len(grad)}"
             assert st["reduced_bytes"] == want_reduced, f"{where}: reduced {st['reduced_bytes']}, {want_reduced}"
-            for key in ("wait_ms", "host_us_per_unit", "native_us_per_unit"):
+            for key in ("wait_ms", "host_us_per_unit", "native_us_per_unit", "calls_us_per_unit"):
                 v = st[key]
                 assert isinstance(v, float) and math.isfinite(v) and v >= 0, f"{where}: {key} = {v!r}"
+            # The library calls' time less their waits: never above their whole time.
+            assert st["calls_us_per_unit"] <= st["native_us_per_unit"], where
 
 
 @pytest.mark.parametrize("knobs", [*KNOBS, "explicit"])

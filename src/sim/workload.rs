@@ -154,10 +154,11 @@ pub struct Workload {
     /// trace does not say).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub update_flops: f64,
-    /// Host seconds per layer per step that the training engine's hooks spend outside the
-    /// library (`collsched.torch`'s Python hooks: its `host_us_per_unit`), simulated as a
-    /// quarter at each of the layer's two fetches and two releases of the library's engine
-    /// (the `zero3-2021` policy has hooks of its own); 0 where the trace does not say.
+    /// Host seconds per layer per step of the training engine's hooks, waits for collectives
+    /// left out (`collsched.torch`'s Python hooks and their calls into the library: its
+    /// `host_us_per_unit` plus `calls_us_per_unit`), simulated as a quarter at each of the
+    /// layer's two fetches and two releases of the library's engine (the `zero3-2021` policy
+    /// has hooks of its own); 0 where the trace does not say.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub hook_s: f64,
 }

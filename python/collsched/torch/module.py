@@ -471,7 +471,8 @@ def stats(module: nn.Module) -> dict[str, Any]:
     ``prefetch_misses``, ``wait_ms``, ``peak_gathered_bytes``, ``host_us_per_unit`` (Python
     time of this package's hooks, the saved-tensor hooks included and calls into the library
     excluded, per unit forward, for the forward and backward of the step), ``native_us_per_unit``
-    (the time of those calls into the library, likewise), and more."""
+    (the time of those calls into the library, likewise), ``calls_us_per_unit`` (that time less
+    ``wait_ms``, the waits for collectives), and more."""
     return dict(_root_state(module).last)
 
 

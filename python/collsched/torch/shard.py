@@ -60,8 +60,7 @@ class _State:
         self.train: Any = None
         self.eval: Any = None
         self.last: dict[str, Any] = {}
-        self.host_s = 0.0
-        self.native_s = 0.0
+        self.host_s = self.native_s = 0.0
         self.host_units = 0
         self._queued = False
         self.got: set[int] = set()
@@ -191,6 +190,7 @@ class _State:
 
     def reshard_all(self) -> None:
         """Releases every unit :meth:`unshard` fetched (a pass, or a gather of everything, starts)."""
+        self.spans.pause()
         for u in self.units:
             if u.manual:
                 self.reshard(u)
@@ -731,8 +731,9 @@ class _State:
         self.got.clear()
         stats = self.train.end_step()
         host_s = self.host_s + self.hooks.take_seconds()
-        stats["host_us_per_unit"] = 1e6 * host_s / max(self.host_units, 1)
-        stats["native_us_per_unit"] = 1e6 * self.native_s / max(self.host_units, 1)
+        per = 1e6 / max(self.host_units, 1)
+        stats["host_us_per_unit"], stats["native_us_per_unit"] = host_s * per, self.native_s * per
+        stats["calls_us_per_unit"] = max(self.native_s - stats["wait_ms"] / 1e3, 0.0) * per
         self.host_s = 0.0
         self.native_s = 0.0
         self.host_units = 0
@@ -783,7 +784,6 @@ class _State:
     def gather_all(self) -> dict[int, torch.Tensor]:
         """Every parameter's full value (copies; a mixed-precision one's f32 master), by id.
         Collective."""
-        self.spans.pause()
         self.reshard_all()
         if self.masters:
             values_.push_masters(self)

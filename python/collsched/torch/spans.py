@@ -19,7 +19,7 @@ the library writes by itself on a failure (``COLLSCHED_FLIGHT_RECORDER``) holds 
 :func:`workload_record` writes what ``collsched sim --workload`` reads: the sharded parameters,
 one layer per unit with the compute its spans measured (the median pass), the step's loss and
 update, at 1 TFLOP/s (run the simulator with ``--tflops 1``: compute is its input, the
-collectives and waits its prediction), and the hooks' own host time.
+collectives and waits its prediction), and the engine's host time per unit.
 """
 
 from __future__ import annotations
@@ -152,7 +152,9 @@ def workload_record(module: Any, path: Any = None) -> dict[str, Any]:
     ``"module"``), one layer per unit (``unit U``, its parameters) with the forward and backward
     compute of its spans at 1 TFLOP/s, the step's compute outside the units (the loss and the
     update; the last pass's update runs on until the next pass, and is not counted), the
-    hooks' own host time per unit of the last step (``hook_s``), and the orders the units ran in
+    engine's host time per unit of the last step (``hook_s``: the hooks' own and their calls into
+    the library, waits for collectives left out: ``stats``' ``host_us_per_unit`` plus
+    ``calls_us_per_unit``), and the orders the units ran in
     this rank's last pass. Each time is a rank's median over its recorded passes (the first left
     out where there are others), of the slowest rank: the simulator runs every rank alike, and
     the real ranks wait for the slowest at each collective. Collective: every rank calls it,
@@ -182,7 +184,9 @@ def workload_record(module: Any, path: Any = None) -> dict[str, Any]:
     # are others; and the hooks' time (a key no span has).
     typical = {n: statistics.median([v for k, v in at.items() if k > 0] or at.values()) for n, at in per.items()}
     if mine:
-        typical["hooks"] = st.last.get("host_us_per_unit", 0.0) * 1e-6
+        # The engine's own host time: its hooks' and their calls into the library, less the
+        # waits for collectives (the simulator's own).
+        typical["hooks"] = (st.last.get("host_us_per_unit", 0.0) + st.last.get("calls_us_per_unit", 0.0)) * 1e-6
     every = [json.loads(b) for b in st.world.all_gather(json.dumps(typical if mine else {}).encode())]
     if not all(every):
         idle = [r for r, t in enumerate(every) if not t]
@@ -236,7 +240,6 @@ def workload_record(module: Any, path: Any = None) -> dict[str, Any]:
         "backward_order": order("backward"),
         "loss_flops": seconds("loss") * FLOPS_PER_SECOND,
         "update_flops": seconds("update") * FLOPS_PER_SECOND,
-        # The hooks' own host time per unit of the last step (``stats``' host_us_per_unit).
         "hook_s": seconds("hooks"),
     }
     if path is not None:
