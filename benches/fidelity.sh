@@ -24,7 +24,7 @@
 # Knobs (environment): COLLSCHED_EXE (default: target/release/collsched, built if missing),
 # FIDELITY_RANKS, FIDELITY_POLICIES (demo policies: none trace), FIDELITY_BUCKETS_KB,
 # FIDELITY_STEPS (demo steps, default 100), FIDELITY_ROUNDS (rounds, default 3),
-# FIDELITY_CALIBRATE (extra calibrate flags).
+# FIDELITY_CALIBRATE (extra calibrate flags), FIDELITY_SIM (extra sim flags).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -88,9 +88,10 @@ for n in $ranks_list; do
         positive "$measured" || fail "demo ($n ranks, $b KiB, $p): median step '$measured' is not a positive number"
         positive "$tflops" || fail "demo ($n ranks, $b KiB, $p): compute rate '$tflops' is not a positive number"
         simulate() {
+          # shellcheck disable=SC2086
           "$exe" sim --workload "$work/w.json" --world "$n" --cost "$profile" --tflops "$tflops" \
             --policy "$(sim_policy "$p")" --bucket-by size --bucket-mb "$(awk -v b="$b" 'BEGIN { print b / 1024 }')" \
-            --steps 6 --json "$@" || fail "sim ($n ranks, $b KiB, $p) failed"
+            --steps 6 --json ${FIDELITY_SIM:-} "$@" || fail "sim ($n ranks, $b KiB, $p) failed"
         }
         sim=$(simulate)
         predicted=$(grep -o '"step_ms":[0-9.e+-]*' <<<"$sim" | cut -d: -f2)

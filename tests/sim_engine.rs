@@ -430,6 +430,37 @@ fn the_loss_and_the_update_run_between_the_passes_and_after_the_reductions() {
     }
 }
 
+/// A rank that blocks on a collective resumes the wait overhead after its end: every wait
+/// span of a run without prefetch is at least that long, the step's exposed time at least that
+/// much per wait, and every step longer than without it.
+#[test]
+fn a_blocking_wait_costs_the_wait_overhead() {
+    use collsched::sim::SpanKind;
+    let w = small(Architecture::Llama, 4, 512, false);
+    let mut c = config("p4d", 8, Policy::Coalesced);
+    c.timeline = true;
+    let base = run(&w, &c);
+    c.wait_overhead_s = Some(25e-6);
+    let slow = run(&w, &c);
+    let waits = |r: &SimReport, step: u32| {
+        r.timeline.as_ref().unwrap().compute[0]
+            .iter()
+            .filter(|x| x.step == step && x.kind == SpanKind::Wait)
+            .count()
+    };
+    for (k, (a, b)) in base.steps.iter().zip(&slow.steps).enumerate() {
+        let n = waits(&slow, k as u32);
+        assert!(n > 0 && waits(&base, k as u32) > 0, "step {k}: fetches block without prefetch");
+        assert!(b.step_ns > a.step_ns, "step {k}: {} vs {}", b.step_ns, a.step_ns);
+        assert!(b.exposed_ns >= n as f64 * 25_000.0, "step {k}: {} exposed over {n} waits", b.exposed_ns);
+    }
+    let tl = slow.timeline.as_ref().unwrap();
+    assert!(tl.compute.iter().flatten().filter(|x| x.kind == SpanKind::Wait).all(|x| x.dur_ns >= 25_000));
+    c.wait_overhead_s = Some(f64::NAN);
+    let Err(e) = simulate(&w, &c) else { panic!("a NaN wait overhead was accepted") };
+    assert!(e.to_string().contains("wait-overhead-us"), "{e}");
+}
+
 /// A hook time the virtual clock cannot hold is refused by name, as the other knobs are.
 #[test]
 fn a_hook_time_beyond_the_clock_is_refused_by_name() {

@@ -623,5 +623,6 @@ fn stats_dict<'py>(py: Python<'py>, s: &StepStats) -> PyResult<Bound<'py, PyDict
     d.set_item("collectives", s.driver.collectives)?;
     d.set_item("bytes_moved", s.driver.bytes_moved)?;
     d.set_item("wait_ms", s.driver.wait_time.as_secs_f64() * 1e3)?;
+    d.set_item("blocked_waits", s.driver.blocked_waits)?;
     Ok(d)
 }

@@ -226,6 +226,7 @@ def check_byte_counters(runs: list[dict], reduce_dtype: str | None) -> None:
                 assert isinstance(v, float) and math.isfinite(v) and v >= 0, f"{where}: {key} = {v!r}"
             # The library calls' time less their waits: never above their whole time.
             assert st["calls_us_per_unit"] <= st["native_us_per_unit"], where
+            assert isinstance(st["blocked_waits"], int) and st["blocked_waits"] >= 0, where
 
 
 @pytest.mark.parametrize("knobs", [*KNOBS, "explicit"])

@@ -36,7 +36,7 @@ pub enum Command {
     /// Measure collectives, printing nccl-tests columns.
     Bench(bench::BenchArgs),
     /// Simulate training steps on a modelled machine.
-    Sim(sim::SimArgs),
+    Sim(Box<sim::SimArgs>),
     /// Measure this machine's collective, launch and host costs into a cost profile for `sim --cost`.
     Calibrate(calibrate::CalibrateArgs),
     /// Train a small model sharded over local ranks and check parity with an unsharded run.
@@ -59,7 +59,7 @@ pub fn main() -> ExitCode {
     let result = match cli.command {
         Command::Plan(a) => plan::run(a),
         Command::Bench(a) => bench::run(a),
-        Command::Sim(a) => sim::run(a),
+        Command::Sim(a) => sim::run(*a),
         Command::Calibrate(a) => calibrate::run(a),
         Command::Demo(a) => demo::run(a),
         Command::Topo(a) => topo::run(a),

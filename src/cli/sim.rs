@@ -93,6 +93,10 @@ pub struct SimArgs {
     /// all-gather and 250 per reduce-scatter for zero3-2021, else 0).
     #[arg(long, value_name = "US")]
     pub host_overhead_us: Option<f64>,
+    /// Microseconds a rank loses each time it blocks on a collective, past the collective's
+    /// end (the others' late arrival on shared cores, waking up). Default 0.
+    #[arg(long, value_name = "US")]
+    pub wait_overhead_us: Option<f64>,
     /// Compute is this many times slower (ranks sharing cores); default: the `--cost`
     /// profile's `compute_slowdown`, else 1.
     #[arg(long, value_name = "F")]
@@ -296,6 +300,7 @@ fn run_one(args: &SimArgs, timeline: bool) -> Result<(SimReport, Topology, SimCo
     cfg.max_live_bytes = mib("max-live-mb", args.max_live_mb)?;
     cfg.steps = args.steps;
     cfg.host_overhead_s = args.host_overhead_us.map(|us| us * 1e-6);
+    cfg.wait_overhead_s = args.wait_overhead_us.map(|us| us * 1e-6);
     cfg.compute_slowdown = args.compute_slowdown;
     cfg.compute_overlap = args.compute_overlap;
     cfg.jitter = args.jitter;
@@ -325,12 +330,13 @@ fn write_summary(out: &mut impl Write, r: &SimReport, topo: &Topology, cfg: &Sim
     if let Some(p) = &cfg.profile {
         writeln!(
             out,
-            "  collectives priced by a cost profile of `{}` measured on {} ranks{}; host overhead {:.1} us per collective; \
-             compute x{:.2}, {:.0}% of collective time overlapping it",
+            "  collectives priced by a cost profile of `{}` measured on {} ranks{}; host overhead {:.1} us per collective, \
+             {:.1} us per blocking wait; compute x{:.2}, {:.0}% of collective time overlapping it",
             p.backend,
             p.ranks,
             if p.machine.is_empty() { String::new() } else { format!(" ({})", p.machine) },
             cfg.host_overhead() * 1e6,
+            cfg.wait_overhead() * 1e6,
             cfg.compute_slowdown(),
             cfg.compute_overlap() * 100.0
         )?;

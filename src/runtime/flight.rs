@@ -19,6 +19,8 @@ pub struct DriverCounters {
     pub bytes_moved: u64,
     /// Time the host spent blocked waiting for collectives.
     pub wait_time: Duration,
+    /// Waits that found their collectives still running (the host blocked).
+    pub blocked_waits: u64,
 }
 
 /// Maps a backend error to the runtime's, naming rank, op and bucket.
@@ -77,6 +79,7 @@ pub(crate) fn wait_flight<B: Backend>(
         let r = if matches!(flight.is_done(), Ok(true)) {
             flight.try_finish()
         } else {
+            counters.blocked_waits += 1;
             flight.wait(be.timeout())
         };
         counters.wait_time += start.elapsed();

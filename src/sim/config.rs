@@ -193,6 +193,10 @@ pub struct SimConfig {
     /// one, else [`NAIVE_HOST_OVERHEAD_S`] for [`Policy::Naive`], else 0. [`Policy::Zero3_2021`]
     /// prices its own launches (all-gather and reduce-scatter apart) unless this is set.
     pub host_overhead_s: Option<f64>,
+    /// `wait_overhead_s`: seconds a rank loses each time it blocks on a collective, beyond the
+    /// collective's end (the others' late arrival on shared cores, waking up). `None`: 0 (a
+    /// profile does not measure it: see `benches/README.md`, "The simulator against real runs").
+    pub wait_overhead_s: Option<f64>,
     /// `compute_slowdown`: compute durations are multiplied by it (every rank computing at
     /// once on shared cores). `None`: the profile's, else 1.
     pub compute_slowdown: Option<f64>,
@@ -227,6 +231,7 @@ impl SimConfig {
             max_live_bytes: DEFAULT_MAX_LIVE_BYTES,
             steps: DEFAULT_STEPS,
             host_overhead_s: None,
+            wait_overhead_s: None,
             compute_slowdown: None,
             compute_overlap: None,
             jitter: 0.0,
@@ -278,6 +283,11 @@ impl SimConfig {
         })
     }
 
+    /// The seconds lost per blocking wait in effect.
+    pub fn wait_overhead(&self) -> f64 {
+        self.wait_overhead_s.unwrap_or(0.0)
+    }
+
     /// The compute slowdown in effect.
     pub fn compute_slowdown(&self) -> f64 {
         self.compute_slowdown.or(self.profile.as_ref().and_then(|p| p.compute_slowdown)).unwrap_or(1.0)
@@ -317,6 +327,13 @@ impl SimConfig {
         let h = self.host_overhead();
         if !(h.is_finite() && h >= 0.0) {
             return bad("host-overhead-us", format!("is {}; give a finite number >= 0", h * 1e6));
+        }
+        let w = self.wait_overhead();
+        if !(w.is_finite() && (0.0..=1.0).contains(&w)) {
+            return bad(
+                "wait-overhead-us",
+                format!("is {}; give a finite number of us within 0..1e6", w * 1e6),
+            );
         }
         let slow = self.compute_slowdown();
         if !(slow.is_finite() && slow >= 1.0) {

@@ -555,7 +555,8 @@ impl SimRank {
 /// Stalls the rank until `end` (exposed communication), a wait span on `index`.
 fn wait_until(sh: &Program, c: Clock<'_>, end: u64, index: u32) {
     if end > *c.clock {
-        let stall = end - *c.clock;
+        // A rank that blocked resumes its wait overhead after the collective's end.
+        let stall = end - *c.clock + sh.wait_ns;
         if sh.timeline {
             let kind = SpanKind::Wait;
             c.spans.push(Span {
@@ -568,7 +569,7 @@ fn wait_until(sh: &Program, c: Clock<'_>, end: u64, index: u32) {
             });
         }
         c.acc.exposed += stall;
-        *c.clock = end;
+        *c.clock += stall;
     }
 }
 
@@ -701,21 +702,14 @@ fn exec(sh: &mut Program, colls: &mut Colls, st: &mut SimRank) -> Result<Flow, S
                     };
                     match on {
                         WaitOn::Stream(Stream::Compute) | WaitOn::Host => {
-                            if end > st.clock {
-                                let stall = end - st.clock;
-                                if sh.timeline {
-                                    st.spans.push(Span {
-                                        start_ns: st.clock,
-                                        dur_ns: stall,
-                                        kind: SpanKind::Wait,
-                                        index: id.bucket.0,
-                                        step: st.step,
-                                        prefetch: false,
-                                    });
-                                }
-                                st.acc.exposed += stall;
-                                st.clock = end;
-                            }
+                            // Field by field: the action list stays borrowed.
+                            let c = Clock {
+                                clock: &mut st.clock,
+                                acc: &mut st.acc,
+                                spans: &mut st.spans,
+                                step: st.step,
+                            };
+                            wait_until(sh, c, end, id.bucket.0);
                         }
                         WaitOn::Stream(other) => {
                             if let Some(s) = lane_of(*other) {

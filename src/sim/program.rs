@@ -30,6 +30,8 @@ pub(crate) struct Program {
     pub(crate) profile: Option<collsched_topo::CostProfile>,
     /// Host ns per launch, by role: `[all-gather, reduce-scatter]`.
     pub(crate) host_ns: [u64; 2],
+    /// Ns a rank loses each time it blocks on a collective, past the collective's end.
+    pub(crate) wait_ns: u64,
     /// Each all-gather launch first waits for every collective the rank launched (a device
     /// synchronize, counted as one sync): [`Policy::Zero3_2021`].
     pub(crate) sync_before_gather: bool,
@@ -179,6 +181,7 @@ impl Program {
                 (true, None) => [zero3::gather_host_ns(), zero3::reduce_host_ns()],
                 _ => [(config.host_overhead() * 1e9).round() as u64; 2],
             },
+            wait_ns: (config.wait_overhead() * 1e9).round() as u64,
             sync_before_gather: zero3,
             zero3,
             contention: 1.0 - config.compute_overlap(),

@@ -472,7 +472,8 @@ def stats(module: nn.Module) -> dict[str, Any]:
     time of this package's hooks, the saved-tensor hooks included and calls into the library
     excluded, per unit forward, for the forward and backward of the step), ``native_us_per_unit``
     (the time of those calls into the library, likewise), ``calls_us_per_unit`` (that time less
-    ``wait_ms``, the waits for collectives), and more."""
+    ``wait_ms``, the waits for collectives), ``blocked_waits`` (the waits that found their
+    collectives still running), and more."""
     return dict(_root_state(module).last)
 
 
