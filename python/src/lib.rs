@@ -26,6 +26,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("MismatchError", py.get_type::<errors::MismatchError>())?;
     m.add_function(wrap_pyfunction!(plan::plan_json, m)?)?;
     m.add_function(wrap_pyfunction!(bench::bench, m)?)?;
+    m.add_function(wrap_pyfunction!(world::flight_entries, m)?)?;
     m.add_class::<world::World>()?;
     m.add("HAS_MPI", world::HAS_MPI)?;
     m.add("HAS_CUDA", world::HAS_CUDA)?;

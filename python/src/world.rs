@@ -334,3 +334,11 @@ impl World {
         self.exchange()?.all_gather_bytes(&[]).map(drop).map_err(errors::backend)
     }
 }
+
+/// The entries a flight record keeps: `COLLSCHED_FLIGHT_ENTRIES` as the library reads it (a
+/// malformed value keeps the default and says so in the log), for `collsched.torch`'s compute
+/// spans.
+#[pyfunction]
+pub fn flight_entries() -> usize {
+    collsched::backend::flight::FlightConfig::from_env().entries
+}

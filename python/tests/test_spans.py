@@ -205,3 +205,13 @@ def test_workload_record_before_a_pass_says_what_to_do():
     for text in run(spans_workers.refused, 2):
         assert "no training pass recorded yet on rank(s) [0, 1]" in text, text
         assert "run a forward and backward first" in text, text
+
+
+@pytest.mark.parametrize("value, kept", [("7", 7), ("0", 0), (" 12 ", 12), ("many", 2000), ("-3", 2000)])
+def test_the_spans_kept_are_the_native_records_count(monkeypatch, value, kept):
+    """``COLLSCHED_FLIGHT_ENTRIES`` read by the library's own rule (a malformed count keeps the
+    default, 2000): a model keeps as many compute spans as its record keeps collectives."""
+    from collsched.torch.spans import Spans
+
+    monkeypatch.setenv("COLLSCHED_FLIGHT_ENTRIES", value)
+    assert Spans(False).spans.maxlen == kept, value

@@ -12,8 +12,9 @@ backward that raised) leaves no span. The step's compute outside the units has t
 pass's first hook or the next call that gathers the whole model (the optimizer step,
 ``zero_grad``, the loop's own work), each with the pass it follows. Recorded on host
 backends, where the host's time is the compute's (on ``cuda`` the host only queues kernels:
-nothing is recorded), the last ``COLLSCHED_FLIGHT_ENTRIES`` (default 2000) spans; :func:`flight_record` puts them on the
-record's compute track, beside the collectives (``collsched flight DIR --trace-out``). A record
+nothing is recorded), the last ``COLLSCHED_FLIGHT_ENTRIES`` (default 2000) spans;
+:func:`flight_record` puts them on the record's compute track, beside the collectives
+(``collsched flight DIR --trace-out``). A record
 the library writes by itself on a failure (``COLLSCHED_FLIGHT_RECORDER``) holds none.
 
 :func:`workload_record` writes what ``collsched sim --workload`` reads: the sharded parameters,
@@ -25,26 +26,19 @@ collectives and waits its prediction), and the engine's host time per unit.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import time
 import weakref
 from collections import deque
 from typing import Any
 
+from .. import _native
 from .world import CollschedError
 
 _ALL: weakref.WeakSet = weakref.WeakSet()
 # The rate the workload's FLOPs are counted at: measured seconds times this (``--tflops 1``).
 FLOPS_PER_SECOND = 1e12
 _DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
-
-
-def _capacity() -> int:
-    try:
-        return max(int(os.environ.get("COLLSCHED_FLIGHT_ENTRIES", "2000")), 0)
-    except ValueError:
-        return 2000
 
 
 class Spans:
@@ -56,7 +50,8 @@ class Spans:
 
     def __init__(self, on: bool) -> None:
         self.on = on
-        self.spans: deque[tuple[str, int, int, int]] = deque(maxlen=_capacity())
+        # As many as the native record keeps collectives (``COLLSCHED_FLIGHT_ENTRIES``).
+        self.spans: deque[tuple[str, int, int, int]] = deque(maxlen=_native.flight_entries())
         self.stack: list[tuple[str, int]] = []
         self.open = 0
         self.step = 0
