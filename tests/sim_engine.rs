@@ -461,7 +461,8 @@ fn a_blocking_wait_costs_the_wait_overhead() {
     assert!(e.to_string().contains("wait-overhead-us"), "{e}");
 }
 
-/// A hook time the virtual clock cannot hold is refused by name, as the other knobs are.
+/// A hook time the virtual clock cannot hold is refused by name, as the other knobs are; a
+/// NaN or negative step term is refused as a workload file's would be.
 #[test]
 fn a_hook_time_beyond_the_clock_is_refused_by_name() {
     let mut w = small(Architecture::Gpt2, 3, 256, false);
@@ -469,6 +470,16 @@ fn a_hook_time_beyond_the_clock_is_refused_by_name() {
     let Err(e) = simulate(&w, &config("p4d", 8, Policy::Trace)) else { panic!("hook_s 1e12 s was accepted") };
     let e = e.to_string();
     assert!(e.contains("hook_s") && e.contains("beyond the simulator's clock"), "{e}");
+    // A workload built in code is checked as a file is: a NaN or negative outside term is refused.
+    for (loss, update) in [(f64::NAN, 0.0), (0.0, -1.0)] {
+        let mut w = small(Architecture::Gpt2, 3, 256, false);
+        (w.loss_flops, w.update_flops) = (loss, update);
+        let Err(e) = simulate(&w, &config("p4d", 8, Policy::Trace)) else {
+            panic!("{loss} {update} accepted")
+        };
+        let e = e.to_string();
+        assert!(e.contains("give a finite number >= 0") && e.contains("_flops"), "{e}");
+    }
 }
 
 mod prop {

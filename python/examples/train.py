@@ -69,8 +69,8 @@ def main() -> None:
         "--flight-out",
         metavar="DIR",
         help="at the end, each rank's flight record (collectives, and on the CPU each unit's compute) into DIR "
-        "and the workload (each span of the slowest rank) as DIR/workload.json, for `collsched flight DIR "
-        "--trace-out` and `collsched sim --workload DIR/workload.json --tflops 1 --against`",
+        "and the workload (each span's time the largest over the ranks) as DIR/workload.json, for `collsched "
+        "flight DIR --trace-out` and `collsched sim --workload DIR/workload.json --tflops 1 --against`",
     )
     args = p.parse_args()
 
@@ -111,7 +111,7 @@ def main() -> None:
     if args.flight_out:
         cst.flight_record(args.flight_out)
         if args.backend != "cuda":
-            # Collective (the slowest rank's times); written by rank 0.
+            # Collective (each span's time the largest over the ranks); written by rank 0.
             cst.workload_record(model, f"{args.flight_out}/workload.json" if world.rank == 0 else None)
     if world.rank == 0:
         s = cst.stats(model)

@@ -3,6 +3,7 @@ record (collectives and compute spans) and its simulator workload."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -111,3 +112,19 @@ def refused(rank: int, world: int) -> str:
     except cst.CollschedError as e:
         return str(e)
     return "no error"
+
+
+def accumulated(rank: int, world: int) -> list[dict[str, Any]]:
+    """Two steps of two micro-batches, the first under ``no_sync``: this rank's compute spans."""
+    import collsched.torch as cst
+
+    model = shard(models.build("gpt"), {"bucket_mb": 0.002})
+    opt = models.optimizer("adamw", model.parameters())
+    for step in range(2):
+        for micro in range(2):
+            x, y = models.batch("gpt", 0, step, micro, rank)
+            with model.no_sync() if micro == 0 else contextlib.nullcontext():
+                models.loss_fn("gpt", model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return cst.flight_record()["compute"]

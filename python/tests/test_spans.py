@@ -143,6 +143,18 @@ def test_the_workload_is_the_model_and_its_slowest_rank_measured(traced):
         hooks = max(x["stats"]["host_us_per_unit"] + x["stats"]["calls_us_per_unit"] for x in runs) * 1e-6
         assert w["hook_s"] > 0 and w["hook_s"] == pytest.approx(hooks, rel=1e-12), (rank, w["hook_s"], hooks)
 
+    # Each rank's engine time of its last step (its hooks' and their library calls', waits left
+    # out) lies in that step outside its spans: from the previous step's update's end to its
+    # own update's end.
+    last = SPEC["steps"] - 1
+    for rank, r in enumerate(runs):
+        steps = by_step(r["record"]["compute"])
+        (before,) = [c["end_ns"] for c in steps[last - 1] if c["name"] == "update"]
+        (end,) = [c["end_ns"] for c in steps[last] if c["name"] == "update"]
+        outside = (end - before - sum(c["end_ns"] - c["start_ns"] for c in steps[last])) * 1e-9
+        engine = (r["stats"]["host_us_per_unit"] + r["stats"]["calls_us_per_unit"]) * 1e-6 * UNITS
+        assert 0 < engine <= outside, (rank, engine, outside)
+
 
 def test_flight_and_sim_against_read_them(traced):
     exe = cli()
@@ -199,6 +211,17 @@ def test_a_pass_that_raises_leaves_no_span(where):
             assert pieces(steps[step]) == (STEP if step < 2 else STEP[:-1]), (rank, step, pieces(steps[step]))
         for a, b in zip(compute, compute[1:]):
             assert a["end_ns"] <= b["start_ns"], (rank, a, b)
+
+
+def test_an_update_follows_a_synchronized_backward_alone():
+    """Under ``no_sync`` a micro-batch's backward ends no library step that delivers gradients:
+    no update follows it; the synchronized micro-batch's update runs until the next pass (the
+    last one past the record)."""
+    for rank, compute in enumerate(run(spans_workers.accumulated, 2)):
+        steps = by_step(compute)
+        assert sorted(steps) == [0, 1, 2, 3], (rank, sorted(steps))
+        for p, want in enumerate([STEP[:-1], STEP, STEP[:-1], STEP[:-1]]):
+            assert pieces(steps[p]) == want, (rank, p, pieces(steps[p]))
 
 
 def test_workload_record_before_a_pass_says_what_to_do():

@@ -396,7 +396,7 @@ fn write_summary(out: &mut impl Write, r: &SimReport, topo: &Topology, cfg: &Sim
     Ok(())
 }
 
-const SWEEP_KEYS: [&str; 14] = [
+const SWEEP_KEYS: [&str; 15] = [
     "policy",
     "world",
     "topo",
@@ -409,6 +409,7 @@ const SWEEP_KEYS: [&str; 14] = [
     "steps",
     "tflops",
     "host-overhead-us",
+    "wait-overhead-us",
     "jitter",
     "seed",
 ];
@@ -438,6 +439,7 @@ fn apply(args: &mut SimArgs, key: &str, v: &str) -> Result<(), CliError> {
         "steps" => args.steps = small(v)?,
         "tflops" => args.tflops = Some(num(v)?),
         "host-overhead-us" => args.host_overhead_us = Some(num(v)?),
+        "wait-overhead-us" => args.wait_overhead_us = Some(num(v)?),
         "jitter" => args.jitter = num(v)?,
         "seed" => args.seed = int(v)?,
         _ => {

@@ -117,21 +117,21 @@ pub struct TrackCompare {
 
 /// The pairs `(simulated, real)` of one track, as indices, and how they were made: by key and
 /// occurrence (the k-th of a key with the k-th; `sim_key` of a simulated span, `real_key` of a
-/// real name) where some real name has a key the simulation has (`keyed` says so), else the
-/// k-th with the k-th.
+/// real name) where some real name has a `decisive` key the simulation has (`keyed` says so),
+/// else the k-th with the k-th.
 fn pair_by<'a, K: Eq + std::hash::Hash>(
     sim: &'a [super::report::Span],
     real: &[&'a RealEvent],
     sim_key: impl Fn(&'a super::report::Span) -> K,
     real_key: impl Fn(&'a str) -> Option<K>,
-    keyed: Matching,
+    (keyed, decisive): (Matching, impl Fn(&K) -> bool),
 ) -> (Vec<(usize, usize)>, Matching) {
     let mut by_key: std::collections::HashMap<K, std::collections::VecDeque<usize>> =
         std::collections::HashMap::new();
     for (i, s) in sim.iter().enumerate() {
         by_key.entry(sim_key(s)).or_default().push_back(i);
     }
-    if !real.iter().any(|r| real_key(&r.name).is_some_and(|k| by_key.contains_key(&k))) {
+    if !real.iter().any(|r| real_key(&r.name).is_some_and(|k| decisive(&k) && by_key.contains_key(&k))) {
         return ((0..sim.len().min(real.len())).map(|k| (k, k)).collect(), Matching::Order);
     }
     let mut out = Vec::new();
@@ -234,7 +234,7 @@ pub fn compare(report: &SimReport, real: &[RealEvent]) -> Result<Vec<TrackCompar
         let simulated = rank < u64::from(report.world);
         // The simulator's layer arithmetic on this rank.
         let computed: Vec<super::report::Span> = match tl.compute.get(rank as usize) {
-            Some(spans) if simulated => spans.iter().filter(|s| arithmetic(s.kind.name())).copied().collect(),
+            Some(spans) if simulated => spans.iter().filter(|s| s.kind.is_compute()).copied().collect(),
             _ => Vec::new(),
         };
         for lane in 0..lanes {
@@ -254,10 +254,12 @@ pub fn compare(report: &SimReport, real: &[RealEvent]) -> Result<Vec<TrackCompar
             let mut worst: Option<Worst> = None;
             // Collectives by bucket, compute by kind and layer (a recomputation one side lacks
             // stays unpaired); by order where the real names carry neither.
+            // (The step's loss and update carry no layer: they alone pair nothing by layer.)
             let (pairs, matching) = if lane == 2 {
-                pair_by(sim, &mine, |s| (s.kind.name(), s.index), layer_of, Matching::Layer)
+                let by_layer = |k: &(&str, u32)| k.1 != NO_LAYER;
+                pair_by(sim, &mine, |s| (s.kind.name(), s.index), layer_of, (Matching::Layer, by_layer))
             } else {
-                pair_by(sim, &mine, |s| s.index, bucket_of, Matching::Bucket)
+                pair_by(sim, &mine, |s| s.index, bucket_of, (Matching::Bucket, |_: &u32| true))
             };
             for &(i, k) in &pairs {
                 let (s, r) = (&sim[i], mine[k]);
@@ -335,6 +337,7 @@ mod tests {
     fn compute_pairs_by_kind_and_layer() {
         use super::NO_LAYER;
         use SpanKind::{Backward, Forward, Loss, Recompute, Update};
+        let unnamed_sets = [vec![real("a"), real("b")], vec![real("forward a"), real("update")]];
         let sim = [
             span(Forward, 0),
             span(Forward, 1),
@@ -356,13 +359,16 @@ mod tests {
         ];
         let refs: Vec<&RealEvent> = events.iter().collect();
         let key = |s: &Span| (s.kind.name(), s.index);
-        let (pairs, how) = pair_by(&sim, &refs, key, layer_of, Matching::Layer);
+        let by_layer = (Matching::Layer, |k: &(&str, u32)| k.1 != NO_LAYER);
+        let (pairs, how) = pair_by(&sim, &refs, key, layer_of, by_layer);
         assert_eq!(how, Matching::Layer);
         assert_eq!(pairs, [(0, 0), (1, 1), (4, 2), (5, 3), (6, 4)]);
-        let unnamed = [real("a"), real("b")];
-        let refs: Vec<&RealEvent> = unnamed.iter().collect();
-        let (pairs, how) = pair_by(&sim, &refs, key, layer_of, Matching::Layer);
-        assert_eq!((pairs, how), (vec![(0, 0), (1, 1)], Matching::Order));
+        // Names without layers go by order, an update among them or not (it carries no layer).
+        for unnamed in &unnamed_sets {
+            let refs: Vec<&RealEvent> = unnamed.iter().collect();
+            let (pairs, how) = pair_by(&sim, &refs, key, layer_of, by_layer);
+            assert_eq!((pairs, how), (vec![(0, 0), (1, 1)], Matching::Order), "{unnamed:?}");
+        }
     }
 
     /// A root's pieces around its blocks join into one span a phase; the same layer in another

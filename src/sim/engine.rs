@@ -21,7 +21,8 @@
 //!   several plan ops); a group of one rank moves nothing and costs 0. All ranks issue the same
 //!   collectives in the same order (the scheduler's determinism rule), which the simulator checks.
 //! - **Actions**: `Launch` queues the collective (and allocates a gathered buffer);
-//!   `Wait` on compute stalls the rank until the fence (the stall is *exposed communication*);
+//!   `Wait` on compute stalls the rank until the fence, and [`SimConfig::wait_overhead_s`] past
+//!   it when the rank did block (the stall is *exposed communication*);
 //!   `Free` releases the buffer's memory once its fences completed; `AllocGrad`, `CopyGradIn`
 //!   and `AccumulateGrad` cost nothing (copy kernels are not priced). `OpDone` is fed back before
 //!   each engine call for every collective that ended by then.
@@ -34,7 +35,11 @@
 //!   run during it (collectives some rank has not launched yet are not counted). The defaults
 //!   (1 and 1) leave compute alone.
 //! - **Host overhead**: [`SimConfig::host_overhead_s`] is added to the rank's compute timeline
-//!   for every collective it launches (per-parameter Python hooks for [`Policy::Naive`]).
+//!   for every collective it launches (per-parameter Python hooks for [`Policy::Naive`]); a
+//!   workload's `hook_s` adds the engine's hooks' host time (`Host`, a `hook` span) at each
+//!   fetch and release of a layer.
+//! - **The step outside the layers**: a workload's `loss_flops` run after the forward, its
+//!   `update_flops` after the step's end (its reductions waited for), at the compute rate.
 //! - **[`Policy::Zero3_2021`]** (the `zero3` module): the program also holds host work of the
 //!   engine's hooks (`Host`, a `hook` span) and device drains (`Drain`: the rank waits for
 //!   every collective it launched, the wait counted as exposed); each all-gather launch first

@@ -58,6 +58,11 @@ impl Program {
     ) -> Result<(Program, ScheduleInput), SimError> {
         config.validate()?;
         let params_err = |message: String| SimError::Params { workload: workload.name.clone(), message };
+        // A workload built in code is checked as a file is (FLOPs, names, orders).
+        workload.validate().map_err(|e| match e {
+            super::workload::WorkloadError::Invalid { message, .. } => params_err(message),
+            other => params_err(other.to_string()),
+        })?;
         let mut specs = Vec::with_capacity(workload.params.len());
         for p in &workload.params {
             let dtype: DType =
@@ -208,9 +213,19 @@ impl Program {
         for (c, &ns) in self.program.iter().zip(&self.compute_ns) {
             if !(ns.is_finite() && ns <= MAX_CLOCK_NS) {
                 let layer = match c {
-                    Call::Compute(l, kind) => {
-                        workload.layers.get(*l as usize).map_or(kind.name(), |l| &l.name)
-                    }
+                    Call::Compute(l, kind) => match workload.layers.get(*l as usize) {
+                        Some(layer) => layer.name.as_str(),
+                        None => {
+                            return Err(too_long(
+                                "tflops",
+                                format!(
+                                    "the step's {} computes for {ns:e} ns at {} TFLOPS",
+                                    kind.name(),
+                                    config.tflops
+                                ),
+                            ))
+                        }
+                    },
                     _ if !self.zero3 => {
                         return Err(too_long(
                             "workload",

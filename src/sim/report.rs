@@ -57,6 +57,15 @@ pub enum SpanKind {
 }
 
 impl SpanKind {
+    /// Whether it is compute (a layer's, or the step's loss or update), not a wait, host time
+    /// or a collective.
+    pub const fn is_compute(self) -> bool {
+        matches!(
+            self,
+            SpanKind::Forward | SpanKind::Recompute | SpanKind::Backward | SpanKind::Loss | SpanKind::Update
+        )
+    }
+
     /// A short name.
     pub const fn name(self) -> &'static str {
         match self {

@@ -213,20 +213,7 @@ pub fn write_svg(
             (lane.name().to_owned(), boxes)
         })
         .collect();
-    let per_step = tl.compute[rank]
-        .iter()
-        .filter(|s| {
-            s.step as usize == step
-                && matches!(
-                    s.kind,
-                    SpanKind::Forward
-                        | SpanKind::Backward
-                        | SpanKind::Recompute
-                        | SpanKind::Loss
-                        | SpanKind::Update
-                )
-        })
-        .count();
+    let per_step = tl.compute[rank].iter().filter(|s| s.step as usize == step && s.kind.is_compute()).count();
     let real = real.and_then(|r| real_rows(r, rank, step, per_step));
     let sim_ns = (t1 - t0).max(1);
     let mut title = format!(

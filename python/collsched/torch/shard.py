@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils import _pytree
 
 from .._native import CollschedError
+from . import spans as spans_
 from . import tp as tp_
 from . import values as values_
 from .build import build as _build
@@ -722,20 +723,18 @@ class _State:
         self.host_s += _clock() - t0 - native
         self.native_s += native
         self._end_step()
-        self.spans.idle()
+        self.spans.idle(self.sync)
 
     def _end_step(self, deliver: bool = True) -> None:
         """Ends the library's step; after a synchronized backward, adds the reduced gradients
         to the shards' ``.grad`` (``deliver=False``: takes them and drops them)."""
         self.spans.next_step(keep=deliver)
         self.got.clear()
+        t0 = _clock()
         stats = self.train.end_step()
-        host_s = self.host_s + self.hooks.take_seconds()
-        per = 1e6 / max(self.host_units, 1)
-        stats["host_us_per_unit"], stats["native_us_per_unit"] = host_s * per, self.native_s * per
-        stats["calls_us_per_unit"] = max(self.native_s - stats["wait_ms"] / 1e3, 0.0) * per
-        self.host_s = 0.0
-        self.native_s = 0.0
+        native_s = self.native_s + _clock() - t0
+        spans_.per_unit(stats, self.host_s + self.hooks.take_seconds(), native_s, self.host_units)
+        self.host_s = self.native_s = 0.0
         self.host_units = 0
         self.last = stats
         if not self.sync:

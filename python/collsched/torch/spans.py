@@ -8,9 +8,10 @@ root around its blocks) has one span per piece between them; a forward recompute
 activation checkpointing counts in its unit's backward; a pass given up (a forward or a
 backward that raised) leaves no span. The step's compute outside the units has two spans:
 ``"loss"``, from the end of a training forward to its backward's first hook (the loss), and
-``"update"``, from the end of the library's step (the reduced gradients delivered) to the next
-pass's first hook or the next call that gathers the whole model (the optimizer step,
-``zero_grad``, the loop's own work), each with the pass it follows. Recorded on host
+``"update"``, from the end of a synchronized backward's step (the reduced gradients delivered;
+not after a ``no_sync`` micro-batch) to the next pass's first hook or the next call that
+gathers the whole model (the optimizer step, ``zero_grad``, the loop's own work), each with
+the pass it follows. Recorded on host
 backends, where the host's time is the compute's (on ``cuda`` the host only queues kernels:
 nothing is recorded), the last ``COLLSCHED_FLIGHT_ENTRIES`` (default 2000) spans;
 :func:`flight_record` puts them on the record's compute track, beside the collectives
@@ -120,10 +121,11 @@ class Spans:
             self._drop(1 << 63 if keep else 0)
             self.step += 1
 
-    def idle(self) -> None:
-        """The library's step that :meth:`next_step` kept is over (its gradients delivered):
-        the update runs until the next hook."""
-        if self.on and self.spans and self.spans[-1][1] == self.step - 1:
+    def idle(self, synchronized: bool) -> None:
+        """The library's step that :meth:`next_step` kept is over: after a synchronized one
+        (its gradients delivered), the update runs until the next hook; after one under
+        ``no_sync`` (a micro-batch of several), nothing is open until the next pass."""
+        if self.on and synchronized and self.spans and self.spans[-1][1] == self.step - 1:
             self.gap = ("update", self.step - 1, time.time_ns())
 
     def _drop(self, since: int) -> None:
@@ -133,6 +135,17 @@ class Spans:
         self.stack.clear()
         while self.spans and self.spans[-1][1] == self.step and self.spans[-1][2] >= since:
             self.spans.pop()
+
+
+def per_unit(stats: dict[str, Any], host_s: float, native_s: float, units: int) -> None:
+    """Adds a step's host times per unit forward to its ``stats``: ``host_us_per_unit`` (the
+    package's hooks, ``host_s``), ``native_us_per_unit`` (their calls into the library, the
+    step's end included, ``native_s``) and ``calls_us_per_unit`` (those less the waits for
+    collectives, ``stats["wait_ms"]``)."""
+    per = 1e6 / max(units, 1)
+    stats["host_us_per_unit"] = host_s * per
+    stats["native_us_per_unit"] = native_s * per
+    stats["calls_us_per_unit"] = max(native_s - stats["wait_ms"] / 1e3, 0.0) * per
 
 
 def recorded() -> list[tuple[str, int, int, int]]:
@@ -149,10 +162,12 @@ def workload_record(module: Any, path: Any = None) -> dict[str, Any]:
     update; the last pass's update runs on until the next pass, and is not counted), the
     engine's host time per unit of the last step (``hook_s``: the hooks' own and their calls into
     the library, waits for collectives left out: ``stats``' ``host_us_per_unit`` plus
-    ``calls_us_per_unit``), and the orders the units ran in
-    this rank's last pass. Each time is a rank's median over its recorded passes (the first left
-    out where there are others), of the slowest rank: the simulator runs every rank alike, and
-    the real ranks wait for the slowest at each collective. Collective: every rank calls it,
+    ``calls_us_per_unit``), and the orders the units ran in this rank's last pass. Each time is
+    a rank's median over its recorded passes (the first left out where there are others), the
+    largest over the ranks, each span apart: the simulator runs every rank alike, and the real
+    ranks wait for the slowest at each collective (the sum may exceed every rank's own). The
+    simulator runs one update a pass: under gradient accumulation it counts the update once
+    per micro-batch. Collective: every rank calls it,
     and gets the same workload; with ``path``, also written there (give it on one rank).
     Simulate it with ``collsched sim --workload PATH --world N --tflops 1 --bucket-by module
     ...``; with ``--against`` a trace of this run's flight record, the compute is paired by unit.
