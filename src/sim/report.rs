@@ -66,6 +66,14 @@ impl SpanKind {
         )
     }
 
+    /// The kind a short name ([`SpanKind::name`]) stands for.
+    pub fn from_name(name: &str) -> Option<SpanKind> {
+        use SpanKind::*;
+        [Forward, Recompute, Backward, Loss, Update, Wait, Host, Hook, AllGather, ReduceScatter]
+            .into_iter()
+            .find(|k| k.name() == name)
+    }
+
     /// A short name.
     pub const fn name(self) -> &'static str {
         match self {

@@ -99,14 +99,19 @@ pub fn write_chrome_trace(out: &mut impl Write, report: &SimReport) -> io::Resul
 const OUTSIDE: &str = "#76b7b2";
 
 fn color(s: &Span) -> &'static str {
-    match s.kind {
+    kind_color(s.kind, s.prefetch)
+}
+
+/// The colour of a span of `kind` (a prefetched collective's apart), simulated or real.
+fn kind_color(kind: SpanKind, prefetch: bool) -> &'static str {
+    match kind {
         SpanKind::Forward => "#4e79a7",
         SpanKind::Recompute => "#a0cbe8",
         SpanKind::Backward => "#59a14f",
         SpanKind::Loss | SpanKind::Update => OUTSIDE,
         SpanKind::Wait => "#e15759",
         SpanKind::Host | SpanKind::Hook => "#9d9d9d",
-        SpanKind::AllGather | SpanKind::ReduceScatter if s.prefetch => "#ffbe7d",
+        SpanKind::AllGather | SpanKind::ReduceScatter if prefetch => "#ffbe7d",
         SpanKind::AllGather | SpanKind::ReduceScatter => "#f28e2b",
     }
 }
@@ -162,13 +167,15 @@ fn real_rows(real: &[RealEvent], rank: usize, step: usize, per_step: usize) -> O
         .map(|n| ((*n).to_owned(), Vec::new()))
         .collect();
     for e in mine.iter().filter(|e| ns(e.ts_us) < end && ns(e.ts_us + e.dur_us) > start) {
-        let (row, colour) = match e.lane {
-            2 if e.name.starts_with("backward") => (0, "#59a14f"),
-            2 if e.name.starts_with("recompute") => (0, "#a0cbe8"),
-            2 if e.name == "loss" || e.name == "update" => (0, OUTSIDE),
-            2 => (0, "#4e79a7"),
-            lane => (lane + 1, "#f28e2b"),
+        let (row, kind) = match e.lane {
+            // A real compute span's kind is its name's first word (another name: forward).
+            2 => (
+                0,
+                e.name.split_whitespace().next().and_then(SpanKind::from_name).unwrap_or(SpanKind::Forward),
+            ),
+            lane => (lane + 1, SpanKind::AllGather),
         };
+        let colour = kind_color(kind, false);
         let (a, b) = (ns(e.ts_us).max(start) - start, ns(e.ts_us + e.dur_us).min(end) - start);
         rows[row].1.push((a, b, colour, e.name.clone()));
     }
