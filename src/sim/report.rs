@@ -66,12 +66,23 @@ impl SpanKind {
         )
     }
 
+    /// Every kind.
+    pub const ALL: [SpanKind; 10] = [
+        SpanKind::Forward,
+        SpanKind::Recompute,
+        SpanKind::Backward,
+        SpanKind::Loss,
+        SpanKind::Update,
+        SpanKind::Wait,
+        SpanKind::Host,
+        SpanKind::Hook,
+        SpanKind::AllGather,
+        SpanKind::ReduceScatter,
+    ];
+
     /// The kind a short name ([`SpanKind::name`]) stands for.
     pub fn from_name(name: &str) -> Option<SpanKind> {
-        use SpanKind::*;
-        [Forward, Recompute, Backward, Loss, Update, Wait, Host, Hook, AllGather, ReduceScatter]
-            .into_iter()
-            .find(|k| k.name() == name)
+        SpanKind::ALL.into_iter().find(|k| k.name() == name)
     }
 
     /// A short name.
@@ -276,5 +287,33 @@ fn count(mean: f64) -> serde_json::Value {
         serde_json::Value::from(mean as u64)
     } else {
         serde_json::Value::from(mean)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::SpanKind;
+
+    /// Every kind is in [`SpanKind::ALL`] once (the match below fails to compile when a kind is
+    /// added without a place) and reads back from its name.
+    #[test]
+    fn every_kind_is_listed_and_reads_back_from_its_name() {
+        let place = |k: SpanKind| match k {
+            SpanKind::Forward => 0,
+            SpanKind::Recompute => 1,
+            SpanKind::Backward => 2,
+            SpanKind::Loss => 3,
+            SpanKind::Update => 4,
+            SpanKind::Wait => 5,
+            SpanKind::Host => 6,
+            SpanKind::Hook => 7,
+            SpanKind::AllGather => 8,
+            SpanKind::ReduceScatter => 9,
+        };
+        for (i, k) in SpanKind::ALL.into_iter().enumerate() {
+            assert_eq!(place(k), i, "{k:?}");
+            assert_eq!(SpanKind::from_name(k.name()), Some(k));
+        }
+        assert_eq!(SpanKind::from_name("lunch"), None);
     }
 }
