@@ -315,16 +315,15 @@ fn a_hand_written_trace_runs() {
         backward_flops: 2.0 * f,
         recompute_flops: 0.0,
     };
-    let w = Workload {
-        name: "hand".into(),
-        params: vec![rec("a", 1 << 20, true), rec("b", 1 << 18, false), rec("c", 1 << 20, true)],
-        layers: vec![layer("l0", &["a", "b"], 1e12), layer("l1", &["c"], 2e12)],
-        forward_order: vec!["l0".into(), "l1".into()],
-        backward_order: vec!["l1".into(), "l0".into()],
-        loss_flops: 0.0,
-        update_flops: 0.0,
-        hook_s: 0.0,
-    };
+    let w = Workload::in_layer_order(
+        "hand",
+        vec![rec("a", 1 << 20, true), rec("b", 1 << 18, false), rec("c", 1 << 20, true)],
+        vec![layer("l0", &["a", "b"], 1e12), layer("l1", &["c"], 2e12)],
+    );
+    assert_eq!(
+        (w.forward_order.clone(), w.backward_order.clone()),
+        (vec!["l0".into(), "l1".into()], vec!["l1".into(), "l0".into()])
+    );
     let c = config("p4d", 8, Policy::Trace);
     let r = run(&w, &c);
     assert_eq!(r.reported()[0].reduce_scatters, 2, "one per gradient bucket, the frozen `b` in none");

@@ -165,18 +165,7 @@ pub fn workload(cfg: &DemoConfig) -> crate::sim::workload::Workload {
             recompute_flops: 0.0,
         });
     }
-    let forward_order: Vec<String> = layers.iter().map(|l| l.name.clone()).collect();
-    let backward_order = forward_order.iter().rev().cloned().collect();
-    Workload {
-        name: "demo-mlp".to_owned(),
-        params,
-        layers,
-        forward_order,
-        backward_order,
-        loss_flops: 0.0,
-        update_flops: 0.0,
-        hook_s: 0.0,
-    }
+    Workload::in_layer_order("demo-mlp", params, layers)
 }
 
 /// Evaluation loss on the held-out batch (sample and shard index `u64::MAX`, never trained on),

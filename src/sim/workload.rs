@@ -444,10 +444,21 @@ impl TransformerConfig {
             recompute_flops: 0.0,
         });
 
+        let w = Workload::in_layer_order(&self.name, params, layers);
+        w.validate()?;
+        Ok(w)
+    }
+}
+
+impl Workload {
+    /// A workload whose forward runs `layers` in their order and whose backward the other way,
+    /// with nothing outside the layers (`loss_flops`, `update_flops` and `hook_s` 0). Not
+    /// validated: see [`Workload::validate`].
+    pub fn in_layer_order(name: &str, params: Vec<ParamRecord>, layers: Vec<Layer>) -> Workload {
         let forward_order: Vec<String> = layers.iter().map(|l| l.name.clone()).collect();
         let backward_order = forward_order.iter().rev().cloned().collect();
-        let w = Workload {
-            name: self.name.clone(),
+        Workload {
+            name: name.to_owned(),
             params,
             layers,
             forward_order,
@@ -455,13 +466,9 @@ impl TransformerConfig {
             loss_flops: 0.0,
             update_flops: 0.0,
             hook_s: 0.0,
-        };
-        w.validate()?;
-        Ok(w)
+        }
     }
-}
 
-impl Workload {
     /// All parameter elements.
     pub fn param_count(&self) -> u64 {
         self.params.iter().map(ParamRecord::numel).sum()
