@@ -13,6 +13,7 @@ from torch import nn
 from .. import _native, params_json
 from .._native import CollschedError
 from . import clip as clip_
+from . import post_forward as post_
 from . import tp as tp_
 from . import values as values_
 from .spans import Spans
@@ -233,7 +234,7 @@ def build(st: _State) -> None:
             users[pid] = users.get(pid, 0) + 1
     for u in st.units:
         u.module.__dict__["_collsched_u"] = u
-        u.reshard = after_forward(u.module.__dict__.get("_collsched_reshard"), st, "fully_shard")
+        set_reshard(u, after_forward(u.module.__dict__.get("_collsched_reshard"), st, "fully_shard"))
         u.reshard_bwd = u.module.__dict__.get("_collsched_reshard_bwd", True)
         u.swaps = [(m._parameters, name, st.params[pid].full, st.params[pid].shard) for m, name, pid in u.slots]
         u.shared = any(users[pid] > 1 for pid in u.ids)
@@ -249,6 +250,7 @@ def build(st: _State) -> None:
         st.pack, st.unpack = tp_.saved_hooks(st.hooks)
     else:
         st.pack, st.unpack = st.hooks.pack, st.hooks.unpack
+    post_.build(st)
 
 
 def _no_values(w: Any, metas: dict[str, bool], sync_module_states: bool) -> bool:
@@ -278,12 +280,12 @@ def _no_values(w: Any, metas: dict[str, bool], sync_module_states: bool) -> bool
     return True
 
 
-def after_forward(value: Any, st: _State, what: str) -> bool:
-    """Whether a unit is released after its training forward, from its
-    ``reshard_after_forward``: None or True yes, False no; an int as FSDP2 reads it, the
-    number of ranks the parameters are resharded to: the shard group's size (the world, or
-    ``G`` of ``hybrid:G``) is True, 1 (a full copy kept) is False (first, as FSDP2 reads it);
-    any other is refused."""
+def after_forward(value: Any, st: _State, what: str) -> bool | int:
+    """What a unit does after its training forward, from its ``reshard_after_forward``: None
+    or True, release it (True); False, keep it fetched into its backward (False); an int as
+    FSDP2 reads it, the number of ranks its parameters are resharded to, a factor of the shard
+    group's size (the world, or ``G`` of ``hybrid:G``): the size itself is True, 1 (a full
+    copy kept) is False, one between is returned (``post_forward.py``); others are refused."""
     if value is None or isinstance(value, bool):
         return value is not False
     strategy = st.opts["strategy"]
@@ -292,8 +294,18 @@ def after_forward(value: Any, st: _State, what: str) -> bool:
         return False
     if value == size:
         return True
+    if 1 < value < size and size % value == 0:
+        return int(value)
+    factors = [f for f in range(1, size + 1) if size % f == 0]
     raise CollschedError(
-        f"{what}: reshard_after_forward={value}: the parameters are sharded over {size} ranks; collsched "
-        f"reshards after the forward to all {size} (True, or {size}) or keeps the full values (False, or 1): "
-        f"resharding to {value} of them is not supported; pass True or False"
+        f"{what}: reshard_after_forward={value}: the parameters are sharded over {size} ranks, and an int is "
+        f"the number of them each unit is resharded to after its forward, a factor of {size} (as FSDP2 "
+        f"requires): one of {factors} ({size} is True, 1 is False)"
     )
+
+
+def set_reshard(unit: Any, want: bool | int) -> None:
+    """Sets ``unit``'s flags from :func:`after_forward`'s answer."""
+    resharded_to_some = not isinstance(want, bool)
+    unit.reshard = True if resharded_to_some else want
+    unit.post = int(want) if resharded_to_some else 0

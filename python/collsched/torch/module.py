@@ -16,7 +16,8 @@ from torch import nn
 
 from .._native import CollschedError
 from . import optim_state, state_dict, values
-from .build import after_forward
+from . import post_forward as post_
+from .build import after_forward, set_reshard
 from .shard import _State
 from .world import _FROM_TORCH, _TO_TORCH
 
@@ -93,20 +94,30 @@ class CollschedModule:
     def set_reshard_after_forward(self, reshard_after_forward: bool | int, recurse: bool = True) -> None:
         """Whether this unit (and, with ``recurse``, the units under it) is released after its
         training forward (True) or kept fetched into its backward (False: no second gather,
-        its full parameters held meanwhile). FSDP2's method of the same name. Between steps, and
+        its full parameters held meanwhile), or an int ``N``, as ``fully_shard``'s (``1/N`` of
+        its parameters kept per rank, gathered within ``N`` ranks in the backward). FSDP2's
+        method of the same name. Between steps, and
         collective where it changes the setting: every rank calls it alike (the training engine is
         made anew, which exchanges the plan's fingerprint)."""
         flag = _reshard_flag(reshard_after_forward, "set_reshard_after_forward")
         state = _state_of(self)  # type: ignore[arg-type]
         want = after_forward(flag, state, "set_reshard_after_forward")
         units = _units_under(self, state, recurse)
-        if all(u.reshard == want for u in units):
+        before = [(u.reshard, u.post) for u in units]
+        for u in units:
+            set_reshard(u, want)
+        if all((u.reshard, u.post) == b for u, b in zip(units, before)):
             return
         if state.model is not None:
-            # The order of the fetches changes: the trace prefetch records it again.
-            state.retrace("set_reshard_after_forward")
+            try:
+                # The order of the fetches changes: the trace prefetch records it again.
+                state.retrace("set_reshard_after_forward")
+            except BaseException:
+                for u, (reshard, post) in zip(units, before):
+                    u.reshard, u.post = reshard, post
+                raise
+            post_.build(state)
         for u in units:
-            u.reshard = want
             u.module.__dict__["_collsched_reshard"] = want
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
@@ -354,8 +365,11 @@ def fully_shard(
     0's values (give it to the units' calls too: a unit's shards are cut when it is sharded);
     ``reshard_after_forward`` (``None`` or True: release the module's unit after its training
     forward; False: keep it fetched into its backward, one gather fewer, its full parameters
-    held from forward to backward; an int, FSDP2's number of ranks to reshard to: the shard
-    group's size is True, 1 is False, others are refused) is this call's module's own, kept when a root's call
+    held from forward to backward; an int, FSDP2's number of ranks to reshard to, a factor of
+    the shard group's size: the size is True, 1 is False, and ``N`` between keeps ``1/N`` of
+    the unit's parameters on each rank after its forward, which its backward gathers within
+    its group of ``N`` consecutive ranks, not across the world; see ``post_forward.py``) is
+    this call's module's own, kept when a root's call
     re-plans the units (FSDP2's ``None`` keeps the root fetched: pass False on the root for
     that); ``mp_policy`` (``None``: none) a :class:`MixedPrecisionPolicy` (this package's or
     FSDP2's): gathers in its ``param_dtype`` with f32 shards for the optimizer, and its
@@ -473,7 +487,9 @@ def stats(module: nn.Module) -> dict[str, Any]:
     excluded, per unit forward, for the forward and backward of the step), ``native_us_per_unit``
     (the time of those calls into the library, likewise), ``calls_us_per_unit`` (that time less
     ``wait_ms``, the waits for collectives), ``blocked_waits`` (the waits that found their
-    collectives still running), and more."""
+    collectives still running), and more; with units resharded to some ranks after their
+    forward (an int ``reshard_after_forward``), the counters include the backward's gathers
+    within those ranks, and ``post_forward`` holds that layout's own counters by size."""
     return dict(_root_state(module).last)
 
 
@@ -492,5 +508,7 @@ def plan(module: nn.Module) -> dict[str, Any]:
 
 def live_bytes(module: nn.Module) -> int:
     """Gathered bytes held on this rank for ``module``'s sharded model (0 between passes,
-    but for the units ``set_reshard_after_backward(False)`` holds after a no_sync backward)."""
-    return int(_root_state(module).train.live_bytes)
+    but for the units ``set_reshard_after_backward(False)`` holds after a no_sync backward;
+    the post-forward pieces of an int ``reshard_after_forward`` are shards, not counted)."""
+    state = _root_state(module)
+    return int(state.train.live_bytes) + post_.live_bytes(state)

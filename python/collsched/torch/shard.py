@@ -13,12 +13,13 @@ from torch import nn
 from torch.utils import _pytree
 
 from .._native import CollschedError
+from . import post_forward as post_
 from . import spans as spans_
 from . import tp as tp_
 from . import values as values_
 from .build import build as _build
 from .units import _Frame, _needing_grad, _Param, _PostBackward, _recomputing, _tensor, _Unit
-from .world import _DTYPE_BYTES, _FROM_TORCH, _TO_TORCH, world_of
+from .world import _FROM_TORCH, _TO_TORCH, world_of
 
 # Views kept per parameter, by address of the gathered buffer (the oldest goes first).
 _VIEWS_KEPT = 4
@@ -91,6 +92,8 @@ class _State:
         self.last_backward = True
         # One per unit forward running (pre-hook to hook), innermost last.
         self.frames: list[_Frame] = []
+        # The post-forward layouts of units resharded to some of the ranks, by size (post_forward.py).
+        self.post: dict[int, Any] = {}
 
     @property
     def queued(self) -> bool:
@@ -220,6 +223,7 @@ class _State:
         what it held goes now (its masters, the library's model, the hooks viewing its
         buffers), not when the garbage collector finds it."""
         self.model = self.train = self.eval = self.hooks = self.pack = self.unpack = None
+        self.post = {}
         self.units = []
         self.params = []
         self.masters = []
@@ -374,6 +378,8 @@ class _State:
             if hook:
                 self._hook_pre_backward(unit, out)
                 unit.kept = not unit.reshard
+                if unit.post:
+                    post_.capture(self, unit)
         finally:
             if not unit.kept:
                 native = self._release(unit)
@@ -399,7 +405,7 @@ class _State:
         t0 = _clock()
         if not self.queued:
             self._begin_backward()
-        native = self._fetch(unit, self.train, swap=True)
+        native = self._fetch(unit, post_.backward_engine(self, unit), swap=True)
         self.host_s += _clock() - t0 - native
         self.native_s += native
         self.spans.begin("backward", unit.index)
@@ -612,7 +618,7 @@ class _State:
             self._begin_backward()
         p = self.params[x.pid]
         unit = self.units[p.unit]
-        native = self._fetch(unit, self.train, swap=False) if unit.fetched is None else 0.0
+        native = self._fetch(unit, post_.backward_engine(self, unit), swap=False) if unit.fetched is None else 0.0
         base = p.gathered()
         if x.dtype != base.dtype:
             base = base.view(x.dtype)
@@ -637,6 +643,7 @@ class _State:
         self.queued = True
         self.phase = "backward"
         self.train.begin_backward()
+        post_.begin_backward(self)
         self.train.set_no_sync(not self.sync)
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
@@ -732,6 +739,7 @@ class _State:
         self.got.clear()
         t0 = _clock()
         stats = self.train.end_step()
+        post_.end_step(self, stats)
         native_s = self.native_s + _clock() - t0
         spans_.per_unit(stats, self.host_s + self.hooks.take_seconds(), native_s, self.host_units)
         self.host_s = self.native_s = 0.0
@@ -745,38 +753,7 @@ class _State:
         grads = self.train.take_grads()
         if not deliver:
             return
-        for p in self.empty:
-            # A trainable parameter this rank holds no element of gets an empty gradient, as
-            # FSDP2's do: a rank's `p.grad is not None` list (torchtitan's clipping) is then
-            # the same list on every rank.
-            if p.shard.grad is None and self.mask[p.pid]:
-                p.shard.grad = p.own.new_zeros(0)
-        fresh, onto = [], []
-        for pid, _offset, data, dtype in grads:
-            p = self.params[pid]
-            if isinstance(data, (bytes, bytearray)):
-                g = torch.frombuffer(data, dtype=_TO_TORCH[dtype])
-                if g.dtype != p.shard.dtype or g.device != p.shard.device:
-                    g = g.to(p.shard.device, p.shard.dtype)
-                if p.shard.grad is None:
-                    p.shard.grad = g
-                else:
-                    p.shard.grad.add_(g)
-                continue
-            # Library memory on the device, valid until the next call: copied out here, all
-            # the new gradients by one multi-tensor copy into views of one tensor (as FSDP2's
-            # sharded gradients view its reduce-scatter's output), the others added by one.
-            g = _tensor(data, _TO_TORCH[dtype], [len(data) // _DTYPE_BYTES[dtype]], self.device)
-            (fresh if p.shard.grad is None else onto).append((p, g))
-        if fresh:
-            batch = [(i, g) for i, (_p, g) in enumerate(fresh)]
-            values_.cast_batch(batch, [(i, p.shard.dtype, p.shard.device) for i, (p, _g) in enumerate(fresh)])
-            for (p, _g), (_i, g) in zip(fresh, batch):
-                p.shard.grad = g
-        if onto:
-            dsts = [p.shard.grad for p, _g in onto]
-            with torch.no_grad():
-                torch._foreach_add_(dsts, [g.to(d.device, d.dtype) for d, (_p, g) in zip(dsts, onto)])
+        values_.deliver(self, grads)
 
     # ---- whole model -------------------------------------------------------------------
 

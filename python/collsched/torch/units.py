@@ -113,6 +113,8 @@ class _Unit:
         "swapped",
         "grads",
         "reshard",
+        "post",
+        "captured",
         "kept",
         "reshard_bwd",
         "held",
@@ -144,6 +146,11 @@ class _Unit:
         # into the backward (False; ``kept`` while so held).
         self.reshard = True
         self.kept = False
+        # An int ``reshard_after_forward`` below the shard group's size: the ranks each of its
+        # parameters is resharded to after a training forward (0: none such), and whether this
+        # step's forward has put its pieces there (``post_forward.py``).
+        self.post = 0
+        self.captured = False
         # ``reshard_after_backward``: released after its backward (True), or kept fetched from
         # a backward that did not synchronize into the next forward (False; ``held`` while so
         # held, its full parameters left in its modules, as FSDP2 leaves them).

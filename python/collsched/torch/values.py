@@ -15,7 +15,8 @@ from torch import nn
 from torch.utils import _pytree
 
 from .._native import CollschedError
-from .world import _FROM_TORCH
+from .units import _tensor
+from .world import _DTYPE_BYTES, _FROM_TORCH, _TO_TORCH
 
 if TYPE_CHECKING:
     from .shard import _State
@@ -203,3 +204,40 @@ def master_values(state: _State, params: list[_Param] | None = None) -> dict[int
                 t[offset : offset + numel] = torch.frombuffer(bytearray(blob[at : at + n]), dtype=t.dtype)
             at += n
     return {p.pid: full[p.pid].view(p.shape).to(state.device) for p in masters}
+
+
+def deliver(st: _State, grads: list[tuple[int, int, Any, str]]) -> None:
+    """Adds the reduced gradients the library hands over (``take_grads``) to the shards'
+    ``.grad`` (host bytes, or library memory on the device copied out here)."""
+    for p in st.empty:
+        # A trainable parameter this rank holds no element of gets an empty gradient, as
+        # FSDP2's do: a rank's `p.grad is not None` list (torchtitan's clipping) is then
+        # the same list on every rank.
+        if p.shard.grad is None and st.mask[p.pid]:
+            p.shard.grad = p.own.new_zeros(0)
+    fresh, onto = [], []
+    for pid, _offset, data, dtype in grads:
+        p = st.params[pid]
+        if isinstance(data, (bytes, bytearray)):
+            g = torch.frombuffer(data, dtype=_TO_TORCH[dtype])
+            if g.dtype != p.shard.dtype or g.device != p.shard.device:
+                g = g.to(p.shard.device, p.shard.dtype)
+            if p.shard.grad is None:
+                p.shard.grad = g
+            else:
+                p.shard.grad.add_(g)
+            continue
+        # Library memory on the device, valid until the next call: copied out here, all
+        # the new gradients by one multi-tensor copy into views of one tensor (as FSDP2's
+        # sharded gradients view its reduce-scatter's output), the others added by one.
+        g = _tensor(data, _TO_TORCH[dtype], [len(data) // _DTYPE_BYTES[dtype]], st.device)
+        (fresh if p.shard.grad is None else onto).append((p, g))
+    if fresh:
+        batch = [(i, g) for i, (_p, g) in enumerate(fresh)]
+        cast_batch(batch, [(i, p.shard.dtype, p.shard.device) for i, (p, _g) in enumerate(fresh)])
+        for (p, _g), (_i, g) in zip(fresh, batch):
+            p.shard.grad = g
+    if onto:
+        dsts = [p.shard.grad for p, _g in onto]
+        with torch.no_grad():
+            torch._foreach_add_(dsts, [g.to(d.device, d.dtype) for d, (_p, g) in zip(dsts, onto)])
