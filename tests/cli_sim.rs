@@ -311,6 +311,9 @@ fn against_compares_each_track_and_overlays_the_real_run() {
     let slow = real[third]["dur"].as_f64().unwrap();
     assert!(slow > 0.0, "{}", real[third]);
     real[third]["dur"] = serde_json::json!(slow * 10.0);
+    let bytes = real[third]["args"]["bytes"].as_u64().unwrap_or_else(|| panic!("no bytes: {}", real[third]));
+    assert!(bytes > 0, "{}", real[third]);
+    real[third]["args"]["bytes"] = serde_json::json!(2 * bytes);
     let last_rs = real.iter().rposition(|e| e["pid"] == 1 && e["tid"] == 2).unwrap();
     let lost = real.remove(last_rs)["dur"].as_f64().unwrap();
     let first = real.iter().position(|e| e["pid"] == 1 && e["tid"] == 1).unwrap();
@@ -339,7 +342,9 @@ fn against_compares_each_track_and_overlays_the_real_run() {
     for (r, n) in [(0, n_ag), (1, n_rs)] {
         assert_eq!((cell(r, 2) as usize, cell(r, 3) as usize, cell(r, 4) as usize), (n, n, n), "{out}");
         assert_eq!(rows[r][5], "order", "{out}");
-        assert!((cell(r, 6) - cell(r, 7)).abs() <= 0.1 + 1e-3 * cell(r, 6), "{out}");
+        assert!((cell(r, 7) - cell(r, 8)).abs() <= 0.1 + 1e-3 * cell(r, 7), "{out}");
+        // The same buckets on both sides: every pair of the same size.
+        assert_eq!(rows[r][6], "0", "{out}");
     }
     // Rank 1 by bucket: the agreement left unpaired (its second long), the slowed gather named
     // at its place on the real track (one after the agreement); one reduce-scatter missing.
@@ -349,14 +354,17 @@ fn against_compares_each_track_and_overlays_the_real_run() {
         "{out}"
     );
     assert_eq!(rows[2][5], "bucket", "{out}");
-    assert!((cell(2, 7) - cell(2, 6) - 9.0 * slow - 1.0e6).abs() <= 0.2 + 1e-3 * cell(2, 7), "{out}");
-    assert!(rows[2][9..].join(" ").starts_with(&format!("#3 {}", v_name(&v, 1, 1, 2))), "{out}");
+    assert!((cell(2, 8) - cell(2, 7) - 9.0 * slow - 1.0e6).abs() <= 0.2 + 1e-3 * cell(2, 8), "{out}");
+    assert!(rows[2][10..].join(" ").starts_with(&format!("#3 {}", v_name(&v, 1, 1, 2))), "{out}");
+    // The slowed gather says twice its bucket's bytes: one pair of another size, said.
+    assert_eq!((rows[2][6], rows[3][6]), ("1", "0"), "{out}");
+    assert!(out.contains("some pairs differ in size (`resized`)"), "{out}");
     assert_eq!(
         (cell(3, 2) as usize, cell(3, 3) as usize, cell(3, 4) as usize),
         (n_rs, n_rs - 1, n_rs - 1),
         "{out}"
     );
-    assert!((cell(3, 6) - cell(3, 7) - lost).abs() <= 0.2 + 1e-3 * cell(3, 6), "{out}");
+    assert!((cell(3, 7) - cell(3, 8) - lost).abs() <= 0.2 + 1e-3 * cell(3, 7), "{out}");
     // The overlay: the simulator's events, and every real one as "real rank R".
     let t: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&both).unwrap()).unwrap();
     let events = t["traceEvents"].as_array().unwrap();
@@ -474,8 +482,8 @@ fn against_compares_the_compute_track_where_the_real_run_has_one() {
         let cell = |c: usize| -> f64 { r[2][c].parse().unwrap_or_else(|_| panic!("{out}")) };
         assert_eq!((cell(2) as usize, cell(3) as usize, cell(4) as usize), (n, n, n), "{out}");
         assert_eq!(r[2][5], "order", "{out}");
-        assert!((cell(6) - cell(7)).abs() <= 0.1 + 1e-3 * cell(6), "{out}");
-        assert!((cell(7) - busy).abs() <= 0.1 + 1e-3 * busy, "{out}");
+        assert!((cell(7) - cell(8)).abs() <= 0.1 + 1e-3 * cell(7), "{out}");
+        assert!((cell(8) - busy).abs() <= 0.1 + 1e-3 * busy, "{out}");
     }
     let t: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&both).unwrap()).unwrap();
     let events = t["traceEvents"].as_array().unwrap();

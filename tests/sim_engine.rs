@@ -515,3 +515,54 @@ mod prop {
         }
     }
 }
+
+/// `bucket_order`: `forward` numbers the buckets in the order the forward first needs them,
+/// `params` in the order the parameters are listed (an engine's own layout, ids included).
+#[test]
+fn bucket_order_params_numbers_buckets_as_listed() {
+    use collsched::sim::workload::BucketOrder;
+    use collsched::sim::SpanKind;
+    let rec = |name: &str| ParamRecord {
+        name: name.into(),
+        shape: vec![1 << 16],
+        dtype: "f32".into(),
+        trainable: true,
+        module: None,
+    };
+    let layer = |name: &str, param: &str| Layer {
+        name: name.into(),
+        params: vec![param.into()],
+        forward_flops: 1e9,
+        backward_flops: 2e9,
+        recompute_flops: 0.0,
+    };
+    // Listed c, a, b; the forward runs a, b, c (one module, so one bucket, each).
+    let mut w = Workload::in_layer_order(
+        "listed",
+        vec![rec("c.w"), rec("a.w"), rec("b.w")],
+        vec![layer("a", "a.w"), layer("b", "b.w"), layer("c", "c.w")],
+    );
+    let mut c = config("p4d", 2, Policy::Coalesced);
+    c.timeline = true;
+    let gathers = |r: &SimReport| -> Vec<u32> {
+        let tl = r.timeline.as_ref().unwrap();
+        let mut first: Vec<&collsched::sim::Span> =
+            tl.collectives[0].iter().filter(|x| x.step == 0 && x.kind == SpanKind::AllGather).collect();
+        first.sort_by_key(|x| x.start_ns);
+        first.iter().map(|x| x.index).collect()
+    };
+    let forward = gathers(&run(&w, &c));
+    assert_eq!(&forward[..3], &[0, 1, 2], "forward order: {forward:?}");
+    w.bucket_order = BucketOrder::Params;
+    let listed = gathers(&run(&w, &c));
+    assert_eq!(&listed[..3], &[1, 2, 0], "listed order: {listed:?}");
+    assert_eq!(forward.len(), listed.len());
+    // The file keeps it; the default is left out.
+    assert!(
+        w.to_json().contains("\"bucket_order\":\"params\"")
+            || w.to_json().contains("\"bucket_order\": \"params\"")
+    );
+    assert_eq!(Workload::from_json(&w.to_json()).unwrap(), w);
+    w.bucket_order = BucketOrder::Forward;
+    assert!(!w.to_json().contains("bucket_order"), "the default is left out");
+}

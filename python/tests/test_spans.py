@@ -5,9 +5,11 @@ writes for the simulator; both read by ``collsched flight`` and ``collsched sim 
 from __future__ import annotations
 
 import json
+import pathlib
 import re
 import subprocess
 from collections import defaultdict
+from typing import Any
 
 import pytest
 
@@ -178,14 +180,49 @@ def test_flight_and_sim_against_read_them(traced):
         compute = r["record"]["compute"]
         assert [e["name"] for e in mine] == [c["name"] for c in compute], rank
         assert [e["args"]["step"] for e in mine] == [c["step"] + 1 for c in compute], rank
-    sim = subprocess.run(
-        [exe, "sim", "--workload", str(out / "workload-0.json"), "--world", "2", "--tflops", "1", "--steps",
-         str(SPEC["steps"]), "--policy", "trace", "--topo", "dgx-h100", "--against", str(real)],
-        check=True, capture_output=True, text=True,
-    ).stdout  # fmt: skip
-    table = sim.splitlines()
-    start = next(i for i, line in enumerate(table) if line.startswith("against ")) + 2
-    rows = [line.split() for line in table[start:] if line.split() and line.split()[0].isdigit()]
+
+    def against(workload: pathlib.Path) -> tuple[str, list[list[str]], set[tuple[int, int, int]]]:
+        """The table of ``sim --against`` the real trace, and the simulated collectives as
+        ``(track, bucket, bytes)``."""
+        trace = out / "sim.json"
+        sim = subprocess.run(
+            [exe, "sim", "--workload", str(workload), "--world", "2", "--tflops", "1", "--steps", str(SPEC["steps"]),
+             "--policy", "trace", "--topo", "dgx-h100", "--bucket-by", "module", "--bucket-mb", str(SPEC["bucket_mb"]),
+             "--against", str(real), "--trace-out", str(trace)],
+            check=True, capture_output=True, text=True,
+        ).stdout  # fmt: skip
+        table = sim.splitlines()
+        start = next(i for i, line in enumerate(table) if line.startswith("against ")) + 2
+        rows = [line.split() for line in table[start:] if line.split() and line.split()[0].isdigit()]
+        return sim, rows, sized(json.loads(trace.read_text())["traceEvents"], range(2))
+
+    def sized(trace: list[dict], pids: Any) -> set[tuple[int, int, int]]:
+        got = set()
+        for e in trace:
+            if e.get("ph") == "X" and e.get("pid") in pids and e.get("tid") in (1, 2):
+                m = re.search(r"bucket (\d+)", e["name"])
+                if m and "bytes" in e["args"]:
+                    got.add((e["tid"], int(m.group(1)), e["args"]["bytes"]))
+        return got
+
+    sim, rows, simulated = against(out / "workload-0.json")
+    # The collectives: the simulated buckets are the library's (the workload's parameter order,
+    # the model's bucket cap, by unit): every simulated collective's bucket and bytes are a real
+    # one's. (The real record holds more: the blocks' models built before the root's, the plan's
+    # agreement, the evaluation engine's gathers; pairs by occurrence mix those in.)
+    assert simulated and simulated <= sized(events, range(2)), sorted(simulated - sized(events, range(2)))
+    colls = [r for r in rows if r[1] in ("all-gather", "reduce-scatter")]
+    assert [r[0] for r in colls] == ["0", "0", "1", "1"], sim
+    for r in colls:
+        sim_n, real_n, pairs, by = int(r[2]), int(r[3]), int(r[4]), r[5]
+        assert by == "bucket" and sim_n > 0 and pairs == sim_n and real_n >= sim_n, r
+    # Cut in forward order instead (the root's final norm before the blocks), buckets of the same
+    # ids are other buckets: simulated sizes the run never had.
+    forward = json.loads((out / "workload-0.json").read_text())
+    assert forward.pop("bucket_order") == "params", forward
+    (out / "forward.json").write_text(json.dumps(forward))
+    _, _, other = against(out / "forward.json")
+    assert other - sized(events, range(2)), sorted(other)
     compute = [r for r in rows if r[1] == "compute"]
     # A compute row per rank: a forward and a backward per unit a step on both sides (the
     # root's pieces around its blocks' joined into one a phase), and the loss and the update,

@@ -210,8 +210,8 @@ fn write_against(out: &mut impl Write, rows: &[against::TrackCompare], path: &Pa
     )?;
     writeln!(
         out,
-        "  {:>4} {:<14} {:>6} {:>6} {:>6} {:<6} {:>12} {:>12} {:>10}  largest difference",
-        "rank", "track", "sim n", "real n", "pairs", "by", "sim busy", "real busy", "real/sim"
+        "  {:>4} {:<14} {:>6} {:>6} {:>6} {:<6} {:>7} {:>12} {:>12} {:>10}  largest difference",
+        "rank", "track", "sim n", "real n", "pairs", "by", "resized", "sim busy", "real busy", "real/sim"
     )?;
     for r in rows {
         let ratio =
@@ -222,7 +222,7 @@ fn write_against(out: &mut impl Write, rows: &[against::TrackCompare], path: &Pa
         );
         writeln!(
             out,
-            "  {:>4} {:<14} {:>6} {:>6} {:>6} {:<6} {:>12.1} {:>12.1} {:>10}  {worst}",
+            "  {:>4} {:<14} {:>6} {:>6} {:>6} {:<6} {:>7} {:>12.1} {:>12.1} {:>10}  {worst}",
             r.rank,
             against::LANES[r.lane],
             r.sim_count,
@@ -233,6 +233,7 @@ fn write_against(out: &mut impl Write, rows: &[against::TrackCompare], path: &Pa
                 against::Matching::Layer => "layer",
                 against::Matching::Order => "order",
             },
+            r.sized_apart,
             r.sim_busy_us,
             r.real_busy_us,
             ratio
@@ -243,6 +244,14 @@ fn write_against(out: &mut impl Write, rows: &[against::TrackCompare], path: &Pa
             out,
             "  the counts differ on some track: past a collective one side lacks, the pairs matched by order are not \
              the same collective"
+        )?;
+    }
+    if rows.iter().any(|r| r.sized_apart > 0) {
+        writeln!(
+            out,
+            "  some pairs differ in size (`resized`): those buckets are not the run's; simulate with the run's bucket \
+             cap, boundary and parameter order (a collsched.torch workload record: --bucket-by module --bucket-mb \
+             of the model)"
         )?;
     }
     if rows.iter().any(|r| r.matching != against::Matching::Order && r.pairs < r.sim_count.max(r.real_count))

@@ -11,8 +11,10 @@
 //! gather) are left unmatched and counted. A track whose real names carry no bucket the
 //! simulation has is matched by order, the k-th with the k-th (a stream runs its collectives in
 //! order; past a collective one side lacks, those pairs are not the same one: the table says
-//! so). [`compare`] sums each track's busy time on both sides and names the pair that differs
-//! most, and [`overlay`] adds the
+//! so). [`compare`] sums each track's busy time on both sides, names the pair that differs
+//! most and counts the collective pairs whose bytes differ (a real event's `args.bytes` against
+//! the simulated bucket's, [`Timeline::bucket_bytes`](super::report::Timeline::bucket_bytes)),
+//! and [`overlay`] adds the
 //! real events to the simulator's own trace as processes [`real_pid_base`]` + rank` ("real rank
 //! R"), so one Perfetto view shows both.
 
@@ -58,6 +60,8 @@ pub struct RealEvent {
     pub dur_us: f64,
     /// A compute span's step (1-based, its `args.step`), where the trace says.
     pub step: Option<u64>,
+    /// A collective's bytes (its `args.bytes`: this rank's output), where the trace says.
+    pub bytes: Option<u64>,
 }
 
 /// The pair of a track that differs most.
@@ -113,6 +117,10 @@ pub struct TrackCompare {
     /// Among the pairs (`k`: the real collective's position on its track); `None` when
     /// there is none.
     pub worst: Option<Worst>,
+    /// Collective pairs whose bytes differ (the real event's `bytes` against the simulated
+    /// bucket's): buckets of the same id that are not the same bucket (another bucket cap,
+    /// boundary or parameter order than the run's). 0 where the real events carry no bytes.
+    pub sized_apart: usize,
 }
 
 /// The pairs `(simulated, real)` of one track, as indices, and how they were made: by key and
@@ -210,8 +218,9 @@ pub fn parse_real(text: &str) -> Result<Vec<RealEvent>, String> {
                 .ok_or(format!("event {i} (rank {rank}): \"{key}\" is not a non-negative number"))
         };
         let name = e.get("name").and_then(Value::as_str).unwrap_or("?").to_owned();
-        let step = e.get("args").and_then(|a| a.get("step")).and_then(Value::as_u64);
-        out.push(RealEvent { rank, lane, name, ts_us: num("ts")?, dur_us: num("dur")?, step });
+        let arg = |key: &str| e.get("args").and_then(|a| a.get(key)).and_then(Value::as_u64);
+        let (step, bytes) = (arg("step"), arg("bytes"));
+        out.push(RealEvent { rank, lane, name, ts_us: num("ts")?, dur_us: num("dur")?, step, bytes });
     }
     out.sort_by(|a, b| (a.rank, a.lane).cmp(&(b.rank, b.lane)).then(a.ts_us.total_cmp(&b.ts_us)));
     Ok(out)
@@ -252,6 +261,7 @@ pub fn compare(report: &SimReport, real: &[RealEvent]) -> Result<Vec<TrackCompar
                 mine = joined.iter().collect();
             }
             let mut worst: Option<Worst> = None;
+            let mut sized_apart = 0;
             // Collectives by bucket, compute by kind and layer (a recomputation one side lacks
             // stays unpaired); by order where the real names carry neither.
             // (The step's loss and update carry no layer: they alone pair nothing by layer.)
@@ -263,6 +273,9 @@ pub fn compare(report: &SimReport, real: &[RealEvent]) -> Result<Vec<TrackCompar
             };
             for &(i, k) in &pairs {
                 let (s, r) = (&sim[i], mine[k]);
+                if lane < 2 && r.bytes.is_some_and(|b| tl.bucket_bytes.get(s.index as usize) != Some(&b)) {
+                    sized_apart += 1;
+                }
                 let sim_us = s.dur_ns as f64 / 1000.0;
                 let gap = (sim_us - r.dur_us).abs();
                 if worst.as_ref().is_none_or(|w| gap > (w.sim_us - w.real_us).abs()) {
@@ -279,6 +292,7 @@ pub fn compare(report: &SimReport, real: &[RealEvent]) -> Result<Vec<TrackCompar
                 matching,
                 pairs: pairs.len(),
                 worst,
+                sized_apart,
             });
         }
     }
@@ -327,7 +341,15 @@ mod tests {
     }
 
     fn real(name: &str) -> RealEvent {
-        RealEvent { rank: 0, lane: 2, name: name.to_owned(), ts_us: 0.0, dur_us: 1.0, step: None }
+        RealEvent {
+            rank: 0,
+            lane: 2,
+            name: name.to_owned(),
+            ts_us: 0.0,
+            dur_us: 1.0,
+            step: None,
+            bytes: None,
+        }
     }
 
     /// Compute pairs by kind, layer and occurrence: the simulated recomputation the real run

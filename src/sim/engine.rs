@@ -51,6 +51,7 @@
 //! (no representative-rank shortcut): a 64-rank step of `roberta-50b` takes well under 2
 //! seconds (`cargo bench --bench sim`).
 
+use collsched_buckets::BucketKind;
 use collsched_schedule::{
     Action, EngineEvent, Fence, Fences, InflightRegistry, LaunchId, PolicyKind, Role, ScheduleError,
     Scheduler, SchedulerConfig, Stream, WaitOn,
@@ -359,7 +360,16 @@ impl Simulation {
                 peak = peak.max(live);
             }
         }
+        let layout = self.shared.plan.layout();
         let timeline = self.shared.timeline.then(|| {
+            let mut bucket_bytes =
+                vec![0; layout.buckets().iter().map(|b| b.id().0 as usize + 1).max().unwrap_or(0)];
+            for b in layout.buckets() {
+                bucket_bytes[b.id().0 as usize] = match b.kind() {
+                    BucketKind::Gather => b.gathered_bytes(),
+                    BucketKind::Grad => b.shard_bytes(),
+                } as u64;
+            }
             let mut colls: [Vec<Span>; 2] = [Vec::new(), Vec::new()];
             for c in &self.colls.all {
                 let (lane, kind) = match c.id.role {
@@ -384,9 +394,9 @@ impl Simulation {
                     .map(|r| r.per_step.iter().map(|a| (a.start, a.end)).collect())
                     .collect(),
                 layer_names: self.layer_names.clone(),
+                bucket_bytes,
             }
         });
-        let layout = self.shared.plan.layout();
         SimReport {
             workload: self.workload,
             world: self.config.world,

@@ -8,7 +8,7 @@ use collsched_topo::{CollectiveKind, CostModel, GroupShape};
 use super::config::{Policy, SimConfig, SimError};
 use super::report::SpanKind;
 use super::step::{Call, StepProgram};
-use super::workload::Workload;
+use super::workload::{BucketOrder, Workload};
 use super::zero3;
 
 /// What every rank runs: the plan, the engine program of one step with its compute times, the
@@ -91,7 +91,7 @@ impl Program {
             |name: &String| workload.layers.iter().position(|l| &l.name == name).unwrap_or(0) as u32;
         let fwd: Vec<u32> = workload.forward_order.iter().map(layer_index).collect();
         let bwd: Vec<u32> = workload.backward_order.iter().map(layer_index).collect();
-        // Bucket in forward execution order.
+        // Bucket in forward execution order (or, below, in the parameters' listed order).
         let mut order = Vec::with_capacity(set.len());
         let mut seen = vec![false; set.len()];
         for &l in &fwd {
@@ -105,11 +105,13 @@ impl Program {
             Policy::Naive | Policy::Zero3_2021 => (1, Boundary::Size),
             _ => (config.bucket_bytes, config.boundary),
         };
-        let layout = LayoutBuilder::new(&set, Sharding::EvenSplit, config.world)
+        let mut builder = LayoutBuilder::new(&set, Sharding::EvenSplit, config.world)
             .bucket_bytes(bucket_bytes)
-            .boundary(boundary)
-            .order(order)
-            .build()?;
+            .boundary(boundary);
+        if workload.bucket_order == BucketOrder::Forward {
+            builder = builder.order(order);
+        }
+        let layout = builder.build()?;
         let plan = Plan::new(layout);
 
         // The program of one step and its compute durations.

@@ -132,6 +132,9 @@ pub struct Timeline {
     pub steps: Vec<Vec<(u64, u64)>>,
     /// Layer names (for compute span labels).
     pub layer_names: Vec<String>,
+    /// By bucket id: the bytes of that bucket's collective output on a rank (an all-gather's
+    /// gathered buffer, a reduce-scatter's reduced shard), as a real record's `bytes` counts them.
+    pub bucket_bytes: Vec<u64>,
 }
 
 /// What one simulated step cost.

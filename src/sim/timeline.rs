@@ -81,9 +81,14 @@ pub fn write_chrome_trace(out: &mut impl Write, report: &SimReport) -> io::Resul
             for s in list {
                 sep(out)?;
                 let name = serde_json::to_string(&label(report, s)).map_err(io::Error::other)?;
+                // A collective's bytes, as a real record's (`bucket_bytes`).
+                let bytes = match tl.bucket_bytes.get(s.index as usize) {
+                    Some(b) if tid > 0 => format!(",\"bytes\":{b}"),
+                    _ => String::new(),
+                };
                 write!(
                     out,
-                    "{{\"ph\":\"X\",\"pid\":{rank},\"tid\":{tid},\"name\":{name},\"cat\":\"{}\",\"ts\":{},\"dur\":{},\"args\":{{\"step\":{}}}}}",
+                    "{{\"ph\":\"X\",\"pid\":{rank},\"tid\":{tid},\"name\":{name},\"cat\":\"{}\",\"ts\":{},\"dur\":{},\"args\":{{\"step\":{}{bytes}}}}}",
                     s.kind.name(),
                     micros(s.start_ns),
                     micros(s.dur_ns),
@@ -320,7 +325,7 @@ mod tests {
     use super::{real_rows, RealEvent};
 
     fn ev(lane: usize, name: &str, ts_us: f64, dur_us: f64, step: Option<u64>) -> RealEvent {
-        RealEvent { rank: 0, lane, name: name.to_owned(), ts_us, dur_us, step }
+        RealEvent { rank: 0, lane, name: name.to_owned(), ts_us, dur_us, step, bytes: None }
     }
 
     /// Two steps of two compute spans each, a reduce-scatter trailing each step's compute, the

@@ -22,12 +22,14 @@
 //!  "layers": [{"name": "l0", "params": ["w0"], "forward_flops": 2.1e9,
 //!              "backward_flops": 4.2e9, "recompute_flops": 0.0}],
 //!  "forward_order": ["l0"], "backward_order": ["l0"],
-//!  "loss_flops": 1.0e8, "update_flops": 3.0e8, "hook_s": 2.0e-4}
+//!  "loss_flops": 1.0e8, "update_flops": 3.0e8, "hook_s": 2.0e-4, "bucket_order": "params"}
 //! ```
 //! `loss_flops` (between the forward and the backward) and `update_flops` (after the step's
 //! gradients are reduced: the optimizer) are the step's compute outside the layers; `hook_s`
 //! the training engine's own host time per layer per step ([`Workload::hook_s`]); each may
-//! be left out (0).
+//! be left out (0). `bucket_order` ([`BucketOrder`]): `"forward"` (the default) cuts buckets
+//! in the order the forward first uses the parameters, `"params"` in the order `params` lists
+//! them, the order an engine that builds its layout from its own parameter list cuts them in.
 //! A file may instead hold a generator config: `{"format": "collsched-workload", "version": 1,
 //! "transformer": {...}}` with the fields of [`TransformerConfig`].
 
@@ -161,6 +163,31 @@ pub struct Workload {
     /// has hooks of its own); 0 where the trace does not say.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub hook_s: f64,
+    /// The order the simulated layout takes the parameters in when it cuts buckets.
+    #[serde(default, skip_serializing_if = "BucketOrder::is_forward")]
+    pub bucket_order: BucketOrder,
+}
+
+/// The order a simulated layout takes a workload's parameters in, which decides its buckets
+/// and their ids.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BucketOrder {
+    /// The order the forward first uses them (each layer's as it lists them, layers in
+    /// `forward_order`): buckets fill in the order their gathers are needed.
+    #[default]
+    Forward,
+    /// The order `params` lists them: the buckets of an engine that builds its layout from
+    /// its own parameter list (`collsched.torch` lists them in module order, and its workload
+    /// record says `"params"`), ids included, so that `sim --against` pairs each collective with
+    /// the same bucket's.
+    Params,
+}
+
+impl BucketOrder {
+    fn is_forward(&self) -> bool {
+        *self == BucketOrder::Forward
+    }
 }
 
 fn is_zero(x: &f64) -> bool {
@@ -466,6 +493,7 @@ impl Workload {
             loss_flops: 0.0,
             update_flops: 0.0,
             hook_s: 0.0,
+            bucket_order: BucketOrder::Forward,
         }
     }
 

@@ -170,7 +170,9 @@ def workload_record(module: Any, path: Any = None) -> dict[str, Any]:
     per micro-batch. Collective: every rank calls it,
     and gets the same workload; with ``path``, also written there (give it on one rank).
     Simulate it with ``collsched sim --workload PATH --world N --tflops 1 --bucket-by module
-    ...``; with ``--against`` a trace of this run's flight record, the compute is paired by unit.
+    --bucket-mb B ...`` (``B`` the model's ``bucket_mb``: the simulated buckets are then the
+    library's, ids included); with ``--against`` a trace of this run's flight record, the compute
+    is paired by unit and the collectives by bucket.
     Raises on the cuda backend (no spans) and before a training pass on any rank."""
     from .module import _root_state
 
@@ -251,6 +253,8 @@ def workload_record(module: Any, path: Any = None) -> dict[str, Any]:
         "loss_flops": seconds("loss") * FLOPS_PER_SECOND,
         "update_flops": seconds("update") * FLOPS_PER_SECOND,
         "hook_s": seconds("hooks"),
+        # Buckets cut in the parameters' order, as the library cut them: the same ids.
+        "bucket_order": "params",
     }
     if path is not None:
         with open(path, "w") as f:
