@@ -101,12 +101,19 @@ RECOMPUTE = ("call", "wrapper", "inner")
 
 
 def build(
-    name: str, seed: int = 0, dtype: torch.dtype = torch.float32, recompute: tuple[str, bool] | None = None
+    name: str,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    recompute: tuple[str, bool] | None = None,
+    tied: bool = False,
 ) -> nn.Module:
     """Model ``name`` with ``seed``'s values; ``recompute`` (a gpt's): ``(where, use_reentrant)``
-    of its activation checkpointing (``RECOMPUTE``)."""
+    of its activation checkpointing (``RECOMPUTE``); ``tied`` (a gpt's): its second block's MLP
+    input weight is the first block's (a parameter of two units)."""
     torch.manual_seed(seed)
     model = {"mlp": Mlp, "gpt": Gpt}[name]()
+    if tied:
+        model.blocks[1].fc.weight = model.blocks[0].fc.weight
     if recompute is not None:
         where, reentrant = recompute
         if where == "call":
@@ -173,7 +180,7 @@ def reference(spec: dict[str, Any], world: int) -> dict[str, Any]:
     # Activation checkpointing (``recompute``) changes what is kept, not what is computed: the
     # reference runs without it.
     device = torch.device(spec.get("ref_device", "cpu"))
-    model = build(name, spec.get("seed", 0), dtype).to(device)
+    model = build(name, spec.get("seed", 0), dtype, tied=spec.get("tied", False)).to(device)
     params = dict(model.named_parameters())
     opt = optimizer(spec.get("opt", "adamw"), model.parameters())
     losses, after, evals, norms = [], [], [[] for _ in range(world)], []

@@ -83,14 +83,53 @@ def raising(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     loss = models.loss_fn("gpt", model(x), y)
     armed.remove()
     out["raised"] = error_text(loss.backward)
-    out["live_raised"] = cst.live_bytes(model)
     opt.zero_grad()
     for step in range(spec["steps"]):
-        x, y = models.batch("gpt", spec.get("seed", 0), step, 0, rank)
-        loss = models.loss_fn("gpt", model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        out["losses"].append([loss.item()])
+        out["losses"].append([train_step(model, opt, step, rank, spec)])
         out["params"].append(workers.snapshot(cst.full_parameters(model)))
+        out.setdefault("post", []).append(cst.stats(model)["post_forward"][2]["all_gathers"])
     return out
+
+
+def train_step(model: torch.nn.Module, opt: Any, step: int, rank: int, spec: dict[str, Any]) -> float:
+    """One training step of the gpt on this rank's batch; its loss."""
+    x, y = models.batch("gpt", spec.get("seed", 0), step, 0, rank)
+    loss = models.loss_fn("gpt", model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
+def fsdp2(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """torch's own FSDP2 with ``reshard_after_forward=spec["reshard"]`` on every block and the
+    root, on the job's process group: losses and full parameters after every step, and the
+    sizes of the groups its post-forward meshes gather over."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    model = models.build("gpt", spec.get("seed", 0))
+    for b in model.blocks:
+        fully_shard(b, reshard_after_forward=spec["reshard"])
+    fully_shard(model, reshard_after_forward=spec["reshard"])
+    opt = models.optimizer("adamw", model.parameters())
+    out: dict[str, Any] = {"losses": [], "params": []}
+    for step in range(spec["steps"]):
+        out["losses"].append([train_step(model, opt, step, rank, spec)])
+        full = {n: p.full_tensor().detach() for n, p in model.named_parameters()}
+        out["params"].append(workers.snapshot(full))
+    state = model._get_fsdp_state()
+    info = state._fsdp_param_group.post_forward_mesh_info
+    out["post_group"] = None if info is None else dist.get_world_size(info.shard_process_group)
+    return out
+
+
+def tied_before(rank: int, world: int) -> str:
+    """A gpt whose blocks share a weight tied before they are sharded one by one: the second
+    block's fully_shard, as its error text."""
+    import collsched.torch as cst
+
+    cst.init()
+    model = models.build("gpt", 0, tied=True)
+    cst.fully_shard(model.blocks[0])
+    return error_text(lambda: cst.fully_shard(model.blocks[1]))

@@ -27,6 +27,10 @@ def shard(model: torch.nn.Module, spec: dict[str, Any]) -> torch.nn.Module:
         opts["offload_policy"] = cst.CPUOffloadPolicy()
     for b in model.blocks:
         cst.fully_shard(b, **opts)
+    if spec.get("tied"):
+        # Tied once the blocks are sharded (a model's tie_weights() after wrapping): one shard
+        # in two units, as the reference's parameter built tied (models.build's ``tied``).
+        model.blocks[1].fc.weight = model.blocks[0].fc.weight
     return cst.fully_shard(model, **opts)
 
 

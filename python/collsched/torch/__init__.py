@@ -22,7 +22,7 @@ How it works (one rank):
   later ones prefetched along the recorded order) and swap in full-size parameters whose data
   are views of the gathered buffers (no copy); after its forward they are released and the
   shards swapped back (or, with ``reshard_after_forward=False``, kept into its backward; with
-  an int ``N`` below the world, this rank's piece of a ``1/N`` layout copied out first, which
+  an int ``N`` below the shard group's size, this rank's piece of a ``1/N`` layout copied out first, which
   the backward gathers within ``N`` ranks: ``post_forward.py``).
   Tensors autograd saves that view gathered parameters are kept as references, not as
   memory, and fetched again in backward (``saved_tensors_hooks``, in native code: torch calls

@@ -16,6 +16,7 @@ from . import clip as clip_
 from . import post_forward as post_
 from . import tp as tp_
 from . import values as values_
+from . import world as world_
 from .spans import Spans
 from .units import _Param, _tensor, _Unit
 from .world import _DTYPE_BYTES, _FROM_TORCH, world
@@ -81,6 +82,9 @@ def build(st: _State) -> None:
     # The job's ranks the model is sharded over (tensor-parallel meshes must lie across them).
     job = world()
     dp_ranks = list(st.part) if st.part is not None else list(range(job.world))
+    # The parameters given to collsched for the first time, with their names: marked once the
+    # build is done, so that a later fully_shard finding one of them (tied elsewhere) says so.
+    originals: list[tuple[torch.Tensor, str]] = []
     for m in root.modules():
         u = unit_of[id(m)]
         for name, p in list(m._parameters.items()):
@@ -106,6 +110,15 @@ def build(st: _State) -> None:
                     old_states[id(before)] = before
                     shape, dtype, requires_grad = old.shape, p.dtype, p.requires_grad
                 else:
+                    earlier = getattr(p, "_collsched_sharded_as", None)
+                    if earlier is not None:
+                        raise CollschedError(
+                            f"fully_shard: parameter {qual} of {type(root).__name__} is {earlier}, which an earlier "
+                            f"fully_shard sharded already (a parameter tied across units before they were sharded "
+                            f"would train as two); tie it again after sharding (model.tie_weights(), or assign the "
+                            f"one to the other), or give fully_shard the module that holds both instead"
+                        )
+                    originals.append((p, qual))
                     shape, dtype, requires_grad = p.shape, p.dtype, p.requires_grad
                 # A tensor-parallel parameter (tp.py): its local tensor is what is sharded.
                 dtensor = tp_.is_dtensor(p)
@@ -192,8 +205,6 @@ def build(st: _State) -> None:
     st.engine_args = (policy, prefetch_bytes, max_inflight, None, o["reduce_dtype"])
     st.train = st.model.engine(*st.engine_args)
     st.eval = st.model.engine(*st.engine_args)
-    if o["prefetch"] == "explicit":
-        st.apply_explicit()
     for old in old_states.values():
         old.retire()
     st.masters = []
@@ -239,6 +250,8 @@ def build(st: _State) -> None:
         u.swaps = [(m._parameters, name, st.params[pid].full, st.params[pid].shard) for m, name, pid in u.slots]
         u.shared = any(users[pid] > 1 for pid in u.ids)
         u.known = [0] * len(u.ids)
+    if o["prefetch"] == "explicit":
+        st.apply_explicit()
     st.mask = [bool(p.shard.requires_grad) for p in st.params]
     st.empty = [p for p in st.params if p.own.numel() == 0]
     st._own_grads()
@@ -250,7 +263,15 @@ def build(st: _State) -> None:
         st.pack, st.unpack = tp_.saved_hooks(st.hooks)
     else:
         st.pack, st.unpack = st.hooks.pack, st.hooks.unpack
-    post_.build(st)
+    try:
+        post_.build(st)
+    except BaseException:
+        # The model stands without its post-forward layouts: those units reshard to all ranks.
+        for u in st.units:
+            u.post = 0
+        raise
+    for p, qual in originals:
+        p._collsched_sharded_as = f"{qual} of {type(st.root).__name__}"
 
 
 def _no_values(w: Any, metas: dict[str, bool], sync_module_states: bool) -> bool:
@@ -295,6 +316,13 @@ def after_forward(value: Any, st: _State, what: str) -> bool | int:
     if value == size:
         return True
     if 1 < value < size and size % value == 0:
+        declared = world_.CUDA_GROUP_SIZE
+        if st.world.kind == "cuda" and declared != value:
+            raise CollschedError(
+                f"{what}: reshard_after_forward={value} on the cuda backend gathers within groups of {value} "
+                f"ranks, whose NCCL communicators are made at init; this world was made with "
+                f"hybrid_group_size={declared}: call collsched.torch.init('cuda', hybrid_group_size={value})"
+            )
         return int(value)
     factors = [f for f in range(1, size + 1) if size % f == 0]
     raise CollschedError(

@@ -110,13 +110,14 @@ class CollschedModule:
             return
         if state.model is not None:
             try:
-                # The order of the fetches changes: the trace prefetch records it again.
+                # The order of the fetches changes: the trace prefetch records it again; the
+                # post-forward layouts are made for the new settings (kept as they were on failure).
                 state.retrace("set_reshard_after_forward")
+                post_.build(state)
             except BaseException:
                 for u, (reshard, post) in zip(units, before):
                     u.reshard, u.post = reshard, post
                 raise
-            post_.build(state)
         for u in units:
             u.module.__dict__["_collsched_reshard"] = want
 
@@ -155,7 +156,9 @@ class CollschedModule:
         ``save_checkpoint``, ``load_checkpoint``, ``full_state_dict`` and ``save_full`` release
         what is held; ``state_dict()`` and ``load_state_dict()`` refuse while units are held
         (as between no_sync micro-batches). Held buckets count against the gathered-memory
-        budget, as a prefetch does. FSDP2's gradient accumulation::
+        budget, as a prefetch does. A unit resharded to some ranks after its forward (an int
+        ``reshard_after_forward``) gathers within them in its backward and is released after
+        it all the same. FSDP2's gradient accumulation::
 
             for i, batch in enumerate(micro_batches):
                 last = i == len(micro_batches) - 1
@@ -489,7 +492,8 @@ def stats(module: nn.Module) -> dict[str, Any]:
     ``wait_ms``, the waits for collectives), ``blocked_waits`` (the waits that found their
     collectives still running), and more; with units resharded to some ranks after their
     forward (an int ``reshard_after_forward``), the counters include the backward's gathers
-    within those ranks, and ``post_forward`` holds that layout's own counters by size."""
+    within those ranks, and ``post_forward`` holds that layout's own counters by size (its
+    peak of gathered bytes is not in ``peak_gathered_bytes``)."""
     return dict(_root_state(module).last)
 
 

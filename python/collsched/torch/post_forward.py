@@ -68,18 +68,26 @@ class _Post:
 
 def build(st: _State) -> None:
     """The post-forward layouts of ``st``'s units (one per size asked for; none when every unit
-    reshards to all ranks or to none). Collective: between steps, every rank alike."""
-    st.post = {}
-    sizes = sorted({u.post for u in st.units if u.post})
-    for size in sizes:
-        pids = sorted({pid for u in st.units if u.post == size for pid in u.ids})
-        st.post[size] = _Post(st, size, pids)
+    reshards to all ranks or to none), in place of the old ones once all are made. A unit that
+    shares a parameter with another unit (a tied one) has none: its backward gathers across
+    the world (the other unit may hold that parameter fetched meanwhile: one engine counts both
+    uses). Collective: between steps, every rank alike."""
+    made = {}
+    for size in sorted({u.post for u in st.units if u.post and not u.shared}):
+        pids = sorted({pid for u in st.units if u.post == size and not u.shared for pid in u.ids})
+        made[size] = _Post(st, size, pids)
+    st.post = made
+    for u in st.units:
+        u.captured = False
 
 
 def capture(st: _State, unit: _Unit) -> None:
     """``unit``'s training forward is over: this rank's post-forward piece of each of its
-    parameters is copied out of the gathered values before they are released."""
-    post = st.post[unit.post]
+    parameters is copied out of the gathered values before they are released (a unit with a
+    tied parameter has no post-forward layout: nothing is kept)."""
+    post = st.post.get(unit.post)
+    if post is None or unit.shared:
+        return
     with torch.no_grad():
         for p in unit.params:
             shard, offset = post.shards[p.pid]
@@ -100,18 +108,30 @@ def begin_backward(st: _State) -> None:
         post.engine.begin_backward()
 
 
-def end_step(st: _State, stats: dict[str, Any]) -> None:
-    """Ends the post-forward engines' steps: their counters are added to ``stats`` (the
-    gathers of the backward), each engine's own under ``stats["post_forward"]`` by size; the
-    units' captures are spent."""
+def end_step(st: _State) -> dict[int, dict[str, Any]]:
+    """Ends every post-forward engine's step (each one, the first failure raised after) and
+    returns their counters by size; the units' captures are spent."""
     for u in st.units:
         u.captured = False
-    if not st.post:
-        return
-    own = {}
+    own: dict[int, dict[str, Any]] = {}
+    failed: BaseException | None = None
     for size, post in st.post.items():
-        s = post.engine.end_step()
-        own[size] = s
+        try:
+            own[size] = post.engine.end_step()
+        except BaseException as e:
+            failed = failed or e
+    if failed is not None:
+        raise failed
+    return own
+
+
+def merge(stats: dict[str, Any], own: dict[int, dict[str, Any]]) -> None:
+    """Adds the post-forward engines' counters (the backward's gathers within groups) to the
+    training engine's ``stats``, and keeps each under ``stats["post_forward"]`` by size (the
+    peak of gathered bytes is each engine's own: not added)."""
+    if not own:
+        return
+    for s in own.values():
         for k, v in s.items():
             if k not in ("step", "peak_gathered_bytes") and isinstance(v, (int, float)):
                 stats[k] = stats.get(k, 0) + v

@@ -135,7 +135,8 @@ class _State:
         """Explicit prefetch rules from the units' lists (``set_modules_to_forward_prefetch``,
         ``set_modules_to_backward_prefetch``); a unit without a list prefetches the next unit
         in the forward (the first block after the root's own parameters) and the previous one
-        in the backward. Between steps."""
+        in the backward (but for units resharded to some ranks after their forward, whose
+        backward gathers on their post-forward layout, without prefetch). Between steps."""
         n = len(self.units)
         fwd: dict[int, list[int]] = {u: [u + 1] for u in range(n - 1)}
         bwd: dict[int, list[int]] = {u: [u - 1] for u in range(2, n)}
@@ -144,14 +145,15 @@ class _State:
         fwd.update(self.fwd_rules)
         bwd.update(self.bwd_rules)
 
-        def rules(table: dict[int, list[int]]) -> list[tuple[int, list[int]]]:
+        def rules(table: dict[int, list[int]], backward: bool = False) -> list[tuple[int, list[int]]]:
             out = []
             for u, then in table.items():
-                targets = [b for v in then for b in self.unit_buckets[v]]
+                elsewhere = [v for v in then if backward and self.units[v].post and not self.units[v].shared]
+                targets = [b for v in then if v not in elsewhere for b in self.unit_buckets[v]]
                 out.extend((b, targets) for b in self.unit_buckets[u])
             return out
 
-        self.train.set_explicit(rules(fwd), rules(bwd))
+        self.train.set_explicit(rules(fwd), rules(bwd, backward=True))
         self.eval.set_explicit(rules(fwd), [])
 
     def retrace(self, what: str) -> None:
@@ -546,6 +548,7 @@ class _State:
         step ends (a training step stays open: its backward may still come, or the next
         forward continues it)."""
         for unit in self.units:
+            unit.captured = False
             if unit.fetched is engine:
                 self._release(unit)
         if engine is self.eval:
@@ -738,8 +741,11 @@ class _State:
         self.spans.next_step(keep=deliver)
         self.got.clear()
         t0 = _clock()
-        stats = self.train.end_step()
-        post_.end_step(self, stats)
+        try:
+            stats = self.train.end_step()
+        finally:
+            post = post_.end_step(self)
+        post_.merge(stats, post)
         native_s = self.native_s + _clock() - t0
         spans_.per_unit(stats, self.host_s + self.hooks.take_seconds(), native_s, self.host_units)
         self.host_s = self.native_s = 0.0

@@ -20,6 +20,8 @@ _WORLD: Any = None
 _JOB: str | None = None
 # The CUDA stream a cuda world computes on (torch's current stream at init), kept alive.
 _STREAM: Any = None
+# The ``hybrid_group_size`` a cuda world was made with (its groups' communicators), or None.
+CUDA_GROUP_SIZE: int | None = None
 _TO_TORCH = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 _FROM_TORCH = {v: k for k, v in _TO_TORCH.items()}
 _DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2}
@@ -60,7 +62,9 @@ def init(backend: str = "shm", *, hybrid_group_size: Any = None) -> Any:
     import torch.distributed as dist
 
     if backend == "cuda":
+        global CUDA_GROUP_SIZE
         _WORLD = _join_cuda(hybrid_group_size)
+        CUDA_GROUP_SIZE = None if hybrid_group_size is None else int(hybrid_group_size)
         return _WORLD
 
     if backend == "mpi":
