@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .. import _native, params_json
+from .. import _native
 from .._native import CollschedError
 from . import clip as clip_
 from . import post_forward as post_
@@ -18,7 +18,7 @@ from . import tp as tp_
 from . import values as values_
 from . import world as world_
 from .spans import Spans
-from .units import _Param, _tensor, _Unit
+from .units import _Param, _tensor, _Unit, library_model
 from .world import _DTYPE_BYTES, _FROM_TORCH, world
 
 if TYPE_CHECKING:
@@ -169,19 +169,9 @@ def build(st: _State) -> None:
         full = values_.full_values(values, old_states)
         if st.opts["sync_module_states"]:
             full = values_.from_rank0(w, full)
-    entries = [
-        {
-            "name": p.name,
-            "shape": list(p.shape),
-            "dtype": _FROM_TORCH[p.dtype],
-            "trainable": bool(p.shard.requires_grad),
-            "module": f"unit{p.unit}",
-        }
-        for p in st.params
-    ]
-    text = params_json(entries)
     lib = None if full is None else [v.to(p.dtype) if v.dtype != p.dtype else v for v, p in zip(full, st.params)]
-    st.model = _native.Model(w, text, lib, st.opts["strategy"], float(st.opts["bucket_mb"]), 256, "module")
+    trainable = [bool(p.shard.requires_grad) for p in st.params]
+    st.model = library_model(w, st.params, trainable, lib, st.opts["strategy"], st.opts["bucket_mb"])
     del lib
     o = st.opts
     # The plan's gather buckets, parsed once: id -> (parameter names, bytes of parameters).

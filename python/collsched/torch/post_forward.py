@@ -19,9 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .. import _native, params_json
-from .units import _tensor
-from .world import _FROM_TORCH
+from .units import _tensor, library_model
 
 if TYPE_CHECKING:
     from .shard import _State
@@ -35,22 +33,12 @@ class _Post:
     flattened parameter's ``offset`` of its first element)."""
 
     def __init__(self, st: _State, size: int, pids: list[int]) -> None:
-        self.size = size
         self.index = {pid: i for i, pid in enumerate(pids)}
-        entries = [
-            {
-                "name": st.params[pid].name,
-                "shape": list(st.params[pid].shape),
-                "dtype": _FROM_TORCH[st.params[pid].dtype],
-                # Nothing is reduced here: the sharded model's engine takes the gradients.
-                "trainable": False,
-                "module": f"unit{st.params[pid].unit}",
-            }
-            for pid in pids
-        ]
-        # No values yet (zeros): each forward writes what its backward gathers.
-        self.model = _native.Model(
-            st.world, params_json(entries), None, f"hybrid:{size}", float(st.opts["bucket_mb"]), 256, "module"
+        # None trainable (the sharded model's engine takes the gradients), no values yet
+        # (zeros: each forward writes what its backward gathers).
+        params = [st.params[pid] for pid in pids]
+        self.model = library_model(
+            st.world, params, [False] * len(params), None, f"hybrid:{size}", st.opts["bucket_mb"]
         )
         self.engine = self.model.engine(*st.engine_args)
         self.shards: dict[int, tuple[torch.Tensor, int]] = {}
@@ -73,21 +61,27 @@ def build(st: _State) -> None:
     the world (the other unit may hold that parameter fetched meanwhile: one engine counts both
     uses). Collective: between steps, every rank alike."""
     made = {}
-    for size in sorted({u.post for u in st.units if u.post and not u.shared}):
-        pids = sorted({pid for u in st.units if u.post == size and not u.shared for pid in u.ids})
+    for size in sorted({u.post for u in st.units if has_layout(u)}):
+        pids = sorted({pid for u in st.units if u.post == size and has_layout(u) for pid in u.ids})
         made[size] = _Post(st, size, pids)
     st.post = made
     for u in st.units:
         u.captured = False
 
 
+def has_layout(unit: _Unit) -> bool:
+    """Whether ``unit`` has a post-forward layout: resharded to some ranks, and sharing no
+    parameter with another unit."""
+    return bool(unit.post) and not unit.shared
+
+
 def capture(st: _State, unit: _Unit) -> None:
     """``unit``'s training forward is over: this rank's post-forward piece of each of its
     parameters is copied out of the gathered values before they are released (a unit with a
     tied parameter has no post-forward layout: nothing is kept)."""
-    post = st.post.get(unit.post)
-    if post is None or unit.shared:
+    if not has_layout(unit):
         return
+    post = st.post[unit.post]
     with torch.no_grad():
         for p in unit.params:
             shard, offset = post.shards[p.pid]

@@ -148,7 +148,7 @@ class _State:
         def rules(table: dict[int, list[int]], backward: bool = False) -> list[tuple[int, list[int]]]:
             out = []
             for u, then in table.items():
-                elsewhere = [v for v in then if backward and self.units[v].post and not self.units[v].shared]
+                elsewhere = [v for v in then if backward and post_.has_layout(self.units[v])]
                 targets = [b for v in then if v not in elsewhere for b in self.unit_buckets[v]]
                 out.extend((b, targets) for b in self.unit_buckets[u])
             return out

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import _native, params_json
 from .world import _FROM_TORCH
 
 
@@ -21,6 +22,24 @@ def _tensor(region: Any, dtype: torch.dtype, shape: Any, device: torch.device) -
     if region.device is None:
         return torch.frombuffer(region, dtype=dtype).view(shape)
     return torch.from_dlpack(region.dlpack(_FROM_TORCH[dtype], list(shape)))
+
+
+def library_model(
+    world: Any, params: list[_Param], trainable: list[bool], values: Any, strategy: str, bucket_mb: float
+) -> Any:
+    """The library's model over ``params`` (``values``: their full values, or None for zeros),
+    buckets ending at the units, as every model of a sharded root has them."""
+    entries = [
+        {
+            "name": p.name,
+            "shape": list(p.shape),
+            "dtype": _FROM_TORCH[p.dtype],
+            "trainable": t,
+            "module": f"unit{p.unit}",
+        }
+        for p, t in zip(params, trainable)
+    ]
+    return _native.Model(world, params_json(entries), values, strategy, float(bucket_mb), 256, "module")
 
 
 class _Param:
