@@ -249,9 +249,10 @@ fn write_against(out: &mut impl Write, rows: &[against::TrackCompare], path: &Pa
     if rows.iter().any(|r| r.sized_apart > 0) {
         writeln!(
             out,
-            "  some pairs differ in size (`resized`): those buckets are not the run's; simulate with the run's bucket \
-             cap, boundary and parameter order (a collsched.torch workload record: --bucket-by module --bucket-mb \
-             of the model)"
+            "  some pairs differ in size (`resized`): a simulated bucket that is not the run's (simulate with the run's \
+             bucket cap, boundary and parameter order; a collsched.torch workload record: --bucket-by module \
+             --bucket-mb of the model), or a real collective of another model or engine (built earlier, evaluating) \
+             paired by occurrence"
         )?;
     }
     if rows.iter().any(|r| r.matching != against::Matching::Order && r.pairs < r.sim_count.max(r.real_count))

@@ -119,7 +119,8 @@ pub struct TrackCompare {
     pub worst: Option<Worst>,
     /// Collective pairs whose bytes differ (the real event's `bytes` against the simulated
     /// bucket's): buckets of the same id that are not the same bucket (another bucket cap,
-    /// boundary or parameter order than the run's). 0 where the real events carry no bytes.
+    /// boundary or parameter order than the run's), or a real collective of another model or
+    /// engine in the record paired by occurrence. 0 where the real events carry no bytes.
     pub sized_apart: usize,
 }
 
