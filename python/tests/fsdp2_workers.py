@@ -13,12 +13,14 @@ import models
 from surface_workers import error_text
 
 
-def shard(model: torch.nn.Module, strategy: str, bucket_mb: float, mp: Any = None) -> torch.nn.Module:
+def shard(model: torch.nn.Module, strategy: str, bucket_mb: float, mp: Any = None, reshard: Any = None) -> Any:
+    """Each block and then the root sharded alike (``reshard``: ``reshard_after_forward``)."""
     import collsched.torch as cst
 
+    opts = {"strategy": strategy, "bucket_mb": bucket_mb, "mp_policy": mp, "reshard_after_forward": reshard}
     for b in model.blocks:
-        cst.fully_shard(b, strategy=strategy, bucket_mb=bucket_mb, mp_policy=mp)
-    return cst.fully_shard(model, strategy=strategy, bucket_mb=bucket_mb, mp_policy=mp)
+        cst.fully_shard(b, **opts)
+    return cst.fully_shard(model, **opts)
 
 
 def train_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: Any, rank: int) -> tuple[list, list]:
@@ -216,7 +218,7 @@ def meta_init(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
         with torch.device("meta"):
             model = models.build("gpt", 0)
         mp = cst.MixedPrecisionPolicy(**spec["mp"]) if spec.get("mp") else None
-        model = shard(model, spec.get("strategy", "even"), spec["bucket_mb"], mp)
+        model = shard(model, spec.get("strategy", "even"), spec["bucket_mb"], mp, spec.get("reshard_after_forward"))
     finally:
         values.full_values = real
     out: dict[str, Any] = {"zeros": all(not p.any() for p in cst.full_parameters(model).values())}
@@ -225,6 +227,7 @@ def meta_init(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     opt = models.optimizer(spec.get("opt", "adamw"), model.parameters())
     out["losses"], out["params"] = train_steps(model, opt, range(spec["steps"]), rank)
+    out["post"] = {n: st["all_gathers"] for n, st in cst.stats(model).get("post_forward", {}).items()}
     with torch.device("meta"):
         half = models.build("mlp", 0)
     half.head = torch.nn.Linear(9, 5)

@@ -111,20 +111,25 @@ def test_dcp_of_model_and_optimizer_resumes_as_plain_pytorch(tmp_path, mp):
     [
         (2, {"strategy": "even"}),
         (3, {"strategy": "flat", "mp": {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}}),
+        (4, {"strategy": "even", "reshard_after_forward": 2}),
     ],
-    ids=["even-2", "flat-3-bf16"],
+    ids=["even-2", "flat-3-bf16", "even-4-reshard-2"],
 )
 def test_meta_device_init_then_broadcast_from_rank0_trains_as_plain_pytorch(world, spec):
     """A model built on the meta device is sharded without any rank making its full values
-    (shards of zeros), ``to_empty`` keeps the shards, ``set_model_state_dict`` broadcasts rank
-    0's values; the run is plain PyTorch's from those values. A half-meta model and
-    ``sync_module_states`` on a meta model are refused by name."""
+        (shards of zeros), ``to_empty`` keeps the shards, ``set_model_state_dict`` broadcasts rank
+        0's values; the run is plain PyTorch's from those values (with ``reshard_after_forward=2``
+    too: the post-forward layout made empty with the shards). A half-meta model and
+        ``sync_module_states`` on a meta model are refused by name."""
     spec = {"model": "gpt", "steps": 2, "bucket_mb": 0.002, "opt": "adamw", **spec}
     runs = run(w.meta_init, world, spec, init="collsched")
     ref = models.reference(spec, world)
     parity.check(runs, ref)
     for r in runs:
         assert r["zeros"] is True, "a meta model's shards are not zeros before the load"
+        # Under an int, the last backward gathered from the post-forward layout (a pair's).
+        want = {2} if spec.get("reshard_after_forward") == 2 else set()
+        assert set(r["post"]) == want and all(n >= 3 for n in r["post"].values()), r["post"]
         assert "blocks.0.weight is on the meta device and head.weight is not" in r["mixed"], r["mixed"]
         assert "sync_module_states=True on a model built on the meta device" in r["synced"], r["synced"]
 

@@ -44,8 +44,22 @@ def gathers(plan: dict) -> tuple[int, int]:
         {"strategy": "flat"},
         {"prefetch": "explicit"},
         {"tied": True},
+        {"offload": True, "mp": {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}, "opt": "sgd"},
+        {"world": 8, "strategy": "hybrid:4"},
     ],
-    ids=["no_sync", "recompute", "reentrant", "wrapper", "mixed", "emulated", "flat", "explicit", "tied"],
+    ids=[
+        "no_sync",
+        "recompute",
+        "reentrant",
+        "wrapper",
+        "mixed",
+        "emulated",
+        "flat",
+        "explicit",
+        "tied",
+        "offload",
+        "hybrid-4-of-8",
+    ],
 )
 def test_units_resharded_to_some_ranks_train_as_plain_pytorch(extra):
     """``reshard_after_forward=2`` on every unit at 4 ranks: the losses and parameters of plain
@@ -53,10 +67,12 @@ def test_units_resharded_to_some_ranks_train_as_plain_pytorch(extra):
     backward, the post-forward layout's buckets within pairs (under explicit prefetch rules
     too: nothing prefetched across the world for them); a forward under ``no_grad`` (a
     reentrant checkpoint around a block's call) keeps nothing, and that block's backward
-    gathers across the world as usual, as do blocks that share a parameter (tied)."""
+    gathers across the world as usual, as do blocks that share a parameter (tied). At 8 ranks
+    under ``hybrid:4`` the pairs are within each group of 4."""
+    world = extra.pop("world", WORLD)
     spec = {"model": "gpt", "steps": 3, "bucket_mb": 0.002, "opt": "adamw", "reshard_after_forward": 2, **extra}
-    runs = run(workers.train, WORLD, spec)
-    ref = models.reference(spec, WORLD)
+    runs = run(workers.train, world, spec)
+    ref = models.reference(spec, world)
     parity.check(runs, ref, torch.float32)
     for rank, r in enumerate(runs):
         g, root = gathers(r["plan"])

@@ -42,12 +42,19 @@ def _close(got: list[float], want: list[float], what: str, tol: float) -> None:
         assert math.isfinite(a) and abs(a - b) <= tol * max(1.0, abs(b)), (what, i, a, b)
 
 
-@pytest.mark.parametrize("checkpointed,bf16", [(False, False), (True, False), (False, True)])
-def test_a_tensor_parallel_model_sharded_over_dp_trains_as_plain_pytorch(checkpointed, bf16, tmp_path):
-    world, steps = 4, 3
+@pytest.mark.parametrize(
+    "world,checkpointed,bf16,reshard",
+    [(4, False, False, None), (4, True, False, None), (4, False, True, None), (8, True, False, 2)],
+    ids=["plain", "checkpointed", "bf16", "reshard-2-of-4"],
+)
+def test_a_tensor_parallel_model_sharded_over_dp_trains_as_plain_pytorch(world, checkpointed, bf16, reshard, tmp_path):
+    """The (dp, tp) model trained against plain PyTorch; at dp 4 with the blocks'
+    ``reshard_after_forward=2``, each backward gathers the blocks' local shards within pairs
+    of dp ranks (checkpointed: the recomputation's gathers too)."""
+    steps = 3
     dp_size = world // 2
     path = str(tmp_path / "dcp")
-    out = run(w.train_2d, world, steps, path, checkpointed, bf16, init="collsched", timeout=300)
+    out = run(w.train_2d, world, steps, path, checkpointed, bf16, reshard, init="collsched", timeout=300)
     ref = _reference(dp_size, steps)
     # float32 sharded and tensor-parallel (partial sums in another order) against float64
     # (1e-7 passes here); gathered in bfloat16 (8 bits of mantissa), about its rounding.
@@ -77,6 +84,10 @@ def test_a_tensor_parallel_model_sharded_over_dp_trains_as_plain_pytorch(checkpo
         assert placed["blocks.1.down.weight"] == "(Shard(dim=0), Shard(dim=1)) torch.float32", placed
         assert placed["blocks.0.down.bias"] == "(Shard(dim=0), Replicate()) torch.float32", placed
         assert placed["head.weight"] == "(Shard(dim=0),) torch.float32", placed
+        # Gathered from the post-forward layout in each backward: two blocks, one bucket or
+        # more each (none without the setting).
+        want = [{2: n} for n in [got["post"][0].get(2, 0)] * steps] if reshard else [{}] * steps
+        assert got["post"] == want and (not reshard or want[0][2] >= 2), (rank, got["post"])
     # Every rank the same values.
     for rank in range(1, world):
         assert out[rank]["params"] == out[0]["params"], rank

@@ -69,23 +69,27 @@ def _meshes(world: int) -> tuple[Any, Any, Any]:
     return mesh, mesh["dp"], mesh["tp"]
 
 
-def _sharded(dp: Any, tp: Any, seed: int = 0, mp: Any = None) -> Net:
-    """The model made tensor-parallel over ``tp``, then each block and the root sharded over ``dp``."""
+def _sharded(dp: Any, tp: Any, seed: int = 0, mp: Any = None, reshard: Any = None) -> Net:
+    """The model made tensor-parallel over ``tp``, then each block and the root sharded over
+    ``dp`` (the blocks with ``reshard_after_forward=reshard``)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     m = model(seed)
     for b in m.blocks:
         parallelize_module(b, tp, {"up": ColwiseParallel(), "down": RowwiseParallel()})
     for b in m.blocks:
-        cst.fully_shard(b, mesh=dp, mp_policy=mp)
+        cst.fully_shard(b, mesh=dp, mp_policy=mp, reshard_after_forward=reshard)
     return cst.fully_shard(m, mesh=dp, mp_policy=mp, prefetch="none")
 
 
-def train_2d(rank: int, world: int, steps: int, path: str, checkpointed: bool, bf16: bool = False) -> dict[str, Any]:
+def train_2d(
+    rank: int, world: int, steps: int, path: str, checkpointed: bool, bf16: bool = False, reshard: Any = None
+) -> dict[str, Any]:
     """A (dp, tp) mesh of world/2 x 2: the model tensor-parallel over tp and sharded over dp,
     Adam with gradient clipping for ``steps`` steps (each dp rank its batch; ``checkpointed``:
     the blocks under activation checkpointing; ``bf16``: gathered in bfloat16, reduced in
-    float32, under a ``MixedPrecisionPolicy``); returns the losses, the clipped norms, the
+    float32, under a ``MixedPrecisionPolicy``; ``reshard``: the blocks' ``reshard_after_forward``,
+    and each backward's gathers from the post-forward layouts); returns the losses, the clipped norms, the
     parameters (the state dict's DTensors' full values, and ``full_state_dict``'s), the Adam
     moments of the optimizer's state dict, and the parameters after a ``dcp.save`` to ``path``
     and a ``dcp.load`` into a fresh model of the same layout, and the local shapes."""
@@ -93,7 +97,7 @@ def train_2d(rank: int, world: int, steps: int, path: str, checkpointed: bool, b
 
     _, dp, tp = _meshes(world)
     mp = cst.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
-    m = _sharded(dp, tp, mp=mp)
+    m = _sharded(dp, tp, mp=mp, reshard=reshard)
     m.recompute = checkpointed
     # Another model of the same shapes: its blocks unsharded between a forward and its
     # backward take the buffers the forward's gathers used (the part's world is one memory
@@ -102,13 +106,14 @@ def train_2d(rank: int, world: int, steps: int, path: str, checkpointed: bool, b
     other = _sharded(dp, tp, seed=5, mp=mp)
     dp_rank = dp.get_local_rank()
     opt = torch.optim.Adam(m.parameters(), lr=0.01)
-    losses, norms, totals = [], [], []
+    losses, norms, totals, post = [], [], [], []
     for step in range(steps):
         loss = m(batch(dp_rank, step)).float().pow(2).mean()
         if step == 1:
             for b in other.blocks:
                 b.unshard()
         loss.backward()
+        post.append({n: st["all_gathers"] for n, st in cst.stats(m).get("post_forward", {}).items()})
         if step == 1:
             for b in other.blocks:
                 b.reshard()
@@ -141,6 +146,7 @@ def train_2d(rank: int, world: int, steps: int, path: str, checkpointed: bool, b
         "moments": moments,
         "loaded": loaded,
         "placements": placements,
+        "post": post,
     }
 
 
