@@ -281,10 +281,11 @@ fn a_world_beyond_the_limit_is_refused() {
 }
 
 /// `--against REAL.json`: a "real" trace made of the simulation's own collectives, one of them
-/// ten times longer, one rank's reduce-scatters cut short by one and a collective the
-/// simulation lacks (a plan agreement) put first on its all-gathers: counts, pairs by bucket
-/// (by order where the names carry none: rank 0's, renamed), busy times, the collective that
-/// differs most, and the real events drawn beside the simulated ones.
+/// ten times longer, one rank's reduce-scatters cut short by one, a collective the
+/// simulation lacks (a plan agreement) put first on its all-gathers and its first gather run
+/// twice in its step, and another engine's gathers beside: counts, pairs by bucket and step
+/// (by order where the names carry none: rank 0's, renamed), the other engine's left out, busy
+/// times, the collective that differs most, and the real events drawn beside the simulated ones.
 #[test]
 fn against_compares_each_track_and_overlays_the_real_run() {
     let dir = scratch("against");
@@ -322,6 +323,30 @@ fn against_compares_each_track_and_overlays_the_real_run() {
     extra["dur"] = serde_json::json!(1.0e6);
     extra["ts"] = serde_json::json!(0.0);
     real.insert(first, extra);
+    // The first reduce-scatter again right after it, in its step: paired with nothing (by
+    // occurrence it would take the next step's reduction of its bucket, and differ most).
+    let first_rs = real.iter().position(|e| e["pid"] == 1 && e["tid"] == 2).unwrap();
+    let mut again = real[first_rs].clone();
+    again["ts"] = serde_json::json!(real[first_rs]["ts"].as_f64().unwrap() + 0.001);
+    again["dur"] = serde_json::json!(5.0e5);
+    real.insert(first_rs + 1, again);
+    // Rank 1's collectives are engine 7's; engine 3 (an evaluation) gathered the same buckets
+    // at the same times, a thousand times as long: left out.
+    for e in real.iter_mut().filter(|e| e["pid"] == 1) {
+        e["args"]["engine"] = serde_json::json!(7);
+    }
+    let other: Vec<serde_json::Value> = real
+        .iter()
+        .filter(|e| e["pid"] == 1 && e["tid"] == 1 && e["args"]["bytes"].is_u64())
+        .map(|e| {
+            let mut o = e.clone();
+            o["args"]["engine"] = serde_json::json!(3);
+            o["dur"] = serde_json::json!(e["dur"].as_f64().unwrap() * 1000.0);
+            o
+        })
+        .collect();
+    assert_eq!(other.len(), n_ag + 1, "{other:?}");
+    real.extend(other);
     for e in real.iter_mut().filter(|e| e["pid"] == 0) {
         e["name"] = serde_json::json!("a collective");
     }
@@ -353,23 +378,31 @@ fn against_compares_each_track_and_overlays_the_real_run() {
         (n_ag, n_ag + 1, n_ag),
         "{out}"
     );
-    assert_eq!(rows[2][5], "bucket", "{out}");
+    assert_eq!((rows[2][5], rows[3][5]), ("step", "step"), "{out}");
     assert!((cell(2, 8) - cell(2, 7) - 9.0 * slow - 1.0e6).abs() <= 0.2 + 1e-3 * cell(2, 8), "{out}");
     assert!(rows[2][10..].join(" ").starts_with(&format!("#3 {}", v_name(&v, 1, 1, 2))), "{out}");
+    let left = format!(
+        "compared: the collectives of engine 7 (on each rank the one with the most); {} real",
+        n_ag + 1
+    );
+    assert!(out.contains(&left), "{out}");
     // The slowed gather says twice its bucket's bytes: one pair of another size, said.
     assert_eq!((rows[2][6], rows[3][6]), ("1", "0"), "{out}");
     assert!(out.contains("some pairs differ in size (`resized`)"), "{out}");
+    // One reduce-scatter missing, one run twice: every pair of the same duration.
     assert_eq!(
         (cell(3, 2) as usize, cell(3, 3) as usize, cell(3, 4) as usize),
-        (n_rs, n_rs - 1, n_rs - 1),
+        (n_rs, n_rs, n_rs - 1),
         "{out}"
     );
-    assert!((cell(3, 7) - cell(3, 8) - lost).abs() <= 0.2 + 1e-3 * cell(3, 7), "{out}");
+    assert!((cell(3, 8) - cell(3, 7) - 5.0e5 + lost).abs() <= 0.2 + 1e-3 * cell(3, 8), "{out}");
+    let worst = &rows[3][10..];
+    assert!(worst.len() >= 4 && worst[worst.len() - 3] == format!("{},", worst[worst.len() - 1]), "{out}");
     // The overlay: the simulator's events, and every real one as "real rank R".
     let t: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&both).unwrap()).unwrap();
     let events = t["traceEvents"].as_array().unwrap();
     let real_x = events.iter().filter(|e| e["ph"] == "X" && e["cat"] == "real").count();
-    assert_eq!(real_x, 2 * n_ag + 2 * n_rs, "{t}");
+    assert_eq!(real_x, 3 * n_ag + 2 * n_rs + 2, "{t}");
     assert!(events.iter().any(|e| e["pid"] == 1001 && e["args"]["name"] == "real rank 1"), "{t}");
     // A rank no machine has: refused by name, not looped over.
     std::fs::write(

@@ -304,6 +304,40 @@ fn the_demo_writes_every_ranks_flight_record_on_request() {
         for (i, e) in compute.iter().enumerate() {
             assert_eq!(e["args"]["step"], i / (micro * 2 * layers) + 1, "{e}");
         }
+        // Every collective is the rank's training engine's (one number; the ranks are threads
+        // of one process here, each engine numbered in it), each with the engine's step: a
+        // micro-batch ends one (1-based: passes 1 to 4 here, then the final gathers of the full
+        // values, 5); reductions in the synchronized ones alone (2 and 4); a step's collectives
+        // all end before the next step's begin.
+        let collectives: Vec<_> = rank_spans().collect();
+        let engine = &collectives[0]["args"]["engine"];
+        assert!(engine.as_u64().is_some_and(|n| n >= 1), "{}", collectives[0]);
+        for e in &collectives {
+            assert_eq!(&e["args"]["engine"], engine, "{e}");
+        }
+        let in_step = |s: usize| collectives.iter().filter(move |e| e["args"]["step"] == s);
+        let passes = steps * micro + 1;
+        for s in 1..=passes {
+            let reduced = in_step(s).filter(|e| e["tid"] == 2).count();
+            assert!(in_step(s).count() > reduced, "rank {rank}: no gather in step {s}");
+            assert_eq!(
+                reduced > 0,
+                s < passes && s % micro == 0,
+                "rank {rank} step {s}: {reduced} reductions"
+            );
+        }
+        assert_eq!((1..=passes).map(|s| in_step(s).count()).sum::<usize>(), collectives.len(), "rank {rank}");
+        for s in 1..passes {
+            let end = in_step(s)
+                .map(|e| e["ts"].as_f64().unwrap() + e["dur"].as_f64().unwrap())
+                .fold(0.0, f64::max);
+            let next = in_step(s + 1).map(|e| e["ts"].as_f64().unwrap()).fold(f64::INFINITY, f64::min);
+            assert!(
+                end <= next + 1e-3,
+                "rank {rank}: step {s} ends at {end} us, step {} begins at {next}",
+                s + 1
+            );
+        }
     }
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -208,14 +208,18 @@ def test_flight_and_sim_against_read_them(traced):
     sim, rows, simulated = against(out / "workload-0.json")
     # The collectives: the simulated buckets are the library's (the workload's parameter order,
     # the model's bucket cap, by unit): every simulated collective's bucket and bytes are a real
-    # one's. (The real record holds more: the blocks' models built before the root's, the plan's
-    # agreement, the evaluation engine's gathers; pairs by occurrence mix those in.)
+    # one's. The real record holds more (the blocks' models built before the root's, the plan's
+    # agreement, the evaluation engine's gathers): each rank's training engine's are compared,
+    # the others left out, and those pair one to one with the simulated ones, step by step, all
+    # of the same size.
     assert simulated and simulated <= sized(events, range(2)), sorted(simulated - sized(events, range(2)))
     colls = [r for r in rows if r[1] in ("all-gather", "reduce-scatter")]
     assert [r[0] for r in colls] == ["0", "0", "1", "1"], sim
     for r in colls:
-        sim_n, real_n, pairs, by = int(r[2]), int(r[3]), int(r[4]), r[5]
-        assert by == "bucket" and sim_n > 0 and pairs == sim_n and real_n >= sim_n, r
+        sim_n, real_n, pairs, by, resized = int(r[2]), int(r[3]), int(r[4]), r[5], int(r[6])
+        assert by == "step" and sim_n > 0 and pairs == sim_n == real_n and resized == 0, (r, sim)
+    left = re.search(r"compared: the collectives of engine \d+ \(on each rank the one with the most\); (\d+) real", sim)
+    assert left and int(left.group(1)) > 0, sim
     # Cut in forward order instead (the root's final norm before the blocks), buckets of the same
     # ids are other buckets: simulated sizes the run never had.
     forward = json.loads((out / "workload-0.json").read_text())

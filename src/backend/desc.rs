@@ -120,6 +120,22 @@ pub struct CollDesc {
     /// this member's output is then its own alone (peers' threads or processes take none of
     /// its pieces). This member's own fact: not compared across members.
     pub own_chunk: Option<OwnChunk>,
+    /// Which engine's step launched it (the runtime's collectives; `None` for a caller of the
+    /// backend's own): written to the flight record, so that a record holding several engines'
+    /// collectives can be read one engine at a time. Not compared across members.
+    pub origin: Option<Origin>,
+}
+
+/// The engine and step a collective was launched for ([`CollDesc::origin`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Origin {
+    /// The engine: a number the process gives each runtime engine as it is made (1, 2, ... in
+    /// the order they are made; one process a rank numbers a job's engines alike on every rank
+    /// that makes them in one order, ranks that are threads of one process share the count).
+    pub engine: u32,
+    /// The engine's step (0-based: its count of ended steps; a micro-batch under `no_sync` ends
+    /// one, as a simulated step is one forward and backward).
+    pub step: u64,
 }
 
 /// Memory of this process holding a member's own chunk of a reduce-scatter's input
@@ -251,6 +267,7 @@ impl CollDesc {
             unpack: None,
             own_part_in_place: false,
             own_chunk: None,
+            origin: None,
         }
     }
 
@@ -278,6 +295,13 @@ impl CollDesc {
     #[must_use]
     pub fn with_tag(mut self, tag: u64) -> Self {
         self.tag = tag;
+        self
+    }
+
+    /// Sets the engine and step that launch it ([`Origin`]).
+    #[must_use]
+    pub fn with_origin(mut self, origin: Origin) -> Self {
+        self.origin = Some(origin);
         self
     }
 

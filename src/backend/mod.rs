@@ -91,7 +91,7 @@ pub mod shm;
 pub use chain::{ChainError, Chained};
 pub use collsched_schedule::Stream;
 pub use collsched_topo::CollectiveKind;
-pub use desc::{CollDesc, CollRef, Collective, GatherUnpack, InvalidGroup, OwnChunk, RankGroup};
+pub use desc::{CollDesc, CollRef, Collective, GatherUnpack, InvalidGroup, Origin, OwnChunk, RankGroup};
 pub use error::{BackendError, LaunchError};
 pub use inflight::{InFlight, OnDrop, WaitError};
 

@@ -204,8 +204,8 @@ pub fn run(args: SimArgs) -> Result<ExitCode, CliError> {
 fn write_against(out: &mut impl Write, rows: &[against::TrackCompare], path: &Path) -> io::Result<()> {
     writeln!(
         out,
-        "against {} (matched by bucket and occurrence, or by order where the real names carry no bucket of the \
-         simulation's; times in us):",
+        "against {} (matched by bucket and occurrence, within each step where the real collectives carry steps, or \
+         by order where the real names carry no bucket of the simulation's; times in us):",
         path.display()
     )?;
     writeln!(
@@ -230,6 +230,7 @@ fn write_against(out: &mut impl Write, rows: &[against::TrackCompare], path: &Pa
             r.pairs,
             match r.matching {
                 against::Matching::Bucket => "bucket",
+                against::Matching::BucketStep => "step",
                 against::Matching::Layer => "layer",
                 against::Matching::Order => "order",
             },
@@ -237,6 +238,17 @@ fn write_against(out: &mut impl Write, rows: &[against::TrackCompare], path: &Pa
             r.sim_busy_us,
             r.real_busy_us,
             ratio
+        )?;
+    }
+    let engines: std::collections::BTreeSet<u64> = rows.iter().filter_map(|r| r.engine).collect();
+    if !engines.is_empty() {
+        let list: Vec<String> = engines.iter().map(u64::to_string).collect();
+        writeln!(
+            out,
+            "  compared: the collectives of engine {} (on each rank the one with the most); {} real collectives of \
+             other engines (an evaluation's, a model built and replaced) or of none left out",
+            list.join(", "),
+            rows.iter().map(|r| r.left_out).sum::<usize>()
         )?;
     }
     if rows.iter().any(|r| r.matching == against::Matching::Order && r.sim_count != r.real_count) {
@@ -251,8 +263,8 @@ fn write_against(out: &mut impl Write, rows: &[against::TrackCompare], path: &Pa
             out,
             "  some pairs differ in size (`resized`): a simulated bucket that is not the run's (simulate with the run's \
              bucket cap, boundary and parameter order; a collsched.torch workload record: --bucket-by module \
-             --bucket-mb of the model), or a real collective of another model or engine (built earlier, evaluating) \
-             paired by occurrence"
+             --bucket-mb of the model), or, in a record whose collectives carry no engine, a real collective of another \
+             model or engine (built earlier, evaluating) paired by occurrence"
         )?;
     }
     if rows.iter().any(|r| r.matching != against::Matching::Order && r.pairs < r.sim_count.max(r.real_count))

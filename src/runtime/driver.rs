@@ -39,6 +39,7 @@
 //! keep their capacity, and the `Vec`s of collectives handed to the backend come back with the
 //! completed launch and are reused.
 
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
 use collsched_buckets::BucketId;
@@ -52,9 +53,14 @@ use super::tables::{GatherTables, GradTables};
 use super::RuntimeError;
 use crate::backend::Backend;
 
+/// The number of the next engine made in this process (from 1).
+static NEXT_ENGINE: AtomicU32 = AtomicU32::new(1);
+
 /// The per-coordinator part of the driver: the action list, the reduce side (gradient
-/// buffers, reductions in flight), the counters.
+/// buffers, reductions in flight), the counters, and the engine's number its collectives carry
+/// into the flight record ([`Origin`](crate::backend::Origin)).
 pub(crate) struct Driver<B: Backend> {
+    pub(crate) engine: u32,
     pub(crate) actions: Vec<Action>,
     pub(crate) reduce: ReduceSide<B>,
     events: Vec<B::Event>,
@@ -73,6 +79,7 @@ pub(crate) struct RankParts<'a, B: Backend> {
 impl<B: Backend> Driver<B> {
     pub(crate) fn new(rank: usize, n_grad: usize) -> Self {
         Driver {
+            engine: NEXT_ENGINE.fetch_add(1, Ordering::Relaxed),
             actions: Vec::with_capacity(256),
             reduce: ReduceSide::new(rank, n_grad),
             events: Vec::with_capacity(8),
@@ -121,7 +128,7 @@ impl<B: Backend> Driver<B> {
                         l.buffer.bucket
                     ),
                 })?;
-                cx.st.launch_gather(be, cx.tables, g, l, counters)
+                cx.st.launch_gather(be, cx.tables, g, l, self.engine, counters)
             }
             Action::Launch(l) => {
                 let j = grad_position(cx, l.buffer.bucket)?;
@@ -138,7 +145,7 @@ impl<B: Backend> Driver<B> {
                         self.events.extend(e.cloned());
                     }
                 }
-                self.reduce.launch(be, cx.grad, j, l, &self.events, counters)
+                self.reduce.launch(be, cx.grad, j, l, self.engine, &self.events, counters)
             }
             Action::Wait { fence: Fence::Op(id), .. } => match id.role {
                 Role::Gather => {

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use collsched_buckets::BucketId;
 
 use super::RuntimeError;
-use crate::backend::{Backend, BackendError, Collective, InFlight, LaunchError, Stream, WaitError};
+use crate::backend::{Backend, BackendError, Collective, InFlight, LaunchError, Origin, Stream, WaitError};
 
 /// Driver counters of the step in progress (the scheduler counts the rest).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -42,16 +42,21 @@ pub(crate) fn free_ops<B: Backend>(be: &B, ops: impl IntoIterator<Item = Collect
     }
 }
 
-/// Launches `ops` as one group on `stream` after `after`; a refused launch frees their buffers
-/// and names the op and bucket.
+/// Launches `ops` as one group on `stream` after `after`, each marked with `origin` (the engine
+/// and step, for the flight record); a refused launch frees their buffers and names the op and
+/// bucket.
 pub(crate) fn launch<B: Backend>(
     be: &B,
     stream: Stream,
     after: &[B::Event],
-    ops: Vec<Collective<B::Buffer>>,
+    mut ops: Vec<Collective<B::Buffer>>,
     bucket: BucketId,
+    origin: Origin,
     op: &'static str,
 ) -> Result<InFlight<B>, RuntimeError> {
+    for c in &mut ops {
+        c.desc.origin = Some(origin);
+    }
     be.launch_group(stream, after, ops).map_err(|LaunchError { error, ops }| {
         free_ops(be, ops);
         RuntimeError::Backend { rank: be.rank(), op, bucket: Some(bucket), source: error }

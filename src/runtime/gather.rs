@@ -24,7 +24,9 @@ use smallvec::SmallVec;
 use super::flight::{backend_err, launch, wait_flight, DriverCounters, Waited};
 use super::tables::{GatherTable, GatherTables};
 use super::RuntimeError;
-use crate::backend::{Backend, BackendBuffer, BackendError, BackendEvent, Collective, InFlight, Stream};
+use crate::backend::{
+    Backend, BackendBuffer, BackendError, BackendEvent, Collective, InFlight, Origin, Stream,
+};
 
 /// What a finished gather reports to the scheduler (`OpDone` of the launch).
 pub(crate) type Done<'a> = &'a mut dyn FnMut(LaunchId) -> Result<(), RuntimeError>;
@@ -215,7 +217,8 @@ impl<B: Backend> GatherSide<B> {
     /// gathered buffer (and the unpacked one) from the pool, the bucket's collective as one
     /// group on the launch's stream after its fences. An unpacked bucket on a backend that
     /// places pieces gathers straight into its unpacked buffer instead (no gathered buffer, no
-    /// unpack).
+    /// unpack). `engine` marks the collective in the flight record, with the launch's step.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn launch(
         &mut self,
         be: &B,
@@ -223,6 +226,7 @@ impl<B: Backend> GatherSide<B> {
         t: &GatherTable,
         copy_in: impl FnOnce(&mut B::Buffer) -> Result<(), BackendError>,
         l: &Launch,
+        engine: u32,
         counters: &mut DriverCounters,
     ) -> Result<(), RuntimeError> {
         let err = |op| backend_err(be.rank(), op, Some(t.id));
@@ -275,7 +279,8 @@ impl<B: Backend> GatherSide<B> {
                 events.extend(self.pending_event(*id).cloned());
             }
         }
-        let r = launch(be, l.stream, &events, ops, t.id, "all_gather");
+        let origin = Origin { engine, step: l.step };
+        let r = launch(be, l.stream, &events, ops, t.id, origin, "all_gather");
         self.events = events;
         let flight = match r {
             Ok(f) => f,

@@ -19,7 +19,7 @@ use super::gather::Done;
 use super::tables::{GradTable, GradTables};
 use super::RuntimeError;
 use crate::backend::{
-    Backend, BackendError, BackendEvent, ChainError, Chained, Collective, InFlight, Stream,
+    Backend, BackendError, BackendEvent, ChainError, Chained, Collective, InFlight, Origin, Stream,
 };
 
 /// Reduced gradient shards of the last synchronized step and the no_sync accumulators, of one
@@ -539,13 +539,16 @@ impl<B: Backend> ReduceSide<B> {
     /// where a gradient never came (or the staging buffer copied in), the reduce-scatter (or
     /// all-reduce) of the gradient buffer; for hybrid
     /// sharding the cross-group all-reduce is chained behind it in stream order (no host
-    /// wait), its input the reduce-scatter's output.
+    /// wait), its input the reduce-scatter's output. `engine` marks the collectives in the
+    /// flight record, with the launch's step.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn launch(
         &mut self,
         be: &B,
         tables: &GradTables,
         j: usize,
         l: &Launch,
+        engine: u32,
         fences: &[B::Event],
         counters: &mut DriverCounters,
     ) -> Result<(), RuntimeError> {
@@ -614,7 +617,8 @@ impl<B: Backend> ReduceSide<B> {
         let output = be.alloc(t.shard_bytes).map_err(err(first_op))?;
         let mut ops = self.spare.pop().unwrap_or_default();
         ops.push(Collective { desc: t.stages[0].clone(), input: Some(input), output });
-        let mut flight = launch(be, l.stream, fences, ops, t.id, first_op)?;
+        let origin = Origin { engine, step: l.step };
+        let mut flight = launch(be, l.stream, fences, ops, t.id, origin, first_op)?;
         counters.collectives += 1;
         counters.bytes_moved += t.gathered_bytes as u64;
         let mut first = None;
@@ -623,19 +627,21 @@ impl<B: Backend> ReduceSide<B> {
             let output = be.alloc(t.shard_bytes).map_err(err(op))?;
             let event = flight.event().clone();
             // Same stream, right behind the previous stage: the stream's order is the fence.
-            flight =
-                match be.launch_then(flight, l.stream, [Chained { desc: desc.clone(), input_of: 0, output }])
-                {
-                    Ok(f) => f,
-                    Err(refused) => {
-                        let ChainError { error, first, outputs } = *refused;
-                        drop(first); // its buffers go back to the pool once it completed
-                        for b in outputs {
-                            be.free(b, None);
-                        }
-                        return Err(RuntimeError::Backend { rank, op, bucket: Some(t.id), source: error });
+            flight = match be.launch_then(
+                flight,
+                l.stream,
+                [Chained { desc: desc.clone().with_origin(origin), input_of: 0, output }],
+            ) {
+                Ok(f) => f,
+                Err(refused) => {
+                    let ChainError { error, first, outputs } = *refused;
+                    drop(first); // its buffers go back to the pool once it completed
+                    for b in outputs {
+                        be.free(b, None);
                     }
-                };
+                    return Err(RuntimeError::Backend { rank, op, bucket: Some(t.id), source: error });
+                }
+            };
             first.get_or_insert(event);
             counters.collectives += 1;
             counters.bytes_moved += t.shard_bytes as u64;

@@ -80,11 +80,12 @@ impl<B: Backend> RankState<B> {
         tables: &GatherTables,
         g: usize,
         l: &Launch,
+        engine: u32,
         counters: &mut DriverCounters,
     ) -> Result<(), RuntimeError> {
         let shards = &self.shards;
         let copy_in = |input: &mut B::Buffer| shards.copy_into(be, g, l.stream, input);
-        self.gather.launch(be, g, &tables.gather[g], copy_in, l, counters)
+        self.gather.launch(be, g, &tables.gather[g], copy_in, l, engine, counters)
     }
 
     /// Finishes gather `id` (`how`) and reports it to the scheduler.

@@ -7,8 +7,13 @@
 //! occurrence where their names carry layers (`"forward 3"`), else by order; a layer's pieces
 //! within one phase of a step (a root's forward around its blocks') count as one span. On each rank's collective track a real collective named `... bucket B` is
 //! matched with the simulated one of bucket `B` of the same occurrence (the k-th gather of `B`
-//! with the k-th): collectives one side has and the other lacks (a plan agreement, a final
-//! gather) are left unmatched and counted. A track whose real names carry no bucket the
+//! with the k-th), within each step where the real collectives carry their engine's step (the
+//! record's first step is the simulation's first): collectives one side has and the other lacks
+//! (a plan agreement, a final gather) are left unmatched and counted, and shift no pair of
+//! another step. Where the real collectives carry engines (`collsched flight`'s from a runtime
+//! engine), each rank's are those of the engine with the most on it (a training engine); the
+//! others (an evaluation engine's, a model built and replaced, a second layout) are left out
+//! and counted. A track whose real names carry no bucket the
 //! simulation has is matched by order, the k-th with the k-th (a stream runs its collectives in
 //! order; past a collective one side lacks, those pairs are not the same one: the table says
 //! so). [`compare`] sums each track's busy time on both sides, names the pair that differs
@@ -62,6 +67,9 @@ pub struct RealEvent {
     pub step: Option<u64>,
     /// A collective's bytes (its `args.bytes`: this rank's output), where the trace says.
     pub bytes: Option<u64>,
+    /// A collective's engine (its `args.engine`: the runtime engine that launched it), where
+    /// the trace says.
+    pub engine: Option<u64>,
 }
 
 /// The pair of a track that differs most.
@@ -82,6 +90,9 @@ pub struct Worst {
 pub enum Matching {
     /// By bucket and occurrence (the real names carry buckets the simulation has).
     Bucket,
+    /// By bucket, step and occurrence within the step (the real collectives carry their
+    /// engine's step too: the first step of the record is the simulation's first).
+    BucketStep,
     /// Compute, by kind, layer and occurrence (the real names are `"forward L"` with `L` a
     /// layer the simulation has).
     Layer,
@@ -122,17 +133,24 @@ pub struct TrackCompare {
     /// boundary or parameter order than the run's), or a real collective of another model or
     /// engine in the record paired by occurrence. 0 where the real events carry no bytes.
     pub sized_apart: usize,
+    /// The engine whose collectives are compared, where the real ones carry engines: the one
+    /// with the most collectives on the rank (a training engine; not an evaluation engine's
+    /// gathers, a model built and then replaced, a second layout).
+    pub engine: Option<u64>,
+    /// Real collectives on the track left out: another engine's, or none's where `engine` is
+    /// set.
+    pub left_out: usize,
 }
 
 /// The pairs `(simulated, real)` of one track, as indices, and how they were made: by key and
 /// occurrence (the k-th of a key with the k-th; `sim_key` of a simulated span, `real_key` of a
-/// real name) where some real name has a `decisive` key the simulation has (`keyed` says so),
+/// real event) where some real event has a `decisive` key the simulation has (`keyed` says so),
 /// else the k-th with the k-th.
 fn pair_by<'a, K: Eq + std::hash::Hash>(
     sim: &'a [super::report::Span],
     real: &[&'a RealEvent],
     sim_key: impl Fn(&'a super::report::Span) -> K,
-    real_key: impl Fn(&'a str) -> Option<K>,
+    real_key: impl Fn(&'a RealEvent) -> Option<K>,
     (keyed, decisive): (Matching, impl Fn(&K) -> bool),
 ) -> (Vec<(usize, usize)>, Matching) {
     let mut by_key: std::collections::HashMap<K, std::collections::VecDeque<usize>> =
@@ -140,12 +158,12 @@ fn pair_by<'a, K: Eq + std::hash::Hash>(
     for (i, s) in sim.iter().enumerate() {
         by_key.entry(sim_key(s)).or_default().push_back(i);
     }
-    if !real.iter().any(|r| real_key(&r.name).is_some_and(|k| decisive(&k) && by_key.contains_key(&k))) {
+    if !real.iter().any(|r| real_key(r).is_some_and(|k| decisive(&k) && by_key.contains_key(&k))) {
         return ((0..sim.len().min(real.len())).map(|k| (k, k)).collect(), Matching::Order);
     }
     let mut out = Vec::new();
     for (k, r) in real.iter().enumerate() {
-        if let Some(i) = real_key(&r.name).and_then(|key| by_key.get_mut(&key)).and_then(|q| q.pop_front()) {
+        if let Some(i) = real_key(r).and_then(|key| by_key.get_mut(&key)).and_then(|q| q.pop_front()) {
             out.push((i, k));
         }
     }
@@ -185,6 +203,18 @@ fn layer_of(name: &str) -> Option<(&str, u32)> {
     }
 }
 
+/// The engine with the most collectives on `rank` in `real` (ties: the later made, the higher
+/// number), where any carries one.
+fn main_engine(real: &[RealEvent], rank: u64) -> Option<u64> {
+    let mut count: std::collections::BTreeMap<u64, usize> = std::collections::BTreeMap::new();
+    for e in real.iter().filter(|e| e.rank == rank && e.lane < 2) {
+        if let Some(engine) = e.engine {
+            *count.entry(engine).or_default() += 1;
+        }
+    }
+    count.into_iter().max_by_key(|&(engine, n)| (n, engine)).map(|(engine, _)| engine)
+}
+
 /// The collectives of a real trace, in time order per track.
 ///
 /// # Errors
@@ -220,8 +250,8 @@ pub fn parse_real(text: &str) -> Result<Vec<RealEvent>, String> {
         };
         let name = e.get("name").and_then(Value::as_str).unwrap_or("?").to_owned();
         let arg = |key: &str| e.get("args").and_then(|a| a.get(key)).and_then(Value::as_u64);
-        let (step, bytes) = (arg("step"), arg("bytes"));
-        out.push(RealEvent { rank, lane, name, ts_us: num("ts")?, dur_us: num("dur")?, step, bytes });
+        let (step, bytes, engine) = (arg("step"), arg("bytes"), arg("engine"));
+        out.push(RealEvent { rank, lane, name, ts_us: num("ts")?, dur_us: num("dur")?, step, bytes, engine });
     }
     out.sort_by(|a, b| (a.rank, a.lane).cmp(&(b.rank, b.lane)).then(a.ts_us.total_cmp(&b.ts_us)));
     Ok(out)
@@ -242,6 +272,7 @@ pub fn compare(report: &SimReport, real: &[RealEvent]) -> Result<Vec<TrackCompar
     for rank in ranks {
         let lanes = if real.iter().any(|e| e.rank == rank && e.lane == 2) { 3 } else { 2 };
         let simulated = rank < u64::from(report.world);
+        let engine = main_engine(real, rank);
         // The simulator's layer arithmetic on this rank.
         let computed: Vec<super::report::Span> = match tl.compute.get(rank as usize) {
             Some(spans) if simulated => spans.iter().filter(|s| s.kind.is_compute()).copied().collect(),
@@ -256,6 +287,10 @@ pub fn compare(report: &SimReport, real: &[RealEvent]) -> Result<Vec<TrackCompar
             };
             let mut mine: Vec<&RealEvent> =
                 real.iter().filter(|e| e.rank == rank && e.lane == lane).collect();
+            let all = mine.len();
+            if lane < 2 && engine.is_some() {
+                mine.retain(|e| e.engine == engine);
+            }
             let joined;
             if lane == 2 {
                 joined = join_pieces(&mine);
@@ -268,9 +303,17 @@ pub fn compare(report: &SimReport, real: &[RealEvent]) -> Result<Vec<TrackCompar
             // (The step's loss and update carry no layer: they alone pair nothing by layer.)
             let (pairs, matching) = if lane == 2 {
                 let by_layer = |k: &(&str, u32)| k.1 != NO_LAYER;
-                pair_by(sim, &mine, |s| (s.kind.name(), s.index), layer_of, (Matching::Layer, by_layer))
+                let sim_key = |s: &super::report::Span| (s.kind.name(), s.index);
+                pair_by(sim, &mine, sim_key, |e| layer_of(&e.name), (Matching::Layer, by_layer))
+            } else if let Some(first) = mine.iter().map(|e| e.step).min().flatten() {
+                // Every collective carries its step (a missing one makes the minimum `None`):
+                // a collective one side lacks in a step leaves the other steps' pairs alone.
+                let sim_key = |s: &super::report::Span| (s.index, u64::from(s.step));
+                let real_key = |e: &RealEvent| Some((bucket_of(&e.name)?, e.step? - first));
+                pair_by(sim, &mine, sim_key, real_key, (Matching::BucketStep, |_: &(u32, u64)| true))
             } else {
-                pair_by(sim, &mine, |s| s.index, bucket_of, (Matching::Bucket, |_: &u32| true))
+                let real_key = |e: &RealEvent| bucket_of(&e.name);
+                pair_by(sim, &mine, |s| s.index, real_key, (Matching::Bucket, |_: &u32| true))
             };
             for &(i, k) in &pairs {
                 let (s, r) = (&sim[i], mine[k]);
@@ -294,6 +337,8 @@ pub fn compare(report: &SimReport, real: &[RealEvent]) -> Result<Vec<TrackCompar
                 pairs: pairs.len(),
                 worst,
                 sized_apart,
+                engine: engine.filter(|_| lane < 2),
+                left_out: all - mine.len(),
             });
         }
     }
@@ -350,6 +395,7 @@ mod tests {
             dur_us: 1.0,
             step: None,
             bytes: None,
+            engine: None,
         }
     }
 
@@ -383,13 +429,13 @@ mod tests {
         let refs: Vec<&RealEvent> = events.iter().collect();
         let key = |s: &Span| (s.kind.name(), s.index);
         let by_layer = (Matching::Layer, |k: &(&str, u32)| k.1 != NO_LAYER);
-        let (pairs, how) = pair_by(&sim, &refs, key, layer_of, by_layer);
+        let (pairs, how) = pair_by(&sim, &refs, key, |e| layer_of(&e.name), by_layer);
         assert_eq!(how, Matching::Layer);
         assert_eq!(pairs, [(0, 0), (1, 1), (4, 2), (5, 3), (6, 4)]);
         // Names without layers go by order, an update among them or not (it carries no layer).
         for unnamed in &unnamed_sets {
             let refs: Vec<&RealEvent> = unnamed.iter().collect();
-            let (pairs, how) = pair_by(&sim, &refs, key, layer_of, by_layer);
+            let (pairs, how) = pair_by(&sim, &refs, key, |e| layer_of(&e.name), by_layer);
             assert_eq!((pairs, how), (vec![(0, 0), (1, 1)], Matching::Order), "{unnamed:?}");
         }
     }

@@ -325,7 +325,7 @@ mod tests {
     use super::{real_rows, RealEvent};
 
     fn ev(lane: usize, name: &str, ts_us: f64, dur_us: f64, step: Option<u64>) -> RealEvent {
-        RealEvent { rank: 0, lane, name: name.to_owned(), ts_us, dur_us, step, bytes: None }
+        RealEvent { rank: 0, lane, name: name.to_owned(), ts_us, dur_us, step, bytes: None, engine: None }
     }
 
     /// Two steps of two compute spans each, a reduce-scatter trailing each step's compute, the

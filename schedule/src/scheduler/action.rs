@@ -175,6 +175,8 @@ pub struct Launch {
     pub prefetch: bool,
     /// For reductions: the dtype and divide factors.
     pub reduce: Option<ReduceSpec>,
+    /// The step it belongs to (0-based: the steps ended before it), for records and traces.
+    pub step: u64,
 }
 
 /// Where the contents of a gradient copied into its bucket come from.

@@ -158,6 +158,7 @@ impl Core {
             bytes: b.memory_bytes(),
             after,
             prefetch,
+            step: self.step,
             reduce: None,
         }));
         let live = reg.start_gather(g, id, prefetch.then_some(self.owner));
@@ -255,6 +256,7 @@ impl Core {
             after: Fences::new(),
             prefetch: false,
             reduce: Some(self.t.grad_reduce[j]),
+            step: self.step,
         }));
         let mut after = Fences::new();
         after.push(Fence::Op(id));

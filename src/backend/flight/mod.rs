@@ -299,6 +299,13 @@ pub struct FlightEntry {
     /// Whether it failed because of another rank (a peer dead, late or failed before it).
     #[serde(default)]
     pub peers_fault: bool,
+    /// The runtime engine that launched it (its [`Origin`](crate::backend::Origin)'s number);
+    /// none for a collective launched outside an engine (a benchmark's, a plan agreement's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub engine: Option<u32>,
+    /// That engine's step it belongs to (0-based), beside `engine`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step: Option<u64>,
 }
 
 impl FlightEntry {
@@ -349,6 +356,8 @@ impl From<&Entry> for FlightEntry {
             error: e.error.as_ref().map(|x| x.0.clone()),
             error_kind: e.error.as_ref().map(|x| x.1.to_string()),
             peers_fault: e.error.as_ref().is_some_and(|x| x.2),
+            engine: d.origin.map(|o| o.engine),
+            step: d.origin.map(|o| o.step),
         }
     }
 }

@@ -6,7 +6,9 @@
 //! share it). Collectives not ended are left out; the time each waited in its stream's queue
 //! (launched to reached) is in its `args`. The compute a record holds (`FlightDump::compute`)
 //! is on the compute track (`tid` 0), its category the span's first word (`forward`,
-//! `backward`) and its step (1-based) in its `args`, as the simulator's compute spans are.
+//! `backward`) and its step (1-based) in its `args`, as the simulator's compute spans are. A
+//! collective an engine launched has that engine's number and step (1-based) in its `args`
+//! (`engine`, `step`), so that a record of several engines can be read one engine at a time.
 
 use std::fmt::Write as _;
 
@@ -45,6 +47,11 @@ pub fn chrome_trace(dumps: &[FlightDump]) -> String {
             ));
         }
         for e in d.entries.iter().filter(|e| ended(e)) {
+            // An engine's collective: its engine and step (1-based, as the compute spans').
+            let origin = match (e.engine, e.step) {
+                (Some(engine), Some(step)) => format!(",\"engine\":{engine},\"step\":{}", step + 1),
+                _ => String::new(),
+            };
             let mut ev = String::new();
             let op = serde_json::to_string(&e.op).unwrap_or_else(|_| "\"?\"".to_owned());
             let name =
@@ -52,7 +59,7 @@ pub fn chrome_trace(dumps: &[FlightDump]) -> String {
             let _ = write!(
                 ev,
                 "{{\"ph\":\"X\",\"pid\":{rank},\"tid\":{},\"name\":{name},\"cat\":{op},\"ts\":{:.3},\
-                 \"dur\":{:.3},\"args\":{{\"seq\":{},\"bytes\":{},\"ops\":{},\"queued_us\":{:.3},\"state\":\"{:?}\"}}}}",
+                 \"dur\":{:.3},\"args\":{{\"seq\":{},\"bytes\":{},\"ops\":{},\"queued_us\":{:.3},\"state\":\"{:?}\"{origin}}}}}",
                 tid(&e.stream),
                 us(e.started_ns),
                 (e.ended_ns - e.started_ns) as f64 / 1000.0,

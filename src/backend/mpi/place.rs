@@ -247,6 +247,7 @@ fn describe(h: &[u64], group: &RankGroup) -> String {
         unpack: None,
         own_part_in_place: false,
         own_chunk: None,
+        origin: None,
     };
     match h[1] {
         0 => "nothing".into(),

@@ -304,6 +304,7 @@ impl ShmPlace {
             unpack: None,
             own_part_in_place: (w0 >> 26) & 1 == 1,
             own_chunk: None,
+            origin: None,
         };
         let src = ((w0 >> 24) & 1 == 1).then_some(v(5) as usize);
         Some((desc, src, v(6) as usize, (w0 >> 25) & 1 == 1))
