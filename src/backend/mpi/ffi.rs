@@ -184,25 +184,26 @@ impl Comm {
         Ok(comm)
     }
 
-    /// A blocking all-gather of `mine` (the same length on every member): every member's
-    /// bytes, in rank order. For small control exchanges.
+    /// An all-gather of `mine` (the same length on every member) that returns when done:
+    /// every member's bytes, in rank order. For small control exchanges: it waits napping
+    /// ([`wait_napping`]).
     pub(super) fn all_gather_blocking(&self, mine: &[u8]) -> Result<Vec<u8>, MpiError> {
         let n = self.size()?;
         let len = count(mine.len())?;
+        let send = mine.to_vec();
         let mut out = vec![0u8; mine.len() * n];
-        // SAFETY: `mine` holds `len` bytes and `out` `n * len`; both live through the blocking
-        // call and do not overlap.
-        check("MPI_Allgather", unsafe {
-            ffi::MPI_Allgather(
-                mine.as_ptr().cast(),
-                len,
-                ffi::RSMPI_UINT8_T,
-                out.as_mut_ptr().cast(),
-                len,
-                ffi::RSMPI_UINT8_T,
-                self.0,
-            )
-        })?;
+        let mut reqs = Requests::default();
+        // SAFETY: `send` holds `len` bytes and `out` `n * len`, not overlapping; both live until
+        // the request completed, or are leaked below if it may not have.
+        let started = unsafe { reqs.all_gather(self, send.as_ptr(), len, out.as_mut_ptr()) };
+        if let Err(e) = started.and_then(|()| wait_napping(&mut reqs)) {
+            if !reqs.pending().is_empty() {
+                // MPI may still write into them: never freed.
+                std::mem::forget(send);
+                std::mem::forget(out);
+            }
+            return Err(e);
+        }
         Ok(out)
     }
 
@@ -270,11 +271,25 @@ impl Comm {
         }
     }
 
-    /// A blocking barrier.
+    /// A barrier that returns when every member entered it, waiting napping ([`wait_napping`]).
     pub(super) fn barrier(&self) -> Result<(), MpiError> {
-        // SAFETY: a valid communicator.
-        check("MPI_Barrier", unsafe { ffi::MPI_Barrier(self.0) })
+        let mut reqs = Requests::default();
+        // SAFETY: a valid communicator; the request touches no memory of ours.
+        reqs.push("MPI_Ibarrier", |r| unsafe { ffi::MPI_Ibarrier(self.0, r) })?;
+        wait_napping(&mut reqs)
     }
+}
+
+/// Tests `reqs` until they completed, sleeping 20 us between tests. MPI's blocking calls spin,
+/// and on a machine with as many busy threads as cores a spinning rank keeps a peer's thread
+/// (or the network's softirq work) off a core until the scheduler's next tick: 4 ms on a 2-core
+/// VM, where a rank that reached a control exchange first held up the other's last collective
+/// by that much (`collsched bench` over `mpi` counted it in its timed iterations).
+pub(super) fn wait_napping(reqs: &mut Requests) -> Result<(), MpiError> {
+    while !reqs.test()? {
+        std::thread::sleep(std::time::Duration::from_micros(20));
+    }
+    Ok(())
 }
 
 /// Requests of started non-blocking calls, in the order started.
