@@ -39,6 +39,7 @@ STEPS=(
   "vs-nccl:90:python/benchmarks/vs_nccl.py: collsched's collectives beside torch's NCCL and a device copy, 1 and 2 in flight"
   "vs-fsdp2:150:python/benchmarks/vs_fsdp2.py --device cuda: step and host time against FSDP2, GPT-2 small in f32 and bf16"
   "vs-fsdp2-1b:120:python/benchmarks/vs_fsdp2.py --device cuda: a 0.9B-parameter shape in bf16"
+  "vs-fsdp2-offload:120:python/benchmarks/vs_fsdp2.py --device cuda --offload: GPT-2 small in bf16 under CPUOffloadPolicy"
 )
 
 if [ "${1:-}" = "--list" ]; then
@@ -164,6 +165,12 @@ step_vs_fsdp2_1b() {
   python_site || return 1
   local n; n=$(gpus); [ "$n" -gt 2 ] && n=2
   vs_fsdp2 "$n" --dim 2048 --heads 16 --blocks 16 --seq 512 --batch 4 --vocab 32000 --steps 5 --mp bf16 --loss-rtol 1e-2
+}
+# GPT-2 small in bf16 again, both under CPUOffloadPolicy (the AdamW step on the host).
+step_vs_fsdp2_offload() {
+  python_site || return 1
+  local n; n=$(gpus); [ "$n" -gt 2 ] && n=2
+  vs_fsdp2 "$n" --dim 768 --heads 12 --blocks 12 --seq 512 --batch 8 --steps 5 --mp bf16 --offload --loss-rtol 1e-2
 }
 vs_fsdp2() {
   local n=$1; shift

@@ -16,7 +16,9 @@ way, see ``Fsdp2HookTime``); collsched's peak gathered bytes; every step's loss;
 trains the model unsharded with no communication at all (each rank alone): its forward and
 backward time plus its optimizer time divided by the ranks is the floor under any sharded
 step on this machine, printed beside the two. With ``--ac`` every block of all three runs is
-under activation checkpointing (``checkpoint_wrapper``, wrapped before sharding).
+under activation checkpointing (``checkpoint_wrapper``, wrapped before sharding). With
+``--offload`` FSDP2 and collsched both shard under ``CPUOffloadPolicy()`` (shards, gradients and
+the AdamW step in pinned host memory where CUDA is), the unsharded floor as before.
 
 With ``--device cuda`` (rank r on GPU ``LOCAL_RANK``): FSDP2 on NCCL, collsched on its cuda
 backend (NCCL on its own streams, ``init(backend="cuda")``), the model, batches and optimizer
@@ -341,6 +343,8 @@ def run_collsched(args: argparse.Namespace, rank: int) -> dict[str, Any]:
         if args.mp
         else {}
     )
+    if args.offload:
+        mp["offload_policy"] = cst.CPUOffloadPolicy()
     for b in model.blocks:
         cst.fully_shard(b, **mp)
     cst.fully_shard(
@@ -374,11 +378,14 @@ def run_plain(args: argparse.Namespace, rank: int) -> dict[str, Any]:
 
 
 def run_fsdp2(args: argparse.Namespace, rank: int, counter: CommCounter) -> dict[str, Any]:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     hooks = Fsdp2HookTime()
     model = build(args).to(device(args))
     mp = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if args.mp else {}
+    if args.offload:
+        # Pinned pages need CUDA (FSDP2's default pins).
+        mp["offload_policy"] = CPUOffloadPolicy(pin_memory=args.device == "cuda")
     for b in model.blocks:
         fully_shard(b, **mp)
     fully_shard(model, **mp)
@@ -417,6 +424,12 @@ def parse() -> argparse.Namespace:
         help="mixed precision: bf16 parameters in forward and backward, gradients reduced in f32 "
         "(MixedPrecisionPolicy(bf16, f32), the same for FSDP2 and collsched); the floor runs under "
         "torch.autocast(bf16)",
+    )
+    p.add_argument(
+        "--offload",
+        action="store_true",
+        help="CPUOffloadPolicy() for FSDP2 and collsched (each its own class): shards, gradients and the "
+        "optimizer step in host memory; the floor stays on the device",
     )
     p.add_argument(
         "--loss-rtol", type=float, default=1e-5, help="largest relative loss difference FSDP2/collsched that passes"
@@ -537,6 +550,7 @@ def report(args: argparse.Namespace, world: int, results: dict[str, dict[str, An
         f"batch {args.batch}x{args.seq}; {args.steps} timed steps after {args.warmup}; "
         f"{'activation checkpointing of every block; ' if args.ac else ''}"
         f"{'bf16 parameters, f32 reduction (MixedPrecisionPolicy); ' if args.mp else 'f32; '}"
+        f"{'CPUOffloadPolicy(); ' if args.offload else ''}"
         f"device {args.device}{' ' + torch.cuda.get_device_name() if args.device == 'cuda' else ''}; "
         f"torch {torch.__version__}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}; "
         "each implementation in processes of its own"
