@@ -117,10 +117,10 @@ def test_dcp_of_model_and_optimizer_resumes_as_plain_pytorch(tmp_path, mp):
 )
 def test_meta_device_init_then_broadcast_from_rank0_trains_as_plain_pytorch(world, spec):
     """A model built on the meta device is sharded without any rank making its full values
-        (shards of zeros), ``to_empty`` keeps the shards, ``set_model_state_dict`` broadcasts rank
-        0's values; the run is plain PyTorch's from those values (with ``reshard_after_forward=2``
+    (shards of zeros), ``to_empty`` keeps the shards, ``set_model_state_dict`` broadcasts rank
+    0's values; the run is plain PyTorch's from those values (with ``reshard_after_forward=2``
     too: the post-forward layout made empty with the shards). A half-meta model and
-        ``sync_module_states`` on a meta model are refused by name."""
+    ``sync_module_states`` on a meta model are refused by name."""
     spec = {"model": "gpt", "steps": 2, "bucket_mb": 0.002, "opt": "adamw", **spec}
     runs = run(w.meta_init, world, spec, init="collsched")
     ref = models.reference(spec, world)

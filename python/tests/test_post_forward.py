@@ -68,7 +68,8 @@ def test_units_resharded_to_some_ranks_train_as_plain_pytorch(extra):
     too: nothing prefetched across the world for them); a forward under ``no_grad`` (a
     reentrant checkpoint around a block's call) keeps nothing, and that block's backward
     gathers across the world as usual, as do blocks that share a parameter (tied). At 8 ranks
-    under ``hybrid:4`` the pairs are within each group of 4."""
+    under ``hybrid:4`` (the pairs are consecutive ranks, so within each group of 4)."""
+    extra = dict(extra)  # the parameter's dict is shared by reruns
     world = extra.pop("world", WORLD)
     spec = {"model": "gpt", "steps": 3, "bucket_mb": 0.002, "opt": "adamw", "reshard_after_forward": 2, **extra}
     runs = run(workers.train, world, spec)

@@ -49,8 +49,8 @@ def _close(got: list[float], want: list[float], what: str, tol: float) -> None:
 )
 def test_a_tensor_parallel_model_sharded_over_dp_trains_as_plain_pytorch(world, checkpointed, bf16, reshard, tmp_path):
     """The (dp, tp) model trained against plain PyTorch; at dp 4 with the blocks'
-    ``reshard_after_forward=2``, each backward gathers the blocks' local shards within pairs
-    of dp ranks (checkpointed: the recomputation's gathers too)."""
+    ``reshard_after_forward=2`` (and activation checkpointing), each backward gathers the
+    blocks' local shards from the post-forward layout, within pairs of dp ranks."""
     steps = 3
     dp_size = world // 2
     path = str(tmp_path / "dcp")

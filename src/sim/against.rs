@@ -8,7 +8,8 @@
 //! within one phase of a step (a root's forward around its blocks') count as one span. On each rank's collective track a real collective named `... bucket B` is
 //! matched with the simulated one of bucket `B` of the same occurrence (the k-th gather of `B`
 //! with the k-th), within each step where the real collectives carry their engine's step (the
-//! record's first step is the simulation's first): collectives one side has and the other lacks
+//! k-th step with collectives on the track is the simulation's k-th: under gradient
+//! accumulation the reduce-scatter track's steps are the synchronized ones): collectives one side has and the other lacks
 //! (a plan agreement, a final gather) are left unmatched and counted, and shift no pair of
 //! another step. Where the real collectives carry engines (`collsched flight`'s from a runtime
 //! engine), each rank's are those of the engine with the most on it (a training engine); the
@@ -91,7 +92,7 @@ pub enum Matching {
     /// By bucket and occurrence (the real names carry buckets the simulation has).
     Bucket,
     /// By bucket, step and occurrence within the step (the real collectives carry their
-    /// engine's step too: the first step of the record is the simulation's first).
+    /// engine's step too: the k-th step with collectives on the track is the simulation's k-th).
     BucketStep,
     /// Compute, by kind, layer and occurrence (the real names are `"forward L"` with `L` a
     /// layer the simulation has).
@@ -203,6 +204,15 @@ fn layer_of(name: &str) -> Option<(&str, u32)> {
     }
 }
 
+/// The distinct steps of `track`'s events, in order, where every one carries its step and there
+/// is one.
+fn lane_steps(track: &[&RealEvent]) -> Option<Vec<u64>> {
+    let mut steps: Vec<u64> = track.iter().map(|e| e.step).collect::<Option<_>>()?;
+    steps.sort_unstable();
+    steps.dedup();
+    (!steps.is_empty()).then_some(steps)
+}
+
 /// The engine with the most collectives on `rank` in `real` (ties: the later made, the higher
 /// number), where any carries one.
 fn main_engine(real: &[RealEvent], rank: u64) -> Option<u64> {
@@ -305,11 +315,16 @@ pub fn compare(report: &SimReport, real: &[RealEvent]) -> Result<Vec<TrackCompar
                 let by_layer = |k: &(&str, u32)| k.1 != NO_LAYER;
                 let sim_key = |s: &super::report::Span| (s.kind.name(), s.index);
                 pair_by(sim, &mine, sim_key, |e| layer_of(&e.name), (Matching::Layer, by_layer))
-            } else if let Some(first) = mine.iter().map(|e| e.step).min().flatten() {
-                // Every collective carries its step (a missing one makes the minimum `None`):
-                // a collective one side lacks in a step leaves the other steps' pairs alone.
+            } else if let Some(steps) = lane_steps(&mine) {
+                // Every collective carries its step: the k-th step with collectives on this
+                // track is the simulation's k-th (a no_sync micro-batch's step, which reduces
+                // nothing, is not one on the reduce-scatter track); a collective one side lacks
+                // in a step leaves the other steps' pairs alone.
                 let sim_key = |s: &super::report::Span| (s.index, u64::from(s.step));
-                let real_key = |e: &RealEvent| Some((bucket_of(&e.name)?, e.step? - first));
+                let real_key = |e: &RealEvent| {
+                    let k = steps.binary_search(&e.step?).ok()?;
+                    Some((bucket_of(&e.name)?, k as u64))
+                };
                 pair_by(sim, &mine, sim_key, real_key, (Matching::BucketStep, |_: &(u32, u64)| true))
             } else {
                 let real_key = |e: &RealEvent| bucket_of(&e.name);

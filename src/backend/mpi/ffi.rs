@@ -280,7 +280,9 @@ impl Comm {
     }
 }
 
-/// Tests `reqs` until they completed, sleeping 20 us between tests. MPI's blocking calls spin,
+/// Tests `reqs` until they completed, sleeping at least 20 us between tests (with the kernel's
+/// timer slack, about 70 us on Linux; MPI moves a non-blocking collective on only inside a
+/// test, so each of its rounds may wait one nap: fine for control exchanges). MPI's blocking calls spin,
 /// and on a machine with as many busy threads as cores a spinning rank keeps a peer's thread
 /// (or the network's softirq work) off a core until the scheduler's next tick: 4 ms on a 2-core
 /// VM, where a rank that reached a control exchange first held up the other's last collective
