@@ -19,7 +19,7 @@ FIGURES = {
     "vs-fsdp2": re.compile(r"^(model:|fsdp2 |collsched |floor |ratio |losses compared)"),
     "python": re.compile(r"^(=+ )?\d+ (passed|failed).* in [\d.]+s"),
 }
-FIGURES["vs-fsdp2-1b"] = FIGURES["vs-fsdp2"]
+FIGURES["vs-fsdp2-1b"] = FIGURES["vs-fsdp2-offload"] = FIGURES["vs-fsdp2"]
 
 
 def probe(logdir: str) -> dict[str, str]:
