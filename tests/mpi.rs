@@ -66,13 +66,25 @@ fn child() {
         }
     };
     let me = job.rank();
-    let line = match run_child(&rank, me, &mode) {
+    let result = if mode == "absent-exchange" {
+        // The last rank never takes part in the control exchange and stays up past its peers'
+        // timeout.
+        if me == job.world() - 1 {
+            std::thread::sleep(Duration::from_secs(6));
+            Ok("absent".into())
+        } else {
+            job.all_gather_bytes(b"rows").map(|all| format!("{} parts", all.len())).map_err(|e| e.to_string())
+        }
+    } else {
+        run_child(&rank, me, &mode)
+    };
+    let line = match result {
         Ok(s) => format!("ok {s}"),
         Err(e) => format!("err {e}"),
     };
     println!("\nRESULT {me} {line}");
     drop(rank);
-    if mode == "absent" && me == job.world() - 1 {
+    if mode.starts_with("absent") && me == job.world() - 1 {
         // Its peers left without finalizing MPI (their job broke): MPI_Finalize here would wait
         // for them for ever under mpirun's recovery (without it, mpirun ends this process).
         std::mem::forget(job);
@@ -210,6 +222,25 @@ fn a_rank_that_never_launches_is_named_after_the_timeout() {
                         || l.contains(
                             "will never arrive: their processes exited, and ranks [2] had not launched it"
                         )),
+                "rank {r}: {l}"
+            );
+        }
+    }
+}
+
+/// A control exchange (a bench's rows, a checkpoint's index) that one rank never reaches ends on
+/// the others at the timeout, naming the call and what to do, instead of waiting for ever.
+#[test]
+fn a_control_exchange_a_rank_never_reaches_ends_at_the_timeout() {
+    let (lines, out) = mpirun_surviving(3, "absent-exchange", 2);
+    for (r, l) in lines.iter().enumerate() {
+        let l = l.as_deref().unwrap_or_else(|| panic!("rank {r} reported nothing:\n{}", show(&out)));
+        if r == 2 {
+            assert_eq!(l, "ok absent", "rank {r}");
+        } else {
+            assert!(l.starts_with("err") && l.contains("MPI_Iallgather"), "rank {r}: {l}");
+            assert!(
+                l.contains("did not complete within 2s") && l.contains("COLLSCHED_TIMEOUT_SECS"),
                 "rank {r}: {l}"
             );
         }

@@ -7,6 +7,7 @@
 
 use std::ffi::{c_char, c_int};
 use std::mem::MaybeUninit;
+use std::time::{Duration, Instant};
 
 use mpi::ffi;
 
@@ -185,9 +186,9 @@ impl Comm {
     }
 
     /// An all-gather of `mine` (the same length on every member) that returns when done:
-    /// every member's bytes, in rank order. For small control exchanges: it waits napping
-    /// ([`wait_napping`]).
-    pub(super) fn all_gather_blocking(&self, mine: &[u8]) -> Result<Vec<u8>, MpiError> {
+    /// every member's bytes, in rank order. For small control exchanges: it waits napping, at
+    /// most `timeout` ([`wait_napping`]).
+    pub(super) fn all_gather_blocking(&self, mine: &[u8], timeout: Duration) -> Result<Vec<u8>, MpiError> {
         let n = self.size()?;
         let len = count(mine.len())?;
         let send = mine.to_vec();
@@ -196,7 +197,7 @@ impl Comm {
         // SAFETY: `send` holds `len` bytes and `out` `n * len`, not overlapping; both live until
         // the request completed, or are leaked below if it may not have.
         let started = unsafe { reqs.all_gather(self, send.as_ptr(), len, out.as_mut_ptr()) };
-        if let Err(e) = started.and_then(|()| wait_napping(&mut reqs)) {
+        if let Err(e) = started.and_then(|()| wait_napping(&mut reqs, "MPI_Iallgather", timeout)) {
             if !reqs.pending().is_empty() {
                 // MPI may still write into them: never freed.
                 std::mem::forget(send);
@@ -271,12 +272,13 @@ impl Comm {
         }
     }
 
-    /// A barrier that returns when every member entered it, waiting napping ([`wait_napping`]).
-    pub(super) fn barrier(&self) -> Result<(), MpiError> {
+    /// A barrier that returns when every member entered it, waiting napping, at most
+    /// `timeout` ([`wait_napping`]).
+    pub(super) fn barrier(&self, timeout: Duration) -> Result<(), MpiError> {
         let mut reqs = Requests::default();
         // SAFETY: a valid communicator; the request touches no memory of ours.
         reqs.push("MPI_Ibarrier", |r| unsafe { ffi::MPI_Ibarrier(self.0, r) })?;
-        wait_napping(&mut reqs)
+        wait_napping(&mut reqs, "MPI_Ibarrier", timeout)
     }
 }
 
@@ -286,10 +288,27 @@ impl Comm {
 /// and on a machine with as many busy threads as cores a spinning rank keeps a peer's thread
 /// (or the network's softirq work) off a core until the scheduler's next tick: 4 ms on a 2-core
 /// VM, where a rank that reached a control exchange first held up the other's last collective
-/// by that much (`collsched bench` over `mpi` counted it in its timed iterations).
-pub(super) fn wait_napping(reqs: &mut Requests) -> Result<(), MpiError> {
+/// by that much (`collsched bench` over `mpi` counted it in its timed iterations). Past
+/// `timeout` it gives up, naming `api` (the requests stay pending: MPI may still use their
+/// buffers).
+pub(super) fn wait_napping(
+    reqs: &mut Requests,
+    api: &'static str,
+    timeout: Duration,
+) -> Result<(), MpiError> {
+    let start = Instant::now();
     while !reqs.test()? {
-        std::thread::sleep(std::time::Duration::from_micros(20));
+        if start.elapsed() >= timeout {
+            return Err(MpiError {
+                api,
+                text: format!(
+                    "a control exchange over the job (every rank's part in a bench's rows, a checkpoint's \
+                     index, a barrier) did not complete within {timeout:?}: a rank stalled, exited or never \
+                     reached it (raise COLLSCHED_TIMEOUT_SECS if merely slow)"
+                ),
+            });
+        }
+        std::thread::sleep(Duration::from_micros(20));
     }
     Ok(())
 }

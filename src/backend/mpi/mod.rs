@@ -103,6 +103,9 @@ pub struct MpiJob {
     control: Option<ffi::Comm>,
     rank: usize,
     world: usize,
+    /// How long a control exchange or barrier waits for the other ranks (the backend's
+    /// timeout, `COLLSCHED_TIMEOUT_SECS`).
+    timeout: std::time::Duration,
     /// Set when [`join`] initialized MPI: dropping it finalizes MPI.
     universe: Option<mpi::environment::Universe>,
 }
@@ -135,8 +138,9 @@ impl MpiJob {
     /// [`BackendError::Device`] naming the MPI call that failed.
     pub fn all_gather_bytes(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>, BackendError> {
         let control = self.control()?;
-        let err = |e: ffi::MpiError| BackendError::Device { rank: self.rank, api: e.api, detail: e.text };
-        let lens = control.all_gather_blocking(&(mine.len() as u64).to_le_bytes()).map_err(err)?;
+        let err = |e| self.control_failed(e);
+        let lens =
+            control.all_gather_blocking(&(mine.len() as u64).to_le_bytes(), self.timeout).map_err(err)?;
         let lens: Vec<usize> = lens
             .chunks_exact(8)
             .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()) as usize)
@@ -144,7 +148,7 @@ impl MpiJob {
         let width = lens.iter().copied().max().unwrap_or(0);
         let mut padded = mine.to_vec();
         padded.resize(width, 0);
-        let all = control.all_gather_blocking(&padded).map_err(err)?;
+        let all = control.all_gather_blocking(&padded, self.timeout).map_err(err)?;
         Ok(lens.iter().enumerate().map(|(r, &len)| all[r * width..r * width + len].to_vec()).collect())
     }
 
@@ -163,7 +167,7 @@ impl MpiJob {
         iters: usize,
     ) -> Result<f64, BackendError> {
         let control = self.control()?;
-        let err = |e: ffi::MpiError| BackendError::Device { rank: self.rank, api: e.api, detail: e.text };
+        let err = |e| self.control_failed(e);
         let n = self.world;
         let whole = bytes / 4;
         let (send, recv) = match op {
@@ -176,7 +180,7 @@ impl MpiJob {
         for _ in 0..warmup {
             control.reference_f32(op, &input, &mut output).map_err(err)?;
         }
-        control.barrier().map_err(err)?;
+        control.barrier(self.timeout).map_err(err)?;
         let t = std::time::Instant::now();
         for _ in 0..iters.max(1) {
             control.reference_f32(op, &input, &mut output).map_err(err)?;
@@ -194,11 +198,15 @@ impl MpiJob {
     /// # Errors
     /// [`BackendError::Device`] naming the MPI call that failed.
     pub fn barrier(&self) -> Result<(), BackendError> {
-        self.control()?.barrier().map_err(|e| BackendError::Device {
-            rank: self.rank,
-            api: e.api,
-            detail: e.text,
-        })
+        self.control()?.barrier(self.timeout).map_err(|e| self.control_failed(e))
+    }
+
+    /// The error of a failed call on the control communicator, which breaks the job: a request
+    /// of it may still be pending (a rank that never came), so MPI is not finalized.
+    fn control_failed(&self, e: ffi::MpiError) -> BackendError {
+        let err = BackendError::Device { rank: self.rank, api: e.api, detail: e.text };
+        self.job.set_broken(err.to_string());
+        err
     }
 
     fn control(&self) -> Result<&ffi::Comm, BackendError> {
@@ -291,7 +299,7 @@ pub fn join(config: &MpiConfig) -> Result<(LocalRank, MpiJob), BackendError> {
         (0..3).map(|_| ffi::Comm::world_dup()).collect::<Result<Vec<_>, _>>().map_err(mpi_err(rank))?;
     let mut mine = host_key().to_le_bytes().to_vec();
     mine.extend_from_slice(&u64::from(std::process::id()).to_le_bytes());
-    let all = control.all_gather_blocking(&mine).map_err(mpi_err(rank))?;
+    let all = control.all_gather_blocking(&mine, config.local.timeout).map_err(mpi_err(rank))?;
     let pids: Vec<u32> = all
         .chunks_exact(16)
         .map(|c| {
@@ -308,7 +316,7 @@ pub fn join(config: &MpiConfig) -> Result<(LocalRank, MpiJob), BackendError> {
     let meeting = MpiMeeting { job: Arc::clone(&job) };
     let local = LocalWorld::with_meeting(world, config.local.clone(), Box::new(meeting))?;
     let backend = local.rank_in(rank, None)?;
-    let handle = MpiJob { job, control: Some(control), rank, world, universe };
+    let handle = MpiJob { job, control: Some(control), rank, world, timeout: config.local.timeout, universe };
     handle.barrier()?;
     Ok((backend, handle))
 }

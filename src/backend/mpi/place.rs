@@ -64,6 +64,14 @@ impl Job {
     }
 
     /// Why the job broke, if it did (module docs).
+    /// Marks the job broken (MPI keeps buffers of `why`'s call), once: the first reason stays.
+    pub(super) fn set_broken(&self, why: String) {
+        let mut b = self.broken.lock().unwrap_or_else(PoisonError::into_inner);
+        if b.is_none() {
+            *b = Some(why);
+        }
+    }
+
     pub(super) fn broken(&self) -> Option<String> {
         self.broken.lock().unwrap_or_else(PoisonError::into_inner).clone()
     }
@@ -312,10 +320,7 @@ impl MpiPlace {
 
     /// Marks the job broken (MPI keeps buffers of `op`), once.
     fn break_job(&self, why: String) {
-        let mut b = self.job.broken.lock().unwrap_or_else(PoisonError::into_inner);
-        if b.is_none() {
-            *b = Some(why);
-        }
+        self.job.set_broken(why);
     }
 
     fn run_locked(
