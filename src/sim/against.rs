@@ -1,26 +1,26 @@
 //! A real run's trace beside the simulated one (`collsched sim ... --against REAL.json`).
 //!
 //! The real trace is Chrome trace JSON on the simulator's tracks (`collsched flight DIR
-//! --trace-out`: `pid` = rank, `tid` 1 all-gather, 2 reduce-scatter, 0 compute, `"X"` events
-//! in microseconds). Compute spans (categories `forward`, `backward`, `recompute`, and the
-//! step's `loss` and `update` outside the layers) are compared with the simulator's layer arithmetic on the same rank, by kind, layer and
-//! occurrence where their names carry layers (`"forward 3"`), else by order; a layer's pieces
-//! within one phase of a step (a root's forward around its blocks') count as one span. On each rank's collective track a real collective named `... bucket B` is
-//! matched with the simulated one of bucket `B` of the same occurrence (the k-th gather of `B`
-//! with the k-th), within each step where the real collectives carry their engine's step (the
-//! k-th step with collectives on the track is the simulation's k-th: under gradient
-//! accumulation the reduce-scatter track's steps are the synchronized ones): collectives one side has and the other lacks
-//! (a plan agreement, a final gather) are left unmatched and counted, and shift no pair of
+//! --trace-out`: `pid` = rank, `tid` 1 all-gather, 2 reduce-scatter, 0 compute, `"X"` events in
+//! microseconds). Compute spans (categories `forward`, `backward`, `recompute`, and the step's
+//! `loss` and `update` outside the layers) are compared with the simulator's layer arithmetic on
+//! the same rank, by kind, layer and occurrence where their names carry layers (`"forward 3"`),
+//! else by order; a layer's pieces within one phase of a step (a root's forward around its blocks')
+//! count as one span. On each rank's collective track a real collective named `... bucket B` is
+//! matched with the simulated one of bucket `B` of the same occurrence (the k-th gather of `B` with
+//! the k-th), within each step where the real collectives carry their engine's step (the k-th step
+//! with collectives on the track is the simulation's k-th: under gradient accumulation the
+//! reduce-scatter track's steps are the synchronized ones): collectives one side has and the other
+//! lacks (a plan agreement, a final gather) are left unmatched and counted, and shift no pair of
 //! another step. Where the real collectives carry engines (`collsched flight`'s from a runtime
-//! engine), each rank's are those of the engine with the most on it (a training engine); the
-//! others (an evaluation engine's, a model built and replaced, a second layout) are left out
-//! and counted. A track whose real names carry no bucket the
-//! simulation has is matched by order, the k-th with the k-th (a stream runs its collectives in
-//! order; past a collective one side lacks, those pairs are not the same one: the table says
-//! so). [`compare`] sums each track's busy time on both sides, names the pair that differs
-//! most and counts the collective pairs whose bytes differ (a real event's `args.bytes` against
-//! the simulated bucket's, [`Timeline::bucket_bytes`](super::report::Timeline::bucket_bytes)),
-//! and [`overlay`] adds the
+//! engine), each rank's are those of the engine with the most on it (a training engine); the others
+//! (an evaluation engine's, a model built and replaced, a second layout) are left out and counted.
+//! A track whose real names carry no bucket the simulation has is matched by order, the k-th with
+//! the k-th (a stream runs its collectives in order; past a collective one side lacks, those pairs
+//! are not the same one: the table says so). [`compare`] sums each track's busy time on both sides,
+//! names the pair that differs most and counts the collective pairs whose bytes differ (a real
+//! event's `args.bytes` against the simulated bucket's,
+//! [`Timeline::bucket_bytes`](super::report::Timeline::bucket_bytes)), and [`overlay`] adds the
 //! real events to the simulator's own trace as processes [`real_pid_base`]` + rank` ("real rank
 //! R"), so one Perfetto view shows both.
 
