@@ -17,7 +17,8 @@
 # Each step runs under its own timeout, inside a total of $COLLSCHED_GPU_TOTAL_SECS (default
 # 540); a step that would not fit in what is left is skipped, saying so. $COLLSCHED_GPU_STEP_SECS,
 # when set, caps every step's timeout (a quick rehearsal). Without a GPU every
-# step reports skipped, with the reason. Exit status: 0 when no step failed.
+# step reports skipped, with the reason. $COLLSCHED_GPU_PYTEST_K, when set, is the python step's
+# pytest -k expression (a rerun of the tests that failed). Exit status: 0 when no step failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 here=$(pwd)
@@ -135,7 +136,7 @@ python_site() {
   export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
   python3 -c "import collsched, collsched._native; print('collsched from', collsched.__file__)"
 }
-step_python() { python_site && COLLSCHED_GPU=1 python3 -m pytest -q -rs -p no:cacheprovider python/tests/test_cuda.py; }
+step_python() { python_site && COLLSCHED_GPU=1 python3 -m pytest -q -rs -p no:cacheprovider python/tests/test_cuda.py ${COLLSCHED_GPU_PYTEST_K:+-k "$COLLSCHED_GPU_PYTEST_K"}; }
 # Each collective alone, then 2 queued at once (collsched's in flight, torch's async_op).
 step_vs_nccl() { python_site && python3 python/benchmarks/vs_nccl.py && python3 python/benchmarks/vs_nccl.py --inflight 2; }
 step_vs_fsdp2() {

@@ -136,6 +136,25 @@ def test_bf16_parameters_reduced_in_f32_on_cuda(model, micro, bucket_mb):
 
 
 @needs_gpu
+@pytest.mark.parametrize(
+    "extra, tol",
+    [({"micro": 2}, TOL), ({"dtype": torch.bfloat16, "reduce_dtype": torch.float32}, TOL_BF16)],
+    ids=["f32-no_sync", "bf16-reduced-in-f32"],
+)
+def test_cpu_offload_on_cuda_matches_plain_pytorch_on_the_cpu(extra, tol):
+    """``CPUOffloadPolicy`` on the cuda backend: the optimizer's shards in page-locked host
+    memory (one tensor per dtype, moved by one copy a pass), gradients copied to them at the
+    step's end; with SGD, against the CPU's kernels."""
+    spec = {"model": "gpt", "steps": 3, "opt": "sgd", "bucket_mb": 0.002, "backend": "cuda", "offload": True, **extra}
+    n = ranks()
+    runs = run(workers.train, n, spec)
+    parity.check(runs, models.reference(spec, n), tol=tol)
+    for rank, r in enumerate(runs):
+        assert {(dev, pinned) for dev, pinned, _at in r["places"]} == {("cpu", True)}, (rank, r["places"])
+        assert len({at for _dev, _pin, at in r["places"]}) == 1, (rank, r["places"])
+
+
+@needs_gpu
 def test_hybrid_on_cuda_at_4_ranks():
     if devices() < 4:
         pytest.skip(f"hybrid:2 needs 4 CUDA devices, this machine has {devices()}")

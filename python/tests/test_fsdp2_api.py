@@ -210,5 +210,8 @@ def test_cpu_offload_trains_as_plain_pytorch(spec):
     parity.check(runs, models.reference(spec, 2))
     for r in runs:
         assert r["apart"] is True, "an offloaded shard is the library's memory"
+        # Every shard (one dtype: the f32 masters) a view of one host tensor: one copy a pass.
+        assert {dev for dev, _pin, _at in r["places"]} == {"cpu"}, r["places"]
+        assert len({at for _dev, _pin, at in r["places"]}) == 1, r["places"]
         assert r["policy"] == "no error", r["policy"]
         assert "expected a CPUOffloadPolicy" in r["bad"], r["bad"]

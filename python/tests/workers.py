@@ -138,6 +138,8 @@ def train(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
         "live": live,
         "norms": norms,
         "held": held,
+        # Where each shard the optimizer updates lives: device type, page-locked, storage.
+        "places": [(p.device.type, p.is_pinned(), p.untyped_storage().data_ptr()) for p in model.parameters()],
     }
 
 

@@ -198,6 +198,7 @@ def build(st: _State) -> None:
     for old in old_states.values():
         old.retire()
     st.masters = []
+    st.offloaded = []
     offload = st.opts.get("offload")
     # Where the module's shards (the optimizer's) live: host memory under CPU offload.
     where = torch.device("cpu") if offload is not None else st.device
@@ -219,14 +220,14 @@ def build(st: _State) -> None:
             mine = full[i].reshape(-1)[p.offset : p.offset + numel].to(where, copy=True)
         elif apart:
             mine = data.to(where, copy=True)
-        if pin:
-            mine = mine.pin_memory()
         p.own = p.shard.data = mine
         if apart:
             st.masters.append(p)
         p.shard._collsched_param = (st, p)
         p.full.requires_grad_(p.shard.requires_grad)
     del full
+    if offload is not None:
+        values_.pack_offloaded(st, pin)
     for m, name, pid in (s for u in st.units for s in u.slots):
         m._parameters[name] = st.params[pid].shard
     users: dict[int, int] = {}

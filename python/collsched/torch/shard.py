@@ -83,6 +83,8 @@ class _State:
         # Mixed precision's and CPU offload's parameters: the module's shards (f32, or in host
         # memory) apart from the library's.
         self.masters: list[_Param] = []
+        # Under CPU offload: each dtype's masters as views of one host tensor (values.pack_offloaded).
+        self.offloaded: list[tuple[torch.Tensor, list[_Param], list[int]]] = []
         # Built without values (on the meta device), none loaded since: a root's build over
         # it gathers nothing.
         self.meta = False
@@ -229,6 +231,7 @@ class _State:
         self.units = []
         self.params = []
         self.masters = []
+        self.offloaded = []
         self.empty = []
         self.accum = {}
 

@@ -143,22 +143,26 @@ def cast_batch(
     contiguous copy in ``dtype`` on ``device`` (``None``: the tensor's own): the copies of one
     dtype and device are views of one new flat tensor, written by one multi-tensor copy (on a
     GPU a launch or two for a unit's gradients where the sources share a dtype and layout, as
-    autograd's do, and a cast each launches one per tensor; across devices, a copy each)."""
+    autograd's do, and a cast each launches one per tensor). Sources on one other device are
+    cast there into one flat tensor first, then moved by one copy (into page-locked memory
+    from a GPU: one transfer and one wait, not one each)."""
     groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
     for i, dtype, device in which:
         groups.setdefault((dtype, batch[i][1].device if device is None else device), []).append(i)
     for (dtype, device), at in groups.items():
         srcs = [batch[i][1] for i in at]
-        flat = torch.empty(sum(t.numel() for t in srcs), dtype=dtype, device=device)
-        # split's views are 1-D already; others take the source's shape (unpacked: a
-        # torch.Size argument parses slower).
-        dsts = [
-            v if t.dim() == 1 else v.view(*t.shape) if t.dim() else v.view(())
-            for v, t in zip(flat.split([t.numel() for t in srcs]), srcs)
-        ]
+        there = {t.device for t in srcs}
+        across = there != {device} and len(there) == 1
+        pin = across and device.type == "cpu" and next(iter(there)).type == "cuda"
+        flat = torch.empty(sum(t.numel() for t in srcs), dtype=dtype, device=device, pin_memory=pin)
+        dsts = _views(flat, srcs)
         with torch.no_grad():
-            if all(t.device == device for t in srcs):
+            if there == {device}:
                 torch._foreach_copy_(dsts, srcs)
+            elif across:
+                stage = torch.empty(flat.numel(), dtype=dtype, device=srcs[0].device)
+                torch._foreach_copy_(_views(stage, srcs), srcs)
+                flat.copy_(stage)
             else:
                 for d, t in zip(dsts, srcs):
                     d.copy_(t)
@@ -166,15 +170,63 @@ def cast_batch(
             batch[i] = (batch[i][0], d)
 
 
+def _views(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``flat`` cut into consecutive views shaped as the tensors of ``like``."""
+    # split's views are 1-D already; others take the source's shape (unpacked: a torch.Size
+    # argument parses slower).
+    return [
+        v if t.dim() == 1 else v.view(*t.shape) if t.dim() else v.view(())
+        for v, t in zip(flat.split([t.numel() for t in like]), like)
+    ]
+
+
+def pack_offloaded(state: _State, pin: bool) -> None:
+    """Under CPU offload: each dtype's masters become views of one host tensor (page-locked
+    where ``pin``), so that a pass's start moves them to the device by one copy
+    (:func:`push_masters`)."""
+    groups: dict[torch.dtype, list[_Param]] = {}
+    for p in state.masters:
+        groups.setdefault(p.own.dtype, []).append(p)
+    state.offloaded = []
+    for dtype, params in groups.items():
+        flat = torch.empty(sum(p.own.numel() for p in params), dtype=dtype, pin_memory=pin)
+        views = _views(flat, [p.own for p in params])
+        with torch.no_grad():
+            for p, v in zip(params, views):
+                v.copy_(p.own)
+                p.own = p.shard.data = v
+        state.offloaded.append((flat, params, [v.data_ptr() for v in views]))
+
+
 def push_masters(state: _State) -> None:
     """Casts the f32 masters into the library's shards the next gathers read. At every pass's
     start: an optimizer, or ``p.data`` written by hand (which no version counter sees), may
-    have changed them; it costs a cast of this rank's elements."""
+    have changed them; it costs a cast of this rank's elements. Under CPU offload, each
+    dtype's masters still where :func:`pack_offloaded` put them cross by one copy (from
+    page-locked memory without the host waiting, except in a pass without gradients: no
+    synchronized backward's end waits for the copy before an optimizer writes the masters)."""
     masters = state.masters
-    if masters:
-        with torch.no_grad():
+    if not masters:
+        return
+    rest = masters
+    with torch.no_grad():
+        if state.offloaded:
+            rest = []
+            for flat, params, at in state.offloaded:
+                if any(p.shard.data_ptr() != a or p.shard.device != flat.device for p, a in zip(params, at)):
+                    rest += params  # replaced (a load, ``to_empty``): one copy each
+                    continue
+                ahead = flat.is_pinned() and torch.is_grad_enabled()
+                there = flat.to(state.device, non_blocking=ahead)
+                homes = [p.home for p in params]
+                torch._foreach_copy_(homes, _views(there, homes))
+        local = [p for p in rest if p.shard.device == p.home.device]
+        if local:
             # One multi-tensor cast (a launch or two on a GPU, not one per parameter).
-            torch._foreach_copy_([p.home for p in masters], [p.shard for p in masters])
+            torch._foreach_copy_([p.home for p in local], [p.shard for p in local])
+        for p in rest:
+            if p.shard.device != p.home.device:
+                p.home.copy_(p.shard)
 
 
 _HEAD = struct.Struct("<QQQ")
@@ -215,7 +267,7 @@ def deliver(st: _State, grads: list[tuple[int, int, Any, str]]) -> None:
         # the same list on every rank.
         if p.shard.grad is None and st.mask[p.pid]:
             p.shard.grad = p.own.new_zeros(0)
-    fresh, onto = [], []
+    moved = []
     for pid, _offset, data, dtype in grads:
         p = st.params[pid]
         if isinstance(data, (bytes, bytearray)):
@@ -227,17 +279,21 @@ def deliver(st: _State, grads: list[tuple[int, int, Any, str]]) -> None:
             else:
                 p.shard.grad.add_(g)
             continue
-        # Library memory on the device, valid until the next call: copied out here, all
-        # the new gradients by one multi-tensor copy into views of one tensor (as FSDP2's
-        # sharded gradients view its reduce-scatter's output), the others added by one.
+        # Library memory on the device, valid until the next call: copied out here into views
+        # of one tensor per dtype and device (as FSDP2's sharded gradients view its
+        # reduce-scatter's output; under CPU offload, one transfer to the host), then each
+        # becomes a shard's gradient or is added to the one it has, by one multi-tensor add.
         g = _tensor(data, _TO_TORCH[dtype], [len(data) // _DTYPE_BYTES[dtype]], st.device)
-        (fresh if p.shard.grad is None else onto).append((p, g))
-    if fresh:
-        batch = [(i, g) for i, (_p, g) in enumerate(fresh)]
-        cast_batch(batch, [(i, p.shard.dtype, p.shard.device) for i, (p, _g) in enumerate(fresh)])
-        for (p, _g), (_i, g) in zip(fresh, batch):
+        keep = p.shard.grad is not None and p.shard.grad.dtype == g.dtype and p.shard.grad.device == g.device
+        moved.append((p, g, keep))
+    batch = [(i, g) for i, (_p, g, _k) in enumerate(moved)]
+    cast_batch(batch, [(i, p.shard.dtype, p.shard.device) for i, (p, _g, keep) in enumerate(moved) if not keep])
+    onto = []
+    for (p, _g, _k), (_i, g) in zip(moved, batch):
+        if p.shard.grad is None:
             p.shard.grad = g
+        else:
+            onto.append((p.shard.grad, g))
     if onto:
-        dsts = [p.shard.grad for p, _g in onto]
         with torch.no_grad():
-            torch._foreach_add_(dsts, [g.to(d.device, d.dtype) for d, (_p, g) in zip(dsts, onto)])
+            torch._foreach_add_([d for d, _g in onto], [g for _d, g in onto])
