@@ -20,7 +20,7 @@ use half::{bf16, f16};
 
 /// Odd sizes, several buckets of 64 bytes.
 const SIZES: [usize; 6] = [17, 35, 5, 33, 3, 18];
-const STEPS: usize = 2;
+const STEPS: usize = 3;
 const MICRO: usize = 3;
 const LR: f32 = 0.125;
 
@@ -623,9 +623,10 @@ use device::OnDevice;
 /// engine accumulates the micro-batches itself (in the reduction dtype, as the reference does)
 /// and hands the sum over in the last one (`grad_ready_on_device`). Step 0's optimizer reads
 /// the gradients through `update_shards` (copied to the host), later steps' through
-/// `take_grad_shards` (where they are; `read` copies a region to the host) and write the shards
-/// with `write_shard`. `batched`: the last micro-batch fetches every parameter and hands all
-/// their gradients in one `grad_ready_many_on_device` call (one pack a bucket).
+/// `take_grad_shards` (where they are; `read` copies a region to the host; step 1 then
+/// gives their memory back, `release_grad_shards`) and write the shards with `write_shard`.
+/// `batched`: the last micro-batch fetches every parameter and hands all their gradients in
+/// one `grad_ready_many_on_device` call (one pack a bucket).
 fn device_rank<B: Backend>(
     case: &Case,
     plan: &Plan,
@@ -690,6 +691,10 @@ fn device_rank<B: Backend>(
                 assert_eq!(g.device, be.device(), "a gradient given on the device left it");
                 seen.push((g.param.index(), g.param_offset, decode(g.elem, &read(&be, &g))));
             })?;
+            if step == 1 {
+                // Their memory back to the pool now: the next step's reductions land elsewhere.
+                c.release_grad_shards()?;
+            }
             for (k, off, g) in &seen {
                 state.write_shard(ParamId(*k as u32), |at, w| {
                     assert_eq!(at, *off);

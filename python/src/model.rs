@@ -586,6 +586,13 @@ impl Engine {
         Ok(out)
     }
 
+    /// Gives the device memory of the gradients `take_grads` handed out back to the library's
+    /// pool once the compute stream passed what is queued on it now (copy them out first);
+    /// without it, it goes back at their bucket's next reduction. Host backends: nothing to do.
+    fn release_grads(&mut self) -> PyResult<()> {
+        each!(Co, &mut self.coord, c => c.release_grad_shards()).map_err(errors::runtime)
+    }
+
     /// Gradient reductions launched and not yet finished.
     #[getter]
     fn reductions_in_flight(&self) -> usize {

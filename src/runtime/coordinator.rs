@@ -621,6 +621,21 @@ impl<B: Backend> Coordinator<B> {
         shared.lock().take_grad_shards(&*shared.backend, &shared.tables, &mut f)
     }
 
+    /// Gives the memory of the reduced gradient shards [`take_grad_shards`](Self::take_grad_shards)
+    /// handed out back to the backend's pool now, behind the work queued on the compute stream
+    /// so far (the engine's copies out of them), instead of at their bucket's next reduction:
+    /// on a device, one step's gradients in the reduction dtype held until the next step ends.
+    /// The regions are invalid after it.
+    ///
+    /// # Errors
+    /// A parked backend failure.
+    pub fn release_grad_shards(&mut self) -> Result<(), RuntimeError> {
+        self.take_parked()?;
+        let shared = &self.state.shared;
+        shared.lock().grads_mut().release_device(&*shared.backend);
+        Ok(())
+    }
+
     /// [`update_shards`](Self::update_shards) for `f32` parameters: `f(param, param_offset,
     /// values, grad)`. A gradient reduced in f16 or bf16 is widened to f32 (exactly).
     ///

@@ -102,7 +102,7 @@ impl<B: Backend> GradStore<B> {
     }
 
     /// Gives the reduced shards held on the device back to the pool, after the compute stream.
-    fn release_device(&mut self, be: &B) {
+    pub(crate) fn release_device(&mut self, be: &B) {
         if self.on_device.iter().all(Option::is_none) {
             return;
         }

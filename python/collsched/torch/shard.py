@@ -760,9 +760,11 @@ class _State:
         self.unsynced = False
         self.withheld = False
         grads = self.train.take_grads()
-        if not deliver:
-            return
-        values_.deliver(self, grads)
+        if deliver:
+            values_.deliver(self, grads)
+        # Their device memory goes back to the pool behind deliver's copies, not a step later.
+        del grads
+        self.train.release_grads()
 
     # ---- whole model -------------------------------------------------------------------
 
