@@ -576,6 +576,68 @@ fn hybrid_all_reduce_is_launched_before_the_reduce_scatter_completed() {
 }
 
 #[test]
+fn a_backward_s_fetch_finishes_the_reductions_that_completed() {
+    // Their buffers go back before the step's end: a backward holds the inputs of the
+    // reductions still running, not every bucket's.
+    let case = Case {
+        dtype: DType::F32,
+        reduce: DType::F32,
+        world: 2,
+        sharding: Sharding::EvenSplit,
+        pre: None,
+        post: None,
+        missing: false,
+    };
+    let plan = case.plan();
+    let bytes: Vec<Vec<u8>> = case.init().iter().map(|v| encode(elem(case.dtype), v)).collect();
+    let refs: Vec<&[u8]> = bytes.iter().map(Vec::as_slice).collect();
+    let out = world(2)
+        .run(|rank| -> Result<(usize, usize, usize), RuntimeError> {
+            let state = ModelState::new(Arc::new(rank), &plan, &refs)?;
+            let mut c = state.coordinator(case.config())?;
+            let be = Arc::clone(state.backend());
+            for k in (1..SIZES.len()).rev() {
+                let id = ParamId(k as u32);
+                c.fetch(&[id])?;
+                let g: Vec<f32> = (0..SIZES[k]).map(|i| grad_value(0, 0, be.rank(), k, i)).collect();
+                c.grad_ready(id, &encode(ElemType::F32, &g))?;
+                c.release(&[id])?;
+            }
+            let launched = c.reductions_in_flight();
+            // Everything queued on the reduce-scatter stream so far has run once this is seen.
+            let (tx, rx) = mpsc::channel();
+            be.enqueue_host(Stream::ReduceScatter, move || {
+                tx.send(()).expect("test thread");
+                Ok(())
+            })
+            .map_err(backend)?;
+            rx.recv().expect("stream");
+            c.fetch(&[ParamId(0)])?;
+            let after_fetch = c.reductions_in_flight();
+            let g: Vec<f32> = (0..SIZES[0]).map(|i| grad_value(0, 0, be.rank(), 0, i)).collect();
+            c.grad_ready(ParamId(0), &encode(ElemType::F32, &g))?;
+            c.release(&[ParamId(0)])?;
+            c.end_step()?;
+            let mut seen = Vec::new();
+            let runs = c.update_shards(sgd_hook(&mut seen))?;
+            Ok((launched, after_fetch, runs))
+        })
+        .expect("ranks");
+    let mut runs = 0;
+    for (r, res) in out.into_iter().enumerate() {
+        let (launched, after_fetch, n) =
+            res.expect("rank thread").unwrap_or_else(|e| panic!("rank {r}: {e}"));
+        assert!(launched >= 1, "rank {r}: no bucket without p0 was reduced during the backward");
+        assert_eq!(
+            after_fetch, 0,
+            "rank {r}: {after_fetch} completed reductions left unfinished by the fetch"
+        );
+        runs += n;
+    }
+    assert!(runs >= SIZES.len(), "every parameter's gradient reached an optimizer: {runs} runs");
+}
+
+#[test]
 fn a_failed_first_stage_is_reported_on_every_rank_naming_the_op_and_bucket() {
     let case = hybrid_case();
     let plan = case.plan();

@@ -222,6 +222,11 @@ impl<B: Backend> Coordinator<B> {
         {
             let mut cx = ctx!(self, st);
             cx.st.poll_gathers(cx.backend, cx.tables, cx.sched, &mut self.driver.counters)?;
+            if self.driver.reduce.in_flight() > 0 {
+                // Reductions that completed give their input buffers back now (a backward's
+                // fetches), not all at the step's end: completions change no launch.
+                self.driver.poll_reduces(&mut cx)?;
+            }
             cx.sched.fetch(cx.st.registry_mut(), params, &mut self.driver.actions)?;
             self.driver.run(&mut cx, None)?;
             cx.st.ensure_gathered(cx.backend, cx.tables, cx.sched, params, &mut self.driver.counters)?;
