@@ -781,6 +781,48 @@ fn device_rank<B: Backend>(
     Ok((steps, fin))
 }
 
+#[test]
+fn device_gradients_given_back_unread_are_not_handed_out() {
+    let case = Case {
+        dtype: DType::F32,
+        reduce: DType::F32,
+        world: 2,
+        sharding: Sharding::EvenSplit,
+        pre: None,
+        post: None,
+        missing: false,
+    };
+    let plan = case.plan();
+    let bytes: Vec<Vec<u8>> = case.init().iter().map(|v| encode(elem(case.dtype), v)).collect();
+    let refs: Vec<&[u8]> = bytes.iter().map(Vec::as_slice).collect();
+    let out = world(2)
+        .run(|rank| -> Result<(usize, usize), RuntimeError> {
+            let state = ModelState::new(Arc::new(OnDevice(rank)), &plan, &refs)?;
+            let be = Arc::clone(state.backend());
+            let mut c = state.coordinator(case.config())?;
+            for k in (0..SIZES.len()).rev() {
+                let id = ParamId(k as u32);
+                c.fetch(&[id])?;
+                let g: Vec<f32> = (0..SIZES[k]).map(|i| grad_value(0, 0, be.rank(), k, i)).collect();
+                let mut buf = be.alloc(SIZES[k] * 4).map_err(backend)?;
+                be.write_from_host(&mut buf, 0, &encode(ElemType::F32, &g)).map_err(backend)?;
+                c.grad_ready_on_device(id, &buf)?;
+                be.free(buf, Some(&be.record(Stream::Compute).map_err(backend)?));
+                c.release(&[id])?;
+            }
+            c.end_step()?;
+            c.release_grad_shards()?;
+            let taken = c.take_grad_shards(|_| ())?;
+            let updated = c.update_shards(|_| ())?;
+            Ok((taken, updated))
+        })
+        .expect("ranks");
+    for (r, res) in out.into_iter().enumerate() {
+        let (taken, updated) = res.expect("rank thread").unwrap_or_else(|e| panic!("rank {r}: {e}"));
+        assert_eq!((taken, updated), (0, 0), "rank {r}: gradients given back were handed out again");
+    }
+}
+
 /// [`device_rank`] on every rank of `case`'s world of `OnDevice` local ranks.
 fn sharded_on_device(case: &Case, batched: bool) -> Vec<Seen> {
     let plan = case.plan();

@@ -566,8 +566,8 @@ impl Engine {
     /// The reduced gradient shards of the last synchronized step, consumed:
     /// `[(id, param_offset, data, dtype)]` per trainable parameter with elements on this
     /// rank, `dtype` the reduction's ("f32", "bf16", "f16"); `data` is a bytearray (host
-    /// backends), or on CUDA a device region valid until the next call on this engine (copy
-    /// it out on the compute stream before).
+    /// backends), or on CUDA a device region valid until the next call on this engine and
+    /// invalid after `release_grads` (copy it out on the compute stream before).
     fn take_grads(&mut self, py: Python<'_>) -> PyResult<Vec<GradShard>> {
         let mut out = Vec::new();
         match &mut self.coord {

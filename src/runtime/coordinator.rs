@@ -611,7 +611,8 @@ impl<B: Backend> Coordinator<B> {
     /// [`grad_ready_on_device`](Self::grad_ready_on_device); in host memory otherwise). The
     /// regions stay valid until the next call into this coordinator: an engine copies them out
     /// before (for device memory, work it queues on the compute stream by then is enough: the
-    /// buffers go back to the pool only after that stream passed the next reduction of their
+    /// buffers go back to the pool only after that stream passed
+    /// [`release_grad_shards`](Self::release_grad_shards) or the next reduction of their
     /// bucket). Returns how many runs it visited.
     ///
     /// # Errors
@@ -630,7 +631,7 @@ impl<B: Backend> Coordinator<B> {
     /// handed out back to the backend's pool now, behind the work queued on the compute stream
     /// so far (the engine's copies out of them), instead of at their bucket's next reduction:
     /// on a device, one step's gradients in the reduction dtype held until the next step ends.
-    /// The regions are invalid after it.
+    /// The regions are invalid after it, and no later call hands these gradients out again.
     ///
     /// # Errors
     /// A parked backend failure.

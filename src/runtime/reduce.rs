@@ -95,19 +95,25 @@ impl<B: Backend> GradStore<B> {
 
     /// Marks every reduced shard consumed (the optimizer used them). Shards on the device stay
     /// where they are (the engine may still be copying them out on the compute stream) until
-    /// the bucket's next reduction lands or the plan changes, and go back to the pool once the
-    /// compute stream passed that point.
+    /// [`release_device`](Self::release_device), the bucket's next reduction or a plan change,
+    /// and go back to the pool once the compute stream passed that point.
     pub(crate) fn consume(&mut self) {
         self.valid.iter_mut().for_each(|v| *v = false);
     }
 
-    /// Gives the reduced shards held on the device back to the pool, after the compute stream.
+    /// Gives the reduced shards held on the device back to the pool, after the compute stream;
+    /// their buckets hold no reduced shard any more.
     pub(crate) fn release_device(&mut self, be: &B) {
         if self.on_device.iter().all(Option::is_none) {
             return;
         }
         let after = be.record(Stream::Compute).ok();
-        for buf in self.on_device.iter_mut().filter_map(Option::take) {
+        for (j, slot) in self.on_device.iter_mut().enumerate() {
+            let Some(buf) = slot.take() else { continue };
+            // Its host shard holds no reduction of this bucket: nothing of it is served again.
+            if let Some(v) = self.valid.get_mut(j) {
+                *v = false;
+            }
             match &after {
                 Some(e) => be.free(buf, Some(e)),
                 // The stream failed: nothing runs on it any more.

@@ -85,6 +85,8 @@ class _State:
         self.masters: list[_Param] = []
         # Under CPU offload: each dtype's masters as views of one host tensor (values.pack_offloaded).
         self.offloaded: list[tuple[torch.Tensor, list[_Param], list[int]]] = []
+        # A training pass's upload of them, which the step's end waits for (values.end_copies).
+        self.pushed: Any = None
         # Built without values (on the meta device), none loaded since: a root's build over
         # it gathers nothing.
         self.meta = False
@@ -271,7 +273,7 @@ class _State:
             frame.engine = self.eval
         frame.outer = self.engine
         if self.masters and frame.outer is None:
-            values_.push_masters(self)
+            values_.push_masters(self, ahead=torch.is_grad_enabled())
         self.engine = frame.engine
         saved = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         saved.__enter__()
@@ -756,6 +758,7 @@ class _State:
         self.last = stats
         if not self.sync:
             self.unsynced = stats["accumulated_grads"] > 0 or self.withheld or self.unsynced
+            values_.end_copies(self)
             return
         self.unsynced = False
         self.withheld = False
@@ -764,6 +767,7 @@ class _State:
             values_.deliver(self, grads)
         # Their device memory goes back to the pool behind deliver's copies, not a step later.
         del grads
+        values_.end_copies(self)
         self.train.release_grads()
 
     # ---- whole model -------------------------------------------------------------------

@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils import _pytree
 
 from .._native import CollschedError
+from . import world as world_
 from .units import _tensor
 from .world import _DTYPE_BYTES, _FROM_TORCH, _TO_TORCH
 
@@ -198,13 +199,13 @@ def pack_offloaded(state: _State, pin: bool) -> None:
         state.offloaded.append((flat, params, [v.data_ptr() for v in views]))
 
 
-def push_masters(state: _State) -> None:
+def push_masters(state: _State, ahead: bool = False) -> None:
     """Casts the f32 masters into the library's shards the next gathers read. At every pass's
     start: an optimizer, or ``p.data`` written by hand (which no version counter sees), may
     have changed them; it costs a cast of this rank's elements. Under CPU offload, each
-    dtype's masters still where :func:`pack_offloaded` put them cross by one copy (from
-    page-locked memory without the host waiting, except in a pass without gradients: no
-    synchronized backward's end waits for the copy before an optimizer writes the masters)."""
+    dtype's masters still where :func:`pack_offloaded` put them cross by one copy; ``ahead``
+    (a training pass's start): from page-locked memory without the host waiting, until the
+    step's end (:func:`end_copies`), before which no optimizer writes the masters."""
     masters = state.masters
     if not masters:
         return
@@ -216,8 +217,11 @@ def push_masters(state: _State) -> None:
                 if any(p.shard.data_ptr() != a or p.shard.device != flat.device for p, a in zip(params, at)):
                     rest += params  # replaced (a load, ``to_empty``): one copy each
                     continue
-                ahead = flat.is_pinned() and torch.is_grad_enabled()
-                there = flat.to(state.device, non_blocking=ahead)
+                early = ahead and flat.is_pinned()
+                there = flat.to(state.device, non_blocking=early)
+                if early:
+                    state.pushed = torch.cuda.Event()
+                    state.pushed.record()
                 homes = [p.home for p in params]
                 torch._foreach_copy_(homes, _views(there, homes))
         local = [p for p in rest if p.shard.device == p.home.device]
@@ -227,6 +231,19 @@ def push_masters(state: _State) -> None:
         for p in rest:
             if p.shard.device != p.home.device:
                 p.home.copy_(p.shard)
+
+
+def end_copies(state: _State) -> None:
+    """At a step's end, on a CUDA world: the host waits for a pass's upload of the offloaded
+    masters (an optimizer may write them next), and the library's compute stream (which
+    :func:`deliver`'s gradients' release is fenced on) waits for torch's current one, where
+    the copies out of them ran, if they are not the same."""
+    if state.pushed is not None:
+        state.pushed.synchronize()
+        state.pushed = None
+    compute = world_._STREAM
+    if state.device.type == "cuda" and compute is not None and torch.cuda.current_stream() != compute:
+        compute.wait_stream(torch.cuda.current_stream())
 
 
 _HEAD = struct.Struct("<QQQ")
