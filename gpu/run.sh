@@ -39,7 +39,7 @@ STEPS=(
   "python:220:python/tests/test_cuda.py (collsched.torch on NCCL, against plain PyTorch)"
   "vs-nccl:90:python/benchmarks/vs_nccl.py: collsched's collectives beside torch's NCCL and a device copy, 1 and 2 in flight"
   "vs-fsdp2:150:python/benchmarks/vs_fsdp2.py --device cuda: step and host time against FSDP2, GPT-2 small in f32 and bf16"
-  "vs-fsdp2-1b:120:python/benchmarks/vs_fsdp2.py --device cuda: a 0.9B-parameter shape in bf16"
+  "vs-fsdp2-1b:150:python/benchmarks/vs_fsdp2.py --device cuda: a 0.9B-parameter shape in bf16"
   "vs-fsdp2-offload:120:python/benchmarks/vs_fsdp2.py --device cuda --offload: GPT-2 small in bf16 under CPUOffloadPolicy"
 )
 
