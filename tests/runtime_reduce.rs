@@ -109,6 +109,25 @@ impl Case {
         }
     }
 
+    /// f32 parameters reduced in f32, evenly split over `world` ranks, no scaling.
+    fn f32_even(world: usize) -> Case {
+        let (pre, post) = (None, None);
+        Case {
+            dtype: DType::F32,
+            reduce: DType::F32,
+            world,
+            sharding: Sharding::EvenSplit,
+            pre,
+            post,
+            missing: false,
+        }
+    }
+
+    /// Every parameter's initial value, encoded in the parameters' dtype.
+    fn init_bytes(&self) -> Vec<Vec<u8>> {
+        self.init().iter().map(|v| encode(elem(self.dtype), v)).collect()
+    }
+
     fn plan(&self) -> Plan {
         let specs = SIZES
             .iter()
@@ -520,7 +539,7 @@ fn hybrid_all_reduce_is_launched_before_the_reduce_scatter_completed() {
     let plan = case.plan();
     let n_grad = plan.layout().grad_buckets().len();
     assert!(n_grad >= 3, "want several gradient buckets, got {n_grad}");
-    let bytes: Vec<Vec<u8>> = case.init().iter().map(|v| encode(elem(case.dtype), v)).collect();
+    let bytes = case.init_bytes();
     let refs: Vec<&[u8]> = bytes.iter().map(Vec::as_slice).collect();
     let out = world(4)
         .run(|rank| -> Result<(u64, usize, Vec<Run>), RuntimeError> {
@@ -579,17 +598,9 @@ fn hybrid_all_reduce_is_launched_before_the_reduce_scatter_completed() {
 fn a_backward_s_fetch_finishes_the_reductions_that_completed() {
     // Their buffers go back before the step's end: a backward holds the inputs of the
     // reductions still running, not every bucket's.
-    let case = Case {
-        dtype: DType::F32,
-        reduce: DType::F32,
-        world: 2,
-        sharding: Sharding::EvenSplit,
-        pre: None,
-        post: None,
-        missing: false,
-    };
+    let case = Case::f32_even(2);
     let plan = case.plan();
-    let bytes: Vec<Vec<u8>> = case.init().iter().map(|v| encode(elem(case.dtype), v)).collect();
+    let bytes = case.init_bytes();
     let refs: Vec<&[u8]> = bytes.iter().map(Vec::as_slice).collect();
     let out = world(2)
         .run(|rank| -> Result<(usize, usize, usize), RuntimeError> {
@@ -641,7 +652,7 @@ fn a_backward_s_fetch_finishes_the_reductions_that_completed() {
 fn a_failed_first_stage_is_reported_on_every_rank_naming_the_op_and_bucket() {
     let case = hybrid_case();
     let plan = case.plan();
-    let bytes: Vec<Vec<u8>> = case.init().iter().map(|v| encode(elem(case.dtype), v)).collect();
+    let bytes = case.init_bytes();
     let refs: Vec<&[u8]> = bytes.iter().map(Vec::as_slice).collect();
     let out = world(4)
         .run(|rank| {
@@ -783,17 +794,9 @@ fn device_rank<B: Backend>(
 
 #[test]
 fn device_gradients_given_back_unread_are_not_handed_out() {
-    let case = Case {
-        dtype: DType::F32,
-        reduce: DType::F32,
-        world: 2,
-        sharding: Sharding::EvenSplit,
-        pre: None,
-        post: None,
-        missing: false,
-    };
+    let case = Case::f32_even(2);
     let plan = case.plan();
-    let bytes: Vec<Vec<u8>> = case.init().iter().map(|v| encode(elem(case.dtype), v)).collect();
+    let bytes = case.init_bytes();
     let refs: Vec<&[u8]> = bytes.iter().map(Vec::as_slice).collect();
     let out = world(2)
         .run(|rank| -> Result<(usize, usize), RuntimeError> {
@@ -826,7 +829,7 @@ fn device_gradients_given_back_unread_are_not_handed_out() {
 /// [`device_rank`] on every rank of `case`'s world of `OnDevice` local ranks.
 fn sharded_on_device(case: &Case, batched: bool) -> Vec<Seen> {
     let plan = case.plan();
-    let bytes: Vec<Vec<u8>> = case.init().iter().map(|v| encode(elem(case.dtype), v)).collect();
+    let bytes = case.init_bytes();
     let refs: Vec<&[u8]> = bytes.iter().map(Vec::as_slice).collect();
     let read = |_: &OnDevice<LocalRank>, g: &GradRegion| {
         // SAFETY: OnDevice's device addresses are the local backend's host addresses; the
@@ -889,7 +892,7 @@ fn gradients_given_on_gpus_match_the_reference_and_stay_there() {
             let (dtype, reduce) = [(DType::F32, DType::F32), (DType::BF16, DType::F32)][k % 2];
             let case = Case { dtype, reduce, world, sharding, pre: None, post: None, missing: k == 2 };
             let plan = case.plan();
-            let bytes: Vec<Vec<u8>> = case.init().iter().map(|v| encode(elem(case.dtype), v)).collect();
+            let bytes = case.init_bytes();
             let refs: Vec<&[u8]> = bytes.iter().map(Vec::as_slice).collect();
             let read = |be: &CudaBackend, g: &GradRegion| {
                 let mut host = vec![0; g.numel * g.elem.size()];
