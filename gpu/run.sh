@@ -36,6 +36,7 @@ STEPS=(
   "rust-demo:120:the demo's ZeRO-3 parity on every visible GPU (tests/gpu_demo --ignored)"
   "demo:60:collsched demo --backend cuda on every visible GPU (at most 2)"
   "bench:90:collsched bench --backend cuda, all-gather and reduce-scatter, 4 KiB to 256 MiB, 1 and 2 in flight"
+  "kernels:60:collsched bench --backend cuda --op copy_in|copy_out: the copy kernels against a device copy, 4 KiB to 256 MiB"
   "python:220:python/tests/test_cuda.py (collsched.torch on NCCL, against plain PyTorch)"
   "vs-nccl:90:python/benchmarks/vs_nccl.py: collsched's collectives beside torch's NCCL and a device copy, 1 and 2 in flight"
   "vs-fsdp2:150:python/benchmarks/vs_fsdp2.py --device cuda: step and host time against FSDP2, GPT-2 small in f32 and bf16"
@@ -123,6 +124,16 @@ step_bench() {
     for op in all_gather reduce_scatter; do
       echo "== $op, --inflight $k"
       "$pack/bin/collsched" bench --backend cuda --op "$op" --ranks "$n" -b 4K -e 256M -f 4 --inflight "$k" --check || return 1
+    done
+  done
+}
+# The copy kernels against cuMemcpyDtoDAsync of the same bytes, 12 pieces (a block's parameters),
+# in f32 and bf16; the footer compares them from 64 MiB up.
+step_kernels() {
+  for op in copy_in copy_out; do
+    for ty in f32 bf16; do
+      echo "== $op, $ty"
+      "$pack/bin/collsched" bench --backend cuda --op "$op" --dtype "$ty" -b 4K -e 256M -f 4 --coalesce 12 --check || return 1
     done
   done
 }

@@ -15,6 +15,7 @@ from pathlib import Path
 # The lines of a step's log that carry its figures, by step.
 FIGURES = {
     "bench": re.compile(r"^(==|# collsched bench|# memcpy reference|# host in launch|\s+\d+\s+\d+\s)"),
+    "kernels": re.compile(r"^(==|# collsched bench|# reference|# wrong|# from \d+ MiB|\s+\d+\s+\d+\s)"),
     "vs-nccl": re.compile(r"^(NVIDIA|H\d|all_gather|reduce_scatter|\s+\d+\s)"),
     "vs-fsdp2": re.compile(r"^(model:|fsdp2 |collsched |floor |ratio |losses compared)"),
     "python": re.compile(r"^(=+ )?\d+ (passed|failed).* in [\d.]+s"),

@@ -383,3 +383,45 @@ fn ours(tag: &str) -> Vec<String> {
         .map(|e| e.file_name().to_string_lossy().into_owned())
         .collect()
 }
+
+/// `--op copy_in|copy_out` on the host's kernels: one row per size, every element right, the
+/// kernel and the reference both timed, the sizes whole elements of whole pieces; and the
+/// requests it cannot serve refused by name.
+#[test]
+fn copy_kernels_checked_against_a_host_copy() {
+    for (op, ty, es) in [("copy_in", "f32", 4u64), ("copy_out", "bf16", 2)] {
+        let line =
+            format!("--op {op} --dtype {ty} -b 1K -e 1M -f 16 --coalesce 7 --iters 3 --warmup 1 --check");
+        let (ok, out, err) = bench_line(&line);
+        assert!(ok, "{line}: {err}\n{out}");
+        assert!(out.contains("7 pieces") && out.contains("a host memcpy"), "{out}");
+        let rows: Vec<Vec<&str>> = out
+            .lines()
+            .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+            .map(|l| l.split_whitespace().collect())
+            .collect();
+        // 1 KiB, 16 KiB, 256 KiB: each rounded down to whole elements of 7 pieces.
+        assert_eq!(rows.len(), 3, "{out}");
+        for (c, want) in rows.iter().zip([1024u64, 16 << 10, 256 << 10]) {
+            assert_eq!(c.len(), 11, "{c:?}");
+            let size: u64 = c[0].parse().unwrap();
+            assert_eq!(size, want / (es * 7) * es * 7, "{c:?}");
+            assert_eq!(c[1].parse::<u64>().unwrap(), size / es, "{c:?}");
+            assert_eq!((c[2], c[3]), (ty, "7"), "{c:?}");
+            for k in [4, 5, 7, 8, 9] {
+                let x: f64 = c[k].parse().unwrap();
+                assert!(x.is_finite() && x > 0.0, "column {k} of {c:?}");
+            }
+            assert_eq!(c[10], "0", "{c:?}");
+        }
+        assert!(out.contains("# wrong elements: 0"), "{out}");
+    }
+    for (line, says) in [
+        ("--op copy_in --ranks 2", "give --ranks 1"),
+        ("--op copy_out --backend shm", "--backend local"),
+        ("--op copy_in --coalesce 0", "--coalesce"),
+    ] {
+        let (ok, _, err) = bench_line(line);
+        assert!(!ok && err.contains(says), "{line}: {err}");
+    }
+}

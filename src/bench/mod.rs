@@ -33,6 +33,7 @@
 //! and reports [`first_failure`]. `src/cli/bench.rs` only parses flags into a [`BenchSpec`].
 
 mod collector;
+pub mod kernel;
 mod printer;
 mod rank;
 
@@ -56,7 +57,7 @@ pub const DEFAULT_INFLIGHT: usize = 2;
 /// Most iterations `--inflight` keeps in flight.
 pub const MAX_INFLIGHT: usize = 64;
 
-/// The collective to measure.
+/// The collective (or copy kernel) to measure.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum BenchOp {
     /// All-gather (in place).
@@ -68,6 +69,21 @@ pub enum BenchOp {
     /// All-reduce (sum).
     #[value(name = "all_reduce")]
     AllReduce,
+    /// The copy-in kernel on one device: `--coalesce` pieces packed into one buffer
+    /// ([`kernel`]).
+    #[value(name = "copy_in")]
+    CopyIn,
+    /// The copy-out kernel on one device: one buffer's `--coalesce` pieces unpacked into another
+    /// ([`kernel`]).
+    #[value(name = "copy_out")]
+    CopyOut,
+}
+
+impl BenchOp {
+    /// Whether this is a copy kernel of one device rather than a collective.
+    pub fn is_kernel(self) -> bool {
+        matches!(self, BenchOp::CopyIn | BenchOp::CopyOut)
+    }
 }
 
 /// What to measure, as given (flags or a caller's values); [`BenchPlan::new`] checks it.
@@ -163,8 +179,15 @@ impl BenchPlan {
         }
         let elem = a.elem;
         // The smallest unit a size is rounded down to: whole elements per rank and per tensor.
+        if a.op.is_kernel() && a.ranks != 1 {
+            return Err(format!(
+                "--op {:?} measures one device's copy kernel: give --ranks 1 (or leave --ranks out), not {}",
+                a.op, a.ranks
+            )
+            .into());
+        }
         let unit = match a.op {
-            BenchOp::AllReduce => elem.size() * a.coalesce,
+            BenchOp::AllReduce | BenchOp::CopyIn | BenchOp::CopyOut => elem.size() * a.coalesce,
             _ => elem.size() * a.coalesce * a.ranks,
         };
         let mut sizes = Vec::new();
@@ -217,6 +240,7 @@ impl BenchPlan {
             BenchOp::AllGather => 2.0 * (n - 1.0),
             BenchOp::ReduceScatter => n + 1.0,
             BenchOp::AllReduce => 3.0 * n - 1.0,
+            BenchOp::CopyIn | BenchOp::CopyOut => return None,
         };
         // algbw = S / t with t = traffic / (2 copy).
         Some(2.0 * copy / traffic_per_byte * self.bus_factor())
@@ -224,13 +248,18 @@ impl BenchPlan {
 
     /// Bytes the whole bench holds at once at its largest size, over every rank: each rank's
     /// `inflight` sets of buffers (an all-gather's output, a reduce-scatter's input and
-    /// output, an all-reduce's input and output) and the two buffers of the memcpy reference.
+    /// output, an all-reduce's input and output) and the two buffers of the memcpy reference;
+    /// for a copy kernel, its two sides and the reference's.
     pub fn memory_needed(&self) -> usize {
         let size = self.sizes.last().copied().unwrap_or(0);
+        if self.op.is_kernel() {
+            // One packed buffer, its pieces (or a second buffer), and the reference's two.
+            return size.saturating_mul(4);
+        }
         let per_set = match self.op {
             BenchOp::AllGather => size,
             BenchOp::ReduceScatter => size.saturating_add(size / self.ranks.max(1)),
-            BenchOp::AllReduce => size.saturating_mul(2),
+            BenchOp::AllReduce | BenchOp::CopyIn | BenchOp::CopyOut => size.saturating_mul(2),
         };
         per_set
             .saturating_mul(self.inflight)
@@ -263,7 +292,7 @@ impl BenchPlan {
     pub(crate) fn count_per_tensor(&self, size: usize) -> usize {
         let per = size / self.elem.size() / self.coalesce;
         match self.op {
-            BenchOp::AllReduce => per,
+            BenchOp::AllReduce | BenchOp::CopyIn | BenchOp::CopyOut => per,
             _ => per / self.ranks,
         }
     }
@@ -332,6 +361,7 @@ mod tests {
                     BenchOp::AllReduce => {
                         (n as f64 * shard + (n - 1) as f64 * shard, shard + (n - 1) as f64 * shard)
                     }
+                    BenchOp::CopyIn | BenchOp::CopyOut => unreachable!("not a collective"),
                 };
                 let traffic = n as f64 * (per_rank.0 + per_rank.1);
                 // The copy bandwidth moves 2 x copy bytes of traffic per second.

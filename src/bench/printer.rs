@@ -130,6 +130,8 @@ impl Printer {
             BenchOp::AllGather => "all_gather (in place)",
             BenchOp::ReduceScatter => "reduce_scatter (sum, out of place)",
             BenchOp::AllReduce => "all_reduce (sum, out of place)",
+            BenchOp::CopyIn => "copy_in",
+            BenchOp::CopyOut => "copy_out",
         };
         println!(
             "# collsched bench: {op}, {} ranks ({} backend), {}, {} iterations after {} warm-up, {} in flight{}",

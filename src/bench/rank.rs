@@ -10,12 +10,12 @@ use crate::backend::{Backend, BackendError, CollDesc, Collective, InFlight, Rank
 use crate::kernels::ElemType;
 
 /// A rank-dependent value, exact in every element type (a multiple of 1/8 below 32).
-fn value(rank: usize, i: usize) -> f32 {
+pub(super) fn value(rank: usize, i: usize) -> f32 {
     let h = (rank.wrapping_mul(2_654_435_761) ^ i.wrapping_mul(40_503)) % 511;
     (h as f32 - 255.0) / 8.0
 }
 
-fn encode_into(ty: ElemType, out: &mut Vec<u8>, v: impl Iterator<Item = f32>) {
+pub(super) fn encode_into(ty: ElemType, out: &mut Vec<u8>, v: impl Iterator<Item = f32>) {
     out.clear();
     for x in v {
         match ty {
@@ -42,6 +42,17 @@ fn round(ty: ElemType, x: f32) -> f32 {
     }
 }
 
+/// A copy kernel's op given to the collective bench (its engine is [`super::kernel`]).
+fn kernel_op<B: Backend>(b: &B, plan: &BenchPlan) -> BackendError {
+    BackendError::Unsupported {
+        what: format!(
+            "rank {}: --op {:?} is a copy kernel, which bench::kernel measures, not a collective",
+            b.rank(),
+            plan.op
+        ),
+    }
+}
+
 type Ops<B> = Vec<Collective<<B as Backend>::Buffer>>;
 
 /// One rank's buffers and descriptions for one size: `coalesce` collectives.
@@ -64,6 +75,7 @@ fn make_ops<B: Backend>(
         // Element indices are global over the coalesced tensors so every tensor differs.
         let base = t * count;
         let c = match plan.op {
+            BenchOp::CopyIn | BenchOp::CopyOut => return Err(kernel_op(b, plan)),
             BenchOp::AllGather => {
                 let mut output = b.alloc(n * count * es)?;
                 encode_into(ty, &mut host, (0..count).map(|i| value(me, base + i)));
@@ -114,6 +126,7 @@ fn count_wrong<B: Backend>(b: &B, plan: &BenchPlan, ops: &Ops<B>) -> Result<u64,
         b.read_to_host(&c.output, 0, &mut host)?;
         let got = decode(ty, &host);
         match plan.op {
+            BenchOp::CopyIn | BenchOp::CopyOut => return Err(kernel_op(b, plan)),
             BenchOp::AllGather => {
                 for (k, g) in got.enumerate() {
                     let (r, i) = (k / count.max(1), k % count.max(1));

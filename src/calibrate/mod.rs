@@ -34,8 +34,12 @@ use crate::bench::{collect_rank, BenchOp, BenchPlan, BenchSpec, RankRow, RowExch
 use crate::demo::StepCost;
 use crate::kernels::ElemType;
 
-/// The kinds `collsched calibrate` measures.
-pub const KINDS: [BenchOp; 3] = [BenchOp::AllGather, BenchOp::ReduceScatter, BenchOp::AllReduce];
+/// The kinds `collsched calibrate` measures, each with the bench op that times it.
+pub const KINDS: [(BenchOp, CollectiveKind); 3] = [
+    (BenchOp::AllGather, CollectiveKind::AllGather),
+    (BenchOp::ReduceScatter, CollectiveKind::ReduceScatter),
+    (BenchOp::AllReduce, CollectiveKind::AllReduce),
+];
 
 /// Elements per rank of the all-gather whose launch is timed (4 KiB of f32).
 const LAUNCH_PROBE_COUNT: usize = 1024;
@@ -216,15 +220,6 @@ fn measure_sharing<B: Backend>(
     Ok((all, slow, phi))
 }
 
-/// The collective kind of a bench op.
-pub fn kind_of(op: BenchOp) -> CollectiveKind {
-    match op {
-        BenchOp::AllGather => CollectiveKind::AllGather,
-        BenchOp::ReduceScatter => CollectiveKind::ReduceScatter,
-        BenchOp::AllReduce => CollectiveKind::AllReduce,
-    }
-}
-
 /// This rank's part of the collective and launch measurements; rank 0 gets every rank's
 /// results, the others `None`. Every rank of the world calls it with the same spec.
 ///
@@ -236,7 +231,7 @@ pub fn measure_rank<B: Backend>(
     rows: &dyn RowExchange,
 ) -> Result<Option<Measured>, String> {
     let mut measured = Measured::default();
-    for op in KINDS {
+    for (op, kind) in KINDS {
         let plan = spec.plan(op)?;
         let table = collect_rank(b, &plan, rows)?;
         if b.rank() == 0 {
@@ -246,7 +241,7 @@ pub fn measure_rank<B: Backend>(
                 .zip(&table)
                 .map(|(&s, r)| (s as f64, r.iter().map(|r| r.grouped).fold(f64::NAN, f64::max)))
                 .collect();
-            measured.points.push((kind_of(op), pts));
+            measured.points.push((kind, pts));
         }
     }
     let mine =

@@ -125,6 +125,9 @@ pub use crate::units::parse_size;
 /// # Errors
 /// Bad flags, a backend failure, as one line for the user.
 pub fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
+    if args.op.is_kernel() {
+        return run_kernel(&args);
+    }
     if args.backend == BenchBackend::Shm {
         return match launch::role(args.ranks)? {
             LaunchRole::Standalone(n) => {
@@ -151,6 +154,57 @@ pub fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
         BenchBackend::Cuda => run_cuda(&plan),
         BenchBackend::Shm | BenchBackend::Mpi => unreachable!("handled above"),
     }
+}
+
+/// What a copy kernel's bench says to a backend that runs no kernels of its own.
+const KERNEL_BACKENDS: &str =
+    "--op copy_in and --op copy_out measure one device's copy kernels: use --backend local \
+     (the host's kernels) or --backend cuda (the GPU's); shm and mpi run the host's kernels, as local does";
+
+/// `--op copy_in|copy_out`: one rank's copy kernel against a copy of the same bytes
+/// ([`crate::bench::kernel`]).
+fn run_kernel(args: &BenchArgs) -> Result<ExitCode, CliError> {
+    use crate::bench::kernel::{bench_kernel, footer, header, host_copy_seconds, row};
+    let plan = BenchPlan::new(&args.spec(args.ranks.unwrap_or(1)))?;
+    if let Some(available) = crate::units::memory_available() {
+        plan.check_memory(available)?;
+    }
+    let print = |r: &crate::bench::kernel::KernelRow| row(&plan, r);
+    let rows = match args.backend {
+        BenchBackend::Local => {
+            header(&plan, "local", "a host memcpy (one thread)");
+            let world = LocalWorld::with_config(1, LocalConfig::default())?;
+            let host = |size: usize| Ok(host_copy_seconds(size, plan.warmup, plan.iters));
+            let mut outcomes = world.run(|rank| bench_kernel(&rank, &plan, &host, &mut |r| print(r)))?;
+            outcomes.pop().ok_or("rank 0 did not run")?.map_err(|_| "rank 0 panicked")??
+        }
+        BenchBackend::Cuda => kernel_cuda(&plan, &print)?,
+        BenchBackend::Shm | BenchBackend::Mpi => return Err(KERNEL_BACKENDS.into()),
+    };
+    Ok(if footer(&rows) { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+#[cfg(feature = "cuda")]
+fn kernel_cuda(
+    plan: &BenchPlan,
+    print: &(dyn Fn(&crate::bench::kernel::KernelRow) + Sync),
+) -> Result<Vec<crate::bench::kernel::KernelRow>, CliError> {
+    let world = crate::backend::cuda::CudaWorld::new(1)?;
+    crate::bench::kernel::header(plan, "cuda", "device-to-device copies (cuMemcpyDtoDAsync) on GPU 0");
+    let mut outcomes = world.run(|b| {
+        let copy =
+            |size: usize| b.device_copies_seconds(size, plan.warmup, plan.iters).map_err(|e| e.to_string());
+        crate::bench::kernel::bench_kernel(&b, plan, &copy, &mut |r| print(r))
+    })?;
+    Ok(outcomes.pop().ok_or("rank 0 did not run")?.map_err(|_| "rank 0 panicked")??)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn kernel_cuda(
+    _plan: &BenchPlan,
+    _print: &(dyn Fn(&crate::bench::kernel::KernelRow) + Sync),
+) -> Result<Vec<crate::bench::kernel::KernelRow>, CliError> {
+    Err(NO_CUDA.into())
 }
 
 /// The reference lines of a table measured on this machine: single-thread memcpy and, from
@@ -211,6 +265,7 @@ fn run_mpi(args: &BenchArgs) -> Result<ExitCode, CliError> {
             BenchOp::AllGather => (CollectiveKind::AllGather, "MPI_Allgather (out of place)"),
             BenchOp::ReduceScatter => (CollectiveKind::ReduceScatter, "MPI_Reduce_scatter_block (sum)"),
             BenchOp::AllReduce => (CollectiveKind::AllReduce, "MPI_Allreduce (sum)"),
+            BenchOp::CopyIn | BenchOp::CopyOut => return Err(KERNEL_BACKENDS.into()),
         };
         let times = plan
             .sizes
@@ -310,7 +365,10 @@ fn run_cuda(plan: &BenchPlan) -> Result<ExitCode, CliError> {
 
 #[cfg(not(feature = "cuda"))]
 fn run_cuda(_plan: &BenchPlan) -> Result<ExitCode, CliError> {
-    Err("collsched bench --backend cuda: this collsched was built without the `cuda` feature; \
-         rebuild with `cargo build --release --features cuda` on a machine with a GPU, or use --backend local"
-        .into())
+    Err(NO_CUDA.into())
 }
+
+/// What `--backend cuda` says in a build without the feature.
+#[cfg(not(feature = "cuda"))]
+const NO_CUDA: &str = "collsched bench --backend cuda: this collsched was built without the `cuda` feature; \
+     rebuild with `cargo build --release --features cuda` on a machine with a GPU, or use --backend local";

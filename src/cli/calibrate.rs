@@ -104,7 +104,7 @@ impl CalibrateArgs {
             return Err(format!("--ranks {ranks} is above the limit of {}", super::demo::MAX_RANKS).into());
         }
         let spec = self.spec(ranks);
-        for op in crate::calibrate::KINDS {
+        for (op, _) in crate::calibrate::KINDS {
             spec.plan(op)?;
         }
         self.demo(ranks)?;

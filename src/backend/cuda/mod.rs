@@ -420,32 +420,92 @@ impl CudaBackend {
     /// # Errors
     /// An allocation, copy or wait failure, or a copy that outlasts the backend's timeout.
     pub fn device_copy_seconds(&self, bytes: usize, iters: usize) -> Result<f64, BackendError> {
+        let mut best = f64::INFINITY;
+        self.timed_copies(bytes, |copy| {
+            for i in 0..=iters.max(1) {
+                let t0 = std::time::Instant::now();
+                copy(1)?;
+                if i > 0 {
+                    best = best.min(t0.elapsed().as_secs_f64());
+                }
+            }
+            Ok(())
+        })?;
+        Ok(best)
+    }
+
+    /// Seconds per copy of `bytes` bytes on this rank's device when `iters` copies run back to
+    /// back after `warmup` untimed ones, the host waiting once, after the last: what
+    /// `collsched bench --op copy_in|copy_out` compares the copy kernels with, timed as they are.
+    ///
+    /// # Errors
+    /// As [`CudaBackend::device_copy_seconds`].
+    pub fn device_copies_seconds(
+        &self,
+        bytes: usize,
+        warmup: usize,
+        iters: usize,
+    ) -> Result<f64, BackendError> {
+        let mut seconds = f64::NAN;
+        self.timed_copies(bytes, |copy| {
+            copy(warmup.max(1))?;
+            let t0 = std::time::Instant::now();
+            copy(iters.max(1))?;
+            seconds = t0.elapsed().as_secs_f64() / iters.max(1) as f64;
+            Ok(())
+        })?;
+        Ok(seconds)
+    }
+
+    /// Runs `timing` with a call that queues `n` copies of `bytes` bytes between two buffers of
+    /// this rank on the copy stream, then waits for the stream to drain.
+    fn timed_copies(
+        &self,
+        bytes: usize,
+        timing: impl FnOnce(&mut dyn FnMut(usize) -> Result<(), BackendError>) -> Result<(), BackendError>,
+    ) -> Result<(), BackendError> {
         let (src, dst) = (self.alloc(bytes)?, self.alloc(bytes)?);
         let failed = |e: CudaError| to_backend(self.rank, e);
-        // The copy stream is the host copies' too: one at a time (see `host_copy`).
-        let _one_at_a_time = device::lock(&self.host_copies);
-        let mut best = f64::INFINITY;
-        for i in 0..=iters.max(1) {
-            self.device.bind().map_err(failed)?;
-            let t0 = std::time::Instant::now();
-            // SAFETY: both buffers are this rank's, at least `bytes` long, and nothing else
-            // uses them: they go back to the pool after the copy stream drained below.
-            unsafe { cu::memcpy_dtod_async(dst.ptr(), src.ptr(), bytes, self.copy.raw()) }.map_err(|e| {
-                failed(CudaError::driver(
-                    format!("rank {}: device_copy_seconds of {bytes} bytes", self.rank),
-                    collsched_kernels::cuda::DriverCallError::new("cuMemcpyDtoDAsync", e),
-                ))
-            })?;
-            if !self.copy.drain(self.timeout).map_err(failed)? {
-                return Err(BackendError::EventTimeout { waited: self.timeout });
-            }
-            if i > 0 {
-                best = best.min(t0.elapsed().as_secs_f64());
-            }
-        }
-        self.free(src, None);
-        self.free(dst, None);
-        Ok(best)
+        let result = {
+            // The copy stream is the host copies' too: one at a time (see `host_copy`).
+            let _one_at_a_time = device::lock(&self.host_copies);
+            let mut copy = |n: usize| -> Result<(), BackendError> {
+                self.device.bind().map_err(failed)?;
+                for _ in 0..n {
+                    // SAFETY: both buffers are this rank's, at least `bytes` long, and nothing
+                    // else uses them: they go back to the pool once the copy stream drained, or
+                    // behind an event recorded after these copies.
+                    unsafe { cu::memcpy_dtod_async(dst.ptr(), src.ptr(), bytes, self.copy.raw()) }.map_err(
+                        |e| {
+                            failed(CudaError::driver(
+                                format!("rank {}: a timed device copy of {bytes} bytes", self.rank),
+                                collsched_kernels::cuda::DriverCallError::new("cuMemcpyDtoDAsync", e),
+                            ))
+                        },
+                    )?;
+                }
+                if !self.copy.drain(self.timeout).map_err(failed)? {
+                    return Err(BackendError::EventTimeout { waited: self.timeout });
+                }
+                Ok(())
+            };
+            timing(&mut copy)
+        };
+        // Every copy was drained; after a failure one may still run: the buffers go back to
+        // the pool behind an event recorded after the copies, or are leaked without one.
+        let after = match &result {
+            Ok(()) => None,
+            Err(_) => match self.copy.record() {
+                Ok(event) => Some(event),
+                Err(_) => {
+                    std::mem::forget((src, dst));
+                    return result;
+                }
+            },
+        };
+        self.free(src, after.as_ref());
+        self.free(dst, after.as_ref());
+        result
     }
 
     /// The raw CUDA stream behind `stream` (to hand to an engine).
