@@ -18,6 +18,7 @@ FIGURES = {
     "kernels": re.compile(r"^(==|# collsched bench|# reference|# wrong|# from \d+ MiB|\s+\d+\s+\d+\s)"),
     "vs-nccl": re.compile(r"^(NVIDIA|H\d|all_gather|reduce_scatter|\s+\d+\s)"),
     "vs-fsdp2": re.compile(r"^(model:|fsdp2 |collsched |floor |ratio |losses compared)"),
+    "rust-runtime": re.compile(r"(fetch returned after|^test result)"),
     "python": re.compile(r"^(=+ )?\d+ (passed|failed).* in [\d.]+s"),
 }
 FIGURES["vs-fsdp2-1b"] = FIGURES["vs-fsdp2-offload"] = FIGURES["vs-fsdp2"]

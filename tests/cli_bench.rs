@@ -400,12 +400,12 @@ fn copy_kernels_checked_against_a_host_copy() {
             .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
             .map(|l| l.split_whitespace().collect())
             .collect();
-        // 1 KiB, 16 KiB, 256 KiB: each rounded down to whole elements of 7 pieces.
+        // 1 KiB, 16 KiB, 256 KiB: each rounded down to 7 pieces of whole 16-byte multiples.
         assert_eq!(rows.len(), 3, "{out}");
         for (c, want) in rows.iter().zip([1024u64, 16 << 10, 256 << 10]) {
             assert_eq!(c.len(), 11, "{c:?}");
             let size: u64 = c[0].parse().unwrap();
-            assert_eq!(size, want / (es * 7) * es * 7, "{c:?}");
+            assert_eq!(size, want / (16 * 7) * 16 * 7, "{c:?}");
             assert_eq!(c[1].parse::<u64>().unwrap(), size / es, "{c:?}");
             assert_eq!((c[2], c[3]), (ty, "7"), "{c:?}");
             for k in [4, 5, 7, 8, 9] {

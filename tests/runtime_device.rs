@@ -2,7 +2,8 @@
 //! gathers (and any unpack), and the views are handed out while the all-gather may still run;
 //! host reads of them wait first; a gather that fails after the fetch is reported by the next
 //! call. Run on `OnDevice`, the local backend seen as a device, with the all-gather stream held
-//! behind a gate the test opens (or fails) after the fetch returned.
+//! behind a gate the test opens (or fails) after the fetch returned; and on a GPU, the stream
+//! held by the CUDA backend's `hold_stream` (ignored without one).
 
 use std::sync::mpsc;
 use std::sync::Arc;
@@ -118,3 +119,88 @@ fn a_gather_that_fails_after_the_fetch_is_reported_naming_it() {
         assert!(later.contains("all_gather") && later.contains("bucket"), "rank {r}: {later}");
     }
 }
+
+/// The same on a GPU (the CUDA backend, one rank a GPU, at most 2): with the all-gather stream
+/// held by a host function, a fetch returns, its gather still queued behind the hold; released,
+/// the views hold the full values. Prints each fetch's time in the call and when its gather
+/// stream drained, measured from the call, held and not.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a GPU: COLLSCHED_GPU=1 cargo nextest run --all-features --run-ignored only (fails without a device)"]
+fn a_fetch_on_a_gpu_returns_before_its_gather_completed() {
+    use collsched::backend::cuda::{CudaBackend, CudaWorld};
+    use collsched::backend::{Backend, BackendEvent};
+    use std::time::Instant;
+    let n = gpu::gpus("a_fetch_on_a_gpu_returns_before_its_gather_completed", 2);
+    let init = values();
+    let ids: Vec<ParamId> = (0..SIZES.len() as u32).map(ParamId).collect();
+    for sharding in [Sharding::EvenSplit, Sharding::Flat] {
+        let plan = plan(sharding, n as u32);
+        // Per fetch: whether the gather was pending at the return, the time in the call, the
+        // time until the gather's stream drained, the values read.
+        type Seen = (bool, Duration, Duration, Vec<Vec<f32>>);
+        let run = |be: CudaBackend| -> Result<Vec<Seen>, RuntimeError> {
+            let be = Arc::new(be);
+            let state = ModelState::from_f32(Arc::clone(&be), &plan, &init)?;
+            let mut c = state.coordinator(no_prefetch())?;
+            let failed = |source| RuntimeError::Backend {
+                rank: be.rank(),
+                op: "the test's stream hold",
+                bucket: None,
+                source,
+            };
+            let mut out = Vec::new();
+            for held in [true, false] {
+                let hold = if held { Some(be.hold_stream(Stream::AllGather).map_err(failed)?) } else { None };
+                let t0 = Instant::now();
+                let v = c.fetch(&ids)?;
+                let returned = t0.elapsed();
+                // Behind the gather on its stream: complete once the gather is.
+                let after = be.record(Stream::AllGather).map_err(failed)?;
+                let pending = !after.query().map_err(failed)?;
+                drop(hold);
+                after.wait(be.timeout()).map_err(failed)?;
+                let drained = t0.elapsed();
+                let mut got = Vec::new();
+                for &p in &ids {
+                    got.push(v.read_f32(p)?.into_owned());
+                }
+                drop(v);
+                c.release(&ids)?;
+                c.end_step()?;
+                out.push((pending, returned, drained, got));
+            }
+            Ok(out)
+        };
+        // A fetch that waited on the host for the held gather would fail after 20 s.
+        let ranks = CudaWorld::new(n)
+            .expect("CUDA world")
+            .with_timeout(Duration::from_secs(20))
+            .run(run)
+            .expect("ranks");
+        for (r, res) in ranks.into_iter().enumerate() {
+            let runs =
+                res.expect("rank thread").unwrap_or_else(|e| panic!("{sharding}, rank {r} on a GPU: {e}"));
+            assert_eq!(runs.len(), 2);
+            for ((pending, returned, drained, got), held) in runs.into_iter().zip([true, false]) {
+                println!(
+                    "{sharding}, rank {r}, {}: fetch returned after {:.1} us; the gather stream drained {:.1} us after the call",
+                    if held { "stream held" } else { "not held" },
+                    returned.as_secs_f64() * 1e6,
+                    drained.as_secs_f64() * 1e6
+                );
+                if held {
+                    assert!(pending, "{sharding}, rank {r}: the gather completed before the fetch returned");
+                }
+                assert_eq!(
+                    got, init,
+                    "{sharding}, rank {r} (held: {held}): the views do not hold the full parameters"
+                );
+            }
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+#[path = "support/gpu.rs"]
+mod gpu;

@@ -1,19 +1,23 @@
 //! `collsched bench --op copy_in|copy_out`: the copy kernels of one device against a plain copy
 //! of the same bytes on it, measured in the same run.
 //!
-//! For every size the bytes are split into `--coalesce` pieces (a unit's parameters). `copy_in`
-//! packs the pieces, each a buffer of its own, into one buffer ([`Backend::pack`], FSDP's
-//! copy-in before an all-gather); `copy_out` unpacks one buffer's pieces into another at other
-//! offsets ([`Backend::unpack`]). The pieces land in reverse order, so a kernel that ignored a
-//! piece's offset would be counted wrong. `--warmup` untimed, then `--iters` timed launches
-//! back to back on the compute stream, the host waiting once, after the last: the time is the
+//! For every size the bytes are split into `--coalesce` pieces (a unit's parameters), each a
+//! whole number of [`ALIGN`] bytes (sizes are rounded down to that). `copy_in` packs the
+//! pieces, each in a buffer of its own after [`ALIGN`] bytes of padding, into one buffer
+//! ([`Backend::pack`], FSDP's copy-in before an all-gather); `copy_out` unpacks one buffer's
+//! pieces into another at other offsets ([`Backend::unpack`]). The pieces land in reverse
+//! order, so a kernel that ignored an offset on either side would be counted wrong.
+//!
+//! Timing: [`warmup_launches`] untimed launches, then `--iters` timed launches back to back on
+//! the compute stream, the host polling once, after the last, without a pause: the time is the
 //! total over the launches (what a queue of copies sustains), and `launch` the host's time in
 //! the launch calls, which on a device stays below it. The reference copies the same bytes the
-//! same way (the caller's: a host `memcpy` for `local`, `cuMemcpyDtoDAsync` for `cuda`).
+//! same way, as many times (the caller's: a host `memcpy` for `local`, `cuMemcpyDtoDAsync` for
+//! `cuda`).
 //!
-//! With `--check` every element of the result is compared with the pieces put together on the
-//! host by slicing; any wrong element makes the exit status 1, as does a time that is not a
-//! positive number.
+//! With `--check` the result is zeroed before the timed launches, then every element of it is
+//! compared with the pieces put together on the host by slicing; any wrong element makes the
+//! exit status 1, as does a time that is not a positive number.
 
 use std::time::{Duration, Instant};
 
@@ -22,9 +26,14 @@ use super::{BenchOp, BenchPlan};
 use crate::backend::{Backend, BackendBuffer, BackendError, BackendEvent, Stream};
 use crate::kernels::CopySegment;
 
-/// The kernels' bandwidth is compared with the reference's from this size up (the issue's
-/// bound: at least 0.8x of a device copy from 64 MiB).
+/// The kernels' bandwidth is compared with the reference's from this size up (the goal: at
+/// least 0.8x of a device copy from 64 MiB).
 pub const KERNEL_GOAL_MIN_BYTES: usize = 64 << 20;
+
+/// Every piece is a whole number of these bytes, and starts at a multiple of them (parameters'
+/// storage is at least this aligned; the CUDA copy kernels move 16 bytes at a time where
+/// both sides allow it).
+pub const ALIGN: usize = 16;
 
 /// One size's measurement.
 #[derive(Clone, Debug)]
@@ -48,16 +57,23 @@ impl KernelRow {
     }
 }
 
+/// Elements of padding before each piece in its own source buffer (copy_in): 16 bytes, so a
+/// kernel that ignored a source offset is counted wrong and the pieces stay 16-byte aligned.
+fn source_pad(plan: &BenchPlan) -> usize {
+    ALIGN / plan.elem.size()
+}
+
 /// Where each piece of `size` bytes lands: `pieces` runs of equal length, piece `k` of the many
 /// side at the packed offset of piece `pieces - 1 - k`. Offsets count elements.
 fn segments(plan: &BenchPlan, size: usize) -> Vec<CopySegment> {
     let pieces = plan.coalesce;
     let len = size / plan.elem.size() / pieces;
+    let pad = source_pad(plan);
     (0..pieces)
         .map(|k| match plan.op {
-            // One source buffer per piece.
+            // One source buffer per piece, the piece after `pad` elements of it.
             BenchOp::CopyIn => {
-                CopySegment { buffer: k, buffer_offset: 0, packed_offset: (pieces - 1 - k) * len, len }
+                CopySegment { buffer: k, buffer_offset: pad, packed_offset: (pieces - 1 - k) * len, len }
             }
             // One destination buffer, the pieces at other offsets of it.
             _ => {
@@ -67,7 +83,21 @@ fn segments(plan: &BenchPlan, size: usize) -> Vec<CopySegment> {
         .collect()
 }
 
-/// One size on `b`: buffers filled, the kernel timed, the result checked, buffers freed.
+/// Waits for `event` by polling it without a pause (a host wait's backoff would add up to a
+/// millisecond to the time), at most `timeout`.
+fn spin<E: BackendEvent>(event: &E, timeout: Duration) -> Result<(), BackendError> {
+    let start = Instant::now();
+    while !event.query()? {
+        if start.elapsed() > timeout {
+            return Err(BackendError::EventTimeout { waited: timeout });
+        }
+        std::hint::spin_loop();
+    }
+    Ok(())
+}
+
+/// One size on `b`: buffers filled, the kernel warmed up, the result zeroed, the kernel timed,
+/// the result checked, buffers freed.
 fn measure<B: Backend>(b: &B, plan: &BenchPlan, size: usize) -> Result<(f64, f64, u64), BackendError> {
     let es = plan.elem.size();
     let segs = segments(plan, size);
@@ -76,14 +106,16 @@ fn measure<B: Backend>(b: &B, plan: &BenchPlan, size: usize) -> Result<(f64, f64
     // The many side's bytes on the host: piece k (copy_in: source k; copy_out: the packed run
     // at k's packed offset) holds values of "rank" k.
     let piece = |k: usize, host: &mut Vec<u8>| encode_into(plan.elem, host, (0..len).map(|i| value(k, i)));
-    let (mut packed, mut many) = (b.alloc(size)?, Vec::new());
+    let mut packed = b.alloc(size)?;
+    let (mut sources, mut dst) = (Vec::new(), None);
     match plan.op {
         BenchOp::CopyIn => {
+            let pad = source_pad(plan);
             for k in 0..plan.coalesce {
-                let mut src = b.alloc(len * es)?;
+                let mut src = b.alloc((pad + len) * es)?;
                 piece(k, &mut host);
-                b.write_from_host(&mut src, 0, &host)?;
-                many.push(src);
+                b.write_from_host(&mut src, pad * es, &host)?;
+                sources.push(src);
             }
         }
         _ => {
@@ -91,55 +123,57 @@ fn measure<B: Backend>(b: &B, plan: &BenchPlan, size: usize) -> Result<(f64, f64
                 piece(k, &mut host);
                 b.write_from_host(&mut packed, s.packed_offset * es, &host)?;
             }
-            many.push(b.alloc(size)?);
+            dst = Some(b.alloc(size)?);
         }
     }
+    let refs: Vec<&B::Buffer> = sources.iter().collect();
     let timeout = b.timeout();
-    let mut run = |n: usize| -> Result<Duration, BackendError> {
-        let (mut launching, mut last) = (Duration::ZERO, None);
-        for _ in 0..n {
-            let t0 = Instant::now();
-            let event = match plan.op {
-                BenchOp::CopyIn => {
-                    let refs: Vec<&B::Buffer> = many.iter().collect();
-                    b.pack(Stream::Compute, &mut packed, &refs, &segs, es)?
-                }
-                _ => b.unpack(Stream::Compute, &mut many[0], &packed, &segs, es)?,
-            };
-            launching += t0.elapsed();
-            last = event.or(last);
-        }
-        if let Some(e) = last {
-            e.wait(timeout)?;
-        }
-        Ok(launching)
-    };
-    run(plan.warmup)?;
+    let run =
+        |n: usize, packed: &mut B::Buffer, dst: &mut Option<B::Buffer>| -> Result<Duration, BackendError> {
+            let (mut launching, mut last) = (Duration::ZERO, None);
+            for _ in 0..n {
+                let t0 = Instant::now();
+                let event = match dst {
+                    None => b.pack(Stream::Compute, packed, &refs, &segs, es)?,
+                    Some(d) => b.unpack(Stream::Compute, d, packed, &segs, es)?,
+                };
+                launching += t0.elapsed();
+                last = event.or(last);
+            }
+            if let Some(e) = last {
+                spin(&e, timeout)?;
+            }
+            Ok(launching)
+        };
+    run(warmup_launches(plan), &mut packed, &mut dst)?;
+    // The result zeroed: what the check finds was written by the timed launches.
+    let out = dst.as_mut().unwrap_or(&mut packed);
+    let out_len = out.len();
+    b.zero(Stream::Compute, out, 0, out_len)?;
+    b.synchronize(Stream::Compute, timeout)?;
     let start = Instant::now();
-    let launching = run(plan.iters)?;
+    let launching = run(plan.iters, &mut packed, &mut dst)?;
     let total = start.elapsed().as_secs_f64();
-    let wrong = if plan.check { count_wrong(b, plan, &segs, &packed, &many)? } else { 0 };
+    let out = dst.as_ref().unwrap_or(&packed);
+    let wrong = if plan.check { count_wrong(b, plan, &segs, out)? } else { 0 };
+    drop(refs);
     b.free(packed, None);
-    for m in many {
+    for m in sources.into_iter().chain(dst) {
         b.free(m, None);
     }
     let n = plan.iters as f64;
     Ok((total / n, launching.as_secs_f64() / n, wrong))
 }
 
-/// Elements of the result that differ (bitwise) from the pieces put together on the host.
+/// Elements of `out` (copy_in: the packed buffer; copy_out: the destination) that differ
+/// (bitwise) from the pieces put together on the host.
 fn count_wrong<B: Backend>(
     b: &B,
     plan: &BenchPlan,
     segs: &[CopySegment],
-    packed: &B::Buffer,
-    many: &[B::Buffer],
+    out: &B::Buffer,
 ) -> Result<u64, BackendError> {
     let es = plan.elem.size();
-    let out = match plan.op {
-        BenchOp::CopyIn => packed,
-        _ => &many[0],
-    };
     let mut got = vec![0u8; out.len()];
     b.read_to_host(out, 0, &mut got)?;
     let mut want = vec![0u8; out.len()];
@@ -184,6 +218,13 @@ pub fn bench_kernel<B: Backend>(
     Ok(rows)
 }
 
+/// Untimed launches before the timed ones, for the kernels and the references alike: `--warmup`,
+/// but at least as many as timed (the pool and the staging of the argument tables grow to what
+/// the timed launches need before the clock starts).
+pub fn warmup_launches(plan: &BenchPlan) -> usize {
+    plan.warmup.max(plan.iters).max(1)
+}
+
 /// A host copy of `bytes` bytes timed as the kernels are (`warmup` untimed, then `iters` back
 /// to back): the reference of the `local` backend, whose kernels run on the calling thread.
 pub fn host_copy_seconds(bytes: usize, warmup: usize, iters: usize) -> f64 {
@@ -207,12 +248,13 @@ pub fn header(plan: &BenchPlan, backend: &str, reference: &str) {
         _ => "copy_out (one buffer's pieces unpacked into another)",
     };
     println!(
-        "# collsched bench: {op}, {} pieces, {} backend, {}, {} launches back to back after {} warm-up",
+        "# collsched bench: {op}, {} pieces of whole {ALIGN}-byte multiples, {} backend, {}, {} launches back to \
+         back after {} untimed",
         plan.coalesce,
         backend,
         plan.elem.name(),
         plan.iters,
-        plan.warmup
+        warmup_launches(plan)
     );
     println!("# reference, measured in the same run: {reference}, the same bytes timed the same way");
     println!(
@@ -297,20 +339,21 @@ mod tests {
                 p.elem = ElemType::F32;
                 p.sizes = vec![4 * 6 * 3];
                 let segs = segments(&p, p.sizes[0]);
-                let mut many = Vec::new();
+                let mut sources = Vec::new();
                 let mut host = Vec::new();
+                let pad = source_pad(&p);
                 for k in 0..3 {
-                    let mut src = b.alloc(6 * 4).unwrap();
+                    let mut src = b.alloc((pad + 6) * 4).unwrap();
                     encode_into(p.elem, &mut host, (0..6).map(|i| value(k, i)));
-                    b.write_from_host(&mut src, 0, &host).unwrap();
-                    many.push(src);
+                    b.write_from_host(&mut src, pad * 4, &host).unwrap();
+                    sources.push(src);
                 }
                 let mut packed = b.alloc(p.sizes[0]).unwrap();
-                let refs: Vec<_> = many.iter().collect();
+                let refs: Vec<_> = sources.iter().collect();
                 assert!(b.pack(Stream::Compute, &mut packed, &refs, &segs, 4).unwrap().is_none());
-                let right = count_wrong(&b, &p, &segs, &packed, &many).unwrap();
+                let right = count_wrong(&b, &p, &segs, &packed).unwrap();
                 b.write_from_host(&mut packed, 4 * 7, &1234.5f32.to_le_bytes()).unwrap();
-                (right, count_wrong(&b, &p, &segs, &packed, &many).unwrap())
+                (right, count_wrong(&b, &p, &segs, &packed).unwrap())
             })
             .unwrap();
         assert_eq!(counts.into_iter().map(|c| c.unwrap()).collect::<Vec<_>>(), vec![(0, 1)]);
@@ -328,6 +371,9 @@ mod tests {
                 let mut many = vec![0u32; 6 * pieces];
                 for (k, s) in segs.iter().enumerate() {
                     assert_eq!(s.len, 6);
+                    if op == BenchOp::CopyIn {
+                        assert_eq!(s.buffer_offset, ALIGN / 2, "bf16: 16 bytes of padding first");
+                    }
                     assert_eq!(s.packed_offset, (pieces - 1 - k) * 6);
                     packed[s.packed_offset..s.packed_offset + s.len].iter_mut().for_each(|x| *x += 1);
                     let at = if op == BenchOp::CopyIn { s.len * s.buffer } else { s.buffer_offset };

@@ -187,7 +187,9 @@ impl BenchPlan {
             .into());
         }
         let unit = match a.op {
-            BenchOp::AllReduce | BenchOp::CopyIn | BenchOp::CopyOut => elem.size() * a.coalesce,
+            BenchOp::AllReduce => elem.size() * a.coalesce,
+            // Whole aligned pieces.
+            BenchOp::CopyIn | BenchOp::CopyOut => kernel::ALIGN * a.coalesce,
             _ => elem.size() * a.coalesce * a.ranks,
         };
         let mut sizes = Vec::new();
@@ -274,6 +276,14 @@ impl BenchPlan {
     /// [`BenchError`] saying how much it needs and how much there is.
     pub fn check_memory(&self, available: usize) -> Result<(), BenchError> {
         let need = self.memory_needed();
+        if need > available && self.op.is_kernel() {
+            return Err(format!(
+                "-e/--maxbytes {}: the bench would hold {need} bytes at once (the kernel's two sides and the \
+                 reference's), more than the {available} bytes of memory available; use a smaller -e",
+                self.sizes.last().copied().unwrap_or(0)
+            )
+            .into());
+        }
         if need > available {
             return Err(format!(
                 "-e/--maxbytes {}: the bench would hold {need} bytes at once ({} ranks x {} buffer sets, and \

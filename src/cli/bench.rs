@@ -164,7 +164,7 @@ const KERNEL_BACKENDS: &str =
 /// `--op copy_in|copy_out`: one rank's copy kernel against a copy of the same bytes
 /// ([`crate::bench::kernel`]).
 fn run_kernel(args: &BenchArgs) -> Result<ExitCode, CliError> {
-    use crate::bench::kernel::{bench_kernel, footer, header, host_copy_seconds, row};
+    use crate::bench::kernel::{bench_kernel, footer, header, host_copy_seconds, row, warmup_launches};
     let plan = BenchPlan::new(&args.spec(args.ranks.unwrap_or(1)))?;
     if let Some(available) = crate::units::memory_available() {
         plan.check_memory(available)?;
@@ -174,7 +174,7 @@ fn run_kernel(args: &BenchArgs) -> Result<ExitCode, CliError> {
         BenchBackend::Local => {
             header(&plan, "local", "a host memcpy (one thread)");
             let world = LocalWorld::with_config(1, LocalConfig::default())?;
-            let host = |size: usize| Ok(host_copy_seconds(size, plan.warmup, plan.iters));
+            let host = |size: usize| Ok(host_copy_seconds(size, warmup_launches(&plan), plan.iters));
             let mut outcomes = world.run(|rank| bench_kernel(&rank, &plan, &host, &mut |r| print(r)))?;
             outcomes.pop().ok_or("rank 0 did not run")?.map_err(|_| "rank 0 panicked")??
         }
@@ -192,8 +192,10 @@ fn kernel_cuda(
     let world = crate::backend::cuda::CudaWorld::new(1)?;
     crate::bench::kernel::header(plan, "cuda", "device-to-device copies (cuMemcpyDtoDAsync) on GPU 0");
     let mut outcomes = world.run(|b| {
-        let copy =
-            |size: usize| b.device_copies_seconds(size, plan.warmup, plan.iters).map_err(|e| e.to_string());
+        let copy = |size: usize| {
+            b.device_copies_seconds(size, crate::bench::kernel::warmup_launches(plan), plan.iters)
+                .map_err(|e| e.to_string())
+        };
         crate::bench::kernel::bench_kernel(&b, plan, &copy, &mut |r| print(r))
     })?;
     Ok(outcomes.pop().ok_or("rank 0 did not run")?.map_err(|_| "rank 0 panicked")??)

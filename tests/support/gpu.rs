@@ -1,7 +1,7 @@
 //! Whether the GPU tests, and the tests of the missing driver, run here: shared by the GPU
 //! tests (`tests/gpu_backend.rs`, `tests/gpu_demo.rs`, `tests/gpu_fences.rs`,
-//! `tests/runtime_reduce.rs`) and the no-driver ones (`tests/gpu_no_driver.rs`,
-//! `tests/cli_demo.rs`), included with `#[path]`.
+//! `tests/runtime_reduce.rs`, `tests/runtime_device.rs`) and the no-driver ones
+//! (`tests/gpu_no_driver.rs`, `tests/cli_demo.rs`), included with `#[path]`.
 //!
 //! Both kinds can only check something on some machines, so both are `#[ignore]`d with the
 //! reason and run when selected on purpose (nextest and libtest report them as skipped

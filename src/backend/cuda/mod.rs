@@ -12,7 +12,8 @@
 //! cudarc's `driver::result` (CUDA calls), [`nccl`] (our NCCL layer over `cudarc::nccl::sys`
 //! types), [`comms`] (the communicators of a rank and their failures), [`wait`] (how the host
 //! waits), [`device`] (device, streams, events), [`pool`] (device memory), the pinned staging of
-//! kernel tables, then [`CudaBackend`].
+//! kernel tables, then [`CudaBackend`]. Beside them, [`hold`]: a stream held from the host, for
+//! tests and benchmarks.
 //!
 //! Without a GPU every constructor returns `no CUDA driver found: ...` (as
 //! [`CudaError::Load`]); nothing panics. The backend's kernels (NVRTC compiles them, the driver
@@ -100,6 +101,7 @@ pub mod device;
 pub mod error;
 mod events;
 mod fences;
+pub mod hold;
 mod kernels;
 mod launch;
 pub mod nccl;
@@ -122,6 +124,7 @@ use cudarc::driver::sys as cusys;
 pub use comms::CommTable;
 pub use device::{device_count, CudaEvent, Device, StreamHandle, StreamRole};
 pub use error::CudaError;
+pub use hold::StreamHold;
 pub use nccl::{CallSite, Communicator, Group, NcclCallError, NcclError, NcclOp, UniqueId};
 pub use park::ErrorPark;
 pub use pool::{BufferPool, CudaBuffer};
@@ -424,7 +427,7 @@ impl CudaBackend {
         self.timed_copies(bytes, |copy| {
             for i in 0..=iters.max(1) {
                 let t0 = std::time::Instant::now();
-                copy(1)?;
+                copy(1, false)?;
                 if i > 0 {
                     best = best.min(t0.elapsed().as_secs_f64());
                 }
@@ -435,8 +438,9 @@ impl CudaBackend {
     }
 
     /// Seconds per copy of `bytes` bytes on this rank's device when `iters` copies run back to
-    /// back after `warmup` untimed ones, the host waiting once, after the last: what
-    /// `collsched bench --op copy_in|copy_out` compares the copy kernels with, timed as they are.
+    /// back after `warmup` untimed ones, the host polling once, after the last, without a pause:
+    /// what `collsched bench --op copy_in|copy_out` compares the copy kernels with, timed as
+    /// they are.
     ///
     /// # Errors
     /// As [`CudaBackend::device_copy_seconds`].
@@ -448,9 +452,9 @@ impl CudaBackend {
     ) -> Result<f64, BackendError> {
         let mut seconds = f64::NAN;
         self.timed_copies(bytes, |copy| {
-            copy(warmup.max(1))?;
+            copy(warmup.max(1), true)?;
             let t0 = std::time::Instant::now();
-            copy(iters.max(1))?;
+            copy(iters.max(1), true)?;
             seconds = t0.elapsed().as_secs_f64() / iters.max(1) as f64;
             Ok(())
         })?;
@@ -458,18 +462,20 @@ impl CudaBackend {
     }
 
     /// Runs `timing` with a call that queues `n` copies of `bytes` bytes between two buffers of
-    /// this rank on the copy stream, then waits for the stream to drain.
+    /// this rank on the copy stream, then waits for them: a host wait, or with `spin` polling an
+    /// event recorded after them without a pause (both bounded by the backend's timeout).
     fn timed_copies(
         &self,
         bytes: usize,
-        timing: impl FnOnce(&mut dyn FnMut(usize) -> Result<(), BackendError>) -> Result<(), BackendError>,
+        timing: impl FnOnce(&mut dyn FnMut(usize, bool) -> Result<(), BackendError>) -> Result<(), BackendError>,
     ) -> Result<(), BackendError> {
         let (src, dst) = (self.alloc(bytes)?, self.alloc(bytes)?);
         let failed = |e: CudaError| to_backend(self.rank, e);
+        let timeout = BackendError::EventTimeout { waited: self.timeout };
         let result = {
             // The copy stream is the host copies' too: one at a time (see `host_copy`).
             let _one_at_a_time = device::lock(&self.host_copies);
-            let mut copy = |n: usize| -> Result<(), BackendError> {
+            let mut copy = |n: usize, spin: bool| -> Result<(), BackendError> {
                 self.device.bind().map_err(failed)?;
                 for _ in 0..n {
                     // SAFETY: both buffers are this rank's, at least `bytes` long, and nothing
@@ -484,14 +490,23 @@ impl CudaBackend {
                         },
                     )?;
                 }
-                if !self.copy.drain(self.timeout).map_err(failed)? {
-                    return Err(BackendError::EventTimeout { waited: self.timeout });
+                if spin {
+                    let done = self.copy.record().map_err(failed)?;
+                    let start = std::time::Instant::now();
+                    while !done.is_complete().map_err(failed)? {
+                        if start.elapsed() > self.timeout {
+                            return Err(timeout.clone());
+                        }
+                        std::hint::spin_loop();
+                    }
+                } else if !self.copy.drain(self.timeout).map_err(failed)? {
+                    return Err(timeout.clone());
                 }
                 Ok(())
             };
             timing(&mut copy)
         };
-        // Every copy was drained; after a failure one may still run: the buffers go back to
+        // Every copy was waited for; after a failure one may still run: the buffers go back to
         // the pool behind an event recorded after the copies, or are leaked without one.
         let after = match &result {
             Ok(()) => None,
