@@ -42,6 +42,7 @@ STEPS=(
   "vs-fsdp2:150:python/benchmarks/vs_fsdp2.py --device cuda: step and host time against FSDP2, GPT-2 small in f32 and bf16"
   "vs-fsdp2-1b:150:python/benchmarks/vs_fsdp2.py --device cuda: a 0.9B-parameter shape in bf16"
   "vs-fsdp2-offload:120:python/benchmarks/vs_fsdp2.py --device cuda --offload: GPT-2 small in bf16 under CPUOffloadPolicy"
+  "host-profile:100:python/benchmarks/vs_fsdp2.py --device cuda --pyprofile: where the host's time goes in GPT-2 small bf16 steps, FSDP2 and collsched"
 )
 
 if [ "${1:-}" = "--list" ]; then
@@ -183,6 +184,12 @@ step_vs_fsdp2_offload() {
   python_site || return 1
   local n; n=$(gpus); [ "$n" -gt 2 ] && n=2
   vs_fsdp2 "$n" --dim 768 --heads 12 --blocks 12 --seq 512 --batch 8 --steps 5 --mp bf16 --offload --loss-rtol 1e-2
+}
+# Three untimed steps of each under cProfile, after 2 timed ones: the host's time by function.
+step_host_profile() {
+  python_site || return 1
+  local n; n=$(gpus); [ "$n" -gt 2 ] && n=2
+  vs_fsdp2 "$n" --dim 768 --heads 12 --blocks 12 --seq 512 --batch 8 --steps 2 --warmup 2 --mp bf16 --loss-rtol 1e-2 --pyprofile 45
 }
 vs_fsdp2() {
   local n=$1; shift

@@ -22,6 +22,7 @@ FIGURES = {
     "python": re.compile(r"^(=+ )?\d+ (passed|failed).* in [\d.]+s"),
 }
 FIGURES["vs-fsdp2-1b"] = FIGURES["vs-fsdp2-offload"] = FIGURES["vs-fsdp2"]
+FIGURES["host-profile"] = re.compile(r"^(model:|fsdp2 |collsched |ratio |pyprofile )")
 
 
 def probe(logdir: str) -> dict[str, str]:

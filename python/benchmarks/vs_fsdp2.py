@@ -298,6 +298,8 @@ def train(
         losses.append(loss.item())
     if getattr(args, "trace", None) and getattr(args, "impl", None) in ("collsched", "fsdp2"):
         trace_step(args, model, opt, rank, autocast)
+    if getattr(args, "pyprofile", 0) and getattr(args, "impl", None) in ("collsched", "fsdp2"):
+        profile_steps(args, model, opt, rank, autocast)
     return {
         "median_s": statistics.median(times),
         "passes_s": statistics.median(passes),
@@ -307,6 +309,39 @@ def train(
         "peak_before_last": before,
         **({"probe": statistics.median(probed)} if probed else {}),
     }
+
+
+def profile_steps(
+    args: argparse.Namespace, model: nn.Module, opt: torch.optim.Optimizer, rank: int, autocast: bool
+) -> None:
+    """Three more steps, untimed, under ``cProfile`` (the host's Python functions and the C calls
+    they make, each with its own time): rank 0 prints the ``args.pyprofile`` functions with the
+    most time of their own, then as many by time with what they call, to stderr."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    for step in range(3):
+        x, y = batch(args, args.warmup + args.steps + 1 + step, rank)
+        sync(args)
+        dist.barrier()
+        prof.enable()
+        with torch.autocast(device(args).type, dtype=torch.bfloat16, enabled=autocast):
+            out = model(x)
+        loss = nn.functional.cross_entropy(out.reshape(-1, args.vocab), y.reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        sync(args)
+        prof.disable()
+    if rank == 0:
+        text = io.StringIO()
+        stats = pstats.Stats(prof, stream=text).strip_dirs()
+        stats.sort_stats("tottime").print_stats(args.pyprofile)
+        stats.sort_stats("cumulative").print_stats(args.pyprofile)
+        for line in text.getvalue().splitlines():
+            print(f"pyprofile {args.impl}: {line}", file=sys.stderr, flush=True)
 
 
 def trace_step(
@@ -442,6 +477,15 @@ def parse() -> argparse.Namespace:
         "CUDA activity), written as Chrome traces DIR/fsdp2-rankR.json and DIR/collsched-rankR.json "
         "(python/benchmarks/trace_svg.py draws one)",
     )
+    p.add_argument(
+        "--pyprofile",
+        metavar="N",
+        type=int,
+        default=0,
+        help="after the timed steps, three more steps of FSDP2 and of collsched under cProfile; rank 0 prints "
+        "the N functions with the most time of their own and the N with the most time in all, per "
+        "implementation (lines starting 'pyprofile IMPL:', on stderr)",
+    )
     p.add_argument("--impl", choices=["collsched", "fsdp2", "plain"], help=argparse.SUPPRESS)
     return p.parse_args()
 
@@ -493,6 +537,10 @@ def main() -> None:
                 [sys.executable, __file__, *sys.argv[1:], "--impl", name], env=env, capture_output=True, text=True
             )
             lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+            # The child's profile (--pyprofile), passed on.
+            for x in proc.stderr.splitlines():
+                if x.startswith("pyprofile "):
+                    print(x, file=sys.stderr, flush=True)
             if proc.returncode != 0 or not lines:
                 raise SystemExit(f"rank {rank}: the {name} run failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
             mine = json.loads(lines[-1][len("RESULT ") :])
