@@ -17,7 +17,7 @@ rm -rf "$pack"
 mkdir -p "$pack/bin" "$pack/tests" "$pack/wheel"
 
 # The test binaries whose tests need a GPU (ignored elsewhere), and the NVRTC compile test.
-collsched_tests=(gpu_backend gpu_fences gpu_demo runtime_reduce runtime_device)
+collsched_tests=(gpu_backend gpu_fences gpu_demo runtime_reduce_device runtime_device)
 echo "gpu/pack: cargo build --release --features cuda --bin collsched"
 cargo build -q --release --features cuda --bin collsched
 install -m 755 "$target/release/collsched" "$pack/bin/collsched"

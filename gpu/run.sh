@@ -31,7 +31,7 @@ STEPS=(
   "nvrtc:60:every CUDA C source compiled by this machine's NVRTC (tests/cuda_ptx)"
   "rust-backend:120:the CUDA backend against the CPU kernels (tests/gpu_backend --ignored)"
   "rust-fences:60:host copies wait for every stream; teardown ends (tests/gpu_fences --ignored)"
-  "rust-runtime:90:device gradients through the runtime, a fetch not waiting for its gather (tests/runtime_reduce, runtime_device --ignored)"
+  "rust-runtime:90:device gradients through the runtime, a fetch not waiting for its gather (tests/runtime_reduce_device, runtime_device --ignored)"
   "sanitize:150:compute-sanitizer --tool memcheck over the CUDA backend's tests (tests/gpu_backend --ignored)"
   "rust-demo:120:the demo's ZeRO-3 parity on every visible GPU (tests/gpu_demo --ignored)"
   "demo:60:collsched demo --backend cuda on every visible GPU (at most 2)"
@@ -104,7 +104,7 @@ rust_ignored() { COLLSCHED_GPU=1 "$pack/tests/$1" --ignored --test-threads=1 "${
 step_nvrtc() { CI=true "$pack/tests/cuda_ptx" --test-threads=1 --nocapture; }
 step_rust_backend() { rust_ignored gpu_backend; }
 step_rust_fences() { rust_ignored gpu_fences; }
-step_rust_runtime() { rust_ignored runtime_reduce && rust_ignored runtime_device --nocapture; }
+step_rust_runtime() { rust_ignored runtime_reduce_device && rust_ignored runtime_device --nocapture; }
 step_sanitize() {
   local cs
   cs=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer /usr/local/cuda-*/bin/compute-sanitizer 2>/dev/null | head -n 1)

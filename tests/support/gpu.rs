@@ -1,6 +1,6 @@
 //! Whether the GPU tests, and the tests of the missing driver, run here: shared by the GPU
 //! tests (`tests/gpu_backend.rs`, `tests/gpu_demo.rs`, `tests/gpu_fences.rs`,
-//! `tests/runtime_reduce.rs`, `tests/runtime_device.rs`) and the no-driver ones
+//! `tests/runtime_reduce_device.rs`, `tests/runtime_device.rs`) and the no-driver ones
 //! (`tests/gpu_no_driver.rs`, `tests/cli_demo.rs`), included with `#[path]`.
 //!
 //! Both kinds can only check something on some machines, so both are `#[ignore]`d with the
