@@ -481,3 +481,42 @@ fn gpu_hybrid_groups_reduce_within_their_members_only() {
         res.unwrap_or_else(|_| panic!("rank {r} panicked"));
     }
 }
+
+#[test]
+#[ignore = "needs a GPU: COLLSCHED_GPU=1 cargo nextest run --all-features --run-ignored only (fails without a device)"]
+fn gpu_pool_stats_count_every_block_and_empty_cache_returns_the_free_ones() {
+    gpus("gpu_pool_stats_count_every_block_and_empty_cache_returns_the_free_ones");
+    let b = single();
+    let pool = b.pool();
+    let start = pool.stats();
+    // Two blocks kept, two given back; sizes of other classes than any block already cached.
+    let kept: Vec<CudaBuffer> = [5 << 20, 7 << 20].iter().map(|&n| b.alloc(n).unwrap()).collect();
+    let given: Vec<CudaBuffer> = [9 << 20, 11 << 20].iter().map(|&n| b.alloc(n).unwrap()).collect();
+    let class = |n: usize| collsched::backend::cuda::pool::size_class(n);
+    let kept_bytes = class(5 << 20) + class(7 << 20);
+    let given_bytes = class(9 << 20) + class(11 << 20);
+    for g in given {
+        b.free(g, None);
+    }
+    b.synchronize(Stream::Compute, WAIT).unwrap();
+    let s = pool.stats();
+    assert_eq!(s.reserved_bytes, start.reserved_bytes + kept_bytes + given_bytes, "{s:?}");
+    assert_eq!(s.fresh_allocations, start.fresh_allocations + 4, "{s:?}");
+    assert_eq!(s.reserved_bytes, s.in_use_bytes + s.deferred_bytes + s.free_bytes, "{s:?}");
+    assert!(s.free_bytes >= given_bytes && s.in_use_bytes >= kept_bytes, "{s:?}");
+    let freed = pool.empty_cache().unwrap();
+    assert_eq!(freed, s.free_bytes + s.deferred_bytes, "every idle block returned: {s:?}");
+    let after = pool.stats();
+    assert_eq!((after.free_bytes, after.deferred_bytes), (0, 0), "{after:?}");
+    assert_eq!(after.reserved_bytes, s.reserved_bytes - freed, "{after:?}");
+    assert_eq!(after.in_use_bytes, s.in_use_bytes, "blocks in use stay: {after:?}");
+    // The kept buffers still work, and a new one comes from the driver.
+    let bytes: Vec<u8> = (0..(5 << 20)).map(|i| (i % 251) as u8).collect();
+    let mut k = kept.into_iter();
+    let mut first = k.next().unwrap();
+    b.write_from_host(&mut first, 0, &bytes).unwrap();
+    assert!(download(&b, &first) == bytes, "a buffer in use lost its contents");
+    let again = b.alloc(9 << 20).unwrap();
+    assert_eq!(pool.stats().fresh_allocations, after.fresh_allocations + 1);
+    drop((first, k, again));
+}

@@ -3,7 +3,7 @@
 //! host reads of them wait first; a gather that fails after the fetch is reported by the next
 //! call. Run on `OnDevice`, the local backend seen as a device, with the all-gather stream held
 //! behind a gate the test opens (or fails) after the fetch returned; and on a GPU, the stream
-//! held by the CUDA backend's `hold_stream` (ignored without one).
+//! held by a host callback (`tests/support/hold.rs`; ignored without a GPU).
 
 use std::sync::mpsc;
 use std::sync::Arc;
@@ -151,14 +151,16 @@ fn a_fetch_on_a_gpu_returns_before_its_gather_completed() {
             };
             let mut out = Vec::new();
             for held in [true, false] {
-                let hold = if held { Some(be.hold_stream(Stream::AllGather).map_err(failed)?) } else { None };
+                let hold = held.then(|| hold::block_stream(&be, Stream::AllGather));
                 let t0 = Instant::now();
                 let v = c.fetch(&ids)?;
                 let returned = t0.elapsed();
                 // Behind the gather on its stream: complete once the gather is.
                 let after = be.record(Stream::AllGather).map_err(failed)?;
                 let pending = !after.query().map_err(failed)?;
-                drop(hold);
+                if let Some(go) = hold {
+                    go.send(()).expect(hold::STALLED);
+                }
                 after.wait(be.timeout()).map_err(failed)?;
                 let drained = t0.elapsed();
                 let mut got = Vec::new();
@@ -172,7 +174,8 @@ fn a_fetch_on_a_gpu_returns_before_its_gather_completed() {
             }
             Ok(out)
         };
-        // A fetch that waited on the host for the held gather would fail after 20 s.
+        // A fetch that waited on the host for the held gather would fail after 20 s (or the
+        // gate let go by itself then, and the send above fails).
         let ranks = CudaWorld::new(n)
             .expect("CUDA world")
             .with_timeout(Duration::from_secs(20))
@@ -204,3 +207,7 @@ fn a_fetch_on_a_gpu_returns_before_its_gather_completed() {
 #[cfg(feature = "cuda")]
 #[path = "support/gpu.rs"]
 mod gpu;
+
+#[cfg(feature = "cuda")]
+#[path = "support/hold.rs"]
+mod hold;

@@ -12,7 +12,7 @@ use collsched::backend::shm::{join, ShmConfig};
 use collsched::backend::{Backend, Exchange};
 use collsched::bootstrap::LaunchEnv;
 use pyo3::prelude::*;
-use pyo3::types::PyBytes;
+use pyo3::types::{PyBytes, PyDict};
 
 use crate::errors;
 
@@ -327,6 +327,49 @@ impl World {
             dump.write_to(&dir).map_err(errors::other)?;
         }
         serde_json::to_string(&dump).map_err(errors::other)
+    }
+
+    /// What this rank's device memory pool holds (`cuda`): a dict of `reserved_bytes` (every
+    /// block got from the driver), `in_use_bytes`, `deferred_bytes` (given back, their work not
+    /// yet seen complete), `free_bytes` (cached for reuse) and `fresh_allocations`; `None` on a
+    /// host or emulated world (their buffers are host memory). Not collective.
+    fn memory_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        match &self.backend {
+            #[cfg(feature = "cuda")]
+            Rank::Cuda(b) => {
+                let s = b.pool().stats();
+                let d = PyDict::new(py);
+                d.set_item("reserved_bytes", s.reserved_bytes)?;
+                d.set_item("in_use_bytes", s.in_use_bytes)?;
+                d.set_item("deferred_bytes", s.deferred_bytes)?;
+                d.set_item("free_bytes", s.free_bytes)?;
+                d.set_item("fresh_allocations", s.fresh_allocations)?;
+                Ok(Some(d))
+            }
+            _ => {
+                let _ = py;
+                Ok(None)
+            }
+        }
+    }
+
+    /// Returns this rank's cached free device blocks to the driver once its streams are quiet
+    /// (`cuda`; as `torch.cuda.empty_cache()` does torch's); the bytes returned, 0 on a host or
+    /// emulated world. Not collective.
+    fn empty_cache(&self, py: Python<'_>) -> PyResult<usize> {
+        match &self.backend {
+            #[cfg(feature = "cuda")]
+            Rank::Cuda(b) => {
+                let b = Arc::clone(b);
+                // The wait for the streams runs without the interpreter's lock: autograd's
+                // threads may need it to finish the work waited for.
+                py.detach(move || b.pool().empty_cache()).map_err(|e| errors::other(e.to_string()))
+            }
+            _ => {
+                let _ = py;
+                Ok(0)
+            }
+        }
     }
 
     /// Waits until every rank called it (collective).

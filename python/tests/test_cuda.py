@@ -155,6 +155,26 @@ def test_cpu_offload_on_cuda_matches_plain_pytorch_on_the_cpu(extra, tol):
 
 
 @needs_gpu
+def test_empty_cache_returns_the_pool_s_free_blocks_between_steps_and_training_goes_on():
+    spec = {"model": "gpt", "steps": 3, "bucket_mb": 0.002, "backend": "cuda", "empty_cache": True}
+    spec["ref_device"] = "cuda"
+    n = ranks()
+    runs = run(workers.train, n, spec)
+    parity.check(runs, models.reference(spec, n), tol=TOL_SAME_GPU)
+    for rank, r in enumerate(runs):
+        assert len(r["memory"]) == 3, r["memory"]
+        for step, (before, freed, after) in enumerate(r["memory"]):
+            where = f"rank {rank}, step {step}: {before} -> {freed} -> {after}"
+            parts = before["in_use_bytes"] + before["deferred_bytes"] + before["free_bytes"]
+            assert before["reserved_bytes"] == parts > 0 and before["in_use_bytes"] > 0, where
+            assert after["free_bytes"] == after["deferred_bytes"] == 0, where
+            assert after["reserved_bytes"] == before["reserved_bytes"] - freed, where
+            assert after["in_use_bytes"] == before["in_use_bytes"], where
+        # Every step after the first gathers into buffers the cache gave back: it allocated.
+        assert r["memory"][1][0]["fresh_allocations"] > r["memory"][0][2]["fresh_allocations"], r["memory"]
+
+
+@needs_gpu
 def test_hybrid_on_cuda_at_4_ranks():
     if devices() < 4:
         pytest.skip(f"hybrid:2 needs 4 CUDA devices, this machine has {devices()}")

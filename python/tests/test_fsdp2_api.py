@@ -5,7 +5,7 @@ whatever the strategy; loads of full values and of DTensors), an optimizer's sta
 likewise, torch.distributed.checkpoint (``dcp.save``/``dcp.load`` into another world size and
 strategy, ``get/set_model_state_dict``, ``get/set_optimizer_state_dict``), meta-device init,
 ``mesh=``, ``ignored_params``, ``unshard``/``reshard``, ``CPUOffloadPolicy``, a torchtitan-style
-run; and what each refuses."""
+run, ``memory_stats``/``empty_cache``; and what each refuses."""
 
 from __future__ import annotations
 
@@ -215,3 +215,15 @@ def test_cpu_offload_trains_as_plain_pytorch(spec):
         assert len({at for _dev, _pin, at in r["places"]}) == 1, r["places"]
         assert r["policy"] == "no error", r["policy"]
         assert "expected a CPUOffloadPolicy" in r["bad"], r["bad"]
+
+
+@pytest.mark.parametrize("backend", ["shm", "emulated"])
+def test_memory_stats_and_empty_cache_on_host_memory_are_empty_and_change_nothing(backend):
+    """``cst.memory_stats()`` / ``cst.empty_cache()`` (``torch.cuda.memory_stats`` /
+    ``empty_cache`` for collsched's device pool): on host memory there is no pool: ``{}`` and
+    0 bytes, and training between the calls is plain PyTorch's. (On a GPU: ``test_cuda.py``.)"""
+    spec = {"model": "mlp", "steps": 2, "bucket_mb": 0.002, "backend": backend, "empty_cache": True}
+    runs = run(workers.train, 2, spec)
+    parity.check(runs, models.reference(spec, 2))
+    for r in runs:
+        assert r["memory"] == [({}, 0, {}), ({}, 0, {})], r["memory"]

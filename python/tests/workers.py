@@ -81,7 +81,7 @@ def train(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
             a.set_modules_to_forward_prefetch([b])
             b.set_modules_to_backward_prefetch([a])
     opt = models.optimizer(spec.get("opt", "adamw"), model.parameters())
-    losses, after, stats, evals, norms, held = [], [], [], [], [], []
+    losses, after, stats, evals, norms, held, memory = [], [], [], [], [], [], []
     micro_n = spec.get("micro", 1)
     # FSDP2's set_reshard_after_backward: False on the whole model ("never"), or False but
     # on the last micro-batch ("last", FSDP2's gradient accumulation).
@@ -125,6 +125,11 @@ def train(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), spec["clip"], kind)))
         opt.step()
         opt.zero_grad()
+        if spec.get("empty_cache"):
+            # The library's pool before and after giving its cached blocks back, between steps.
+            before = cst.memory_stats()
+            freed = cst.empty_cache()
+            memory.append((before, freed, cst.memory_stats()))
         losses.append(row)
         after.append(snapshot(cst.full_parameters(model)))
     plan = cst.plan(model)
@@ -138,6 +143,7 @@ def train(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
         "live": live,
         "norms": norms,
         "held": held,
+        "memory": memory,
         # Where each shard the optimizer updates lives: device type, page-locked, storage.
         "places": [(p.device.type, p.is_pinned(), p.untyped_storage().data_ptr()) for p in model.parameters()],
     }

@@ -1,5 +1,5 @@
 //! Holding a CUDA stream from the host, for the GPU tests of ordering (`tests/gpu_backend.rs`,
-//! `tests/gpu_fences.rs`; included with `#[path]`): a host callback on the stream waits until
+//! `tests/gpu_fences.rs`, `tests/runtime_device.rs`; included with `#[path]`): a host callback on the stream waits until
 //! the test lets it go, at most [`GATE`].
 
 use std::ffi::c_void;

@@ -103,7 +103,7 @@ from .module import (
 )
 from .spans import workload_record
 from .values import CPUOffloadPolicy, MixedPrecisionPolicy
-from .world import flight_record, init, world
+from .world import empty_cache, flight_record, init, memory_stats, world
 
 __all__ = [
     "CPUOffloadPolicy",
@@ -112,6 +112,7 @@ __all__ = [
     "MixedPrecisionPolicy",
     "UnshardHandle",
     "clip_grad_norm_",
+    "empty_cache",
     "flight_record",
     "fully_shard",
     "full_parameters",
@@ -121,6 +122,7 @@ __all__ = [
     "save_checkpoint",
     "init",
     "live_bytes",
+    "memory_stats",
     "plan",
     "register_fsdp_forward_method",
     "stats",

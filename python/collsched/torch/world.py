@@ -258,6 +258,26 @@ def world() -> Any:
     return _WORLD
 
 
+def memory_stats() -> dict[str, int]:
+    """This rank's device memory in collsched's own pool (the ``cuda`` backend), which torch's
+    ``torch.cuda.memory_reserved()`` and ``memory_allocated()`` do not count: ``reserved_bytes``
+    (every block got from the driver), ``in_use_bytes`` (shards, gathered buckets, gradients,
+    scratch), ``deferred_bytes`` (given back, their work not yet seen complete), ``free_bytes``
+    (cached for reuse; :func:`empty_cache` returns them) and ``fresh_allocations``. An empty
+    dict on the host backends (``shm``, ``mpi``, ``emulated``: host memory). Not collective."""
+    stats = world().memory_stats()
+    return {} if stats is None else dict(stats)
+
+
+def empty_cache() -> int:
+    """Returns this rank's cached free blocks of collsched's device pool to the driver, as
+    ``torch.cuda.empty_cache()`` does torch's (call both to give a GPU's idle memory back);
+    blocks in use stay. It first waits for the work queued on the library's streams (at most
+    the backend's timeout; if that work does not end, nothing is returned and it raises).
+    Returns the bytes returned (0 on the host backends). Not collective; between steps."""
+    return world().empty_cache()
+
+
 def flight_record(path: Any = None, reason: str = "requested") -> dict:
     """This rank's flight record: its last collectives (``COLLSCHED_FLIGHT_ENTRIES``, default
     2000), each with its sequence number on its (group, stream), op, bucket (tag), group, bytes,

@@ -12,8 +12,7 @@
 //! cudarc's `driver::result` (CUDA calls), [`nccl`] (our NCCL layer over `cudarc::nccl::sys`
 //! types), [`comms`] (the communicators of a rank and their failures), [`wait`] (how the host
 //! waits), [`device`] (device, streams, events), [`pool`] (device memory), the pinned staging of
-//! kernel tables, then [`CudaBackend`]. Beside them, [`hold`]: a stream held from the host, for
-//! tests and benchmarks.
+//! kernel tables, then [`CudaBackend`].
 //!
 //! Without a GPU every constructor returns `no CUDA driver found: ...` (as
 //! [`CudaError::Load`]); nothing panics. The backend's kernels (NVRTC compiles them, the driver
@@ -101,7 +100,6 @@ pub mod device;
 pub mod error;
 mod events;
 mod fences;
-pub mod hold;
 mod kernels;
 mod launch;
 pub mod nccl;
@@ -124,10 +122,9 @@ use cudarc::driver::sys as cusys;
 pub use comms::CommTable;
 pub use device::{device_count, CudaEvent, Device, StreamHandle, StreamRole};
 pub use error::CudaError;
-pub use hold::StreamHold;
 pub use nccl::{CallSite, Communicator, Group, NcclCallError, NcclError, NcclOp, UniqueId};
 pub use park::ErrorPark;
-pub use pool::{BufferPool, CudaBuffer};
+pub use pool::{BufferPool, CudaBuffer, PoolStats};
 pub use rendezvous::{FileRendezvous, RendezvousError};
 pub use world::CudaWorld;
 

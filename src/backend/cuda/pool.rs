@@ -66,6 +66,22 @@ struct PoolState {
     cached_bytes: usize,
 }
 
+/// What a rank's pool holds, in bytes of whole blocks ([`BufferPool::stats`]): device memory
+/// outside any other allocator's count (torch's `memory_reserved()` does not see it).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PoolStats {
+    /// Every block the pool got from the driver and has not returned.
+    pub reserved_bytes: usize,
+    /// Blocks handed out: buffers alive (shards, gathered buckets, gradients, scratch).
+    pub in_use_bytes: usize,
+    /// Blocks given back whose work has not yet been seen complete.
+    pub deferred_bytes: usize,
+    /// Blocks free for reuse ([`BufferPool::empty_cache`] returns them to the driver).
+    pub free_bytes: usize,
+    /// Blocks got from `cuMemAlloc` so far.
+    pub fresh_allocations: u64,
+}
+
 /// The device memory pool of one rank.
 pub struct BufferPool {
     device: Arc<Device>,
@@ -121,6 +137,47 @@ impl BufferPool {
     /// How many blocks came from `cuMemAlloc` so far (steady-state steps add none).
     pub fn fresh_allocations(&self) -> u64 {
         lock(&self.state).fresh_allocations
+    }
+
+    /// What the pool holds now (deferred blocks whose work completed count as free).
+    pub fn stats(&self) -> PoolStats {
+        self.reclaim();
+        let s = lock(&self.state);
+        let free_bytes = s.free.iter().map(|(class, v)| class * v.len()).sum();
+        let deferred_bytes = s.deferred.iter().map(|d| d.class).sum();
+        PoolStats {
+            reserved_bytes: s.cached_bytes,
+            in_use_bytes: s.cached_bytes.saturating_sub(free_bytes + deferred_bytes),
+            deferred_bytes,
+            free_bytes,
+            fresh_allocations: s.fresh_allocations,
+        }
+    }
+
+    /// Returns the free blocks to the driver, as `torch.cuda.empty_cache()` does torch's, once
+    /// the rank's streams are quiet (everything queued on them so far completed, waited for at
+    /// most the pool's timeout, watching their communicators); blocks in use or deferred stay.
+    /// Returns the bytes returned.
+    ///
+    /// # Errors
+    /// Streams still busy after the timeout (nothing is returned then: `cuMemFree` could wait
+    /// for their work without a bound), or the driver's error.
+    pub fn empty_cache(&self) -> Result<usize, CudaError> {
+        if !self.wait_for_pending()? {
+            return Err(CudaError::Invalid {
+                op: format!("device {}: empty_cache", self.device.ordinal()),
+                what: format!(
+                    "the rank's streams or its deferred blocks were still busy after {:?}; nothing was \
+                     returned to the driver (cuMemFree could wait for that work without a bound); call it \
+                     between steps, once the work queued so far can complete",
+                    self.timeout
+                ),
+            });
+        }
+        self.reclaim();
+        let before = lock(&self.state).cached_bytes;
+        self.trim()?;
+        Ok(before - lock(&self.state).cached_bytes)
     }
 
     /// Blocks waiting for their events.
@@ -192,7 +249,10 @@ impl BufferPool {
                     if attempt == 1 {
                         // Wait for deferred blocks and the rank's streams (all together, at
                         // most the timeout) and reuse a block of the class if there is one.
-                        quiet = self.wait_for_pending(bytes)?;
+                        quiet = self.wait_for_pending()?;
+                        if !quiet {
+                            tracing::warn!(target: "collsched::alloc", "device {}: deferred blocks or the rank's streams still busy after {:?}; allocating {bytes} bytes without them", self.device.ordinal(), self.timeout);
+                        }
                         self.reclaim();
                         if let Some(ptr) = lock(&self.state).free.get_mut(&class).and_then(Vec::pop) {
                             return Ok(CudaBuffer {
@@ -231,14 +291,14 @@ impl BufferPool {
         }
     }
 
-    /// After an allocation failed: waits at most the pool's timeout for the deferred blocks'
-    /// events and for an event recorded now on each of the rank's streams, watching their
-    /// communicators (a failure aborts them, so the work ends; it stays theirs to report).
+    /// After an allocation failed, or before [`BufferPool::empty_cache`]: waits at most the
+    /// pool's timeout for the deferred blocks' events and for an event recorded now on each of
+    /// the rank's streams, watching their communicators (a failure aborts them, so the work ends; it stays theirs to report).
     /// Returns whether all of them passed.
     ///
     /// # Errors
     /// A driver error recording or querying an event (the work before it failed).
-    fn wait_for_pending(&self, bytes: usize) -> Result<bool, CudaError> {
+    fn wait_for_pending(&self) -> Result<bool, CudaError> {
         let mut pending: Vec<CudaEvent> =
             lock(&self.state).deferred.iter().flat_map(|d| d.after.clone()).collect();
         for s in self.fence_streams.get().map(Vec::as_slice).unwrap_or(&[]) {
@@ -258,11 +318,7 @@ impl BufferPool {
             }
             Ok(())
         };
-        let quiet = wait_until(self.timeout, &mut HostClock::start(), all_done, watch)?;
-        if !quiet {
-            tracing::warn!(target: "collsched::alloc", "device {}: deferred blocks or the rank's streams still busy after {:?}; allocating {bytes} bytes without them", self.device.ordinal(), self.timeout);
-        }
-        Ok(quiet)
+        wait_until(self.timeout, &mut HostClock::start(), all_done, watch)
     }
 
     /// Returns every cached free block to the driver (deferred blocks stay). `cuMemFree` may
