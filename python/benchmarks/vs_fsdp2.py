@@ -402,6 +402,8 @@ def run_collsched(args: argparse.Namespace, rank: int) -> dict[str, Any]:
         peak_gathered=st["peak_gathered_bytes"],
         native_us=st.get("native_us_per_unit"),
         wait_ms=st.get("wait_ms"),
+        # The library's device pool at the end (cuda; {} on host memory).
+        pool=cst.memory_stats(),
     )
     return out
 
@@ -551,6 +553,7 @@ def main() -> None:
                 "rss_all": [r["rss"] for r in every],
                 "pss_all": [r["pss"] for r in every],
                 "losses_all": [r["losses"] for r in every],
+                "pool_all": [r.get("pool") or {} for r in every],
                 "gpu_all": [
                     (r["gpu_peak_torch"], r["gpu_used_end"], r["gpu_reserved_end"], r["phase_peaks"])
                     for r in every
@@ -629,6 +632,14 @@ def report(args: argparse.Namespace, world: int, results: dict[str, dict[str, An
                 f"backward, optimizer: {' / '.join(f'{x:.0f}' for x in phases)}); at the end torch reserves "
                 f"{reserved:.0f} MiB, the device has {used:.0f} MiB in use ({used - reserved:.0f} outside torch's "
                 "allocator: the CUDA context, NCCL's and collsched's buffers)"
+            )
+    for i, pool in enumerate(results["collsched"]["pool_all"]):
+        if pool:
+            mib = {k: v / 2**20 for k, v in pool.items() if k.endswith("_bytes")}
+            print(
+                f"collsched  rank {i} pool at the end: reserved {mib['reserved_bytes']:.0f} MiB = in use "
+                f"{mib['in_use_bytes']:.0f} + deferred {mib['deferred_bytes']:.0f} + free {mib['free_bytes']:.0f}; "
+                f"{pool['fresh_allocations']} blocks allocated"
             )
     pairs = [
         (a, b)
