@@ -503,7 +503,9 @@ fn gpu_pool_stats_count_every_block_and_empty_cache_returns_the_free_ones() {
     assert_eq!(s.reserved_bytes, start.reserved_bytes + kept_bytes + given_bytes, "{s:?}");
     assert_eq!(s.fresh_allocations, start.fresh_allocations + 4, "{s:?}");
     assert_eq!(s.reserved_bytes, s.in_use_bytes + s.deferred_bytes + s.free_bytes, "{s:?}");
-    assert!(s.free_bytes >= given_bytes && s.in_use_bytes >= kept_bytes, "{s:?}");
+    // Freed without events, a block waits for an event on each of the rank's streams: free, or
+    // deferred while one of those still reads as pending.
+    assert!(s.free_bytes + s.deferred_bytes >= given_bytes && s.in_use_bytes >= kept_bytes, "{s:?}");
     let freed = pool.empty_cache().unwrap();
     assert_eq!(freed, s.free_bytes + s.deferred_bytes, "every idle block returned: {s:?}");
     let after = pool.stats();

@@ -150,7 +150,8 @@ fn a_fetch_on_a_gpu_returns_before_its_gather_completed() {
                 source,
             };
             let mut out = Vec::new();
-            for held in [true, false] {
+            // Not held first: the first launches' staging and communicator set-up outside the hold.
+            for held in [false, true] {
                 let hold = held.then(|| hold::block_stream(&be, Stream::AllGather));
                 let t0 = Instant::now();
                 let v = c.fetch(&ids)?;
@@ -174,18 +175,18 @@ fn a_fetch_on_a_gpu_returns_before_its_gather_completed() {
             }
             Ok(out)
         };
-        // A fetch that waited on the host for the held gather would fail after 20 s (or the
-        // gate let go by itself then, and the send above fails).
+        // A fetch that waited on the host for the held gather would fail after 10 s, the
+        // backend's timeout, well before the gate lets go by itself (20 s).
         let ranks = CudaWorld::new(n)
             .expect("CUDA world")
-            .with_timeout(Duration::from_secs(20))
+            .with_timeout(Duration::from_secs(10))
             .run(run)
             .expect("ranks");
         for (r, res) in ranks.into_iter().enumerate() {
             let runs =
                 res.expect("rank thread").unwrap_or_else(|e| panic!("{sharding}, rank {r} on a GPU: {e}"));
             assert_eq!(runs.len(), 2);
-            for ((pending, returned, drained, got), held) in runs.into_iter().zip([true, false]) {
+            for ((pending, returned, drained, got), held) in runs.into_iter().zip([false, true]) {
                 println!(
                     "{sharding}, rank {r}, {}: fetch returned after {:.1} us; the gather stream drained {:.1} us after the call",
                     if held { "stream held" } else { "not held" },

@@ -105,6 +105,19 @@ pub enum KernelError {
         /// How many buffers there are.
         count: usize,
     },
+    /// Two segments write the same destination elements: the CUDA kernels copy segments at
+    /// once, so their result would be undefined (the CPU kernels' later-wins does not hold).
+    #[error("{kernel}: segments {first} and {second} overlap in the destination ({side}); on a GPU the copies run at once, so give disjoint destination runs")]
+    OverlappingDestinations {
+        /// The kernel.
+        kernel: &'static str,
+        /// The earlier segment's index.
+        first: usize,
+        /// The later segment's index.
+        second: usize,
+        /// `packed`, or `buffer N`.
+        side: String,
+    },
     /// Byte lengths that do not fit the element type or each other.
     #[error("{kernel}: {what}")]
     BadLength {

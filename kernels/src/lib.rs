@@ -35,7 +35,8 @@
 //!   conversion (widening sets the quiet bit; narrowing keeps the sign and the top payload bits
 //!   and sets the quiet bit). Which payload a sum of two NaNs carries is not specified.
 //! - **Copies**: every segment is checked before the first byte moves (a bad list copies
-//!   nothing; errors name the segment index); overlapping segments: the later wins.
+//!   nothing; errors name the segment index); overlapping segments: the later wins (the CUDA
+//!   twins refuse segments that overlap in their destination: `cuda::device_segments`).
 //! - **Alignment**: any; elements are read as `[u8; N]`, which compiles to unaligned vector
 //!   loads. From 8 MiB of output on, x86-64 writes with streaming stores
 //!   (no read for ownership of the destination); [`reduce_piece`] and [`copy_piece`] keep the

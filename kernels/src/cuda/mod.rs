@@ -11,8 +11,10 @@
 //!   run them on streams and memory an engine owns).
 //!
 //! The semantics are those of the CPU kernels in this crate ([`crate::copy_in`],
-//! [`crate::copy_out`], [`crate::reduce`], [`crate::accumulate`], [`crate::cast`]); the GPU
-//! tests of the `collsched` crate check them against each other where a GPU exists.
+//! [`crate::copy_out`], [`crate::reduce`], [`crate::accumulate`], [`crate::cast`]), but for
+//! copy segments that overlap in their destination, which the CPU lets the later one win and
+//! the GPU, copying them at once, refuses ([`device_segments`]); the GPU tests of the
+//! `collsched` crate check them against each other where a GPU exists.
 //!
 //! # Knobs
 //! | variable | default | meaning |
@@ -274,14 +276,16 @@ pub struct DeviceRegion {
     pub len: usize,
 }
 
-/// Checks `segments` exactly as the CPU kernels do and turns them into the copy kernels' table,
+/// Checks `segments` as the CPU kernels do and turns them into the copy kernels' table,
 /// splitting runs longer than [`COPY_CHUNK_BYTES`].
 ///
 /// `kernel` is `copy_in` or `copy_out` (for the error); `many` are the sources (copy-in) or
 /// destinations (copy-out); lengths count elements of `elem_size` bytes.
 ///
 /// # Errors
-/// The same [`KernelError`]s as [`crate::copy_in`] / [`crate::copy_out`] for the same input.
+/// The same [`KernelError`]s as [`crate::copy_in`] / [`crate::copy_out`] for the same input;
+/// and, where the CPU kernels let the later segment win, [`KernelError::OverlappingDestinations`]
+/// for two segments writing the same destination bytes (the GPU copies them at once).
 pub fn device_segments(
     kernel: &'static str,
     segments: &[CopySegment],
@@ -289,6 +293,7 @@ pub fn device_segments(
     packed_len: usize,
     elem_size: usize,
 ) -> Result<Vec<DeviceSegment>, KernelError> {
+    crate::elem::check_elem_size(kernel, elem_size)?;
     let mut out = Vec::with_capacity(segments.len());
     for (i, s) in segments.iter().enumerate() {
         let Some(region) = many.get(s.buffer) else {
@@ -329,7 +334,52 @@ pub fn device_segments(
             done += piece;
         }
     }
+    check_disjoint(kernel, segments, many, elem_size)?;
     Ok(out)
+}
+
+/// Refuses two segments whose destination bytes overlap: the packed side's for `copy_in`, the
+/// many side's for `copy_out` (by device address, so two destinations over one allocation
+/// count too). The segments were checked against their buffers.
+fn check_disjoint(
+    kernel: &'static str,
+    segments: &[CopySegment],
+    many: &[DeviceRegion],
+    elem_size: usize,
+) -> Result<(), KernelError> {
+    let es = elem_size as u64;
+    let copy_in = kernel == "copy_in";
+    let mut runs: Vec<(u64, u64, usize)> = segments
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| s.len > 0)
+        .map(|(i, s)| {
+            let at = if copy_in {
+                s.packed_offset as u64 * es
+            } else {
+                many[s.buffer].ptr + s.buffer_offset as u64 * es
+            };
+            (at, at + s.len as u64 * es, i)
+        })
+        .collect();
+    runs.sort_unstable();
+    // The run reaching furthest so far: any later start before its end overlaps it.
+    let mut reach: Option<(u64, usize)> = None;
+    for &(start, end, i) in &runs {
+        if let Some((_, j)) = reach.filter(|&(far, _)| start < far) {
+            let side = if copy_in { "packed".to_string() } else { format!("buffer {}", segments[i].buffer) };
+            return Err(KernelError::OverlappingDestinations {
+                kernel,
+                first: i.min(j),
+                second: i.max(j),
+                side,
+            });
+        }
+        if reach.is_none_or(|(far, _)| end > far) {
+            reach = Some((end, i));
+        }
+    }
+    Ok(())
 }
 
 /// Grid size for `items` work items (at least one block, at most [`MAX_GRID_BLOCKS`]).
@@ -676,65 +726,4 @@ pub unsafe fn c_str<'a>(p: *const std::ffi::c_char) -> &'a str {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// `nvrtcGetSupportedArchs` of NVRTC 12.9 and 13.0.
-    const CUDA12: &[u32] = &[50, 52, 53, 60, 61, 62, 70, 72, 75, 80, 86, 87, 89, 90, 100, 101, 103, 120, 121];
-    const CUDA13: &[u32] = &[75, 80, 86, 87, 88, 89, 90, 100, 103, 110, 120, 121];
-
-    #[test]
-    fn load_asks_nvrtc_only_for_architectures_it_supports() {
-        let t = |cubin, ptx| LoadTargets { cubin, ptx };
-        assert_eq!(load_targets(90, CUDA13), t(Some(90), Some(80)));
-        assert_eq!(load_targets(90, CUDA12), t(Some(90), Some(80)));
-        // A GPU newer than NVRTC: PTX for compute_80 only.
-        assert_eq!(load_targets(130, CUDA13), t(None, Some(80)));
-        assert_eq!(load_targets(110, CUDA12), t(None, Some(80)));
-        // Volta: CUDA 12 compiles for it, CUDA 13 has nothing that old.
-        assert_eq!(load_targets(70, CUDA12), t(Some(70), Some(70)));
-        assert_eq!(load_targets(70, CUDA13), t(None, None));
-        assert_eq!(load_targets(75, CUDA13), t(Some(75), Some(75)));
-    }
-
-    #[test]
-    fn unsupported_arch_says_what_nvrtc_supports_and_what_to_do() {
-        let e = CudaKernelError::UnsupportedArch {
-            arch: 70,
-            version: (13, 0),
-            path: "/site/nvidia/cu13/lib/libnvrtc.so.13".into(),
-            supported: CUDA13.to_vec(),
-        };
-        let s = e.to_string();
-        assert!(
-            s.starts_with("NVRTC 13.0 (/site/nvidia/cu13/lib/libnvrtc.so.13) cannot compile for sm_70"),
-            "{s}"
-        );
-        assert!(s.contains("sm_75, sm_80"), "{s}");
-        assert!(s.contains("COLLSCHED_NVRTC_LIB"), "{s}");
-    }
-
-    #[test]
-    fn segments_split_into_pieces_and_check_bounds_like_the_cpu() {
-        let many = [DeviceRegion { ptr: 0x1000, len: 1_000_000 }];
-        let segs = [CopySegment { buffer: 0, buffer_offset: 3, packed_offset: 5, len: 200_000 }];
-        let t = device_segments("copy_in", &segs, &many, 300_000, 4).unwrap();
-        let total: u64 = t.iter().map(|s| s.bytes).sum();
-        assert_eq!(total, 200_000 * 4);
-        assert!(t.iter().all(|s| s.bytes <= COPY_CHUNK_BYTES));
-        assert_eq!(t[0].many, 0x1000 + 12);
-        assert_eq!(t[0].packed, 20);
-        for w in t.windows(2) {
-            assert_eq!(w[1].many, w[0].many + w[0].bytes);
-            assert_eq!(w[1].packed, w[0].packed + w[0].bytes);
-        }
-        let bad = [CopySegment { buffer: 0, buffer_offset: 0, packed_offset: 299_999, len: 2 }];
-        let e = device_segments("copy_in", &bad, &many, 300_000, 4).unwrap_err();
-        let cpu =
-            crate::copy_in(&mut vec![0u8; 300_000 * 4], &[&vec![0u8; 1_000_000 * 4]], &bad, 4).unwrap_err();
-        assert_eq!(e, cpu);
-        let missing = [CopySegment { buffer: 1, buffer_offset: 0, packed_offset: 0, len: 1 }];
-        let e = device_segments("copy_out", &missing, &many, 10, 4).unwrap_err();
-        assert!(matches!(e, KernelError::NoSuchBuffer { buffer: 1, count: 1, .. }), "{e}");
-    }
-}
+mod tests;

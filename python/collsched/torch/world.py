@@ -273,7 +273,8 @@ def empty_cache() -> int:
     """Returns this rank's cached free blocks of collsched's device pool to the driver, as
     ``torch.cuda.empty_cache()`` does torch's (call both to give a GPU's idle memory back);
     blocks in use stay. It first waits for the work queued on the library's streams (at most
-    the backend's timeout; if that work does not end, nothing is returned and it raises).
+    the backend's timeout; if that work does not end, nothing is returned and it raises); the
+    driver's free then waits for the whole GPU, torch's work included, as torch's own does.
     Returns the bytes returned (0 on the host backends). Not collective; between steps."""
     return world().empty_cache()
 

@@ -176,6 +176,8 @@ fn to_backend(rank: usize, e: CudaError) -> BackendError {
             let api = if let NcclError::Call(c) = &*n { c.api } else { "NCCL" };
             BackendError::Device { rank, api, detail: n.to_string() }
         }
+        // A copy segment refused before anything ran, as the trait's `pack` / `unpack` say.
+        e @ CudaError::KernelInput { .. } => BackendError::OutOfRange { rank, what: e.to_string() },
         other => BackendError::Device { rank, api: "CUDA backend", detail: other.to_string() },
     }
 }

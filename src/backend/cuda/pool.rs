@@ -159,10 +159,23 @@ impl BufferPool {
     /// most the pool's timeout, watching their communicators); blocks in use or deferred stay.
     /// Returns the bytes returned.
     ///
+    /// `cuMemFree` synchronizes the whole context: work of other libraries (torch's streams,
+    /// its own NCCL communicators) that never ends, a collective whose peer died, blocks it
+    /// without a bound. Call it between steps, as `torch.cuda.empty_cache()`.
+    ///
     /// # Errors
-    /// Streams still busy after the timeout (nothing is returned then: `cuMemFree` could wait
-    /// for their work without a bound), or the driver's error.
+    /// A wedged device, streams still busy after the timeout (nothing is returned then:
+    /// `cuMemFree` could wait for their work without a bound), or the driver's error.
     pub fn empty_cache(&self) -> Result<usize, CudaError> {
+        if self.device.is_wedged() || self.leak.load(Ordering::SeqCst) {
+            return Err(CudaError::Invalid {
+                op: format!("device {}: empty_cache", self.device.ordinal()),
+                what:
+                    "the device is wedged (work that did not end after a failure): its memory stays with the \
+                       process until it exits"
+                        .into(),
+            });
+        }
         if !self.wait_for_pending()? {
             return Err(CudaError::Invalid {
                 op: format!("device {}: empty_cache", self.device.ordinal()),
@@ -175,9 +188,7 @@ impl BufferPool {
             });
         }
         self.reclaim();
-        let before = lock(&self.state).cached_bytes;
-        self.trim()?;
-        Ok(before - lock(&self.state).cached_bytes)
+        self.trim()
     }
 
     /// Blocks waiting for their events.
@@ -321,33 +332,33 @@ impl BufferPool {
         wait_until(self.timeout, &mut HostClock::start(), all_done, watch)
     }
 
-    /// Returns every cached free block to the driver (deferred blocks stay). `cuMemFree` may
-    /// wait for the device to go idle: call it only when nothing of the rank is pending.
+    /// Returns every cached free block to the driver (deferred blocks stay); the bytes returned.
+    /// `cuMemFree` may wait for the device to go idle: call it only when nothing of the rank is
+    /// pending. A block the driver refuses to free is leaked (it stays counted as reserved).
     ///
     /// # Errors
     /// The first `cuMemFree` error.
-    pub fn trim(&self) -> Result<(), CudaError> {
+    pub fn trim(&self) -> Result<usize, CudaError> {
         self.device.bind()?;
-        let blocks: Vec<(usize, u64)> = {
-            let mut s = lock(&self.state);
-            let blocks = std::mem::take(&mut s.free)
-                .into_iter()
-                .flat_map(|(c, v)| v.into_iter().map(move |p| (c, p)))
-                .collect::<Vec<_>>();
-            s.cached_bytes -= blocks.iter().map(|(c, _)| c).sum::<usize>();
-            blocks
-        };
-        let mut first = None;
-        for (_, ptr) in blocks {
+        let blocks: Vec<(usize, u64)> = std::mem::take(&mut lock(&self.state).free)
+            .into_iter()
+            .flat_map(|(c, v)| v.into_iter().map(move |p| (c, p)))
+            .collect();
+        let (mut first, mut freed) = (None, 0);
+        for (class, ptr) in blocks {
             // SAFETY: a free-list block is ours, idle (its events completed) and freed once.
-            if let Err(e) = unsafe { cu::free_sync(ptr) } {
-                first.get_or_insert(CudaError::driver(
-                    "returning pooled memory",
-                    DriverCallError::new("cuMemFree", e),
-                ));
+            match unsafe { cu::free_sync(ptr) } {
+                Ok(()) => freed += class,
+                Err(e) => {
+                    first.get_or_insert(CudaError::driver(
+                        "returning pooled memory",
+                        DriverCallError::new("cuMemFree", e),
+                    ));
+                }
             }
         }
-        first.map_or(Ok(()), Err)
+        lock(&self.state).cached_bytes -= freed;
+        first.map_or(Ok(freed), Err)
     }
 
     /// Gives `buffer` back once every event in `after` completed. With no events, fences it
