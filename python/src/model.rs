@@ -295,8 +295,11 @@ impl Model {
     ///
     /// `policy`: "trace" (record the first step's fetch order, prefetch along it) or "none";
     /// `prefetch_bytes`, `max_inflight`, `max_live_bytes`: the scheduler's budgets (`None`:
-    /// its defaults); `reduce_dtype`: "f32", "bf16", "f16" or `None` (the parameter's).
-    #[pyo3(signature = (policy="trace", prefetch_bytes=None, max_inflight=None, max_live_bytes=None, reduce_dtype=None))]
+    /// its defaults); `reduce_dtype`: "f32", "bf16", "f16" or `None` (the parameter's);
+    /// `divide`: `(gather bucket id, factor)` pairs, the gradients of those buckets reduced to
+    /// their sum over the ranks divided by `factor` instead of their mean (FSDP2's
+    /// `set_gradient_divide_factor`).
+    #[pyo3(signature = (policy="trace", prefetch_bytes=None, max_inflight=None, max_live_bytes=None, reduce_dtype=None, divide=Vec::new()))]
     fn engine(
         slf: Bound<'_, Self>,
         policy: &str,
@@ -304,6 +307,7 @@ impl Model {
         max_inflight: Option<usize>,
         max_live_bytes: Option<usize>,
         reduce_dtype: Option<&str>,
+        divide: Vec<(u32, f64)>,
     ) -> PyResult<Engine> {
         let policy = match policy {
             "trace" => PolicyKind::TraceReplay,
@@ -328,6 +332,11 @@ impl Model {
             let dtype: DType = d.parse().map_err(|e| errors::other(format!("reduce_dtype {d:?}: {e}")))?;
             config.reduce = GradReduce { dtype: Some(dtype), ..GradReduce::default() };
         }
+        // The scheduler checks the factors and the bucket ids, naming a bad one.
+        config.reduce_per_bucket = divide
+            .into_iter()
+            .map(|(b, f)| (BucketId(b), GradReduce { pre_divide: Some(1.0), post_divide: Some(f), dtype: None }))
+            .collect();
         let coord = match &slf.borrow().state {
             St::Host(s) => Co::Host(s.coordinator(config).map_err(errors::runtime)?),
             St::Emulated(s) => Co::Emulated(s.coordinator(config).map_err(errors::runtime)?),

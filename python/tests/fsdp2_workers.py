@@ -396,3 +396,54 @@ def offloaded(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     cst.fully_shard(models.build("mlp", 2), offload_policy=OffloadPolicy())
     out["bad"] = error_text(lambda: cst.fully_shard(models.build("mlp", 3), offload_policy="cpu"))
     return out
+
+
+def divided(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """torch's own FSDP2 with ``set_gradient_divide_factor(spec["divide"])`` (and a forced sum)
+    on every block, not the root, on the job's process group: every step's loss and the full
+    parameters after it."""
+    from torch.distributed.fsdp import fully_shard
+
+    import workers
+
+    name = spec["model"]
+    model = models.build(name, spec.get("seed", 0))
+    for b in model.blocks:
+        fully_shard(b)
+    fully_shard(model)
+    for b in model.blocks:
+        b.set_gradient_divide_factor(spec["divide"])
+        b.set_force_sum_reduction_for_comms(True)
+    opt = models.optimizer(spec.get("opt", "adamw"), model.parameters())
+    out: dict[str, Any] = {"losses": [], "params": []}
+    for step in range(spec["steps"]):
+        x, y = models.batch(name, spec.get("seed", 0), step, 0, rank)
+        loss = models.loss_fn(name, model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out["losses"].append([loss.item()])
+        out["params"].append(workers.snapshot({n: p.full_tensor().detach() for n, p in model.named_parameters()}))
+    return out
+
+
+def divide_refusals(rank: int, world: int) -> dict[str, str]:
+    """The gradient reduction policy's refusals: a factor of 0 and a NaN, and
+    ``set_requires_all_reduce(False)`` with replica groups (``hybrid:1`` at 2 ranks), as their
+    error texts; each leaves the model training."""
+    import collsched.torch as cst
+
+    cst.init()
+    model = models.build("mlp", 0)
+    for b in model.blocks:
+        cst.fully_shard(b, strategy="hybrid:1")
+    cst.fully_shard(model, strategy="hybrid:1")
+    out = {
+        "zero": error_text(lambda: model.blocks[0].set_gradient_divide_factor(0)),
+        "nan": error_text(lambda: model.blocks[0].set_gradient_divide_factor(float("nan"))),
+        "hybrid": error_text(lambda: model.set_requires_all_reduce(False)),
+    }
+    model.set_requires_all_reduce(True)
+    x, y = models.batch("mlp", 0, 0, 0, rank)
+    models.loss_fn("mlp", model(x), y).backward()
+    return out

@@ -230,7 +230,9 @@ def reference(spec: dict[str, Any], world: int) -> dict[str, Any]:
                 for r in range(first + 1, first + group):
                     part = part + acc[r][n]
                 total = part if total is None else total + part
-            p.grad = (total / world).to(dtype)
+            # ``divide``: FSDP2's gradient divide factor, set on the blocks (the root keeps the mean).
+            factor = spec["divide"] if "divide" in spec and n.startswith("blocks.") else world
+            p.grad = (total / factor).to(dtype)
         if spec.get("clip"):
             kind = spec.get("clip_norm", 2.0)
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), spec["clip"], kind)))

@@ -227,3 +227,28 @@ def test_memory_stats_and_empty_cache_on_host_memory_are_empty_and_change_nothin
     parity.check(runs, models.reference(spec, 2))
     for r in runs:
         assert r["memory"] == [({}, 0, {}), ({}, 0, {})], r["memory"]
+
+
+@pytest.mark.parametrize("divide", [1.0, 3.0], ids=["sum", "by-3"])
+def test_gradient_divide_factor_on_the_blocks_trains_as_plain_pytorch_and_as_fsdp2(divide):
+    """``set_gradient_divide_factor`` (with ``set_force_sum_reduction_for_comms`` and
+    ``set_requires_all_reduce``) on each block, not the root: the blocks' gradients are the sum
+    over the ranks divided by the factor, the root's the mean; as plain PyTorch computes it,
+    and as torch's FSDP2 with the same calls (on the ``"collsched"`` process group)."""
+    spec = {"model": "gpt", "steps": 3, "bucket_mb": 0.002, "opt": "sgd", "divide": divide}
+    ref = models.reference(spec, 2)
+    ours = run(workers.train, 2, spec)
+    parity.check(ours, ref)
+    theirs = run(w.divided, 2, spec, init="collsched")
+    parity.check(theirs, ref)
+    # The factor changed the blocks' first update alone: the root's own gradients kept the mean.
+    mean = models.reference({k: v for k, v in spec.items() if k != "divide"}, 2)
+    differ = {n for n, v in mean["params"][0].items() if not torch.equal(v, ref["params"][0][n])}
+    assert differ == {n for n in differ if n.startswith("blocks.")} and len(differ) > 2, differ
+
+
+def test_gradient_divide_factor_refusals_name_the_value_and_the_strategy():
+    out = run(w.divide_refusals, 2)[0]
+    assert "finite factor > 0" in out["zero"], out
+    assert "finite factor > 0" in out["nan"], out
+    assert "no_sync()" in out["hybrid"], out

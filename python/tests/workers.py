@@ -31,7 +31,14 @@ def shard(model: torch.nn.Module, spec: dict[str, Any]) -> torch.nn.Module:
         # Tied once the blocks are sharded (a model's tie_weights() after wrapping): one shard
         # in two units, as the reference's parameter built tied (models.build's ``tied``).
         model.blocks[1].fc.weight = model.blocks[0].fc.weight
-    return cst.fully_shard(model, **opts)
+    root = cst.fully_shard(model, **opts)
+    if "divide" in spec:
+        # FSDP2's gradient reduction policy on the blocks alone: the root's own keep the mean.
+        for b in model.blocks:
+            b.set_gradient_divide_factor(spec["divide"])
+            b.set_force_sum_reduction_for_comms(True)
+            b.set_requires_all_reduce(True)
+    return root
 
 
 def on_thread(fn: Any) -> Any:

@@ -193,7 +193,8 @@ def build(st: _State) -> None:
             raise CollschedError(f"fully_shard: parameters of dtypes {sorted(own)}: give mp_policy.reduce_dtype")
         o["reduce_dtype"] = own.pop()
     st.engine_args = (policy, prefetch_bytes, max_inflight, None, o["reduce_dtype"])
-    st.train = st.model.engine(*st.engine_args)
+    st.divide = divides(st)
+    st.train = st.model.engine(*st.engine_args, divide=st.divide)
     st.eval = st.model.engine(*st.engine_args)
     for old in old_states.values():
         old.retire()
@@ -328,3 +329,21 @@ def set_reshard(unit: Any, want: bool | int) -> None:
     resharded_to_some = not isinstance(want, bool)
     unit.reshard = True if resharded_to_some else want
     unit.post = int(want) if resharded_to_some else 0
+
+
+def divides(st: Any) -> list[tuple[int, float]]:
+    """``(gather bucket, factor)`` for the buckets of the parameters each unit owns, where the
+    unit's module has a gradient divide factor (``set_gradient_divide_factor``): the training
+    engine reduces those gradients to their sum over the ranks divided by it."""
+    buckets_of: dict[str, list[int]] = {}
+    for bid, (names, _) in st.gather_buckets.items():
+        for n in names:
+            buckets_of.setdefault(n, []).append(bid)
+    out: dict[int, float] = {}
+    for u in st.units:
+        factor = u.module.__dict__.get("_collsched_divide")
+        if factor is not None:
+            for p in u.params:
+                if p.unit == u.index:
+                    out.update(dict.fromkeys(buckets_of.get(p.name, []), factor))
+    return sorted(out.items())

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,7 +18,7 @@ from torch import nn
 from .._native import CollschedError
 from . import optim_state, state_dict, values
 from . import post_forward as post_
-from .build import after_forward, set_reshard
+from .build import after_forward, divides, set_reshard
 from .shard import _State
 from .world import _FROM_TORCH, _TO_TORCH
 
@@ -176,6 +177,61 @@ class CollschedModule:
             u.reshard_bwd = reshard_after_backward
             # Kept where a root's fully_shard, re-planning the units, finds it.
             u.module.__dict__["_collsched_reshard_bwd"] = reshard_after_backward
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """FSDP2's method: this unit's own gradients are reduced to their sum over the ranks
+        divided by ``factor`` (by default the number of ranks: the mean; 1.0 gives the sum, for
+        a loss already normalized over the global batch). The unit's own parameters only, as
+        FSDP2's (call it on each ``fully_shard``-ed module). Between synchronized steps, on
+        every rank alike (the training engine is made anew, which exchanges the plan)."""
+        value = float(factor)
+        if not (math.isfinite(value) and value > 0):
+            raise CollschedError(f"set_gradient_divide_factor: {factor!r}; give a finite factor > 0")
+        state = _state_of(self)
+        units = _units_under(self, state, recurse=False)
+        before = [u.module.__dict__.get("_collsched_divide") for u in units]
+        for u in units:
+            u.module.__dict__["_collsched_divide"] = value
+        if state.model is None or divides(state) == state.divide:
+            return
+        try:
+            state.divide = divides(state)
+            state.retrace("set_gradient_divide_factor")
+        except BaseException:
+            for u, b in zip(units, before):
+                u.module.__dict__.pop("_collsched_divide", None)
+                if b is not None:
+                    u.module.__dict__["_collsched_divide"] = b
+            state.divide = divides(state)
+            raise
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """FSDP2's earlier name of :meth:`set_gradient_divide_factor`."""
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """FSDP2's method, taken for its signature: collsched's reductions always sum (in the
+        reduction dtype, ``f32`` accumulation on the host) and divide by the gradient divide
+        factor after the sum, which is what this asks of FSDP2's communicators."""
+        _state_of(self)
+        self.__dict__["_collsched_force_sum"] = bool(enable)
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """FSDP2's method for HSDP: whether a backward's gradients are all-reduced across the
+        replica groups. Without replica groups (every strategy but ``hybrid:G``) there is no
+        such all-reduce and ``True`` or ``False`` changes nothing. With ``hybrid:G`` below the
+        world size, ``False`` is refused: accumulate with ``no_sync()`` (or ``set_requires_gradient_sync(False)``),
+        which defers both the reduce-scatter and the all-reduce."""
+        state = _state_of(self)
+        del recurse  # the reductions are the whole model's
+        strategy = str(state.opts.get("strategy", ""))
+        group = int(strategy.split(":")[1]) if strategy.startswith("hybrid:") else None
+        if not requires_all_reduce and group is not None and group < state.world.world:
+            raise CollschedError(
+                "set_requires_all_reduce(False) with strategy "
+                f"{state.opts['strategy']!r}: collsched cannot defer the all-reduce across replica groups "
+                "alone; accumulate with no_sync() or set_requires_gradient_sync(False) instead"
+            )
 
     def refresh_trainable(self) -> bool:
         """Applies the parameters' ``requires_grad`` now (between steps); returns whether it

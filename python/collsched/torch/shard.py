@@ -78,6 +78,7 @@ class _State:
         self.accum: dict[int, torch.Tensor] = {}
         self.gather_buckets: dict[int, tuple[list[str], int]] = {}
         self.unit_buckets: list[list[int]] = []
+        self.divide: list[tuple[int, float]] = []
         self.fwd_rules: dict[int, list[int]] = {}
         self.bwd_rules: dict[int, list[int]] = {}
         # Mixed precision's and CPU offload's parameters: the module's shards (f32, or in host
@@ -164,7 +165,7 @@ class _State:
         """A new training engine (between synchronized steps): the units' fetch order changed."""
         if self.phase != "idle" or self.unsynced:
             raise CollschedError(f"{what}: call it between synchronized steps (after a backward without no_sync)")
-        self.train = self.model.engine(*self.engine_args)
+        self.train = self.model.engine(*self.engine_args, divide=self.divide)
         self.train.refresh_trainable(self.mask)
         if self.opts["prefetch"] == "explicit":
             self.apply_explicit()
