@@ -447,3 +447,38 @@ def divide_refusals(rank: int, world: int) -> dict[str, str]:
     x, y = models.batch("mlp", 0, 0, 0, rank)
     models.loss_fn("mlp", model(x), y).backward()
     return out
+
+
+def fsdp2_methods(rank: int, world: int) -> dict[str, Any]:
+    """FSDP2's other module methods and ``shard_placement_fn`` on a collsched-sharded model:
+    the accepted ones as calls that change nothing (the model then trains), the refused ones
+    as their error texts."""
+    from torch.distributed.tensor import Shard
+
+    import collsched.torch as cst
+
+    cst.init()
+    model = models.build("mlp", 0)
+    out = {
+        "placement": error_text(
+            lambda: cst.fully_shard(model.blocks[0], shard_placement_fn=lambda p: Shard(p.dim() - 1))
+        )
+    }
+    for b in model.blocks:
+        cst.fully_shard(b, shard_placement_fn=lambda p: Shard(0))
+    cst.fully_shard(model, shard_placement_fn=lambda p: None)
+    accepted = [
+        lambda: model.set_post_optim_event(None),
+        lambda: model.blocks[0].set_unshard_in_backward(False),
+        lambda: model.set_allocate_memory_from_process_group_for_comm(True),
+        lambda: model.set_symm_mem_for_comm(),
+    ]
+    out["accepted"] = [error_text(f) for f in accepted]
+    out["refused"] = [
+        error_text(lambda: model.set_custom_all_gather(object())),
+        error_text(lambda: model.set_custom_reduce_scatter(object())),
+        error_text(lambda: model.set_all_reduce_hook(lambda g: None)),
+    ]
+    x, y = models.batch("mlp", 0, 0, 0, rank)
+    models.loss_fn("mlp", model(x), y).backward()
+    return out

@@ -252,3 +252,18 @@ def test_gradient_divide_factor_refusals_name_the_value_and_the_strategy():
     assert "finite factor > 0" in out["zero"], out
     assert "finite factor > 0" in out["nan"], out
     assert "no_sync()" in out["hybrid"], out
+
+
+def test_fsdp2_s_other_methods_are_taken_or_refused_by_name():
+    """The module methods FSDP2 has for its own process-group calls: those whose effect
+    collsched has already (a post-optimizer event, no unsharding in backward, allocation
+    hints) are taken and change nothing; hooks into FSDP2's collectives are refused, saying
+    why; ``shard_placement_fn`` takes ``Shard(0)`` and ``None`` and refuses another
+    placement, naming the parameter."""
+    for r in run(w.fsdp2_methods, 2):
+        assert "shard_placement_fn gives weight the placement Shard(dim=1)" in r["placement"], r["placement"]
+        assert r["accepted"] == ["no error"] * 4, r["accepted"]
+        for text, name in zip(
+            r["refused"], ["set_custom_all_gather", "set_custom_reduce_scatter", "set_all_reduce_hook"]
+        ):
+            assert f"CollschedError: {name}: collsched.torch runs its own collectives" in text, text

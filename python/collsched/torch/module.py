@@ -233,6 +233,49 @@ class CollschedModule:
                 "alone; accumulate with no_sync() or set_requires_gradient_sync(False) instead"
             )
 
+    def set_post_optim_event(self, event: Any) -> None:
+        """FSDP2's method, taken for its signature: FSDP2 lets the next forward's all-gathers wait
+        on ``event`` instead of the whole current stream. collsched's gathers already start
+        behind torch's current stream at a pass's start, which holds the optimizer's step: the
+        order is the same, so the event is not needed."""
+        _state_of(self)
+        del event
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """FSDP2's method, taken for its signature: ``False`` tells FSDP2 that this unit's
+        parameters are not used in the backward, to skip their all-gather there. collsched
+        gathers a unit in the backward only when its backward starts or autograd asks for one
+        of its saved parameters, so an unused unit costs its one gather at most; the flag
+        changes nothing."""
+        _state_of(self)
+        self.__dict__["_collsched_unshard_in_backward"] = bool(unshard_in_backward)
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """FSDP2's method, taken for its signature: collsched's collective buffers come from its
+        own pool (``cst.memory_stats()``), never a process group's allocator."""
+        _state_of(self)
+        del enable
+
+    def set_symm_mem_for_comm(self) -> None:
+        """FSDP2's method, taken for its signature: collsched's collectives run on its own
+        backend and buffers; there is no process-group symmetric memory to switch to."""
+        _state_of(self)
+
+    def set_custom_all_gather(self, comm: Any) -> None:
+        """FSDP2's hook for its own all-gather; refused: collsched's gathers are its library's."""
+        raise CollschedError(_not_fsdp2_comms("set_custom_all_gather"))
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        """FSDP2's hook for its own reduce-scatter; refused: collsched's reductions are its
+        library's."""
+        raise CollschedError(_not_fsdp2_comms("set_custom_reduce_scatter"))
+
+    def set_all_reduce_hook(self, hook: Any, *, stream: Any = None) -> None:
+        """FSDP2's hook run on each reduced gradient; refused: the reduced gradients stay in the
+        library until the backward's end, where each shard's ``.grad`` gets them (work on them
+        there: after ``backward()``, before the optimizer's step)."""
+        raise CollschedError(_not_fsdp2_comms("set_all_reduce_hook"))
+
     def refresh_trainable(self) -> bool:
         """Applies the parameters' ``requires_grad`` now (between steps); returns whether it
         changed. Done at every step boundary unless ``auto_refresh_trainable=False``."""
@@ -357,6 +400,33 @@ def _reshard_flag(value: Any, what: str) -> bool | int | None:
     )
 
 
+def _check_placements(module: nn.Module, fn: Any, ignored: Any) -> None:
+    """FSDP2's ``shard_placement_fn``: ``None`` or ``Shard(0)`` for every parameter is what
+    collsched does (its state dicts give ``Shard(0)``); any other placement is refused, naming
+    the parameter."""
+    if fn is None:
+        return
+    skip = {id(p) for p in ignored or ()}
+    for name, p in module.named_parameters():
+        if id(p) in skip:
+            continue
+        got = fn(p)
+        if got is not None and getattr(got, "dim", None) != 0:
+            raise CollschedError(
+                f"fully_shard: shard_placement_fn gives {name} the placement {got!r}; collsched.torch shards every "
+                "parameter along its first dimension (Shard(0), its state dicts' placement): return None or "
+                "Shard(0), or leave the parameter out (ignored_params)"
+            )
+
+
+def _not_fsdp2_comms(method: str) -> str:
+    return (
+        f"{method}: collsched.torch runs its own collectives on its own buffers and streams (its library), "
+        "not FSDP2's process-group calls, so there is nothing for this hook to replace; remove the call, or use "
+        "torch's fully_shard for this module"
+    )
+
+
 def _units_under(module: Any, state: _State, recurse: bool) -> list[Any]:
     """The units of ``state`` that are ``module`` or (``recurse``) under it."""
     return [
@@ -389,6 +459,7 @@ def fully_shard(
     ignored_params: Any = None,
     mesh: Any = None,
     offload_policy: Any = None,
+    shard_placement_fn: Any = None,
 ) -> nn.Module:
     """Shards ``module`` in place (collective: every rank calls it with the same module
     structure) and returns it.
@@ -444,7 +515,9 @@ def fully_shard(
     ``parallelize_module`` on ``world_mesh["tp"]``) are sharded over ``world_mesh["dp"]`` by
     their local tensors, as FSDP2's 2-D sharding (``tp.py``);
     ``offload_policy`` (``None``: none) a :class:`CPUOffloadPolicy` (this package's or FSDP2's):
-    the module's shards and their gradients in host memory, the optimizer stepping there.
+    the module's shards and their gradients in host memory, the optimizer stepping there;
+    ``shard_placement_fn`` (``None``) FSDP2's per-parameter placement: ``None`` or ``Shard(0)``
+    for each parameter (what collsched does), any other placement refused by name.
     """
     if not isinstance(module, nn.Module):
         raise CollschedError(f"fully_shard: expected a torch.nn.Module, got {type(module).__name__}")
@@ -471,6 +544,7 @@ def fully_shard(
             raise CollschedError(f"fully_shard: reduce_dtype={reduce_dtype}; expected float32, bfloat16 or float16")
         reduce_dtype = _FROM_TORCH[reduce_dtype]
     module.__dict__["_collsched_ignored"] = _ignored(module, ignored_params)
+    _check_placements(module, shard_placement_fn, module.__dict__["_collsched_ignored"])
     module.__dict__["_collsched_reshard"] = _reshard_flag(reshard_after_forward, "fully_shard")
     module.__dict__["_collsched_mp"] = mp
     module.__dict__["_collsched_offload"] = opts_offload = values.offload_policy(offload_policy)
