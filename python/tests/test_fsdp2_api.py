@@ -267,3 +267,31 @@ def test_fsdp2_s_other_methods_are_taken_or_refused_by_name():
             r["refused"], ["set_custom_all_gather", "set_custom_reduce_scatter", "set_all_reduce_hook"]
         ):
             assert f"CollschedError: {name}: collsched.torch runs its own collectives" in text, text
+
+
+# FSDP2's module methods collsched.torch does not provide (README.md's table says so, and why).
+NOT_PROVIDED = {
+    "set_reduce_scatter_max_input_buffers",
+    "set_keep_unsharded_storage",
+    "set_reduce_scatter_unused_params",
+    "finalize_backward",
+    "set_manual_backward_finalization",
+    "reset_iter_state",
+    "set_separate_reduce_scatter_group",
+}
+
+
+def test_every_method_of_fsdp2_s_modules_is_provided_or_named_in_the_readme():
+    """Each public method of this torch's ``FSDPModule`` is a method of collsched's modules,
+    or one of ``NOT_PROVIDED``, each named in README.md's FSDP2 table."""
+    import pathlib
+
+    from torch.distributed.fsdp import FSDPModule
+
+    from collsched.torch import CollschedModule
+
+    theirs = {m for m in dir(FSDPModule) if not m.startswith("_")}
+    ours = {m for m in dir(CollschedModule) if not m.startswith("_")}
+    assert theirs - ours <= NOT_PROVIDED, sorted(theirs - ours - NOT_PROVIDED)
+    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert all(f"`{m}`" in readme for m in NOT_PROVIDED), [m for m in NOT_PROVIDED if f"`{m}`" not in readme]
