@@ -335,7 +335,9 @@ impl Model {
         // The scheduler checks the factors and the bucket ids, naming a bad one.
         config.reduce_per_bucket = divide
             .into_iter()
-            .map(|(b, f)| (BucketId(b), GradReduce { pre_divide: Some(1.0), post_divide: Some(f), dtype: None }))
+            .map(|(b, f)| {
+                (BucketId(b), GradReduce { pre_divide: Some(1.0), post_divide: Some(f), dtype: None })
+            })
             .collect();
         let coord = match &slf.borrow().state {
             St::Host(s) => Co::Host(s.coordinator(config).map_err(errors::runtime)?),
