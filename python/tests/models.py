@@ -231,7 +231,9 @@ def reference(spec: dict[str, Any], world: int) -> dict[str, Any]:
                     part = part + acc[r][n]
                 total = part if total is None else total + part
             # ``divide``: FSDP2's gradient divide factor, set on the blocks (the root keeps the mean).
-            factor = spec["divide"] if "divide" in spec and n.startswith("blocks.") else world
+            # ``divide_on="root"``: the root's own parameters instead.
+            on_blocks = spec.get("divide_on", "blocks") == "blocks"
+            factor = spec["divide"] if "divide" in spec and n.startswith("blocks.") == on_blocks else world
             p.grad = (total / factor).to(dtype)
         if spec.get("clip"):
             kind = spec.get("clip_norm", 2.0)

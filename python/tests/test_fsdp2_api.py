@@ -247,6 +247,20 @@ def test_gradient_divide_factor_on_the_blocks_trains_as_plain_pytorch_and_as_fsd
     assert differ == {n for n in differ if n.startswith("blocks.")} and len(differ) > 2, differ
 
 
+@pytest.mark.parametrize(
+    "extra",
+    [{"divide_on": "root"}, {"divide_early": True}, {"strategy": "hybrid:2", "divide_early": True}],
+    ids=["root-alone", "blocks-before-the-root", "hybrid-blocks"],
+)
+def test_gradient_divide_factor_per_unit_and_set_before_the_root_trains_as_plain_pytorch(extra):
+    """The factor on the root alone leaves the blocks' mean (it is not recursive); set on the
+    blocks before the root's ``fully_shard``, the root's plan keeps it; under ``hybrid:2`` at 4
+    ranks it divides the two stages' sum once."""
+    world = 4 if "strategy" in extra else 2
+    spec = {"model": "gpt", "steps": 2, "bucket_mb": 0.002, "opt": "sgd", "divide": 1.5, **extra}
+    parity.check(run(workers.train, world, spec), models.reference(spec, world))
+
+
 def test_gradient_divide_factor_refusals_name_the_value_and_the_strategy():
     out = run(w.divide_refusals, 2)[0]
     assert "finite factor > 0" in out["zero"], out
@@ -284,6 +298,7 @@ NOT_PROVIDED = {
 def test_every_method_of_fsdp2_s_modules_is_provided_or_named_in_the_readme():
     """Each public method of this torch's ``FSDPModule`` is a method of collsched's modules,
     or one of ``NOT_PROVIDED``, each named in README.md's FSDP2 table."""
+    import inspect
     import pathlib
 
     from torch.distributed.fsdp import FSDPModule
@@ -293,5 +308,11 @@ def test_every_method_of_fsdp2_s_modules_is_provided_or_named_in_the_readme():
     theirs = {m for m in dir(FSDPModule) if not m.startswith("_")}
     ours = {m for m in dir(CollschedModule) if not m.startswith("_")}
     assert theirs - ours <= NOT_PROVIDED, sorted(theirs - ours - NOT_PROVIDED)
+    assert NOT_PROVIDED <= theirs, sorted(NOT_PROVIDED - theirs)
+    # A call written for FSDP2 binds to ours: every parameter of theirs is one of ours.
+    for m in sorted(theirs & ours):
+        want = [p for p in inspect.signature(getattr(FSDPModule, m)).parameters if p != "self"]
+        got = inspect.signature(getattr(CollschedModule, m)).parameters
+        assert all(p in got for p in want), f"{m}: FSDP2's parameters {want}, ours {list(got)}"
     readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
     assert all(f"`{m}`" in readme for m in NOT_PROVIDED), [m for m in NOT_PROVIDED if f"`{m}`" not in readme]

@@ -31,13 +31,19 @@ def shard(model: torch.nn.Module, spec: dict[str, Any]) -> torch.nn.Module:
         # Tied once the blocks are sharded (a model's tie_weights() after wrapping): one shard
         # in two units, as the reference's parameter built tied (models.build's ``tied``).
         model.blocks[1].fc.weight = model.blocks[0].fc.weight
+    # FSDP2's gradient reduction policy (``divide``) on the blocks alone, the root's own keeping
+    # the mean, set after the root's fully_shard or (``divide_early``) before it; or on the root
+    # alone (``divide_on="root"``).
+    on_blocks = "divide" in spec and spec.get("divide_on", "blocks") == "blocks"
+    for b in model.blocks if on_blocks and spec.get("divide_early") else []:
+        b.set_gradient_divide_factor(spec["divide"])
     root = cst.fully_shard(model, **opts)
-    if "divide" in spec:
-        # FSDP2's gradient reduction policy on the blocks alone: the root's own keep the mean.
-        for b in model.blocks:
-            b.set_gradient_divide_factor(spec["divide"])
-            b.set_force_sum_reduction_for_comms(True)
-            b.set_requires_all_reduce(True)
+    for b in model.blocks if on_blocks else []:
+        b.set_gradient_divide_factor(spec["divide"])
+        b.set_force_sum_reduction_for_comms(True)
+        b.set_requires_all_reduce(True)
+    if "divide" in spec and not on_blocks:
+        root.set_gradient_divide_factor(spec["divide"])
     return root
 
 

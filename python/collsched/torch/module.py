@@ -234,12 +234,15 @@ class CollschedModule:
             )
 
     def set_post_optim_event(self, event: Any) -> None:
-        """FSDP2's method, taken for its signature: FSDP2 lets the next forward's all-gathers wait
-        on ``event`` instead of the whole current stream. collsched's gathers already start
-        behind torch's current stream at a pass's start, which holds the optimizer's step: the
-        order is the same, so the event is not needed."""
+        """FSDP2's method: the next forward's gathers start after ``event`` (recorded after an
+        optimizer step on another stream). On ``cuda`` the library's compute stream (torch's
+        current stream at ``init``, which its gathers follow) waits for it; on host memory the
+        optimizer's step is over when it returns, and nothing waits."""
         _state_of(self)
-        del event
+        from . import world as world_
+
+        if event is not None and world_._STREAM is not None:
+            world_._STREAM.wait_event(event)
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """FSDP2's method, taken for its signature: ``False`` tells FSDP2 that this unit's
@@ -256,10 +259,11 @@ class CollschedModule:
         _state_of(self)
         del enable
 
-    def set_symm_mem_for_comm(self) -> None:
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
         """FSDP2's method, taken for its signature: collsched's collectives run on its own
         backend and buffers; there is no process-group symmetric memory to switch to."""
         _state_of(self)
+        del backend
 
     def set_custom_all_gather(self, comm: Any) -> None:
         """FSDP2's hook for its own all-gather; refused: collsched's gathers are its library's."""
@@ -406,12 +410,15 @@ def _check_placements(module: nn.Module, fn: Any, ignored: Any) -> None:
     the parameter."""
     if fn is None:
         return
+    from torch.distributed.tensor import Shard
+
     skip = {id(p) for p in ignored or ()}
     for name, p in module.named_parameters():
-        if id(p) in skip:
+        # Ignored ones, and the shards of units sharded already (FSDP2 asks for neither).
+        if id(p) in skip or hasattr(p, "_collsched_param"):
             continue
         got = fn(p)
-        if got is not None and getattr(got, "dim", None) != 0:
+        if got is not None and not (type(got) is Shard and got.dim == 0):
             raise CollschedError(
                 f"fully_shard: shard_placement_fn gives {name} the placement {got!r}; collsched.torch shards every "
                 "parameter along its first dimension (Shard(0), its state dicts' placement): return None or "
@@ -543,8 +550,9 @@ def fully_shard(
         if reduce_dtype not in _FROM_TORCH:
             raise CollschedError(f"fully_shard: reduce_dtype={reduce_dtype}; expected float32, bfloat16 or float16")
         reduce_dtype = _FROM_TORCH[reduce_dtype]
-    module.__dict__["_collsched_ignored"] = _ignored(module, ignored_params)
-    _check_placements(module, shard_placement_fn, module.__dict__["_collsched_ignored"])
+    ignored = _ignored(module, ignored_params)
+    _check_placements(module, shard_placement_fn, ignored)
+    module.__dict__["_collsched_ignored"] = ignored
     module.__dict__["_collsched_reshard"] = _reshard_flag(reshard_after_forward, "fully_shard")
     module.__dict__["_collsched_mp"] = mp
     module.__dict__["_collsched_offload"] = opts_offload = values.offload_policy(offload_policy)

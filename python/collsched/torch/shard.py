@@ -163,10 +163,11 @@ class _State:
 
     def retrace(self, what: str) -> None:
         """A new training engine (between synchronized steps): the units' fetch order changed."""
-        if self.phase != "idle" or self.unsynced:
+        if self.phase != "idle" or self.unsynced or self.engine is not None:
             raise CollschedError(f"{what}: call it between synchronized steps (after a backward without no_sync)")
-        self.train = self.model.engine(*self.engine_args, divide=self.divide)
-        self.train.refresh_trainable(self.mask)
+        train = self.model.engine(*self.engine_args, divide=self.divide)
+        train.refresh_trainable(self.mask)
+        self.train = train
         if self.opts["prefetch"] == "explicit":
             self.apply_explicit()
 
