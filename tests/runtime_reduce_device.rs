@@ -168,14 +168,7 @@ fn sharded_on_device(case: &Case, batched: bool) -> Vec<Seen> {
     let results = world(case.world)
         .run(|rank| device_rank(case, &plan, &refs, OnDevice(rank), &read, batched))
         .expect("ranks");
-    results
-        .into_iter()
-        .enumerate()
-        .map(|(r, x)| {
-            x.unwrap_or_else(|_| panic!("{case:?}: rank {r} panicked"))
-                .unwrap_or_else(|e| panic!("{case:?}: rank {r} on a device backend: {e}"))
-        })
-        .collect()
+    each_rank(case, results, " on a device backend")
 }
 
 #[test]
@@ -227,17 +220,11 @@ fn gradients_given_on_gpus_match_the_reference_and_stay_there() {
                 be.read_to_host(&view, 0, &mut host).expect("gradient region to the host");
                 host
             };
-            let ranks: Vec<Seen> = CudaWorld::new(world)
+            let results = CudaWorld::new(world)
                 .expect("CUDA world")
                 .run(|be| device_rank(&case, &plan, &refs, be, &read, batched))
-                .expect("ranks")
-                .into_iter()
-                .enumerate()
-                .map(|(r, x)| {
-                    x.unwrap_or_else(|_| panic!("{case:?}: rank {r} panicked"))
-                        .unwrap_or_else(|e| panic!("{case:?} (batched: {batched}): rank {r} on a GPU: {e}"))
-                })
-                .collect();
+                .expect("ranks");
+            let ranks = each_rank(&case, results, &format!(" on a GPU (batched: {batched})"));
             check_runs(&case, &ranks);
         }
     }

@@ -311,6 +311,19 @@ def train(
     }
 
 
+def one_step(
+    args: argparse.Namespace, model: nn.Module, opt: torch.optim.Optimizer, x: Any, y: Any, autocast: bool
+) -> None:
+    """One untimed training step on ``x``, ``y`` (forward, loss, backward, optimizer), waited for."""
+    with torch.autocast(device(args).type, dtype=torch.bfloat16, enabled=autocast):
+        out = model(x)
+    loss = nn.functional.cross_entropy(out.reshape(-1, args.vocab), y.reshape(-1))
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    sync(args)
+
+
 def profile_steps(
     args: argparse.Namespace, model: nn.Module, opt: torch.optim.Optimizer, rank: int, autocast: bool
 ) -> None:
@@ -327,13 +340,7 @@ def profile_steps(
         sync(args)
         dist.barrier()
         prof.enable()
-        with torch.autocast(device(args).type, dtype=torch.bfloat16, enabled=autocast):
-            out = model(x)
-        loss = nn.functional.cross_entropy(out.reshape(-1, args.vocab), y.reshape(-1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        sync(args)
+        one_step(args, model, opt, x, y, autocast)
         prof.disable()
     if rank == 0:
         text = io.StringIO()
@@ -355,13 +362,7 @@ def trace_step(
     x, y = batch(args, args.warmup + args.steps, rank)
     sync(args)
     with profile(activities=activities) as prof:
-        with torch.autocast(device(args).type, dtype=torch.bfloat16, enabled=autocast):
-            out = model(x)
-        loss = nn.functional.cross_entropy(out.reshape(-1, args.vocab), y.reshape(-1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        sync(args)
+        one_step(args, model, opt, x, y, autocast)
     os.makedirs(args.trace, exist_ok=True)
     path = os.path.join(args.trace, f"{args.impl}-rank{rank}.json")
     prof.export_chrome_trace(path)

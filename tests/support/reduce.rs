@@ -294,12 +294,22 @@ pub fn sharded(case: &Case) -> Vec<Seen> {
             Ok((steps, fin))
         })
         .expect("ranks");
+    each_rank(case, results, "")
+}
+
+/// Every rank's run of `case`, by rank; a rank that panicked or failed fails the test, naming
+/// the case, the rank and `on` (where it ran, e.g. " on a device backend").
+pub fn each_rank(
+    case: &Case,
+    results: Vec<std::thread::Result<Result<Seen, RuntimeError>>>,
+    on: &str,
+) -> Vec<Seen> {
     results
         .into_iter()
         .enumerate()
         .map(|(r, x)| {
             x.unwrap_or_else(|_| panic!("{case:?}: rank {r} panicked"))
-                .unwrap_or_else(|e| panic!("{case:?}: rank {r}: {e}"))
+                .unwrap_or_else(|e| panic!("{case:?}: rank {r}{on}: {e}"))
         })
         .collect()
 }
