@@ -472,6 +472,10 @@ def fsdp2_methods(rank: int, world: int) -> dict[str, Any]:
         lambda: model.blocks[0].set_unshard_in_backward(False),
         lambda: model.set_allocate_memory_from_process_group_for_comm(True),
         lambda: model.set_symm_mem_for_comm(),
+        lambda: model.set_reduce_scatter_unused_params(True),
+        lambda: model.set_reduce_scatter_max_input_buffers(2),
+        lambda: model.set_keep_unsharded_storage(False),
+        lambda: model.set_separate_reduce_scatter_group(),
     ]
     out["accepted"] = [error_text(f) for f in accepted]
     out["refused"] = [
@@ -479,6 +483,110 @@ def fsdp2_methods(rank: int, world: int) -> dict[str, Any]:
         error_text(lambda: model.set_custom_reduce_scatter(object())),
         error_text(lambda: model.set_all_reduce_hook(lambda g: None)),
     ]
+    out["other"] = {
+        "keep": error_text(lambda: model.set_keep_unsharded_storage(True)),
+        "buffers_0": error_text(lambda: model.set_reduce_scatter_max_input_buffers(0)),
+        "buffers_bool": error_text(lambda: model.set_reduce_scatter_max_input_buffers(True)),
+        "dp_mesh_dims": error_text(lambda: cst.fully_shard(models.build("mlp", 1), dp_mesh_dims=("dp",))),
+        "list": error_text(lambda: cst.fully_shard(list(models.build("mlp", 1).blocks))),
+        "not_manual": error_text(model.finalize_backward),
+        "manual_on_block": error_text(lambda: model.blocks[0].set_manual_backward_finalization(True)),
+        # init() again: the same backend or none is the world joined; another is refused.
+        "init_again": [error_text(cst.init), error_text(lambda: cst.init("shm"))],
+        "init_other": error_text(lambda: cst.init("emulated")),
+    }
+    model.set_manual_backward_finalization(True)
+    out["other"]["before_forward"] = error_text(model.finalize_backward)
+    out["other"]["finalize_on_block"] = error_text(model.blocks[0].finalize_backward)
     x, y = models.batch("mlp", 0, 0, 0, rank)
-    models.loss_fn("mlp", model(x), y).backward()
+    loss = models.loss_fn("mlp", model(x), y)
+    out["other"]["before_backward"] = error_text(model.finalize_backward)
+    loss.backward()
+    out["other"]["after_backward"] = error_text(model.finalize_backward)
+    out["grads"] = all(p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in model.parameters())
+    return out
+
+
+def finalized(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """Gradient accumulation as torch.distributed.pipelining drives FSDP2: manual finalization,
+    each micro-batch's backward under ``set_requires_gradient_sync(False)`` and
+    ``set_reshard_after_backward(False)`` (``spec["last_synced"]``: but the last one's), then
+    both True and ``finalize_backward(async_op=True).wait()`` before the optimizer's step;
+    collsched's model (sharded as ``workers.shard`` does: ``backend``, ``strategy``, ``mp``), or
+    torch's FSDP2 (``spec["fsdp2"]``) on the job's process group. Every step's losses and the
+    full parameters after it."""
+    import collsched.torch as cst
+
+    import workers
+
+    name = spec["model"]
+    model = models.build(name, spec.get("seed", 0))
+    if spec.get("fsdp2"):
+        from torch.distributed.fsdp import fully_shard
+
+        for b in model.blocks:
+            fully_shard(b)
+        fully_shard(model)
+    else:
+        model = workers.shard(model, spec)
+    model.set_manual_backward_finalization(True)
+    opt = models.optimizer(spec.get("opt", "adamw"), model.parameters())
+    out: dict[str, Any] = {"losses": [], "params": []}
+    micro_n = spec["micro"]
+    for step in range(spec["steps"]):
+        row = []
+        for micro in range(micro_n):
+            synced = bool(spec.get("last_synced")) and micro + 1 == micro_n
+            model.set_requires_gradient_sync(synced)
+            model.set_reshard_after_backward(synced)
+            x, y = models.batch(name, spec.get("seed", 0), step, micro, rank)
+            loss = models.loss_fn(name, model(x), y)
+            loss.backward()
+            row.append(loss.item())
+        model.set_requires_gradient_sync(True)
+        model.set_reshard_after_backward(True)
+        model.finalize_backward(async_op=True).wait()
+        opt.step()
+        opt.zero_grad()
+        out["losses"].append(row)
+        full = (
+            {n: p.full_tensor().detach() for n, p in model.named_parameters()}
+            if spec.get("fsdp2")
+            else cst.full_parameters(model)
+        )
+        out["params"].append(workers.snapshot(full))
+    return out
+
+
+def reset_after(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """A micro-batch accumulated under ``no_sync``, then a training pass that raises
+    (``spec["where"]``: in block 1's forward, or in the backward once the blocks after block 0
+    are done), then ``reset_iter_state()`` on the root: the steps after must train as if
+    neither had happened. Returns the error the pass raised, the refusal on a block, and
+    every step's losses and parameters."""
+    import collsched.torch as cst
+
+    name = spec["model"]
+    cst.init()
+    model = shard(models.build(name, spec.get("seed", 0)), "even", spec["bucket_mb"])
+    opt = models.optimizer(spec.get("opt", "adamw"), model.parameters())
+    x, y = models.batch(name, 77, 0, 0, rank)
+    with model.no_sync():
+        models.loss_fn(name, model(x), y).backward()
+
+    def boom(*_: Any) -> None:
+        raise RuntimeError("injected failure")
+
+    def boom_in_backward(_m: Any, _a: Any, o: torch.Tensor) -> None:
+        o.register_hook(boom)
+
+    if spec["where"] == "forward":
+        hook = model.blocks[1].register_forward_pre_hook(boom)
+    else:
+        hook = model.blocks[0].register_forward_hook(boom_in_backward)
+    out: dict[str, Any] = {"raised": error_text(lambda: models.loss_fn(name, model(x), y).backward())}
+    hook.remove()
+    out["on_block"] = error_text(model.blocks[0].reset_iter_state)
+    model.reset_iter_state()
+    out["losses"], out["params"] = train_steps(model, opt, range(spec["steps"]), rank)
     return out

@@ -276,23 +276,67 @@ def test_fsdp2_s_other_methods_are_taken_or_refused_by_name():
     placement, naming the parameter."""
     for r in run(w.fsdp2_methods, 2):
         assert "shard_placement_fn gives weight the placement Shard(dim=1)" in r["placement"], r["placement"]
-        assert r["accepted"] == ["no error"] * 4, r["accepted"]
+        assert r["accepted"] == ["no error"] * 8, r["accepted"]
         for text, name in zip(
             r["refused"], ["set_custom_all_gather", "set_custom_reduce_scatter", "set_all_reduce_hook"]
         ):
             assert f"CollschedError: {name}: collsched.torch runs its own collectives" in text, text
+        o = r["other"]
+        assert "set_keep_unsharded_storage(True)" in o["keep"] and "leave it False" in o["keep"], o
+        assert "set_reduce_scatter_max_input_buffers: 0; give an int >= 1" in o["buffers_0"], o
+        assert "set_reduce_scatter_max_input_buffers: True; give an int >= 1" in o["buffers_bool"], o
+        assert "dp_mesh_dims=('dp',)" in o["dp_mesh_dims"] and "mesh=world_mesh['dp']" in o["dp_mesh_dims"], o
+        assert "a list of 3 modules as one unit" in o["list"], o
+        assert "requires manual backward finalization" in o["not_manual"], o
+        assert "must be called on the root module" in o["manual_on_block"], o
+        assert o["init_again"] == ["no error"] * 2, o
+        assert "init(backend='emulated'): this process joined its job on 'shm' already" in o["init_other"], o
+        assert "must be called on the root module" in o["finalize_on_block"], o
+        assert o["before_forward"] == "no error" and o["after_backward"] == "no error", o
+        assert "between a forward and its backward" in o["before_backward"], o
+        assert r["grads"] is True, "the backward after a refused finalization delivered no gradients"
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {"last_synced": True},
+        {"strategy": "flat", "opt": "sgd"},
+        {"backend": "emulated"},
+        {"backend": "emulated", "opt": "sgd", "mp": {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}},
+    ],
+    ids=["all-unsynced", "last-synced", "flat-sgd", "device", "device-bf16-f32"],
+)
+def test_manual_finalization_as_pipelining_drives_it_trains_as_plain_pytorch_and_as_fsdp2(extra):
+    """``set_manual_backward_finalization(True)``, micro-batches under
+    ``set_requires_gradient_sync(False)``, then ``finalize_backward(async_op=True).wait()`` with
+    synchronization on (torch.distributed.pipelining's calls on an FSDP2 stage): the
+    accumulated gradients reduced once, the same steps as plain PyTorch and as torch's FSDP2
+    making the same calls. On a device backend the gradients accumulate outside the library
+    (in ``.grad``, or in ``reduce_dtype`` under mixed precision) until the finalization."""
+    spec = {"model": "gpt", "steps": 2, "micro": 3, "bucket_mb": 0.002, **extra}
+    ref = models.reference(spec, 2)
+    parity.check(run(w.finalized, 2, spec), ref)
+    if not {"strategy", "backend"} & set(extra):
+        parity.check(run(w.finalized, 2, {**spec, "fsdp2": True}, init="collsched"), ref)
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_reset_iter_state_after_an_exception_drops_the_failed_pass_and_the_accumulation(where):
+    """A ``no_sync`` micro-batch, then a pass that raises in a block's forward or midway
+    through the backward, then ``reset_iter_state()``: the following steps are plain PyTorch's
+    from the same start (nothing of the dropped micro-batch or the failed pass reaches them)."""
+    spec = {"model": "gpt", "steps": 2, "bucket_mb": 0.002, "where": where}
+    runs = run(w.reset_after, 2, spec, init="collsched")
+    for r in runs:
+        assert "RuntimeError: injected failure" in r["raised"], r["raised"]
+        assert "reset_iter_state must be called on the root module" in r["on_block"], r["on_block"]
+    parity.check(runs, models.reference({k: v for k, v in spec.items() if k != "where"}, 2))
 
 
 # FSDP2's module methods collsched.torch does not provide (README.md's table says so, and why).
-NOT_PROVIDED = {
-    "set_reduce_scatter_max_input_buffers",
-    "set_keep_unsharded_storage",
-    "set_reduce_scatter_unused_params",
-    "finalize_backward",
-    "set_manual_backward_finalization",
-    "reset_iter_state",
-    "set_separate_reduce_scatter_group",
-}
+NOT_PROVIDED: set[str] = set()
 
 
 def test_every_method_of_fsdp2_s_modules_is_provided_or_named_in_the_readme():
@@ -314,5 +358,13 @@ def test_every_method_of_fsdp2_s_modules_is_provided_or_named_in_the_readme():
         want = [p for p in inspect.signature(getattr(FSDPModule, m)).parameters if p != "self"]
         got = inspect.signature(getattr(CollschedModule, m)).parameters
         assert all(p in got for p in want), f"{m}: FSDP2's parameters {want}, ours {list(got)}"
+    # And fully_shard's: a keyword FSDP2 takes is one of ours (taken, or refused by name).
+    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+
+    import collsched.torch as cst
+
+    want = list(inspect.signature(fsdp2_fully_shard).parameters)
+    got = inspect.signature(cst.fully_shard).parameters
+    assert all(p in got for p in want), f"fully_shard: FSDP2's parameters {want}, ours {list(got)}"
     readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
     assert all(f"`{m}`" in readme for m in NOT_PROVIDED), [m for m in NOT_PROVIDED if f"`{m}`" not in readme]

@@ -81,6 +81,7 @@ importing this package registers, is :mod:`collsched.torch.distributed`. The fil
 ``state_dict.py`` (``state_dict()`` as DTensors, ``load_state_dict``), ``optim_state.py``
 (an optimizer's state dict likewise), ``tp.py`` (tensor-parallel DTensor parameters, sharded
 over the data-parallel dimension of a 2-D mesh),
+``finalize.py`` (manual backward finalization, ``reset_iter_state``),
 ``checkpoint.py`` (checkpoints), ``clip.py`` (gradient clipping), ``spans.py`` (the compute
 track, the simulator's workload), ``distributed.py`` (the process group backend).
 """
@@ -91,6 +92,7 @@ from .._native import CollschedError
 from . import clip, distributed
 from .checkpoint import full_state_dict, load_checkpoint, save_checkpoint, save_full
 from .clip import clip_grad_norm_
+from .finalize import GradientReductionHandle
 from .module import (
     CollschedModule,
     UnshardHandle,
@@ -109,6 +111,7 @@ __all__ = [
     "CPUOffloadPolicy",
     "CollschedError",
     "CollschedModule",
+    "GradientReductionHandle",
     "MixedPrecisionPolicy",
     "UnshardHandle",
     "clip_grad_norm_",

@@ -16,9 +16,11 @@ import torch
 from torch import nn
 
 from .._native import CollschedError
+from . import finalize as finalize_
 from . import optim_state, state_dict, values
 from . import post_forward as post_
 from .build import after_forward, divides, set_reshard
+from .finalize import GradientReductionHandle
 from .shard import _State
 from .world import _FROM_TORCH, _TO_TORCH
 
@@ -280,6 +282,71 @@ class CollschedModule:
         there: after ``backward()``, before the optimizer's step)."""
         raise CollschedError(_not_fsdp2_comms("set_all_reduce_hook"))
 
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        """FSDP2's method, on the root: with ``True``, :meth:`finalize_backward` ends each
+        logical backward (a pipeline schedule's micro-batches under
+        ``set_requires_gradient_sync(False)``, then synchronization on and one finalization). Set
+        it outside a backward. A synchronized backward still delivers its gradients itself."""
+        finalize_.set_manual(_state_of(self), self, enabled)
+
+    def finalize_backward(self, *, async_op: bool = False) -> GradientReductionHandle | None:
+        """FSDP2's method, on the root, after the backward passes of one logical backward: with
+        gradient synchronization on, reduces what the passes under ``no_sync`` accumulated
+        (collective: every rank calls it) and releases the units ``set_reshard_after_backward(False)``
+        held; with it off the gradients stay accumulated. Needs
+        ``set_manual_backward_finalization(True)``; refused inside a pass. ``async_op=True``
+        returns a :class:`GradientReductionHandle` whose ``wait()`` returns at once (the
+        reductions ran in the call)."""
+        return finalize_.finalize(_state_of(self), self, async_op)
+
+    def reset_iter_state(self) -> None:
+        """FSDP2's method, on the root, after a forward or backward raised: releases every unit,
+        ends the step left open, and drops its gradients and what ``no_sync`` micro-batches had
+        accumulated (restart that accumulation); earlier steps' ``.grad`` stay. Every rank calls
+        it (it may reduce). Without it the next forward recovers the same way, but keeps what
+        ``no_sync`` had accumulated."""
+        finalize_.reset(_state_of(self), self)
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        """FSDP2's method, taken for its signature: collsched reduces every gradient bucket whole,
+        a parameter a rank's backward did not reach counted as zeros there (FSDP2's ``True``), so
+        ranks that use different parameters never disagree on their collectives; after a
+        synchronized backward every trainable parameter has a ``.grad``."""
+        _state_of(self)
+        del reduce_scatter_unused_params, recurse
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+        """FSDP2's method (how many reduce-scatter input buffers may be in flight before the
+        compute stream waits to reuse one), checked as FSDP2 checks it and taken: each of
+        collsched's reductions has a buffer of its own from the library's pool, freed behind
+        that reduction, so the compute stream never waits to reuse one (any cap is met)."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int) or max_input_buffers < 1:
+            raise CollschedError(f"set_reduce_scatter_max_input_buffers: {max_input_buffers!r}; give an int >= 1")
+        _state_of(self)
+        del recurse
+
+    def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
+        """FSDP2's method: ``False`` (the default: a released unit's gathered memory goes back)
+        is taken; ``True`` (the gathered storage kept at its address across a release and the
+        next gather, for CUDA graph capture) is refused: a unit's gathered buckets come from the
+        library's pool at each gather, usually at the same address but not always."""
+        _state_of(self)
+        del recurse
+        if keep:
+            raise CollschedError(
+                "set_keep_unsharded_storage(True): collsched.torch gathers each unit into buffers of its pool at "
+                "each fetch, not into storage kept at fixed addresses, so a CUDA graph captured over a step would "
+                "read stale addresses; leave it False (or reshard_after_forward=False to keep a unit fetched into "
+                "its backward)"
+            )
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
+        """FSDP2's method, taken for its signature: collsched's reductions already run apart
+        from its gathers (their own stream and, on ``cuda``, their own NCCL communicator), so
+        they overlap whether ``enable`` is True or False."""
+        _state_of(self)
+        del enable, recurse
+
     def refresh_trainable(self) -> bool:
         """Applies the parameters' ``requires_grad`` now (between steps); returns whether it
         changed. Done at every step boundary unless ``auto_refresh_trainable=False``."""
@@ -467,6 +534,7 @@ def fully_shard(
     mesh: Any = None,
     offload_policy: Any = None,
     shard_placement_fn: Any = None,
+    dp_mesh_dims: Any = None,
 ) -> nn.Module:
     """Shards ``module`` in place (collective: every rank calls it with the same module
     structure) and returns it.
@@ -524,10 +592,24 @@ def fully_shard(
     ``offload_policy`` (``None``: none) a :class:`CPUOffloadPolicy` (this package's or FSDP2's):
     the module's shards and their gradients in host memory, the optimizer stepping there;
     ``shard_placement_fn`` (``None``) FSDP2's per-parameter placement: ``None`` or ``Shard(0)``
-    for each parameter (what collsched does), any other placement refused by name.
+    for each parameter (what collsched does), any other placement refused by name;
+    ``dp_mesh_dims`` (FSDP2's data-parallel dimensions of a whole SPMD mesh whose DTensor
+    parameters span it) is refused: make the model tensor-parallel on ``world_mesh["tp"]`` and
+    pass ``mesh=world_mesh["dp"]``, as above.
     """
+    if isinstance(module, (list, tuple)):
+        raise CollschedError(
+            f"fully_shard: a list of {len(module)} modules as one unit (FSDP2's grouping) is not supported; "
+            "shard each module on its own, or put them under one module and shard that"
+        )
     if not isinstance(module, nn.Module):
         raise CollschedError(f"fully_shard: expected a torch.nn.Module, got {type(module).__name__}")
+    if dp_mesh_dims is not None:
+        raise CollschedError(
+            f"fully_shard: dp_mesh_dims={dp_mesh_dims!r} (DTensor parameters over the whole SPMD mesh) is not "
+            "supported; make the model tensor-parallel on world_mesh['tp'] (parallelize_module) and shard it "
+            "with fully_shard(module, mesh=world_mesh['dp'])"
+        )
     if module.__dict__.get("_collsched_state") is not None:
         # Already sharded (a unit or a root): a second trainer's wrapping reuses it.
         return module

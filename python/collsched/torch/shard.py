@@ -95,6 +95,8 @@ class _State:
         self.emptying = False
         # ``set_is_last_backward``'s flag (every backward ends its reductions here).
         self.last_backward = True
+        # ``set_manual_backward_finalization``'s flag (finalize.py).
+        self.manual = False
         # One per unit forward running (pre-hook to hook), innermost last.
         self.frames: list[_Frame] = []
         # The post-forward layouts of units resharded to some of the ranks, by size (post_forward.py).
@@ -668,7 +670,8 @@ class _State:
                 continue
             full = p.full
             g = full.grad
-            if g is None:
+            if g is None and not (on_device and self.sync and p.pid in self.accum):
+                # (A finalization hands what no_sync accumulated without a gradient of its own.)
                 done = False
                 continue
             want = self.reduce_dtype(p) if on_device else p.dtype
@@ -687,7 +690,7 @@ class _State:
                     summand = g.to(want, memory_format=torch.contiguous_format)
                     self.accum[p.pid] = summand if acc is None else acc.add_(summand)
                 continue
-            if p.tp is not None:
+            if p.tp is not None and g is not None:
                 g = tp_.local_grad(g, p.tp, p.name)
             full.grad = None
             # Host gradients go over in the parameter's dtype (the library casts); device ones
@@ -695,7 +698,7 @@ class _State:
             # multi-tensor copy below), with what no_sync micro-batches accumulated.
             acc = self.accum.pop(p.pid, None) if on_device else None
             if acc is not None:
-                g = acc.add_(g)
+                g = acc if g is None else acc.add_(g)
             elif g.dtype != want or not g.is_contiguous():
                 cast.append((len(batch), want, None))
             batch.append((p.pid, g))

@@ -16,6 +16,8 @@ from .. import _native
 from .._native import CollschedError
 
 _WORLD: Any = None
+# The backend ``_WORLD`` was made on ("shm", "mpi", "cuda" or "emulated").
+_BACKEND: str | None = None
 # The job key the ranks agreed on through torch.distributed's store (group_world's base).
 _JOB: str | None = None
 # The CUDA stream a cuda world computes on (torch's current stream at init), kept alive.
@@ -27,8 +29,11 @@ _FROM_TORCH = {v: k for k, v in _TO_TORCH.items()}
 _DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2}
 
 
-def init(backend: str = "shm", *, hybrid_group_size: Any = None) -> Any:
-    """Joins this process's job as its rank (collective: every rank calls it). Idempotent.
+def init(backend: str | None = None, *, hybrid_group_size: Any = None) -> Any:
+    """Joins this process's job as its rank (collective: every rank calls it). Idempotent:
+    once joined, it returns that world; a ``backend`` named that differs from the one joined
+    (an earlier ``init``, or a ``"collsched"`` process group, which joins on ``"shm"``) is
+    refused. ``None`` (the default): the world joined already, else ``"shm"``.
 
     When ``torch.distributed`` is initialized, rank and world come from it and the ranks agree
     on a job key through its store (no second rendezvous, no port); otherwise from the
@@ -50,15 +55,24 @@ def init(backend: str = "shm", *, hybrid_group_size: Any = None) -> Any:
     on the compute stream, reduced shards in library memory that is never read as host
     memory, ``no_sync`` accumulating in ``.grad``), so that its tests run them on the CPU.
     """
-    global _WORLD
+    global _WORLD, _BACKEND
     if _WORLD is not None:
+        if backend is not None and backend != _BACKEND:
+            raise CollschedError(
+                f"init(backend={backend!r}): this process joined its job on {_BACKEND!r} already (an earlier "
+                "init, or init_process_group('collsched'), which joins on 'shm'); call init with that backend, "
+                f"or call init({backend!r}) first"
+            )
         return _WORLD
+    backend = backend or "shm"
     if backend not in ("shm", "mpi", "cuda", "emulated"):
         raise CollschedError(
             f"init(backend={backend!r}): the backends are 'shm' (ranks as processes of one machine), 'mpi' "
             "(the processes of an MPI job), both on CPU tensors, 'cuda' (one GPU per process), and 'emulated' "
             "(shm seen as a device, for tests)"
         )
+    # Read only once _WORLD is set, which every return below does.
+    _BACKEND = backend
     import torch.distributed as dist
 
     if backend == "cuda":
@@ -194,9 +208,10 @@ def adopt(store: Any, rank: int, size: int) -> Any:
     """The world of a ``"collsched"`` process group of ``size`` ranks whose rank this process
     is: the one :func:`init` joined if it did (it must be the same job), else a new one joined
     through ``store``, which :func:`init` then returns."""
-    global _WORLD
+    global _WORLD, _BACKEND
     if _WORLD is None:
         _WORLD = _join_through(store, rank, size)
+        _BACKEND = "shm"
     elif (_WORLD.rank, _WORLD.world) != (rank, size):
         raise CollschedError(
             f"init_process_group('collsched'): this process is rank {_WORLD.rank} of {_WORLD.world} in the job "
