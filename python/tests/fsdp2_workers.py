@@ -5,6 +5,7 @@ the tests' reference."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -342,7 +343,8 @@ def unsharding(rank: int, world: int) -> dict[str, Any]:
 def titan(rank: int, world: int, spec: dict[str, Any], path: str, phase: str) -> dict[str, Any]:
     """A torchtitan-style run with collsched.torch in place of FSDP2: a DeviceMesh (``spec
     ["mesh"][phase]``'s shape: 2-D is HSDP), the model built on the meta device, per-block
-    ``fully_shard`` with FSDP2's own MixedPrecisionPolicy, ``to_empty``; ``save``: rank 0's
+    ``fully_shard`` with FSDP2's own MixedPrecisionPolicy, the last layers as one list,
+    ``to_empty``; ``save``: rank 0's
     values broadcast, steps ``[0, split)``, model and optimizer saved with DCP; ``load``: a DCP
     load, steps ``[split, steps)``. Losses and full parameters after each step."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -360,6 +362,8 @@ def titan(rank: int, world: int, spec: dict[str, Any], path: str, phase: str) ->
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for b in model.blocks:
         cst.fully_shard(b, mesh=mesh, mp_policy=mp, bucket_mb=spec["bucket_mb"])
+    # torchtitan's last layers: one unit, kept fetched from forward to backward.
+    cst.fully_shard([model.ln, model.head], mesh=mesh, mp_policy=mp, reshard_after_forward=False)
     cst.fully_shard(model, mesh=mesh, mp_policy=mp, bucket_mb=spec["bucket_mb"])
     model.to_empty(device="cpu")
     opt = models.optimizer(spec["opt"], model.parameters())
@@ -488,7 +492,6 @@ def fsdp2_methods(rank: int, world: int) -> dict[str, Any]:
         "buffers_0": error_text(lambda: model.set_reduce_scatter_max_input_buffers(0)),
         "buffers_bool": error_text(lambda: model.set_reduce_scatter_max_input_buffers(True)),
         "dp_mesh_dims": error_text(lambda: cst.fully_shard(models.build("mlp", 1), dp_mesh_dims=("dp",))),
-        "list": error_text(lambda: cst.fully_shard(list(models.build("mlp", 1).blocks))),
         "not_manual": error_text(model.finalize_backward),
         "manual_on_block": error_text(lambda: model.blocks[0].set_manual_backward_finalization(True)),
         # init() again: the same backend or none is the world joined; another is refused.
@@ -515,7 +518,6 @@ def finalized(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     collsched's model (sharded as ``workers.shard`` does: ``backend``, ``strategy``, ``mp``), or
     torch's FSDP2 (``spec["fsdp2"]``) on the job's process group. Every step's losses and the
     full parameters after it."""
-    import collsched.torch as cst
 
     import workers
 
@@ -549,12 +551,62 @@ def finalized(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
         out["losses"].append(row)
-        full = (
-            {n: p.full_tensor().detach() for n, p in model.named_parameters()}
-            if spec.get("fsdp2")
-            else cst.full_parameters(model)
-        )
-        out["params"].append(workers.snapshot(full))
+        out["params"].append(workers.snapshot(full_of(model, spec.get("fsdp2", False))))
+    return out
+
+
+def full_of(model: torch.nn.Module, fsdp2: bool) -> dict[str, torch.Tensor]:
+    """Every parameter's full value: torch's FSDP2's (``fsdp2``: its DTensors') or collsched's."""
+    import collsched.torch as cst
+
+    if fsdp2:
+        return {n: p.full_tensor().detach() for n, p in model.named_parameters()}
+    return cst.full_parameters(model)
+
+
+def grouped(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """torchtitan's grouping: the gpt's blocks each, then a list of modules as one unit
+    (``spec["group"]``: ``"ends"``, the final norm and the head, kept fetched from forward to
+    backward as torchtitan keeps them; ``"tied"``, the token embedding and the head that shares
+    its weight, released after each one's forward), then the root; the blocks prefetch the
+    list's unit by one of its modules (``set_modules_to_forward_prefetch``); collsched's, or
+    torch's FSDP2 (``spec["fsdp2"]``). Every step's losses and full parameters."""
+    import collsched.torch as cst
+
+    import workers
+
+    fsdp2 = spec.get("fsdp2", False)
+    if fsdp2:
+        from torch.distributed.fsdp import fully_shard
+    else:
+        fully_shard = functools.partial(cst.fully_shard, bucket_mb=spec["bucket_mb"])  # type: ignore[assignment]
+        cst.init()
+    name = spec["model"]
+    model = models.build(name, spec.get("seed", 0))
+    for b in model.blocks:
+        fully_shard(b)
+    if spec["group"] == "ends":
+        group = fully_shard([model.ln, model.head], reshard_after_forward=False)
+    else:
+        group = fully_shard([model.tok, model.head])
+    out: dict[str, Any] = {"returned": [type(m).__name__ for m in group]}
+    fully_shard(model)
+    model.blocks[-1].set_modules_to_forward_prefetch(
+        [model.head, model.ln] if spec["group"] == "ends" else [model.head]
+    )
+    opt = models.optimizer(spec.get("opt", "adamw"), model.parameters())
+    out["losses"], out["params"] = [], []
+    for step in range(spec["steps"]):
+        x, y = models.batch(name, spec.get("seed", 0), step, 0, rank)
+        loss = models.loss_fn(name, model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out["losses"].append([loss.item()])
+        out["params"].append(workers.snapshot(full_of(model, fsdp2)))
+    if not fsdp2:
+        out["stats"] = cst.stats(model)
+        out["units"] = len(model.__dict__["_collsched_state"].units)
     return out
 
 
@@ -589,4 +641,25 @@ def reset_after(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     out["on_block"] = error_text(model.blocks[0].reset_iter_state)
     model.reset_iter_state()
     out["losses"], out["params"] = train_steps(model, opt, range(spec["steps"]), rank)
+    return out
+
+
+def group_refusals(rank: int, world: int) -> dict[str, Any]:
+    """``fully_shard([...])``'s refusals as their error texts, and the same list given twice."""
+    import collsched.torch as cst
+
+    cst.init()
+    m = models.build("gpt", 0)
+    b = m.blocks[0]
+    x, _ = models.batch("gpt", 0, 0, 0, rank)
+    out = {
+        "twice": error_text(lambda: cst.fully_shard([m.head, m.head])),
+        "nested": error_text(lambda: cst.fully_shard([b, b.fc])),
+        "int": error_text(lambda: cst.fully_shard([m.ln, m.head], reshard_after_forward=2)),
+    }
+    group = cst.fully_shard([m.ln, m.head])
+    out["again"] = cst.fully_shard([m.ln, m.head]) is group
+    out["unplanned"] = error_text(lambda: m(x))
+    out["member_as_root"] = error_text(lambda: cst.fully_shard(m.head))
+    out["regrouped"] = error_text(lambda: cst.fully_shard([m.head, m.tok]))
     return out

@@ -286,7 +286,6 @@ def test_fsdp2_s_other_methods_are_taken_or_refused_by_name():
         assert "set_reduce_scatter_max_input_buffers: 0; give an int >= 1" in o["buffers_0"], o
         assert "set_reduce_scatter_max_input_buffers: True; give an int >= 1" in o["buffers_bool"], o
         assert "dp_mesh_dims=('dp',)" in o["dp_mesh_dims"] and "mesh=world_mesh['dp']" in o["dp_mesh_dims"], o
-        assert "a list of 3 modules as one unit" in o["list"], o
         assert "requires manual backward finalization" in o["not_manual"], o
         assert "must be called on the root module" in o["manual_on_block"], o
         assert o["init_again"] == ["no error"] * 2, o
@@ -368,3 +367,33 @@ def test_every_method_of_fsdp2_s_modules_is_provided_or_named_in_the_readme():
     assert all(p in got for p in want), f"fully_shard: FSDP2's parameters {want}, ours {list(got)}"
     readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
     assert all(f"`{m}`" in readme for m in NOT_PROVIDED), [m for m in NOT_PROVIDED if f"`{m}`" not in readme]
+
+
+@pytest.mark.parametrize("group", ["ends", "tied"])
+def test_a_list_of_modules_as_one_unit_trains_as_plain_pytorch_and_as_fsdp2(group):
+    """``fully_shard([model.ln, model.head], reshard_after_forward=False)`` (torchtitan's
+    grouping of the last layers) or ``fully_shard([model.tok, model.head])`` (the embedding and
+    the head sharing its weight, apart in the forward): one unit, the same steps as plain
+    PyTorch and, for the second, as torch's FSDP2 grouping them alike (FSDP2 refuses the first:
+    the head's weight is the root's embedding's, which collsched fetches in both units)."""
+    spec = {"model": "gpt", "steps": 3, "bucket_mb": 0.002, "group": group}
+    ref = models.reference(spec, 2)
+    ours = run(w.grouped, 2, spec)
+    parity.check(ours, ref)
+    if group == "tied":
+        parity.check(run(w.grouped, 2, {**spec, "fsdp2": True}, init="collsched"), ref)
+    for r in ours:
+        assert r["returned"] == (["LayerNorm", "Linear"] if group == "ends" else ["Embedding", "Linear"]), r
+        # The root, two blocks and the list: four units.
+        assert r["units"] == 4, r["units"]
+
+
+def test_a_list_of_modules_refusals_name_the_module():
+    out = run(w.group_refusals, 1)[0]
+    assert "Linear is twice in the list" in out["twice"], out
+    assert "Linear is inside Block, both in one list" in out["nested"], out
+    assert "reshard_after_forward=2 for a list of modules" in out["int"], out
+    assert "not sharded yet: call fully_shard on the root module" in out["unplanned"], out
+    assert "is in a group given to fully_shard([...]) already" in out["member_as_root"], out
+    assert "was given to fully_shard already; a module is in one unit" in out["regrouped"], out
+    assert out["again"] is True, out

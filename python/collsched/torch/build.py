@@ -41,10 +41,20 @@ def build(st: _State) -> None:
     unit_of: dict[int, int] = {}
     st.units = []
 
+    # The unit of each fully_shard([...]) list met so far, by the list's id.
+    groups: dict[int, int] = {}
+
     def visit(m: nn.Module, u: int) -> None:
         if m is not root and getattr(m, "_collsched_unit", False):
-            u = len(st.units)
-            st.units.append(_Unit(u, m))
+            group = m.__dict__.get("_collsched_group")
+            if group is not None and id(group) in groups:
+                u = groups[id(group)]
+                st.units[u].members.append(m)
+            else:
+                u = len(st.units)
+                st.units.append(_Unit(u, m))
+                if group is not None:
+                    groups[id(group)] = u
         unit_of[id(m)] = u
         for c in m.children():
             if id(c) not in unit_of:
@@ -236,7 +246,8 @@ def build(st: _State) -> None:
         for pid in u.ids:
             users[pid] = users.get(pid, 0) + 1
     for u in st.units:
-        u.module.__dict__["_collsched_u"] = u
+        for m in u.members:
+            m.__dict__["_collsched_u"] = u
         set_reshard(u, after_forward(u.module.__dict__.get("_collsched_reshard"), st, "fully_shard"))
         u.reshard_bwd = u.module.__dict__.get("_collsched_reshard_bwd", True)
         u.swaps = [(m._parameters, name, st.params[pid].full, st.params[pid].shard) for m, name, pid in u.slots]

@@ -365,7 +365,8 @@ class CollschedModule:
     def _set_prefetch(self, modules: list[nn.Module], backward: bool) -> None:
         state = _root_state(self)  # type: ignore[arg-type]
         me = state.unit_index(self)  # type: ignore[arg-type]
-        targets = [state.unit_index(m) for m in modules]
+        # (A fully_shard([...]) list's members name one unit.)
+        targets = list(dict.fromkeys(state.unit_index(m) for m in modules))
         (state.bwd_rules if backward else state.fwd_rules)[me] = targets
         state.opts["prefetch"] = "explicit"
         state.apply_explicit()
@@ -436,8 +437,8 @@ def _mesh_strategy(mesh: Any, strategy: str) -> tuple[tuple[int, ...] | None, st
     return part, f"hybrid:{group}"
 
 
-def _ignored(module: nn.Module, params: Any) -> list[nn.Parameter]:
-    """``ignored_params``, checked: parameters of ``module``, none sharded already."""
+def _ignored(modules: list[nn.Module], params: Any) -> list[nn.Parameter]:
+    """``ignored_params``, checked: parameters of ``modules``, none sharded already."""
     if params is None:
         return []
     try:
@@ -446,12 +447,12 @@ def _ignored(module: nn.Module, params: Any) -> list[nn.Parameter]:
         raise CollschedError(
             f"fully_shard: ignored_params={params!r}; expected a set of parameters of the module"
         ) from None
-    mine = {id(p) for p in module.parameters()}
+    mine = {id(p) for m in modules for p in m.parameters()}
     for p in given:
         if not isinstance(p, nn.Parameter) or id(p) not in mine:
             raise CollschedError(
                 f"fully_shard: ignored_params holds {type(p).__name__} of shape {tuple(getattr(p, 'shape', ()))}, "
-                f"not a parameter of {type(module).__name__}; give the module's own parameters"
+                f"not a parameter of {', '.join(type(m).__name__ for m in modules)}; give the module's own parameters"
             )
         if hasattr(p, "_collsched_param"):
             raise CollschedError(
@@ -459,6 +460,43 @@ def _ignored(module: nn.Module, params: Any) -> list[nn.Parameter]:
                 "below already sharded; ignore it in that call (the blocks' calls come first)"
             )
     return given
+
+
+def _group(modules: Any, reshard: Any) -> list[nn.Module]:
+    """FSDP2's ``fully_shard([a, b, ...])``, checked: the modules, one unit of the model a
+    root's ``fully_shard`` plans (fetched when the first of them runs, released after each
+    one's forward unless ``reshard_after_forward`` is False, reduced once all of their
+    gradients are in). Returns the list the members keep (their group), or that of an
+    earlier call with the same modules."""
+    members = list(modules)
+    if not members or not all(isinstance(m, nn.Module) for m in members):
+        raise CollschedError(f"fully_shard: expected a non-empty list of torch.nn.Modules, got {modules!r}")
+    earlier = members[0].__dict__.get("_collsched_group")
+    if (
+        earlier is not None
+        and list(earlier) == members
+        and all(m.__dict__.get("_collsched_group") is earlier for m in members)
+    ):
+        return earlier
+    for i, m in enumerate(members):
+        if any(m is o for o in members[:i]):
+            raise CollschedError(f"fully_shard: {type(m).__name__} is twice in the list; give each module once")
+        inner = next((o for o in members if o is not m and any(o is x for x in m.modules())), None)
+        if inner is not None:
+            raise CollschedError(
+                f"fully_shard: {type(inner).__name__} is inside {type(m).__name__}, both in one list; give the "
+                "outer one alone"
+            )
+        if m.__dict__.get("_collsched_state") is not None or "_collsched_group" in m.__dict__:
+            raise CollschedError(
+                f"fully_shard: {type(m).__name__} was given to fully_shard already; a module is in one unit"
+            )
+    if not (reshard is None or isinstance(reshard, bool)):
+        raise CollschedError(
+            f"fully_shard: reshard_after_forward={reshard!r} for a list of modules; give True or False (an int "
+            "layout is made for one module's unit)"
+        )
+    return members
 
 
 def _reshard_flag(value: Any, what: str) -> bool | int | None:
@@ -503,11 +541,12 @@ def _not_fsdp2_comms(method: str) -> str:
 
 def _units_under(module: Any, state: _State, recurse: bool) -> list[Any]:
     """The units of ``state`` that are ``module`` or (``recurse``) under it."""
-    return [
-        m.__dict__["_collsched_u"]
+    units = {
+        id(m.__dict__["_collsched_u"]): m.__dict__["_collsched_u"]
         for m in (module.modules() if recurse else [module])
         if m.__dict__.get("_collsched_state") is state and "_collsched_u" in m.__dict__
-    ]
+    }
+    return list(units.values())
 
 
 def _state_of(module: nn.Module) -> _State:
@@ -518,7 +557,7 @@ def _state_of(module: nn.Module) -> _State:
 
 
 def fully_shard(
-    module: nn.Module,
+    module: nn.Module | list[nn.Module],
     *,
     strategy: str = "even",
     bucket_mb: float = 64.0,
@@ -535,7 +574,7 @@ def fully_shard(
     offload_policy: Any = None,
     shard_placement_fn: Any = None,
     dp_mesh_dims: Any = None,
-) -> nn.Module:
+) -> nn.Module | list[nn.Module]:
     """Shards ``module`` in place (collective: every rank calls it with the same module
     structure) and returns it.
 
@@ -552,6 +591,13 @@ def fully_shard(
     ``load_state_dict``, ``load_checkpoint``) writes them.
     A second call on a sharded module (a unit or the root) returns it unchanged: two trainers
     wrapping one model share its sharding.
+
+    A list of modules (FSDP2's grouping, torchtitan's ``fully_shard([model.norm, model.output])``)
+    makes them one unit, fetched when the first of them runs and reduced once all of their
+    gradients are in; it is sharded by the root's call that follows (until then its modules
+    refuse to run), and the list is returned. ``reshard_after_forward`` True releases the unit
+    after each of its modules' forwards (a module run later gathers it again), False keeps it
+    fetched into its backward; an int is refused for a list.
 
     Knobs: ``strategy`` ``"even"`` (every parameter cut in ``world`` pieces), ``"flat"``
     (buckets cut in equal pieces), ``"greedy"`` (whole parameters per rank), ``"hybrid:G"``
@@ -597,12 +643,9 @@ def fully_shard(
     parameters span it) is refused: make the model tensor-parallel on ``world_mesh["tp"]`` and
     pass ``mesh=world_mesh["dp"]``, as above.
     """
-    if isinstance(module, (list, tuple)):
-        raise CollschedError(
-            f"fully_shard: a list of {len(module)} modules as one unit (FSDP2's grouping) is not supported; "
-            "shard each module on its own, or put them under one module and shard that"
-        )
-    if not isinstance(module, nn.Module):
+    group = _group(module, reshard_after_forward) if isinstance(module, (list, tuple)) else None
+    members = group if group is not None else [module]
+    if group is None and not isinstance(module, nn.Module):
         raise CollschedError(f"fully_shard: expected a torch.nn.Module, got {type(module).__name__}")
     if dp_mesh_dims is not None:
         raise CollschedError(
@@ -610,9 +653,17 @@ def fully_shard(
             "supported; make the model tensor-parallel on world_mesh['tp'] (parallelize_module) and shard it "
             "with fully_shard(module, mesh=world_mesh['dp'])"
         )
-    if module.__dict__.get("_collsched_state") is not None:
+    if group is None and module.__dict__.get("_collsched_state") is not None:
         # Already sharded (a unit or a root): a second trainer's wrapping reuses it.
         return module
+    if group is not None and members[0].__dict__.get("_collsched_group") is group:
+        # The same list given again.
+        return members
+    if group is None and "_collsched_group" in module.__dict__:
+        raise CollschedError(
+            f"fully_shard: {type(module).__name__} is in a group given to fully_shard([...]) already; shard a "
+            "module above the group (the root), not one of its members"
+        )
     if prefetch not in ("trace", "explicit", "none"):
         raise CollschedError(
             f"fully_shard: prefetch={prefetch!r}; expected 'trace' (replay the first step's order), 'explicit' "
@@ -632,12 +683,22 @@ def fully_shard(
         if reduce_dtype not in _FROM_TORCH:
             raise CollschedError(f"fully_shard: reduce_dtype={reduce_dtype}; expected float32, bfloat16 or float16")
         reduce_dtype = _FROM_TORCH[reduce_dtype]
-    ignored = _ignored(module, ignored_params)
-    _check_placements(module, shard_placement_fn, ignored)
-    module.__dict__["_collsched_ignored"] = ignored
-    module.__dict__["_collsched_reshard"] = _reshard_flag(reshard_after_forward, "fully_shard")
-    module.__dict__["_collsched_mp"] = mp
-    module.__dict__["_collsched_offload"] = opts_offload = values.offload_policy(offload_policy)
+    ignored = _ignored(members, ignored_params)
+    reshard = _reshard_flag(reshard_after_forward, "fully_shard")
+    opts_offload = values.offload_policy(offload_policy)
+    for m in members:
+        _check_placements(m, shard_placement_fn, ignored)
+    for m in members:
+        m.__dict__["_collsched_ignored"] = ignored
+        m.__dict__["_collsched_reshard"] = reshard
+        m.__dict__["_collsched_mp"] = mp
+        m.__dict__["_collsched_offload"] = opts_offload
+    if group is not None:
+        # One unit of the model a root's fully_shard plans (module.py's _group).
+        for m in members:
+            m.__dict__["_collsched_group"] = group
+            _mark(m)
+        return members
     opts = {
         "part": part,
         "mesh": mesh,
@@ -657,7 +718,8 @@ def fully_shard(
     _mark(module)
     state.build()
     for unit in state.units:
-        unit.module.__dict__["_collsched_state"] = state
+        for m in unit.members:
+            m.__dict__["_collsched_state"] = state
     state_dict.install(state)
     optim_state.install()
     return module
@@ -686,6 +748,11 @@ def _mark(module: nn.Module) -> None:
 def _pre_forward(module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
     state: _State | None = module.__dict__.get("_collsched_state")
     if state is None:
+        if "_collsched_group" in module.__dict__:
+            raise CollschedError(
+                f"{type(module).__name__} was given to fully_shard in a list and is not sharded yet: call "
+                "fully_shard on the root module over the list's modules before running them"
+            )
         return None
     return state.pre_forward(module, args, kwargs)
 

@@ -211,7 +211,7 @@ class _State:
 
     def unit_index(self, module: nn.Module) -> int:
         for i, u in enumerate(self.units):
-            if u.module is module:
+            if any(m is module for m in u.members):
                 return i
         raise CollschedError(f"{type(module).__name__} is not a unit of this sharded model: give it to fully_shard")
 

@@ -122,6 +122,7 @@ class _Unit:
     __slots__ = (
         "index",
         "module",
+        "members",
         "slots",
         "swaps",
         "ids",
@@ -144,6 +145,8 @@ class _Unit:
     def __init__(self, index: int, module: nn.Module) -> None:
         self.index = index
         self.module = module
+        # The modules of FSDP2's fully_shard([...]) list (``module`` first), or ``module`` alone.
+        self.members = [module]
         self.slots: list[tuple[nn.Module, str, int]] = []
         # Per slot: the module's parameter dict, the name, the full parameter, the shard.
         self.swaps: list[tuple[dict[str, Any], str, nn.Parameter, nn.Parameter]] = []
