@@ -318,7 +318,8 @@ impl Model {
                 )))
             }
         };
-        let mut config = SchedulerConfig { policy, ..SchedulerConfig::default() };
+        // f16 reductions divide partly before the sum, as FSDP2's do (NCCL sums f16 in f16).
+        let mut config = SchedulerConfig { policy, split_f16_divide: true, ..SchedulerConfig::default() };
         if let Some(b) = prefetch_bytes {
             config.prefetch_bytes = b;
         }
@@ -332,12 +333,11 @@ impl Model {
             let dtype: DType = d.parse().map_err(|e| errors::other(format!("reduce_dtype {d:?}: {e}")))?;
             config.reduce = GradReduce { dtype: Some(dtype), ..GradReduce::default() };
         }
-        // The scheduler checks the factors and the bucket ids, naming a bad one.
+        // The scheduler checks the factors and the bucket ids, naming a bad one; it splits a
+        // factor of an f16 reduction as the mean's.
         config.reduce_per_bucket = divide
             .into_iter()
-            .map(|(b, f)| {
-                (BucketId(b), GradReduce { pre_divide: Some(1.0), post_divide: Some(f), dtype: None })
-            })
+            .map(|(b, f)| (BucketId(b), GradReduce { post_divide: Some(f), ..GradReduce::default() }))
             .collect();
         let coord = match &slf.borrow().state {
             St::Host(s) => Co::Host(s.coordinator(config).map_err(errors::runtime)?),

@@ -397,3 +397,19 @@ def test_a_list_of_modules_refusals_name_the_module():
     assert "is in a group given to fully_shard([...]) already" in out["member_as_root"], out
     assert "was given to fully_shard already; a module is in one unit" in out["regrouped"], out
     assert out["again"] is True, out
+
+
+@pytest.mark.parametrize("backend", ["shm", "emulated"])
+def test_an_f16_reduction_divides_before_and_after_the_sum_and_trains_as_plain_pytorch(backend):
+    """``reduce_dtype=torch.float16``: the mean's factor split as FSDP2 splits it for f16 (at 2
+    ranks all of it before the sum: NCCL sums f16 in f16, where large gradients overflow), the
+    steps plain PyTorch's f16 mean (the same at 2 ranks: halving commutes with rounding, but
+    for subnormals); a factor applied twice or not at all would double or halve them."""
+    spec = {"model": "gpt", "steps": 2, "bucket_mb": 0.002, "opt": "sgd", "reduce_dtype": torch.float16}
+    runs = run(workers.train, 2, {**spec, "backend": backend})
+    parity.check(runs, models.reference(spec, 2))
+    for r in runs:
+        # Every step reduced every gradient bucket once, in f16 (2 bytes an element).
+        plan = r["plan"]
+        grads = sum(b["shard_numel"] * plan["world"] for b in plan["buckets"] if b["kind"] == "grad")
+        assert [st["reduced_bytes"] for st in r["stats"]] == [grads * 2] * 2, r["stats"]

@@ -16,8 +16,8 @@ pub use plan::{plan_from_json, BufferRole, CopyRun, Op, OpId, Plan, PlanInputErr
 
 pub mod scheduler;
 pub use scheduler::{
-    Action, BucketInput, BufferId, EngineEvent, Event, Explicit, Fence, Fences, GradReduce, GradSource,
-    InflightRegistry, Launch, LaunchId, NoPrefetch, Offer, Ops, ParamState, PlanDigests, PolicyKind,
-    PrefetchPolicy, ReduceSpec, Role, ScheduleError, ScheduleInput, Scheduler, SchedulerConfig, StepCounters,
-    StepReport, Stream, TraceReplay, WaitOn,
+    split_divide, Action, BucketInput, BufferId, EngineEvent, Event, Explicit, Fence, Fences, GradReduce,
+    GradSource, InflightRegistry, Launch, LaunchId, NoPrefetch, Offer, Ops, ParamState, PlanDigests,
+    PolicyKind, PrefetchPolicy, ReduceSpec, Role, ScheduleError, ScheduleInput, Scheduler, SchedulerConfig,
+    StepCounters, StepReport, Stream, TraceReplay, WaitOn,
 };

@@ -88,7 +88,7 @@ pub use action::{
     Stream, WaitOn,
 };
 pub use config::{
-    GradReduce, PolicyKind, SchedulerConfig, DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_LIVE_BYTES,
+    split_divide, GradReduce, PolicyKind, SchedulerConfig, DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_LIVE_BYTES,
     DEFAULT_PREFETCH_BYTES, DEFAULT_TRACE_RERECORD_AFTER,
 };
 pub use error::ScheduleError;

@@ -4,8 +4,9 @@ mod common;
 
 use collsched_schedule::buckets::{BucketId, DType, ParamId};
 use collsched_schedule::{
-    Action, CollectiveKind, EngineEvent, Event, Explicit, Fence, GradReduce, GradSource, InflightRegistry,
-    ParamState, Plan, PolicyKind, Role, ScheduleError, Scheduler, SchedulerConfig, Stream, WaitOn,
+    split_divide, Action, CollectiveKind, EngineEvent, Event, Explicit, Fence, GradReduce, GradSource,
+    InflightRegistry, ParamState, Plan, PolicyKind, Role, ScheduleError, Scheduler, SchedulerConfig, Stream,
+    WaitOn,
 };
 use common::*;
 
@@ -686,6 +687,43 @@ fn reduce_dtype_and_divide_factors_are_per_bucket() {
     assert_eq!(alloc, [2 * gathered]);
     assert_eq!(launch.bytes, 2 * gathered);
     assert_eq!(r.s.counters().reduced_bytes, 2 * gathered as u64);
+}
+
+#[test]
+fn f16_divide_factors_split_as_fsdp2_splits_them_when_asked() {
+    // FSDP2's `_get_gradient_divide_factors` for f16, worked by hand.
+    for (factor, want) in [(1.0, (1.0, 1.0)), (2.0, (2.0, 1.0)), (3.0, (2.0, 1.5)), (6.0, (4.0, 1.5))] {
+        assert_eq!(split_divide(factor), want, "factor {factor}");
+    }
+    for (factor, want) in [(8.0, (4.0, 2.0)), (16.0, (4.0, 4.0)), (1.5, (1.0, 1.5)), (64.0, (8.0, 8.0))] {
+        assert_eq!(split_divide(factor), want, "factor {factor}");
+    }
+    let plan = layered(3, 4);
+    let g1 = plan.layout().gather_bucket_of(layer(1)[0]).unwrap();
+    let g2 = plan.layout().gather_bucket_of(layer(2)[0]).unwrap();
+    let world = f64::from(plan.layout().world());
+    let f16 = GradReduce { dtype: Some(DType::F16), ..GradReduce::default() };
+    let per_bucket = vec![
+        (g1, GradReduce { post_divide: Some(6.0), ..GradReduce::default() }),
+        (g2, GradReduce { pre_divide: Some(1.0), post_divide: Some(6.0), dtype: None }),
+    ];
+    let specs = |split: bool| {
+        let cfg = SchedulerConfig {
+            reduce: f16,
+            reduce_per_bucket: per_bucket.clone(),
+            split_f16_divide: split,
+            ..no_prefetch()
+        };
+        let s = Scheduler::from_plan(&plan, 0, cfg, &mut registry(&plan)).unwrap();
+        (0..3).map(|j| s.reduce_spec(j).map(|r| (r.pre_divide, r.post_divide)).unwrap()).collect::<Vec<_>>()
+    };
+    // Split: the mean and the given factor alike; a pre_divide given is kept.
+    assert_eq!(specs(true), [split_divide(world), (4.0, 1.5), (1.0, 6.0)]);
+    assert_eq!(specs(false), [(1.0, world), (1.0, 6.0), (1.0, 6.0)]);
+    // Other dtypes are not split.
+    let cfg = SchedulerConfig { split_f16_divide: true, ..no_prefetch() };
+    let s = Scheduler::from_plan(&plan, 0, cfg, &mut registry(&plan)).unwrap();
+    assert_eq!(s.reduce_spec(0).map(|r| (r.pre_divide, r.post_divide)), Some((1.0, world)));
 }
 
 #[test]

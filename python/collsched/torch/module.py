@@ -214,7 +214,8 @@ class CollschedModule:
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """FSDP2's method, taken for its signature: collsched's reductions always sum (in the
         reduction dtype, ``f32`` accumulation on the host) and divide by the gradient divide
-        factor after the sum, which is what this asks of FSDP2's communicators."""
+        factor after the sum (in f16, partly before it, as FSDP2 splits it), which is what this
+        asks of FSDP2's communicators."""
         _state_of(self)
         self.__dict__["_collsched_force_sum"] = bool(enable)
 

@@ -106,6 +106,25 @@ pub struct SchedulerConfig {
     /// `reduce_per_bucket`: overrides of `reduce`, keyed by **gather** bucket id (stable across
     /// trainability refreshes, unlike gradient bucket ids). Default empty.
     pub reduce_per_bucket: Vec<(BucketId, GradReduce)>,
+    /// `split_f16_divide`: a gradient bucket reduced in f16 whose `pre_divide` is not given
+    /// divides its contributions before the sum by a power of two near the square root of the
+    /// whole factor, and the sum by the rest ([`split_divide`]; FSDP2 does the same for f16,
+    /// whose sum NCCL keeps in f16, where a sum of large gradients overflows). Off: the whole
+    /// factor divides the sum. Default off.
+    pub split_f16_divide: bool,
+}
+
+/// The `(pre_divide, post_divide)` of FSDP2's guard for a reduction in f16 dividing by
+/// `factor` in all (its `_get_gradient_divide_factors`): `pre` doubles from 1 while `factor` is
+/// a multiple of it and `factor / pre` exceeds it, about the square root of `factor`; `post` is
+/// `factor / pre`. `split_divide(8.0)` is `(4.0, 2.0)`, `split_divide(2.0)` is `(2.0, 1.0)`,
+/// `split_divide(1.5)` is `(1.0, 1.5)`.
+pub fn split_divide(factor: f64) -> (f64, f64) {
+    let mut pre = 1.0_f64;
+    while factor % pre == 0.0 && factor / pre > pre {
+        pre *= 2.0;
+    }
+    (pre, factor / pre)
 }
 
 impl Default for SchedulerConfig {
@@ -119,6 +138,7 @@ impl Default for SchedulerConfig {
             check_trainable: true,
             reduce: GradReduce::default(),
             reduce_per_bucket: Vec::new(),
+            split_f16_divide: false,
         }
     }
 }

@@ -5,10 +5,10 @@
 //! `Tables::grad`, `p` a parameter (`ParamId`, or its index); bucket *ids* (`BucketId`) are
 //! the layout's and are only translated at the edges (`gather_index`, `grad_index`).
 
-use crate::buckets::{BucketId, ParamSet};
+use crate::buckets::{BucketId, DType, ParamSet};
 
 use super::action::ReduceSpec;
-use super::config::SchedulerConfig;
+use super::config::{split_divide, SchedulerConfig};
 use super::error::ScheduleError;
 use super::input::{BucketInput, PlanDigests, ScheduleInput};
 
@@ -82,12 +82,18 @@ impl Tables {
                     .map(|x| x.1)
                     .unwrap_or_default();
                 let base = config.reduce;
-                let pre = o.pre_divide.or(base.pre_divide).unwrap_or(1.0);
-                ReduceSpec {
-                    dtype: o.dtype.or(base.dtype).unwrap_or(b.dtype),
-                    pre_divide: pre,
-                    post_divide: o.post_divide.or(base.post_divide).unwrap_or(f64::from(self.world) / pre),
-                }
+                let dtype = o.dtype.or(base.dtype).unwrap_or(b.dtype);
+                let (pre, post) = match (o.pre_divide.or(base.pre_divide), o.post_divide.or(base.post_divide))
+                {
+                    (None, post) if config.split_f16_divide && dtype == DType::F16 => {
+                        split_divide(post.unwrap_or(f64::from(self.world)))
+                    }
+                    (pre, post) => {
+                        let pre = pre.unwrap_or(1.0);
+                        (pre, post.unwrap_or(f64::from(self.world) / pre))
+                    }
+                };
+                ReduceSpec { dtype, pre_divide: pre, post_divide: post }
             })
             .collect();
         self.grad = input.grad.clone();
