@@ -569,8 +569,10 @@ def grouped(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     (``spec["group"]``: ``"ends"``, the final norm and the head, kept fetched from forward to
     backward as torchtitan keeps them; ``"tied"``, the token embedding and the head that shares
     its weight, released after each one's forward), then the root; the blocks prefetch the
-    list's unit by one of its modules (``set_modules_to_forward_prefetch``); collsched's, or
-    torch's FSDP2 (``spec["fsdp2"]``). Every step's losses and full parameters."""
+    list's unit by one of its modules (``set_modules_to_forward_prefetch``); ``spec["micro"]``
+    micro-batches a step, all but the last unsynchronized; collsched's (on ``spec["backend"]``,
+    with ``spec["mp"]``), or torch's FSDP2 (``spec["fsdp2"]``). Every step's losses and full
+    parameters."""
     import collsched.torch as cst
 
     import workers
@@ -579,8 +581,9 @@ def grouped(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     if fsdp2:
         from torch.distributed.fsdp import fully_shard
     else:
-        fully_shard = functools.partial(cst.fully_shard, bucket_mb=spec["bucket_mb"])  # type: ignore[assignment]
-        cst.init()
+        mp = cst.MixedPrecisionPolicy(**spec["mp"]) if spec.get("mp") else None
+        fully_shard = functools.partial(cst.fully_shard, bucket_mb=spec["bucket_mb"], mp_policy=mp)  # type: ignore[assignment]
+        cst.init(spec.get("backend", "shm"))
     name = spec["model"]
     model = models.build(name, spec.get("seed", 0))
     for b in model.blocks:
@@ -596,13 +599,19 @@ def grouped(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     )
     opt = models.optimizer(spec.get("opt", "adamw"), model.parameters())
     out["losses"], out["params"] = [], []
+    micro_n = spec.get("micro", 1)
     for step in range(spec["steps"]):
-        x, y = models.batch(name, spec.get("seed", 0), step, 0, rank)
-        loss = models.loss_fn(name, model(x), y)
-        loss.backward()
+        row = []
+        for micro in range(micro_n):
+            # Accumulation: every micro-batch but the last unsynchronized.
+            model.set_requires_gradient_sync(micro + 1 == micro_n)
+            x, y = models.batch(name, spec.get("seed", 0), step, micro, rank)
+            loss = models.loss_fn(name, model(x), y)
+            loss.backward()
+            row.append(loss.item())
         opt.step()
         opt.zero_grad()
-        out["losses"].append([loss.item()])
+        out["losses"].append(row)
         out["params"].append(workers.snapshot(full_of(model, fsdp2)))
     if not fsdp2:
         out["stats"] = cst.stats(model)
@@ -658,7 +667,7 @@ def group_refusals(rank: int, world: int) -> dict[str, Any]:
         "int": error_text(lambda: cst.fully_shard([m.ln, m.head], reshard_after_forward=2)),
     }
     group = cst.fully_shard([m.ln, m.head])
-    out["again"] = cst.fully_shard([m.ln, m.head]) is group
+    out["again"] = cst.fully_shard([m.ln, m.head]) == group == [m.ln, m.head]
     out["unplanned"] = error_text(lambda: m(x))
     out["member_as_root"] = error_text(lambda: cst.fully_shard(m.head))
     out["regrouped"] = error_text(lambda: cst.fully_shard([m.head, m.tok]))

@@ -304,8 +304,9 @@ def test_fsdp2_s_other_methods_are_taken_or_refused_by_name():
         {"strategy": "flat", "opt": "sgd"},
         {"backend": "emulated"},
         {"backend": "emulated", "opt": "sgd", "mp": {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}},
+        {"backend": "emulated", "last_synced": True},
     ],
-    ids=["all-unsynced", "last-synced", "flat-sgd", "device", "device-bf16-f32"],
+    ids=["all-unsynced", "last-synced", "flat-sgd", "device", "device-bf16-f32", "device-last-synced"],
 )
 def test_manual_finalization_as_pipelining_drives_it_trains_as_plain_pytorch_and_as_fsdp2(extra):
     """``set_manual_backward_finalization(True)``, micro-batches under
@@ -369,14 +370,29 @@ def test_every_method_of_fsdp2_s_modules_is_provided_or_named_in_the_readme():
     assert all(f"`{m}`" in readme for m in NOT_PROVIDED), [m for m in NOT_PROVIDED if f"`{m}`" not in readme]
 
 
-@pytest.mark.parametrize("group", ["ends", "tied"])
-def test_a_list_of_modules_as_one_unit_trains_as_plain_pytorch_and_as_fsdp2(group):
+BF16_F32 = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
+
+
+@pytest.mark.parametrize(
+    ("group", "extra"),
+    [
+        ("ends", {}),
+        ("tied", {}),
+        ("ends", {"backend": "emulated", "micro": 3}),
+        ("ends", {"backend": "emulated", "micro": 3, "mp": BF16_F32, "opt": "sgd"}),
+        ("tied", {"micro": 2}),
+    ],
+    ids=["ends", "tied", "ends-device-no-sync", "ends-device-no-sync-bf16-f32", "tied-no-sync"],
+)
+def test_a_list_of_modules_as_one_unit_trains_as_plain_pytorch_and_as_fsdp2(group, extra):
     """``fully_shard([model.ln, model.head], reshard_after_forward=False)`` (torchtitan's
     grouping of the last layers) or ``fully_shard([model.tok, model.head])`` (the embedding and
     the head sharing its weight, apart in the forward): one unit, the same steps as plain
     PyTorch and, for the second, as torch's FSDP2 grouping them alike (FSDP2 refuses the first:
-    the head's weight is the root's embedding's, which collsched fetches in both units)."""
-    spec = {"model": "gpt", "steps": 3, "bucket_mb": 0.002, "group": group}
+    the head's weight is the root's embedding's, which collsched fetches in both units). With
+    micro-batches accumulated under ``no_sync`` (on a device backend, where the gradients wait
+    beside the library), the list's unit hands each gradient once all of this backward's are in."""
+    spec = {"model": "gpt", "steps": 3, "bucket_mb": 0.002, "group": group, **extra}
     ref = models.reference(spec, 2)
     ours = run(w.grouped, 2, spec)
     parity.check(ours, ref)

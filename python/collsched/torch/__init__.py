@@ -49,8 +49,8 @@ On the ``cuda`` backend (``init(backend="cuda")``) the same pass runs on the dev
 shards, the full parameters' views and the reduced gradients are library memory on the GPU
 (DLPack ``kDLCUDA``), a fetch makes torch's current stream wait for the gathers, a release
 frees buffers only after what that stream queued so far, gradients go over in the reduction
-dtype on that stream, and under ``no_sync`` they accumulate in the full parameters' ``.grad``
-until the synchronized micro-batch.
+dtype on that stream, and under ``no_sync`` they accumulate beside the library, in the
+reduction dtype, until the synchronized micro-batch.
 
 State dicts and checkpoints: ``module.state_dict()`` gives each sharded parameter as a
 DTensor of its global shape (``Shard(0)`` over torch.distributed's default group), an
@@ -81,7 +81,8 @@ importing this package registers, is :mod:`collsched.torch.distributed`. The fil
 ``state_dict.py`` (``state_dict()`` as DTensors, ``load_state_dict``), ``optim_state.py``
 (an optimizer's state dict likewise), ``tp.py`` (tensor-parallel DTensor parameters, sharded
 over the data-parallel dimension of a 2-D mesh),
-``finalize.py`` (manual backward finalization, ``reset_iter_state``),
+``compat.py`` (FSDP2's module methods met otherwise or refused), ``finalize.py`` (manual
+backward finalization, ``reset_iter_state``),
 ``checkpoint.py`` (checkpoints), ``clip.py`` (gradient clipping), ``spans.py`` (the compute
 track, the simulator's workload), ``distributed.py`` (the process group backend).
 """

@@ -62,6 +62,13 @@ def build(st: _State) -> None:
 
     st.units.append(_Unit(0, root))
     visit(root, 0)
+    for m in (m for u in st.units for m in u.members if "_collsched_part" in m.__dict__):
+        if m.__dict__["_collsched_part"] != st.part:
+            raise CollschedError(
+                f"fully_shard: {type(m).__name__} was given in a list with mesh over ranks "
+                f"{m.__dict__['_collsched_part'] or 'of the whole job'}, the root {type(root).__name__} with one over "
+                f"{st.part or 'the whole job'}; give the list and the root the same mesh="
+            )
     for u in st.units:
         # A unit's own output_dtype applies to its outputs; the rest is the root's.
         own = u.module.__dict__.get("_collsched_mp", mp)

@@ -1,6 +1,8 @@
 """The end of a backward iteration by the caller's hand, as FSDP2's root module offers it:
-manual finalization (``set_manual_backward_finalization``, ``finalize_backward``, which a
-pipeline schedule calls after the backward passes of all its micro-batches) and
+manual finalization (``set_manual_backward_finalization``, ``finalize_backward``, which
+torch.distributed.pipelining calls on an FSDP2 stage after the backward passes of all its
+micro-batches; it calls them on FSDP2's modules only, and over collsched's stages reduces at
+each micro-batch's backward instead) and
 ``reset_iter_state`` (the recovery after an exception in a forward or backward).
 
 collsched ends each backward itself: a synchronized one's reductions are waited for and its
@@ -8,7 +10,9 @@ gradients are in the shards' ``.grad`` when ``backward()`` returns; one under ``
 accumulates. What manual finalization adds is the reduction of what ``no_sync`` backward
 passes accumulated, without a further backward: :func:`finalize` reduces it once gradient
 synchronization is on again, as FSDP2's ``finalize_backward`` does. Both calls are the whole
-model's, made on its root, on every rank alike (they may reduce, which is collective)."""
+model's, made on its root, on every rank alike (they may reduce, which is collective: a rank
+decides by what it accumulated, so every rank's ``no_sync`` backward passes must reach the
+model's parameters alike, as with FSDP2)."""
 
 from __future__ import annotations
 
@@ -96,7 +100,7 @@ def _reduce_accumulated(state: Any, deliver: bool) -> None:
     try:
         state.train.set_no_sync(False)
         if deliver:
-            native, _ = state._hand(state.params)
+            native, _ = state._hand(state.params, final=True)
             state.native_s += native
         else:
             state.accum.clear()

@@ -16,16 +16,15 @@ import torch
 from torch import nn
 
 from .._native import CollschedError
-from . import finalize as finalize_
 from . import optim_state, state_dict, values
 from . import post_forward as post_
 from .build import after_forward, divides, set_reshard
-from .finalize import GradientReductionHandle
+from .compat import Fsdp2Methods, _state_of
 from .shard import _State
 from .world import _FROM_TORCH, _TO_TORCH
 
 
-class CollschedModule:
+class CollschedModule(Fsdp2Methods):
     """Mixed into every module given to :func:`fully_shard` (as FSDP2 does): the methods FSDP2
     users call on a sharded module. The module keeps its class's name, its own ``forward``
     and its signature (what Hugging Face's ``generate``, the Trainer and ``torch.export``
@@ -106,6 +105,11 @@ class CollschedModule:
         state = _state_of(self)  # type: ignore[arg-type]
         want = after_forward(flag, state, "set_reshard_after_forward")
         units = _units_under(self, state, recurse)
+        if not isinstance(want, bool) and any(len(u.members) > 1 for u in units):
+            raise CollschedError(
+                f"set_reshard_after_forward({reshard_after_forward}): a unit of a fully_shard([...]) list takes True "
+                "or False (an int layout is made for one module's unit)"
+            )
         before = [(u.reshard, u.post) for u in units]
         for u in units:
             set_reshard(u, want)
@@ -210,143 +214,6 @@ class CollschedModule:
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """FSDP2's earlier name of :meth:`set_gradient_divide_factor`."""
         self.set_gradient_divide_factor(factor)
-
-    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
-        """FSDP2's method, taken for its signature: collsched's reductions always sum (in the
-        reduction dtype, ``f32`` accumulation on the host) and divide by the gradient divide
-        factor after the sum (in f16, partly before it, as FSDP2 splits it), which is what this
-        asks of FSDP2's communicators."""
-        _state_of(self)
-        self.__dict__["_collsched_force_sum"] = bool(enable)
-
-    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """FSDP2's method for HSDP: whether a backward's gradients are all-reduced across the
-        replica groups. Without replica groups (every strategy but ``hybrid:G``) there is no
-        such all-reduce and ``True`` or ``False`` changes nothing. With ``hybrid:G`` below the
-        world size, ``False`` is refused: accumulate with ``no_sync()`` (or ``set_requires_gradient_sync(False)``),
-        which defers both the reduce-scatter and the all-reduce."""
-        state = _state_of(self)
-        del recurse  # the reductions are the whole model's
-        strategy = str(state.opts.get("strategy", ""))
-        group = int(strategy.split(":")[1]) if strategy.startswith("hybrid:") else None
-        if not requires_all_reduce and group is not None and group < state.world.world:
-            raise CollschedError(
-                "set_requires_all_reduce(False) with strategy "
-                f"{state.opts['strategy']!r}: collsched cannot defer the all-reduce across replica groups "
-                "alone; accumulate with no_sync() or set_requires_gradient_sync(False) instead"
-            )
-
-    def set_post_optim_event(self, event: Any) -> None:
-        """FSDP2's method: the next forward's gathers start after ``event`` (recorded after an
-        optimizer step on another stream). On ``cuda`` the library's compute stream (torch's
-        current stream at ``init``, which its gathers follow) waits for it; on host memory the
-        optimizer's step is over when it returns, and nothing waits."""
-        _state_of(self)
-        from . import world as world_
-
-        if event is not None and world_._STREAM is not None:
-            world_._STREAM.wait_event(event)
-
-    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
-        """FSDP2's method, taken for its signature: ``False`` tells FSDP2 that this unit's
-        parameters are not used in the backward, to skip their all-gather there. collsched
-        gathers a unit in the backward only when its backward starts or autograd asks for one
-        of its saved parameters, so an unused unit costs its one gather at most; the flag
-        changes nothing."""
-        _state_of(self)
-        self.__dict__["_collsched_unshard_in_backward"] = bool(unshard_in_backward)
-
-    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
-        """FSDP2's method, taken for its signature: collsched's collective buffers come from its
-        own pool (``cst.memory_stats()``), never a process group's allocator."""
-        _state_of(self)
-        del enable
-
-    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
-        """FSDP2's method, taken for its signature: collsched's collectives run on its own
-        backend and buffers; there is no process-group symmetric memory to switch to."""
-        _state_of(self)
-        del backend
-
-    def set_custom_all_gather(self, comm: Any) -> None:
-        """FSDP2's hook for its own all-gather; refused: collsched's gathers are its library's."""
-        raise CollschedError(_not_fsdp2_comms("set_custom_all_gather"))
-
-    def set_custom_reduce_scatter(self, comm: Any) -> None:
-        """FSDP2's hook for its own reduce-scatter; refused: collsched's reductions are its
-        library's."""
-        raise CollschedError(_not_fsdp2_comms("set_custom_reduce_scatter"))
-
-    def set_all_reduce_hook(self, hook: Any, *, stream: Any = None) -> None:
-        """FSDP2's hook run on each reduced gradient; refused: the reduced gradients stay in the
-        library until the backward's end, where each shard's ``.grad`` gets them (work on them
-        there: after ``backward()``, before the optimizer's step)."""
-        raise CollschedError(_not_fsdp2_comms("set_all_reduce_hook"))
-
-    def set_manual_backward_finalization(self, enabled: bool) -> None:
-        """FSDP2's method, on the root: with ``True``, :meth:`finalize_backward` ends each
-        logical backward (a pipeline schedule's micro-batches under
-        ``set_requires_gradient_sync(False)``, then synchronization on and one finalization). Set
-        it outside a backward. A synchronized backward still delivers its gradients itself."""
-        finalize_.set_manual(_state_of(self), self, enabled)
-
-    def finalize_backward(self, *, async_op: bool = False) -> GradientReductionHandle | None:
-        """FSDP2's method, on the root, after the backward passes of one logical backward: with
-        gradient synchronization on, reduces what the passes under ``no_sync`` accumulated
-        (collective: every rank calls it) and releases the units ``set_reshard_after_backward(False)``
-        held; with it off the gradients stay accumulated. Needs
-        ``set_manual_backward_finalization(True)``; refused inside a pass. ``async_op=True``
-        returns a :class:`GradientReductionHandle` whose ``wait()`` returns at once (the
-        reductions ran in the call)."""
-        return finalize_.finalize(_state_of(self), self, async_op)
-
-    def reset_iter_state(self) -> None:
-        """FSDP2's method, on the root, after a forward or backward raised: releases every unit,
-        ends the step left open, and drops its gradients and what ``no_sync`` micro-batches had
-        accumulated (restart that accumulation); earlier steps' ``.grad`` stay. Every rank calls
-        it (it may reduce). Without it the next forward recovers the same way, but keeps what
-        ``no_sync`` had accumulated."""
-        finalize_.reset(_state_of(self), self)
-
-    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
-        """FSDP2's method, taken for its signature: collsched reduces every gradient bucket whole,
-        a parameter a rank's backward did not reach counted as zeros there (FSDP2's ``True``), so
-        ranks that use different parameters never disagree on their collectives; after a
-        synchronized backward every trainable parameter has a ``.grad``."""
-        _state_of(self)
-        del reduce_scatter_unused_params, recurse
-
-    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
-        """FSDP2's method (how many reduce-scatter input buffers may be in flight before the
-        compute stream waits to reuse one), checked as FSDP2 checks it and taken: each of
-        collsched's reductions has a buffer of its own from the library's pool, freed behind
-        that reduction, so the compute stream never waits to reuse one (any cap is met)."""
-        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int) or max_input_buffers < 1:
-            raise CollschedError(f"set_reduce_scatter_max_input_buffers: {max_input_buffers!r}; give an int >= 1")
-        _state_of(self)
-        del recurse
-
-    def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
-        """FSDP2's method: ``False`` (the default: a released unit's gathered memory goes back)
-        is taken; ``True`` (the gathered storage kept at its address across a release and the
-        next gather, for CUDA graph capture) is refused: a unit's gathered buckets come from the
-        library's pool at each gather, usually at the same address but not always."""
-        _state_of(self)
-        del recurse
-        if keep:
-            raise CollschedError(
-                "set_keep_unsharded_storage(True): collsched.torch gathers each unit into buffers of its pool at "
-                "each fetch, not into storage kept at fixed addresses, so a CUDA graph captured over a step would "
-                "read stale addresses; leave it False (or reshard_after_forward=False to keep a unit fetched into "
-                "its backward)"
-            )
-
-    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
-        """FSDP2's method, taken for its signature: collsched's reductions already run apart
-        from its gathers (their own stream and, on ``cuda``, their own NCCL communicator), so
-        they overlap whether ``enable`` is True or False."""
-        _state_of(self)
-        del enable, recurse
 
     def refresh_trainable(self) -> bool:
         """Applies the parameters' ``requires_grad`` now (between steps); returns whether it
@@ -463,19 +330,20 @@ def _ignored(modules: list[nn.Module], params: Any) -> list[nn.Parameter]:
     return given
 
 
-def _group(modules: Any, reshard: Any) -> list[nn.Module]:
+def _group(modules: Any, reshard: Any) -> tuple[nn.Module, ...]:
     """FSDP2's ``fully_shard([a, b, ...])``, checked: the modules, one unit of the model a
     root's ``fully_shard`` plans (fetched when the first of them runs, released after each
     one's forward unless ``reshard_after_forward`` is False, reduced once all of their
-    gradients are in). Returns the list the members keep (their group), or that of an
+    gradients are in). Returns the tuple the members keep (their group), or that of an
     earlier call with the same modules."""
-    members = list(modules)
+    members = tuple(modules)
     if not members or not all(isinstance(m, nn.Module) for m in members):
         raise CollschedError(f"fully_shard: expected a non-empty list of torch.nn.Modules, got {modules!r}")
     earlier = members[0].__dict__.get("_collsched_group")
     if (
         earlier is not None
-        and list(earlier) == members
+        and len(earlier) == len(members)
+        and all(a is b for a, b in zip(earlier, members))
         and all(m.__dict__.get("_collsched_group") is earlier for m in members)
     ):
         return earlier
@@ -532,14 +400,6 @@ def _check_placements(module: nn.Module, fn: Any, ignored: Any) -> None:
             )
 
 
-def _not_fsdp2_comms(method: str) -> str:
-    return (
-        f"{method}: collsched.torch runs its own collectives on its own buffers and streams (its library), "
-        "not FSDP2's process-group calls, so there is nothing for this hook to replace; remove the call, or use "
-        "torch's fully_shard for this module"
-    )
-
-
 def _units_under(module: Any, state: _State, recurse: bool) -> list[Any]:
     """The units of ``state`` that are ``module`` or (``recurse``) under it."""
     units = {
@@ -548,13 +408,6 @@ def _units_under(module: Any, state: _State, recurse: bool) -> list[Any]:
         if m.__dict__.get("_collsched_state") is state and "_collsched_u" in m.__dict__
     }
     return list(units.values())
-
-
-def _state_of(module: nn.Module) -> _State:
-    state = module.__dict__.get("_collsched_state")
-    if state is None:
-        raise CollschedError(f"{type(module).__name__} is not sharded by collsched.torch.fully_shard")
-    return state
 
 
 def fully_shard(
@@ -645,7 +498,7 @@ def fully_shard(
     pass ``mesh=world_mesh["dp"]``, as above.
     """
     group = _group(module, reshard_after_forward) if isinstance(module, (list, tuple)) else None
-    members = group if group is not None else [module]
+    members = list(group) if group is not None else [module]
     if group is None and not isinstance(module, nn.Module):
         raise CollschedError(f"fully_shard: expected a torch.nn.Module, got {type(module).__name__}")
     if dp_mesh_dims is not None:
@@ -695,9 +548,11 @@ def fully_shard(
         m.__dict__["_collsched_mp"] = mp
         m.__dict__["_collsched_offload"] = opts_offload
     if group is not None:
-        # One unit of the model a root's fully_shard plans (module.py's _group).
+        # One unit of the model a root's fully_shard plans (module.py's _group), over the
+        # mesh given here (build.py compares it with the root's).
         for m in members:
             m.__dict__["_collsched_group"] = group
+            m.__dict__["_collsched_part"] = part
             _mark(m)
         return members
     opts = {

@@ -69,12 +69,12 @@ class _State:
         # Where the shards, the full parameters and their gradients live: the CPU, or the
         # CUDA device of a world on the cuda backend. On a device backend (cuda, or the
         # emulated one on the CPU) gradients go to the library in the reduction dtype, and
-        # under no_sync they accumulate in the full parameters' .grad.
+        # under no_sync they accumulate in ``accum`` (a .grad is always its backward's own).
         self.device = torch.device("cpu")
         self.on_device = False
         self.withheld = False
-        # Device gradients accumulated under no_sync in the reduction dtype where it is not the
-        # parameter's (as FSDP2 does), by parameter id.
+        # Device gradients accumulated under no_sync, in the reduction dtype (as FSDP2 does), by
+        # parameter id.
         self.accum: dict[int, torch.Tensor] = {}
         self.gather_buckets: dict[int, tuple[list[str], int]] = {}
         self.unit_buckets: list[list[int]] = []
@@ -659,7 +659,7 @@ class _State:
         self.train.set_no_sync(not self.sync)
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
-    def _hand(self, params: list[_Param]) -> tuple[float, bool]:
+    def _hand(self, params: list[_Param], final: bool = False) -> tuple[float, bool]:
         """Hands the accumulated gradients of ``params`` to the library; returns the seconds
         spent there and whether every one of them is in (one still to come, or of a parameter
         this backward does not reach, is not)."""
@@ -670,25 +670,24 @@ class _State:
                 continue
             full = p.full
             g = full.grad
-            if g is None and not (on_device and self.sync and p.pid in self.accum):
-                # (A finalization hands what no_sync accumulated without a gradient of its own.)
+            if g is None and not (final and on_device and self.sync and p.pid in self.accum):
+                # (The backward's end, or a finalization, hands what no_sync accumulated alone.)
                 done = False
                 continue
             want = self.reduce_dtype(p) if on_device else p.dtype
             if on_device and not self.sync:
                 # The library takes device gradients in the synchronized micro-batch only:
-                # until then they accumulate in .grad, or in the reduction dtype where it is
-                # not the parameter's (FSDP2 keeps them likewise).
+                # until then they accumulate here, in the reduction dtype (FSDP2 keeps them
+                # likewise), so that a .grad is always this backward's own.
                 self.withheld = True
                 got.add(p.pid)
-                if g.dtype != want:
-                    if p.tp is not None:
-                        g = tp_.local_grad(g, p.tp, p.name)
-                    full.grad = None
-                    acc = self.accum.get(p.pid)
-                    # Contiguous: the synchronized micro-batch hands the sum over as it is.
-                    summand = g.to(want, memory_format=torch.contiguous_format)
-                    self.accum[p.pid] = summand if acc is None else acc.add_(summand)
+                if p.tp is not None:
+                    g = tp_.local_grad(g, p.tp, p.name)
+                full.grad = None
+                acc = self.accum.get(p.pid)
+                # Contiguous: the synchronized micro-batch hands the sum over as it is.
+                summand = g.to(want, memory_format=torch.contiguous_format)
+                self.accum[p.pid] = summand if acc is None else acc.add_(summand)
                 continue
             if p.tp is not None and g is not None:
                 g = tp_.local_grad(g, p.tp, p.name)
@@ -735,7 +734,7 @@ class _State:
         t0 = _clock()
         native = 0.0
         for unit in self.units:
-            native += self._hand(unit.grads)[0]
+            native += self._hand(unit.grads, final=True)[0]
         for unit in self.units:
             native += self._after_backward(unit)
         self.queued = False

@@ -53,7 +53,7 @@ def init(backend: str | None = None, *, hybrid_group_size: Any = None) -> Any:
     device backend (``collsched._native.World.emulated``): CPU tensors, but ``fully_shard``
     takes the paths it takes on ``"cuda"`` (gradients given in the reduction dtype and packed
     on the compute stream, reduced shards in library memory that is never read as host
-    memory, ``no_sync`` accumulating in ``.grad``), so that its tests run them on the CPU.
+    memory, ``no_sync`` accumulating beside the library), so that its tests run them on the CPU.
     """
     global _WORLD, _BACKEND
     if _WORLD is not None:
