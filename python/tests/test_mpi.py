@@ -31,7 +31,7 @@ def _mpirun(world: int, spec: dict, out: str) -> subprocess.CompletedProcess:
 @pytest.mark.skipif(not _native.HAS_MPI, reason="package built without the mpi feature")
 @pytest.mark.parametrize("world", [2, 3])
 def test_fully_shard_on_mpi_matches_plain_pytorch(world, tmp_path):
-    spec = {"model": "mlp", "steps": 3, "strategy": "even", "bucket_mb": 0.0005}
+    spec = {"model": "mlp", "steps": 3, "strategy": "even", "bucket_mb": 0.0005, "backend": "mpi"}
     done = _mpirun(world, spec, str(tmp_path))
     assert done.returncode == 0, done.stdout + done.stderr
     runs = []

@@ -92,9 +92,9 @@ def reset(state: Any, module: Any) -> None:
 
 def _reduce_accumulated(state: Any, deliver: bool) -> None:
     """Ends a step with no backward in it as a synchronized one: the library reduces the
-    gradients accumulated under ``no_sync`` (a device backend's, withheld in the full
-    parameters' ``.grad``, are handed over first) and, with ``deliver``, adds them to the
-    shards' ``.grad``; without it they are taken and dropped."""
+    gradients accumulated under ``no_sync`` (a device backend's, waiting beside the library in
+    ``state.accum``, are handed over first) and, with ``deliver``, adds them to the shards'
+    ``.grad``; without it they are taken and dropped."""
     sync = state.sync
     state.sync = True
     try:

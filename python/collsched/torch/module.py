@@ -97,7 +97,8 @@ class CollschedModule(Fsdp2Methods):
         """Whether this unit (and, with ``recurse``, the units under it) is released after its
         training forward (True) or kept fetched into its backward (False: no second gather,
         its full parameters held meanwhile), or an int ``N``, as ``fully_shard``'s (``1/N`` of
-        its parameters kept per rank, gathered within ``N`` ranks in the backward). FSDP2's
+        its parameters kept per rank, gathered within ``N`` ranks in the backward; refused,
+        for the whole call, where a unit of a ``fully_shard([...])`` list is among them). FSDP2's
         method of the same name. Between steps, and
         collective where it changes the setting: every rank calls it alike (the training engine is
         made anew, which exchanges the plan's fingerprint)."""
