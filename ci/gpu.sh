@@ -64,7 +64,8 @@ mkdir -p "$fake/bin" "$fake/pack/tests" "$fake/pack/bin" "$fake/pack/wheel"
 printf '#!/bin/sh\n[ "$1" = "-L" ] && echo "GPU 0: Fake (UUID: GPU-0)" || echo fake\n' >"$fake/bin/nvidia-smi"
 printf '#!/bin/sh\necho "passing $*"\n' >"$fake/pack/tests/cuda_ptx"
 printf '#!/bin/sh\necho "failing $*"; exit 3\n' >"$fake/pack/tests/gpu_backend"
-printf '#!/bin/sh\necho hanging; exec sleep 300\n' >"$fake/pack/tests/gpu_fences"
+# (An odd duration, so that the check below finds this sleep and no other process's.)
+printf '#!/bin/sh\necho hanging; exec sleep 287.25\n' >"$fake/pack/tests/gpu_fences"
 echo "a fake pack" >"$fake/pack/MANIFEST"
 chmod +x "$fake/bin/nvidia-smi" "$fake/pack/tests/"*
 PATH="$fake/bin:$COLLSCHED_VENV/bin:$PATH" COLLSCHED_GPU_PACK="$fake/pack" COLLSCHED_GPU_STEP_SECS=3 \
@@ -80,7 +81,7 @@ tar -tzf "$dry/rehearsal/logs.tar.gz" | grep -q 'logs/rust-fences.log' || { echo
 # JSON) and the logs' tarball alone.
 [ "$(ls -A "$dry/rehearsal" | tr '\n' ' ')" = "logs.tar.gz summary.json summary.txt " ] \
   || { ls -A "$dry/rehearsal"; echo "ci/gpu: the output folder holds more than summary.txt, summary.json and logs.tar.gz"; exit 1; }
-if pgrep -f "$fake/pack/tests" >/dev/null || pgrep -fx 'sleep 300' >/dev/null; then
+if pgrep -f "$fake/pack/tests" >/dev/null || pgrep -fx 'sleep 287.25' >/dev/null; then
   echo "ci/gpu: the hung step's processes outlived its timeout"; exit 1
 fi
 echo "ci/gpu: rehearsal on a fake GPU: pass, fail and timeout reported, the hung step killed"
