@@ -41,7 +41,7 @@ class Fsdp2Methods:
         factor after the sum (in f16, partly before it, as FSDP2 splits it), which is what this
         asks of FSDP2's communicators."""
         _state_of(self)
-        self.__dict__["_collsched_force_sum"] = bool(enable)
+        del enable
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """FSDP2's method for HSDP: whether a backward's gradients are all-reduced across the
@@ -78,7 +78,7 @@ class Fsdp2Methods:
         of its saved parameters, so an unused unit costs its one gather at most; the flag
         changes nothing."""
         _state_of(self)
-        self.__dict__["_collsched_unshard_in_backward"] = bool(unshard_in_backward)
+        del unshard_in_backward
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """FSDP2's method, taken for its signature: collsched's collective buffers come from its

@@ -93,19 +93,15 @@ def reset(state: Any, module: Any) -> None:
 def _reduce_accumulated(state: Any, deliver: bool) -> None:
     """Ends a step with no backward in it as a synchronized one: the library reduces the
     gradients accumulated under ``no_sync`` (a device backend's, waiting beside the library in
-    ``state.accum``, are handed over first) and, with ``deliver``, adds them to the shards'
-    ``.grad``; without it they are taken and dropped."""
+    ``state.accum``, are handed over first: :func:`reset`'s ``_recover`` dropped them already)
+    and, with ``deliver``, adds them to the shards' ``.grad``; without it they are taken and
+    dropped."""
     sync = state.sync
     state.sync = True
     try:
         state.train.set_no_sync(False)
-        if deliver:
-            native, _ = state._hand(state.params, final=True)
-            state.native_s += native
-        else:
-            state.accum.clear()
-            for p in state.params:
-                p.full.grad = None
+        native, _ = state._hand(state.params, final=True)
+        state.native_s += native
         state._end_step(deliver=deliver)
     finally:
         state.sync = sync
