@@ -672,3 +672,37 @@ def group_refusals(rank: int, world: int) -> dict[str, Any]:
     out["member_as_root"] = error_text(lambda: cst.fully_shard(m.head))
     out["regrouped"] = error_text(lambda: cst.fully_shard([m.head, m.tok]))
     return out
+
+
+def reused(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """:class:`models.Reused` trained with SGD: its block sharded (called twice in each
+    forward), the head sharded too (``spec["head_unit"]``: called per chunk after the root's
+    forward) or left in the root's unit (FSDP2's default keeps the root fetched from its
+    forward into its backward, where the head runs), then the root; collsched's or torch's
+    FSDP2 (``spec["fsdp2"]``). Every step's loss and full parameters."""
+    import collsched.torch as cst
+
+    import workers
+
+    fsdp2 = spec.get("fsdp2", False)
+    if fsdp2:
+        from torch.distributed.fsdp import fully_shard
+    else:
+        fully_shard = functools.partial(cst.fully_shard, bucket_mb=0.0002)  # type: ignore[assignment]
+        cst.init("shm")
+    torch.manual_seed(0)
+    model = models.Reused()
+    fully_shard(model.block)
+    if spec["head_unit"]:
+        fully_shard(model.head)
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out: dict[str, Any] = {"losses": [], "params": []}
+    for step in range(spec["steps"]):
+        loss = models.reused_step(model, *models.reused_batch(step, rank))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out["losses"].append([loss.item()])
+        out["params"].append(workers.snapshot(full_of(model, fsdp2)))
+    return out

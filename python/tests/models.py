@@ -243,3 +243,30 @@ def reference(spec: dict[str, Any], world: int) -> dict[str, Any]:
         losses.append(step_losses)
         after.append({n: p.detach().cpu().clone() for n, p in params.items()})
     return {"losses": losses, "params": after, "evals": evals, "norms": norms}
+
+
+class Reused(nn.Module):
+    """Modules run more than once a step: ``inp``, then ``block`` twice (one unit called twice
+    in the forward), returning hidden states; the caller applies ``head`` after the forward,
+    chunk by chunk (a chunked loss)."""
+
+    def __init__(self, dim: int = 8, out: int = 5) -> None:
+        super().__init__()
+        self.inp = nn.Linear(dim, dim)
+        self.block = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(torch.tanh(self.block(torch.tanh(self.inp(x)))))
+
+
+def reused_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, chunks: int = 3) -> torch.Tensor:
+    """A step's loss on :class:`Reused`: the forward, then the head on each of ``chunks`` row
+    chunks of its output, the chunks' squared errors summed."""
+    h = model(x)
+    return sum(((model.head(c) - t) ** 2).sum() for c, t in zip(h.chunk(chunks), y.chunk(chunks)))
+
+
+def reused_batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7919 * step + rank)
+    return torch.randn(6, 8, generator=g), torch.randn(6, 5, generator=g)

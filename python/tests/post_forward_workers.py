@@ -14,7 +14,8 @@ from surface_workers import error_text
 
 def toggled(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     """The spec's gpt, its blocks' ``reshard_after_forward`` set between steps to
-    ``spec["flags"][step]`` (``set_reshard_after_forward``; the root keeps the default).
+    ``spec["flags"][step]`` (``set_reshard_after_forward``; the root released after its
+    forward throughout: True, not FSDP2's default, which keeps it).
     Losses, full parameters and counters per step; each step's post-forward layout (this rank's
     elements of each parameter there) and the bytes gathered between forward and backward;
     the refusals of a size that is not a factor of the world."""
@@ -24,7 +25,7 @@ def toggled(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     model = models.build("gpt", spec.get("seed", 0))
     for b in model.blocks:
         cst.fully_shard(b, bucket_mb=spec["bucket_mb"], reshard_after_forward=spec["flags"][0])
-    cst.fully_shard(model, bucket_mb=spec["bucket_mb"])
+    cst.fully_shard(model, bucket_mb=spec["bucket_mb"], reshard_after_forward=True)
     state = model.__dict__["_collsched_state"]
     opt = models.optimizer("adamw", model.parameters())
     out: dict[str, Any] = {"losses": [], "params": [], "stats": [], "between": [], "layout": [], "plans": []}

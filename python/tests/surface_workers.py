@@ -410,8 +410,9 @@ def module_face(rank: int, world: int) -> dict[str, Any]:
 
 def resharding(rank: int, world: int, spec: dict[str, Any], mode: str) -> dict[str, Any]:
     """The spec's gpt trained with ``reshard_after_forward`` per ``mode``: ``default`` (not
-    given), ``keep`` (False on every unit), ``root`` (False on the root alone), ``toggle``
-    (default, then ``set_reshard_after_forward(False)`` on the root after the first step).
+    given), ``keep`` (False on every unit), ``release`` (True on the root, the blocks' not
+    given), ``toggle`` (as ``release``, then ``set_reshard_after_forward(False)`` on the root
+    after the first step).
     Losses, full parameters and counters per step, and the bytes gathered between each
     forward and its backward."""
     import collsched.torch as cst
@@ -419,7 +420,7 @@ def resharding(rank: int, world: int, spec: dict[str, Any], mode: str) -> dict[s
     cst.init()
     model = models.build("gpt", spec.get("seed", 0))
     blocks_flag = {"keep": False}.get(mode)
-    root_flag = {"keep": False, "root": False}.get(mode)
+    root_flag = {"keep": False, "release": True, "toggle": True}.get(mode)
     for b in model.blocks:
         cst.fully_shard(b, bucket_mb=spec["bucket_mb"], reshard_after_forward=blocks_flag)
     cst.fully_shard(model, bucket_mb=spec["bucket_mb"], reshard_after_forward=root_flag)

@@ -429,3 +429,43 @@ def test_an_f16_reduction_divides_before_and_after_the_sum_and_trains_as_plain_p
         plan = r["plan"]
         grads = sum(b["shard_numel"] * plan["world"] for b in plan["buckets"] if b["kind"] == "grad")
         assert [st["reduced_bytes"] for st in r["stats"]] == [grads * 2] * 2, r["stats"]
+
+
+def reused_reference(steps: int, world: int) -> dict:
+    """Plain PyTorch on one :class:`models.Reused`: each rank's step computed in turn, the
+    gradients averaged over the ranks, SGD."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = models.Reused()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses, params = [], []
+    for step in range(steps):
+        grads, row = [], []
+        for rank in range(world):
+            loss = models.reused_step(model, *models.reused_batch(step, rank))
+            row.append(loss.item())
+            grads.append(torch.autograd.grad(loss, list(model.parameters())))
+        for p, *gs in zip(model.parameters(), *grads):
+            total = gs[0].clone()
+            for g in gs[1:]:
+                total += g
+            p.grad = total / world
+        opt.step()
+        opt.zero_grad()
+        losses.append([row])
+        params.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return {"losses": losses, "params": params}
+
+
+@pytest.mark.parametrize("head_unit", [False, True])
+def test_modules_run_twice_and_a_chunked_loss_after_the_forward_train_as_plain_pytorch(head_unit):
+    """A unit called twice in one forward, and a head applied chunk by chunk to the root's
+    output after the root's forward (a chunked loss): the head a module of the root's unit,
+    which FSDP2's default keeps fetched from the root's forward into its backward (released,
+    it would be 1-D shards there), or a unit of its own, fetched for each chunk. Each
+    parameter's gradient is handed over once all its uses are in: the same steps as plain
+    PyTorch, exactly, and as torch's FSDP2 on the same model."""
+    spec = {"steps": 3, "head_unit": head_unit}
+    ref = reused_reference(3, 2)
+    parity.check(run(w.reused, 2, spec), ref)
+    parity.check(run(w.reused, 2, {**spec, "fsdp2": True}, init="collsched"), ref)

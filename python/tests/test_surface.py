@@ -71,6 +71,19 @@ def unit_of(name: str) -> int:
     return int(m.group(1)) + 1 if m else 0
 
 
+def root_buckets(plan: dict) -> list[dict]:
+    """The root's own gather buckets (unit 0's): fully_shard's default keeps the root fetched
+    from its forward into its backward, as FSDP2's does, so these are gathered once a step,
+    every other gather bucket twice."""
+    return [b for b in buckets(plan, "gather") if {unit_of(n) for n in b["params"]} == {0}]
+
+
+def gathers_per_step(plan: dict) -> int:
+    """All-gathers of a training step with the default ``reshard_after_forward``: every block's
+    bucket in the forward and again in the backward, the root's once."""
+    return 2 * len(buckets(plan, "gather")) - len(root_buckets(plan))
+
+
 def unit_memory(plan: dict) -> dict[int, int]:
     """The gather buckets' memory per unit (fully_shard cuts buckets at units: each bucket's
     parameters are one unit's)."""
@@ -85,7 +98,7 @@ def unit_memory(plan: dict) -> dict[int, int]:
 
 def held_without_prefetch(plan: dict) -> int:
     """The gathered bytes held at most without prefetch: the root's parameters (gathered for the
-    whole forward, and again for the whole backward) and one block's."""
+    whole step, kept from the forward into the backward) and one block's."""
     per_unit = unit_memory(plan)
     return per_unit[0] + max(v for u, v in per_unit.items() if u != 0)
 
@@ -147,12 +160,11 @@ def test_prefetch_none_gathers_nothing_ahead(knob_runs):
     largest block's, from the plan). The default, on the same model, does prefetch after its
     first (recording) step and holds more."""
     for rank, r in enumerate(knob_runs["none"]):
-        n = len(buckets(r["plan"], "gather"))
         held = held_without_prefetch(r["plan"])
         for step, st in enumerate(r["stats"]):
             where = f"rank {rank} step {step}: {st}"
             assert st["prefetch_launches"] == 0 and st["prefetch_hits"] == 0, where
-            assert st["prefetch_misses"] == st["all_gathers"] == 2 * n, where
+            assert st["prefetch_misses"] == st["all_gathers"] == gathers_per_step(r["plan"]), where
             assert st["peak_gathered_bytes"] == held, f"{where}: peak, {held} held by the fetched units"
     for rank, r in enumerate(knob_runs["default"]):
         for step, st in enumerate(r["stats"][1:], 1):
@@ -207,17 +219,20 @@ def test_max_inflight_and_prefetch_mb_bound_the_gathered_bytes(knob_runs, knobs)
 
 def check_byte_counters(runs: list[dict], reduce_dtype: str | None) -> None:
     """Every step's ``gathered_bytes`` is every gather bucket's full buffer twice (the forward
-    and the backward), ``reduced_bytes`` every gradient bucket's once in the reduction dtype,
-    the launch counts agree, and ``wait_ms``, ``host_us_per_unit``, ``native_us_per_unit`` and
-    ``calls_us_per_unit`` are finite and not negative."""
+    and the backward; the root's once: it is kept into the backward), ``reduced_bytes`` every
+    gradient bucket's once in the reduction dtype, the launch counts agree, and ``wait_ms``,
+    ``host_us_per_unit``, ``native_us_per_unit`` and ``calls_us_per_unit`` are finite and not
+    negative."""
     for rank, r in enumerate(runs):
         plan = r["plan"]
         gather, grad = buckets(plan, "gather"), buckets(plan, "grad")
-        want_gathered = 2 * sum(gathered_bytes(plan, b) for b in gather)
+        kept = root_buckets(plan)
+        want_gathered = 2 * sum(gathered_bytes(plan, b) for b in gather) - sum(gathered_bytes(plan, b) for b in kept)
         want_reduced = sum(gathered_bytes(plan, b, reduce_dtype) for b in grad)
         for step, st in enumerate(r["stats"]):
             where = f"rank {rank} step {step}"
-            assert st["all_gathers"] == 2 * len(gather), f"{where}: {st['all_gathers']} gathers, {len(gather)} buckets"
+            want = 2 * len(gather) - len(kept)
+            assert st["all_gathers"] == want, f"{where}: {st['all_gathers']} gathers, {want} wanted"
             assert st["gathered_bytes"] == want_gathered, f"{where}: gathered {st['gathered_bytes']}, {want_gathered}"
             assert st["reduce_scatters"] == len(grad), f"{where}: {st['reduce_scatters']} reductions, {len(grad)}"
             assert st["reduced_bytes"] == want_reduced, f"{where}: reduced {st['reduced_bytes']}, {want_reduced}"
@@ -696,21 +711,22 @@ def test_a_sharded_module_keeps_its_interface_and_hooks_run_around_its_forward()
         assert r["live_after_raise"] == 0 and r["after_step"] and r["names"], r
 
 
-@pytest.mark.parametrize("mode", ["default", "keep", "root", "toggle"])
+@pytest.mark.parametrize("mode", ["default", "keep", "release", "toggle"])
 def test_reshard_after_forward_keeps_units_fetched_into_their_backward(mode):
-    """``reshard_after_forward=False`` (a unit's, the root's, or set between steps) keeps a
-    unit fetched from its forward into its backward: one gather fewer per bucket, its buckets'
-    memory held in between, the same training as plain PyTorch, nothing left after."""
+    """``reshard_after_forward=False`` (every unit's, the root's by default as FSDP2's, or set
+    between steps) keeps a unit fetched from its forward into its backward: one gather fewer
+    per bucket, its buckets' memory held in between, the same training as plain PyTorch,
+    nothing left after; True on the root releases it too."""
     spec = {"model": "gpt", "steps": 3, "bucket_mb": 0.002}
     runs = run(sw.resharding, 2, spec, mode)
     parity.check(runs, models.reference(spec, 2))
     for rank, r in enumerate(runs):
         plan = r["plan"]
         gather = buckets(plan, "gather")
-        root = [b for b in gather if {unit_of(n) for n in b["params"]} == {0}]
+        root = root_buckets(plan)
         assert 0 < len(root) < len(gather), plan
         for step, st in enumerate(r["stats"]):
-            kept = {"default": [], "keep": gather, "root": root, "toggle": gather if step else []}[mode]
+            kept = {"default": root, "keep": gather, "release": [], "toggle": gather if step else []}[mode]
             where = f"rank {rank} step {step} ({mode})"
             assert st["all_gathers"] == 2 * len(gather) - len(kept), f"{where}: {st}"
             # Held between forward and backward: the kept buckets, and what prefetch gathered

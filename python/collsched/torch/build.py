@@ -255,7 +255,13 @@ def build(st: _State) -> None:
     for u in st.units:
         for m in u.members:
             m.__dict__["_collsched_u"] = u
-        set_reshard(u, after_forward(u.module.__dict__.get("_collsched_reshard"), st, "fully_shard"))
+        flag = u.module.__dict__.get("_collsched_reshard")
+        if flag is None and u.module is root:
+            # FSDP2's default: the root is kept fetched from its forward into its backward,
+            # which begins with it (and a module of it run after the root's forward, a
+            # chunked loss's head, finds its full parameters).
+            flag = False
+        set_reshard(u, after_forward(flag, st, "fully_shard"))
         u.reshard_bwd = u.module.__dict__.get("_collsched_reshard_bwd", True)
         u.swaps = [(m._parameters, name, st.params[pid].full, st.params[pid].shard) for m, name, pid in u.slots]
         u.shared = any(users[pid] > 1 for pid in u.ids)

@@ -469,15 +469,16 @@ def fully_shard(
     gradients are reduced in; ``auto_refresh_trainable`` (True) picks up ``requires_grad``
     changes at each step boundary; ``sync_module_states`` (False) starts every rank from rank
     0's values (give it to the units' calls too: a unit's shards are cut when it is sharded);
-    ``reshard_after_forward`` (``None`` or True: release the module's unit after its training
-    forward; False: keep it fetched into its backward, one gather fewer, its full parameters
-    held from forward to backward; an int, FSDP2's number of ranks to reshard to, a factor of
+    ``reshard_after_forward`` (True: release the module's unit after its training forward;
+    False: keep it fetched into its backward, one gather fewer, its full parameters held from
+    forward to backward; ``None``, FSDP2's default: False on the root, whose backward begins
+    at once (a module of it run after its forward, a chunked loss's head, finds its full
+    parameters), True elsewhere; an int, FSDP2's number of ranks to reshard to, a factor of
     the shard group's size: the size is True, 1 is False, and ``N`` between keeps ``1/N`` of
     the unit's parameters on each rank after its forward, which its backward gathers within
     its group of ``N`` consecutive ranks, not across the world; see ``post_forward.py``) is
     this call's module's own, kept when a root's call
-    re-plans the units (FSDP2's ``None`` keeps the root fetched: pass False on the root for
-    that); ``mp_policy`` (``None``: none) a :class:`MixedPrecisionPolicy` (this package's or
+    re-plans the units; ``mp_policy`` (``None``: none) a :class:`MixedPrecisionPolicy` (this package's or
     FSDP2's): gathers in its ``param_dtype`` with f32 shards for the optimizer, and its
     ``reduce_dtype`` where ``reduce_dtype`` is not given; ``ignored_params`` (``None``: none) a
     set of parameters under ``module`` left as they are (FSDP2's: not sharded, their gradients
