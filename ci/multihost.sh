@@ -126,7 +126,7 @@ check_bench reduce_scatter
 # --host-overhead-us). The demo runs one
 # micro-batch per step without evaluation or freezing: one simulated step.
 predict_once() {
-  local label="$1" out rows a_us bw step tflops host sim cal
+  local label="$1" out rows a_us bw step tflops host sim cal shared
   out=$(across bench --backend mpi --op all_gather -b 4K -e 64K -f 16 --iters 40 --warmup 5)
   rows=$(grep -v '^#' <<<"$out" | awk 'NF >= 8 { print $1, $6 }')
   read -r a_us bw < <(awk 'NR == 1 { s1 = $1; t1 = $2 } NR == 2 { s2 = $1; t2 = $2 }
@@ -147,18 +147,17 @@ TOPO
   step=$(sed -n 's/^step time: \([0-9.]*\) ms.*/\1/p' <<<"$out")
   tflops=$(sed -n 's/.*sim --tflops \([0-9.e+-]*\);.*/\1/p' <<<"$out")
   host=$(sed -n 's/.*sim --host-overhead-us \([0-9.e+-]*\)$/\1/p' <<<"$out")
-  sim=$("$exe" sim --workload "$work/demo.json" --world 2 --topo "$work/link.json" --tflops "$tflops" \
-    --host-overhead-us "$host" \
-    --bucket-by size --bucket-mb 0.00390625 --steps 6 --json)
-  sim=$(grep -o '"step_ms":[0-9.e+-]*' <<<"$sim" | cut -d: -f2 || true)
+  sim=$(sim_step --topo "$work/link.json" --tflops "$tflops" --host-overhead-us "$host")
+  # The same with the two collective streams sharing the link (`--shared-link`), as they do.
+  shared=$(sim_step --topo "$work/link.json" --tflops "$tflops" --host-overhead-us "$host" --shared-link)
   # (1000 GB/s: the time did not grow from 4 KiB to 64 KiB; latency is all there is to it.)
   echo "ci/multihost: $label link as a collective sees it: latency $a_us us, bandwidth $bw GB/s;" \
-    "demo step: measured $step ms, simulated $sim ms" \
-    "(ratio $(awk -v m="$step" -v s="$sim" 'BEGIN { printf "%.2f", s / m }'))"
-  # Either figure missing or not positive (a parse failure, a NaN) is a failure; the ratio is
+    "demo step: measured $step ms, simulated $sim ms (ratio $(ratio "$sim" "$step"));" \
+    "with a shared link $shared ms (ratio $(ratio "$shared" "$step"))"
+  # Any figure missing or not positive (a parse failure, a NaN) is a failure; the ratios are
   # printed only.
-  awk -v m="$step" -v s="$sim" 'BEGIN { exit !(m > 0 && s > 0) }' \
-    || { echo "ci/multihost: no measured ($step) or simulated ($sim) step time on the $label link"; exit 1; }
+  awk -v m="$step" -v s="$sim" -v h="$shared" 'BEGIN { exit !(m > 0 && s > 0 && h > 0) }' \
+    || { echo "ci/multihost: no measured ($step) or simulated ($sim, $shared) step time on the $label link"; exit 1; }
   # The same link calibrated (`collsched calibrate --backend mpi`: each kind's fixed and per-byte
   # cost fitted over the demo's bucket sizes, or its latency alone where the time is flat over
   # them; the host time per collective; how compute shares the cores) and the simulator priced
@@ -183,11 +182,20 @@ TOPO
     return 0
   fi
   cal=$(grep -o '"step_ms":[0-9.e+-]*' <<<"$cal" | cut -d: -f2 || true)
+  shared=$(sim_step --cost "$work/profile.json" --tflops "$tflops" --shared-link)
   echo "ci/multihost: $label link, demo step simulated from the calibrated profile: $cal ms" \
-    "(ratio $(awk -v m="$step" -v s="$cal" 'BEGIN { printf "%.2f", s / m }'))"
-  awk -v c="$cal" 'BEGIN { exit !(c > 0) }' \
+    "(ratio $(ratio "$cal" "$step")); with a shared link $shared ms (ratio $(ratio "$shared" "$step"))"
+  awk -v c="$cal" -v h="$shared" 'BEGIN { exit !(c > 0 && h > 0) }' \
     || { echo "ci/multihost: no step time simulated from the calibrated profile on the $label link"; exit 1; }
 }
+# The demo's workload simulated with the given pricing and options: its step in ms.
+sim_step() {
+  local out
+  out=$("$exe" sim --workload "$work/demo.json" --world 2 --bucket-by size --bucket-mb 0.00390625 --steps 6 \
+    --json "$@")
+  grep -o '"step_ms":[0-9.e+-]*' <<<"$out" | cut -d: -f2 || true
+}
+ratio() { awk -v s="$1" -v m="$2" 'BEGIN { printf "%.2f", s / m }'; }
 predict() {
   predict_once "$1"
 }

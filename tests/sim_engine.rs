@@ -566,3 +566,61 @@ fn bucket_order_params_numbers_buckets_as_listed() {
     w.bucket_order = BucketOrder::Forward;
     assert!(!w.to_json().contains("bucket_order"), "the default is left out");
 }
+
+/// `shared_link`: the two streams' transfers never use the link at once. On links without
+/// latency or launch costs a collective's whole price is transfer, so the time some
+/// collective runs (the union of the spans) is at least the sum of the prices (a run without
+/// sharing, where each collective lasts its price, gives them); in that run the streams do
+/// overlap (the union is shorter than the sum), so the check can fail. No collective runs
+/// shorter than its price.
+#[test]
+fn a_shared_link_carries_one_transfer_at_a_time() {
+    let w = small(Architecture::Llama, 4, 512, false);
+    let mut c = config("p4d", 8, Policy::Trace);
+    c.timeline = true;
+    c.cost = c.cost.with_launch_overhead(0.0).with_group_call_overhead(0.0);
+    c.cost.intra.latency_us = 0.0;
+    c.cost.inter.latency_us = 0.0;
+    let own = run(&w, &c);
+    c.shared_link = true;
+    let shared = run(&w, &c);
+    // Each collective by (stream, step, bucket, occurrence): its (start, end).
+    let spans = |r: &SimReport| -> std::collections::BTreeMap<(usize, u32, u32, u32), (u64, u64)> {
+        let mut out = std::collections::BTreeMap::new();
+        for (lane, spans) in r.timeline.as_ref().unwrap().collectives.iter().enumerate() {
+            for s in spans {
+                let mut k = 0;
+                while out.contains_key(&(lane, s.step, s.index, k)) {
+                    k += 1;
+                }
+                out.insert((lane, s.step, s.index, k), (s.start_ns, s.start_ns + s.dur_ns));
+            }
+        }
+        out
+    };
+    let union = |spans: &std::collections::BTreeMap<(usize, u32, u32, u32), (u64, u64)>| -> u64 {
+        let mut v: Vec<(u64, u64)> = spans.values().copied().collect();
+        v.sort_unstable();
+        let (mut total, mut end) = (0, 0);
+        for (a, b) in v {
+            total += b.saturating_sub(a.max(end));
+            end = end.max(b);
+        }
+        total
+    };
+    let (a, b) = (spans(&own), spans(&shared));
+    assert!(a.len() > 10, "{} collectives", a.len());
+    assert_eq!(
+        a.keys().collect::<Vec<_>>(),
+        b.keys().collect::<Vec<_>>(),
+        "the same collectives in both runs"
+    );
+    let prices: u64 = a.values().map(|(s, e)| e - s).sum();
+    assert!(union(&a) < prices, "the streams never overlap without sharing: the test shows nothing");
+    assert!(union(&b) >= prices, "two transfers at once: {} ns of collectives in {} ns", prices, union(&b));
+    for (k, (s, e)) in &b {
+        let (s0, e0) = a[k];
+        assert!(e - s >= e0 - s0, "{k:?}: {} ns shared, priced {} ns", e - s, e0 - s0);
+    }
+    assert!(shared.steps.iter().zip(&own.steps).any(|(x, y)| x.step_ns > y.step_ns), "sharing cost nothing");
+}

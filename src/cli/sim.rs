@@ -97,6 +97,11 @@ pub struct SimArgs {
     /// end (the others' late arrival on shared cores, waking up). Default 0.
     #[arg(long, value_name = "US")]
     pub wait_overhead_us: Option<f64>,
+    /// The all-gather and reduce-scatter streams share one link (one network adapter): a
+    /// collective's transfer, its time beyond a launch of 0 bytes, runs only while the other
+    /// stream's leave the link free. Default off: a link per stream.
+    #[arg(long)]
+    pub shared_link: bool,
     /// Compute is this many times slower (ranks sharing cores); default: the `--cost`
     /// profile's `compute_slowdown`, else 1.
     #[arg(long, value_name = "F")]
@@ -325,6 +330,7 @@ fn run_one(args: &SimArgs, timeline: bool) -> Result<(SimReport, Topology, SimCo
     cfg.wait_overhead_s = args.wait_overhead_us.map(|us| us * 1e-6);
     cfg.compute_slowdown = args.compute_slowdown;
     cfg.compute_overlap = args.compute_overlap;
+    cfg.shared_link = args.shared_link;
     cfg.jitter = args.jitter;
     cfg.seed = args.seed;
     cfg.timeline = timeline;
@@ -362,6 +368,9 @@ fn write_summary(out: &mut impl Write, r: &SimReport, topo: &Topology, cfg: &Sim
             cfg.compute_slowdown(),
             cfg.compute_overlap() * 100.0
         )?;
+    }
+    if cfg.shared_link {
+        writeln!(out, "  the all-gather and reduce-scatter streams share one link (--shared-link)")?;
     }
     let rep = r.reported().len();
     if r.steps.len() > 1 {

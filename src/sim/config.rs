@@ -204,6 +204,14 @@ pub struct SimConfig {
     /// compute; a compute op is stretched by the rest of the time the rank's resolved
     /// collectives run during it. `None`: the profile's, else 1 (free overlap, as on a GPU).
     pub compute_overlap: Option<f64>,
+    /// `shared_link`: the all-gather and the reduce-scatter streams share one link, as two
+    /// streams over one network adapter do. A collective's transfer (its price beyond the same
+    /// collective's at 0 bytes: the latency and launch terms are not shared) runs only while
+    /// the other stream's transfers leave the link free, so two running together take as long
+    /// as one after the other; the one priced first keeps the link. Default off: each stream
+    /// has a link of its own (the model's default, which the calibrated tables in
+    /// `benches/README.md` were made with).
+    pub shared_link: bool,
     /// `jitter`: compute durations are multiplied by `1 + jitter * u`, `u` uniform in `[0, 1)`
     /// per rank and compute op (stragglers). Default 0.
     pub jitter: f64,
@@ -234,6 +242,7 @@ impl SimConfig {
             wait_overhead_s: None,
             compute_slowdown: None,
             compute_overlap: None,
+            shared_link: false,
             jitter: 0.0,
             seed: 0,
             timeline: false,

@@ -20,6 +20,9 @@
 //!   [`CostModel::group_call_time`](collsched_topo::CostModel::group_call_time) when a launch holds
 //!   several plan ops); a group of one rank moves nothing and costs 0. All ranks issue the same
 //!   collectives in the same order (the scheduler's determinism rule), which the simulator checks.
+//!   With [`SimConfig::shared_link`] the two streams share one link: a collective's transfer
+//!   (its price less a launch of 0 bytes) runs where the other stream's already priced
+//!   transfers leave the link free, so it lasts longer than its price.
 //! - **Actions**: `Launch` queues the collective (and allocates a gathered buffer);
 //!   `Wait` on compute stalls the rank until the fence, and [`SimConfig::wait_overhead_s`] past
 //!   it when the rank did block (the stall is *exposed communication*);
@@ -66,6 +69,8 @@ use super::workload::Workload;
 struct Coll {
     id: LaunchId,
     dur: u64,
+    /// The part of `dur` that is not a transfer (latency, launch): first, never shared.
+    fixed: u64,
     issued: u32,
     ready: u64,
     start: u64,
@@ -81,6 +86,8 @@ struct Colls {
     by_serial: Vec<u32>,
     lane: [Vec<u32>; 2],
     resolved: [usize; 2],
+    /// [`SimConfig::shared_link`](super::config::SimConfig::shared_link).
+    shared: bool,
 }
 
 impl Colls {
@@ -115,12 +122,43 @@ impl Colls {
                 0 => 0,
                 k => self.all[self.lane[s][k - 1] as usize].end,
             };
+            let c = &self.all[i as usize];
+            let start = prev.max(c.ready);
+            let end = if self.shared {
+                self.shared_end(1 - s, start + c.fixed, c.dur - c.fixed)
+            } else {
+                start + c.dur
+            };
             let c = &mut self.all[i as usize];
-            c.start = prev.max(c.ready);
-            c.end = c.start + c.dur;
+            c.start = start;
+            c.end = end;
             c.resolved = true;
             self.resolved[s] += 1;
         }
+    }
+
+    /// Where a transfer of `ns` nanoseconds from `from` ends when it runs only while lane
+    /// `other`'s resolved transfers leave the link free. Each of those holds the link from its
+    /// start's fixed part to its end: the parts of that span where it waited for this lane's
+    /// transfers lie before `from` (this lane's collectives run one after another).
+    fn shared_end(&self, other: usize, from: u64, ns: u64) -> u64 {
+        let done = &self.lane[other][..self.resolved[other]];
+        // A lane's collectives end in order: skip those that ended by `from`.
+        let first = done.partition_point(|&i| self.all[i as usize].end <= from);
+        let (mut t, mut left) = (from, ns);
+        for &i in &done[first..] {
+            let c = &self.all[i as usize];
+            let busy_from = c.start + c.fixed;
+            if busy_from > t {
+                let free = busy_from - t;
+                if free >= left {
+                    return t + left;
+                }
+                left -= free;
+            }
+            t = t.max(c.end);
+        }
+        t + left
     }
 }
 
@@ -268,7 +306,7 @@ impl Simulation {
         Ok(Simulation {
             shared: program,
             ranks,
-            colls: Colls::default(),
+            colls: Colls { shared: config.shared_link, ..Colls::default() },
             config: config.clone(),
             workload: workload.name.clone(),
             layer_names: workload.layers.iter().map(|l| l.name.clone()).collect(),
@@ -333,11 +371,11 @@ impl Simulation {
             let st = &mut steps[(c.step as usize).min(steps_n - 1)];
             match c.id.role {
                 Role::Gather => {
-                    st.comm_ns[0] += c.dur;
+                    st.comm_ns[0] += c.end - c.start;
                     st.all_gathers += 1;
                 }
                 Role::Reduce => {
-                    st.comm_ns[1] += c.dur;
+                    st.comm_ns[1] += c.end - c.start;
                     st.reduce_scatters += 1;
                 }
             }
@@ -378,7 +416,7 @@ impl Simulation {
                 };
                 colls[lane].push(Span {
                     start_ns: c.start,
-                    dur_ns: c.dur,
+                    dur_ns: c.end - c.start,
                     kind,
                     index: c.id.bucket.0,
                     step: c.step,
@@ -673,11 +711,12 @@ fn exec(sh: &mut Program, colls: &mut Colls, st: &mut SimRank) -> Result<Flow, S
                     }
                     i as usize
                 } else {
-                    let dur = price(sh, l.id.bucket, &l.ops);
+                    let [dur, fixed] = price(sh, l.id.bucket, &l.ops);
                     let i = colls.all.len();
                     colls.all.push(Coll {
                         id: l.id,
                         dur,
+                        fixed,
                         issued: 0,
                         ready: 0,
                         start: 0,

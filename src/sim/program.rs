@@ -23,8 +23,9 @@ pub(crate) struct Program {
     pub(crate) syncs: Vec<u32>,
     /// Explicit rules for forward and backward.
     pub(crate) rules: Option<[Explicit; 2]>,
-    /// Launch duration cache by bucket id (u64::MAX: not priced yet).
-    pub(crate) price: Vec<u64>,
+    /// Launch price cache by bucket id: its duration and the part of it a launch of 0 bytes
+    /// would take (`[u64::MAX, _]`: not priced yet).
+    pub(crate) price: Vec<[u64; 2]>,
     pub(crate) cost: CostModel,
     /// A measured profile pricing collectives instead of `cost`.
     pub(crate) profile: Option<collsched_topo::CostProfile>,
@@ -181,7 +182,7 @@ impl Program {
             compute_ns,
             syncs,
             rules,
-            price: vec![u64::MAX; n_buckets],
+            price: vec![[u64::MAX, 0]; n_buckets],
             cost: config.cost,
             profile: config.profile.clone(),
             host_ns: match (zero3, config.host_overhead_s) {
@@ -355,23 +356,32 @@ pub(crate) fn jitter_factor(sh: &Program, rank: u32, step: u32, pc: usize) -> f6
 }
 
 /// Nanoseconds of one launch of `bucket` running plan `ops`, cached per bucket.
-pub(crate) fn price(sh: &mut Program, bucket: BucketId, ops: &[collsched_schedule::OpId]) -> u64 {
+/// Nanoseconds of one launch of `bucket` running plan `ops`, and of those the part that does
+/// not grow with its bytes (the same launch priced at 0 bytes: latency, launch and copies).
+pub(crate) fn price(sh: &mut Program, bucket: BucketId, ops: &[collsched_schedule::OpId]) -> [u64; 2] {
     if let Some(&p) = sh.price.get(bucket.index()) {
-        if p != u64::MAX {
+        if p[0] != u64::MAX {
             return p;
         }
     }
-    // `check_clock` bounded every price at compile time: the conversion does not saturate.
+    // `check_clock` bounded every price at compile time: the conversions do not saturate.
     let ns = (sh.price_secs(ops) * 1e9).round().max(0.0) as u64;
+    let fixed = ((sh.priced(ops, false) * 1e9).round().max(0.0) as u64).min(ns);
     if let Some(p) = sh.price.get_mut(bucket.index()) {
-        *p = ns;
+        *p = [ns, fixed];
     }
-    ns
+    [ns, fixed]
 }
 
 impl Program {
     /// Seconds of one launch running plan `ops` (one group call when several).
     fn price_secs(&self, ops: &[collsched_schedule::OpId]) -> f64 {
+        self.priced(ops, true)
+    }
+
+    /// [`Program::price_secs`], with the collectives' bytes (`sized`) or with 0 bytes each (the
+    /// copies of [`Policy::Zero3_2021`] at their own size either way).
+    fn priced(&self, ops: &[collsched_schedule::OpId], sized: bool) -> f64 {
         let mut calls: Vec<(CollectiveKind, u64, GroupShape)> = Vec::with_capacity(ops.len());
         for &o in ops {
             let Some(op) = self.plan.op(o) else { continue };
@@ -403,6 +413,11 @@ impl Program {
         } else {
             0.0
         };
+        if !sized {
+            for c in &mut calls {
+                c.1 = 0;
+            }
+        }
         if let Some(p) = &self.profile {
             // `check_clock` refused a plan with a kind the profile lacks: NaN never reaches the clock.
             return extra
