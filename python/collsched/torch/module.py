@@ -150,8 +150,8 @@ class CollschedModule(Fsdp2Methods):
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """FSDP2's method, taken for its signature: every backward here hands its gradients over
         and waits for their reductions at its end, last or not (accumulate with ``no_sync`` or
-        ``set_requires_gradient_sync(False)``)."""
-        _state_of(self).last_backward = bool(is_last_backward)
+        ``set_requires_gradient_sync(False)``), so nothing is kept."""
+        _state_of(self)  # (refused on a module collsched has not sharded)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """FSDP2's method: whether this unit (and, with ``recurse``, the units under it) is

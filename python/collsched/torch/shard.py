@@ -93,8 +93,6 @@ class _State:
         self.meta = False
         # In ``to_empty``: emptied copies of the shards are put back without a word.
         self.emptying = False
-        # ``set_is_last_backward``'s flag (every backward ends its reductions here).
-        self.last_backward = True
         # ``set_manual_backward_finalization``'s flag (finalize.py).
         self.manual = False
         # One per unit forward running (pre-hook to hook), innermost last.
@@ -678,27 +676,32 @@ class _State:
             if on_device and not self.sync:
                 # The library takes device gradients in the synchronized micro-batch only:
                 # until then they accumulate here, in the reduction dtype (FSDP2 keeps them
-                # likewise), so that a .grad is always this backward's own.
+                # likewise), so that a .grad is always this backward's own; a tensor-parallel
+                # one as a DTensor, redistributed once, when handed.
                 self.withheld = True
                 got.add(p.pid)
                 if p.tp is not None:
-                    g = tp_.local_grad(g, p.tp, p.name)
+                    g = tp_.settled(g, p.tp, p.name)
                 full.grad = None
                 acc = self.accum.get(p.pid)
                 # Contiguous: the synchronized micro-batch hands the sum over as it is.
                 summand = g.to(want, memory_format=torch.contiguous_format)
-                self.accum[p.pid] = summand if acc is None else acc.add_(summand)
+                if acc is not None:
+                    summand = acc.add_(summand) if p.tp is None else tp_.add_into(acc, summand, p.tp, p.name)
+                self.accum[p.pid] = summand
                 continue
-            if p.tp is not None and g is not None:
-                g = tp_.local_grad(g, p.tp, p.name)
             full.grad = None
             # Host gradients go over in the parameter's dtype (the library casts); device ones
             # in the reduction dtype (cast here, on the compute stream, all in one
             # multi-tensor copy below), with what no_sync micro-batches accumulated.
             acc = self.accum.pop(p.pid, None) if on_device else None
-            if acc is not None:
-                g = acc if g is None else acc.add_(g)
-            elif g.dtype != want or not g.is_contiguous():
+            if acc is not None and g is not None:
+                g = acc.add_(g) if p.tp is None else tp_.add_into(acc, g, p.tp, p.name)
+            elif acc is not None:
+                g = acc
+            if p.tp is not None:
+                g = tp_.local_grad(g, p.tp, p.name)
+            if (acc is None or p.tp is not None) and (g.dtype != want or not g.is_contiguous()):
                 cast.append((len(batch), want, None))
             batch.append((p.pid, g))
             got.add(p.pid)

@@ -63,10 +63,10 @@ def full_param(placeholder: torch.Tensor, spec: Any) -> nn.Parameter:
     return nn.Parameter(DTensor(placeholder, spec, requires_grad=False), requires_grad=False)
 
 
-def local_grad(g: Any, spec: Any, name: str) -> torch.Tensor:
-    """The local tensor of a gradient of a tensor-parallel parameter, redistributed to the
-    parameter's placements first where autograd left it otherwise (``Partial``: collective
-    over the tensor-parallel ranks, which all hand the same gradients in the same order)."""
+def settled(g: Any, spec: Any, name: str) -> Any:
+    """A gradient of a tensor-parallel parameter as autograd left it: a DTensor (a functional
+    collective's result waited for), its placements as they are (``Partial`` stays: no_sync
+    micro-batches sum such gradients before :func:`local_grad` redistributes them once)."""
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
     if isinstance(g, AsyncCollectiveTensor):
@@ -77,6 +77,25 @@ def local_grad(g: Any, spec: Any, name: str) -> torch.Tensor:
             f"DTensor placed {tuple(spec.placements)}; a hook that replaced it must give a DTensor of the "
             "parameter's spec"
         )
+    return g
+
+
+def add_into(acc: Any, g: Any, spec: Any, name: str) -> Any:
+    """``acc += g`` for two gradients of one tensor-parallel parameter (``g`` redistributed to
+    ``acc``'s placements where autograd left it otherwise)."""
+    g = settled(g, spec, name)
+    if tuple(g.placements) != tuple(acc.placements):
+        g = g.redistribute(acc.device_mesh, acc.placements)
+    return acc.add_(g)
+
+
+def local_grad(g: Any, spec: Any, name: str) -> torch.Tensor:
+    """The local tensor of a gradient of a tensor-parallel parameter, redistributed to the
+    parameter's placements first where autograd left it otherwise (``Partial``: collective
+    over the tensor-parallel ranks, which all hand the same gradients in the same order)."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    g = settled(g, spec, name)
     if tuple(g.placements) != tuple(spec.placements):
         g = g.redistribute(spec.mesh, spec.placements)
     local = g._local_tensor
