@@ -314,6 +314,7 @@ fn a_hand_written_trace_runs() {
         forward_flops: f,
         backward_flops: 2.0 * f,
         recompute_flops: 0.0,
+        keep: false,
     };
     let w = Workload::in_layer_order(
         "hand",
@@ -535,6 +536,7 @@ fn bucket_order_params_numbers_buckets_as_listed() {
         forward_flops: 1e9,
         backward_flops: 2e9,
         recompute_flops: 0.0,
+        keep: false,
     };
     // Listed c, a, b; the forward runs a, b, c (one module, so one bucket, each).
     let mut w = Workload::in_layer_order(

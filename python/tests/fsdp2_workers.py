@@ -706,3 +706,27 @@ def reused(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
         out["losses"].append([loss.item()])
         out["params"].append(workers.snapshot(full_of(model, fsdp2)))
     return out
+
+
+def retained(rank: int, world: int) -> dict[str, Any]:
+    """:class:`models.Reused` sharded as :func:`reused` does (the head in the root's unit):
+    a chunked loss's chunks backward one at a time through a retained graph. The first
+    backward ends the step and releases the root, whose full head weight the other chunks
+    saved outside the saved-tensor hooks: the second backward's error, then a plain step."""
+    import collsched.torch as cst
+
+    cst.init("shm")
+    torch.manual_seed(0)
+    model = models.Reused()
+    cst.fully_shard(model.block, bucket_mb=0.0002)
+    cst.fully_shard(model, bucket_mb=0.0002)
+    x, y = models.reused_batch(0, rank)
+    h = model(x)
+    losses = [((model.head(c) - t) ** 2).sum() for c, t in zip(h.chunk(3), y.chunk(3))]
+    losses[0].backward(retain_graph=True)
+    out: dict[str, Any] = {"second": error_text(lambda: losses[1].backward(retain_graph=True))}
+    loss = models.reused_step(model, *models.reused_batch(1, rank))
+    loss.backward()
+    out["after"] = loss.item()
+    out["live"] = cst.live_bytes(model)
+    return out

@@ -469,3 +469,14 @@ def test_modules_run_twice_and_a_chunked_loss_after_the_forward_train_as_plain_p
     ref = reused_reference(3, 2)
     parity.check(run(w.reused, 2, spec), ref)
     parity.check(run(w.reused, 2, {**spec, "fsdp2": True}, init="collsched"), ref)
+
+
+def test_a_second_backward_through_a_head_run_after_the_forward_is_refused():
+    """A chunked loss's chunks run backward one at a time (``retain_graph``): the first ends
+    the step and releases the root's unit, which the head (a module of it run after the
+    root's forward) saved its full weight from. The second backward raises autograd's
+    in-place error instead of reading a released buffer (FSDP2 raises too: its storage is
+    freed), and the next step runs, nothing left gathered after it."""
+    for r in run(w.retained, 2):
+        assert "modified by an inplace operation" in r["second"], r
+        assert r["after"] == r["after"] and r["live"] == 0, r

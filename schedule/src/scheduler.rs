@@ -245,6 +245,13 @@ impl Scheduler {
     /// ([`Explicit::after_in_backward`](crate::Explicit::after_in_backward)) switches to them.
     /// Nothing is launched or freed by it.
     pub fn begin_backward(&mut self) {
+        // A bucket still held from the forward (a unit kept into its backward): its first
+        // fetch in the backward is the policy's to observe, as one held over from the last
+        // step is (explicit backward rules fire on it; trace replay goes on past it).
+        let c = &mut self.core;
+        for (held, &users) in c.held_over.iter_mut().zip(&c.my_bucket_users) {
+            *held |= users > 0;
+        }
         self.policy.begin_backward();
     }
 

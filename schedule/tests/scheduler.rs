@@ -1088,3 +1088,34 @@ fn a_bucket_held_over_a_step_boundary_keeps_the_replay_in_order_and_releases_bet
     assert_eq!(frees(&a).iter().map(|f| f.bucket).collect::<Vec<_>>(), [b(0)]);
     assert_eq!(r.reg.live_bytes(), 0);
 }
+
+#[test]
+fn a_bucket_kept_from_the_forward_fires_the_backward_rules_at_its_backward_fetch() {
+    // FSDP2's root kept fetched into its backward (reshard_after_forward=False): its fetch in
+    // the backward gathers nothing, and an explicit backward rule on it still prefetches the
+    // layer the backward reaches next.
+    let mut r = rig(4, no_prefetch());
+    let plan = r.plan.clone();
+    let b = |i: usize| plan.layout().gather_bucket_of(layer(i)[0]).unwrap();
+    let gathered = |a: &[Action]| launches(a).iter().map(|l| (l.id.bucket, l.prefetch)).collect::<Vec<_>>();
+    let mut e = Explicit::default();
+    e.after_in_backward(b(0), &[b(3)]);
+    r.s.set_policy(Box::new(e));
+    for i in 0..4 {
+        r.fetch(&layer(i));
+        if i > 0 {
+            r.release(&layer(i));
+        }
+    }
+    r.s.begin_backward();
+    r.out.clear();
+    r.fetch(&layer(0));
+    assert_eq!(gathered(&r.take()), [(b(3), true)], "the rule on the kept bucket did not fire");
+    r.release(&layer(0));
+    r.fetch(&layer(3));
+    assert_eq!(gathered(&r.take()), [], "layer 3 was gathered again");
+    let c = r.s.counters().clone();
+    assert_eq!((c.already_gathered, c.prefetch_hits), (1, 1), "{c:?}");
+    // Gathered once in the forward, layer 3 once more ahead of its backward fetch.
+    assert_eq!(c.all_gathers, 5, "{c:?}");
+}

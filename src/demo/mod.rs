@@ -163,6 +163,7 @@ pub fn workload(cfg: &DemoConfig) -> crate::sim::workload::Workload {
             forward_flops: forward,
             backward_flops: 2.0 * forward,
             recompute_flops: 0.0,
+            keep: false,
         });
     }
     Workload::in_layer_order("demo-mlp", params, layers)

@@ -285,7 +285,7 @@ impl Program {
 }
 
 /// The program of one step of the library's engine: forward over the layers (`Fetch` ->
-/// compute -> `Release`), the loss, then backward (`Fetch` -> recompute -> backward -> `Grad`
+/// compute -> `Release`, which a kept layer moves to its backward's fetch), the loss, then backward (`Fetch` -> recompute -> backward -> `Grad`
 /// for each trainable parameter whose last use this is -> `Release`), then `EndStep` and the
 /// update; the workload's engine hooks' host time after each `Fetch` and `Release`.
 fn library_step(
@@ -305,7 +305,9 @@ fn library_step(
         s.push(Call::Fetch(l), 0.0, 0);
         s.hook(l, hook);
         s.push(Call::Compute(l, SpanKind::Forward), layer.forward_flops * ns_per_flop, 0);
-        s.push(Call::Release(l), 0.0, 0);
+        if !layer.keep {
+            s.push(Call::Release(l), 0.0, 0);
+        }
         s.hook(l, hook);
     }
     s.outside(SpanKind::Loss, workload.loss_flops, ns_per_flop);
@@ -313,6 +315,10 @@ fn library_step(
     for (k, &l) in bwd.iter().enumerate() {
         let layer = &workload.layers[l as usize];
         s.push(Call::Fetch(l), 0.0, 0);
+        if layer.keep {
+            // Gathered since its forward: this fetch gathers nothing; the forward's hold goes.
+            s.push(Call::Release(l), 0.0, 0);
+        }
         s.hook(l, hook);
         if layer.recompute_flops > 0.0 {
             s.push(Call::Compute(l, SpanKind::Recompute), layer.recompute_flops * ns_per_flop, 0);

@@ -132,6 +132,13 @@ pub struct Layer {
     /// FLOPs recomputed during backward under activation checkpointing (0 without).
     #[serde(default)]
     pub recompute_flops: f64,
+    /// Kept fetched from its forward into its backward (`reshard_after_forward=False`;
+    /// `collsched.torch`'s root by default): its forward does not release it, and its
+    /// backward's fetch finds it gathered (the engine still makes that fetch, which fires the
+    /// backward's prefetch rules, and drops the forward's hold). The library's policies; the
+    /// `zero3-2021` program ignores it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub keep: bool,
 }
 
 /// A step's parameters, layers and fetch orders.
@@ -415,6 +422,7 @@ impl TransformerConfig {
             forward_flops: 0.0,
             backward_flops: 0.0,
             recompute_flops: 0.0,
+            keep: false,
         });
 
         // Blocks.
@@ -441,6 +449,7 @@ impl TransformerConfig {
                 forward_flops: fwd,
                 backward_flops: 2.0 * fwd,
                 recompute_flops: recompute,
+                keep: false,
             });
         }
 
@@ -469,6 +478,7 @@ impl TransformerConfig {
             forward_flops: fwd,
             backward_flops: 2.0 * fwd,
             recompute_flops: 0.0,
+            keep: false,
         });
 
         let w = Workload::in_layer_order(&self.name, params, layers);

@@ -41,9 +41,11 @@ How it works (one rank):
   then (a tied parameter's, a unit without such arguments, the root) go at the end of the
   backward, when the step ends and each shard's ``.grad`` gets the reduced (mean over ranks)
   gradient of its elements, added to what is there (``zero_grad`` as usual).
-- **Passes without backward** (``torch.no_grad()``, an output that is dropped, an exception
-  in a forward, ``KeyboardInterrupt`` included) leave nothing fetched: evaluation passes run
-  on a second engine of the same model, and an aborted pass releases what it fetched.
+- **Passes without backward** (``torch.no_grad()``, an exception in a forward,
+  ``KeyboardInterrupt`` included) leave nothing fetched: evaluation passes run on a second
+  engine of the same model, and an aborted pass releases what it fetched. A training forward
+  whose output is dropped leaves the units kept into their backward (the root, by default)
+  fetched: the next training pass goes on with them, and its backward releases them.
 
 On the ``cuda`` backend (``init(backend="cuda")``) the same pass runs on the device: the
 shards, the full parameters' views and the reduced gradients are library memory on the GPU

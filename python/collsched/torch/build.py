@@ -319,7 +319,8 @@ def _no_values(w: Any, metas: dict[str, bool], sync_module_states: bool) -> bool
 
 def after_forward(value: Any, st: _State, what: str) -> bool | int:
     """What a unit does after its training forward, from its ``reshard_after_forward``: None
-    or True, release it (True); False, keep it fetched into its backward (False); an int as
+    (the caller makes it False for the root) or True, release it (True); False, keep it
+    fetched into its backward (False); an int as
     FSDP2 reads it, the number of ranks its parameters are resharded to, a factor of the shard
     group's size (the world, or ``G`` of ``hybrid:G``): the size itself is True, 1 (a full
     copy kept) is False, one between is returned (``post_forward.py``); others are refused."""

@@ -102,6 +102,11 @@ class CollschedModule(Fsdp2Methods):
         method of the same name. Between steps, and
         collective where it changes the setting: every rank calls it alike (the training engine is
         made anew, which exchanges the plan's fingerprint)."""
+        if reshard_after_forward is None:
+            raise CollschedError(
+                "set_reshard_after_forward(None): give True, False or a number of ranks (None, fully_shard's "
+                "default, is False on the root and True elsewhere)"
+            )
         flag = _reshard_flag(reshard_after_forward, "set_reshard_after_forward")
         state = _state_of(self)  # type: ignore[arg-type]
         want = after_forward(flag, state, "set_reshard_after_forward")
@@ -374,8 +379,8 @@ def _reshard_flag(value: Any, what: str) -> bool | int | None:
         return value
     raise CollschedError(
         f"{what}: reshard_after_forward={value!r}; expected True (release each unit after its forward), "
-        "False (keep it fetched into its backward), None (True) or a number of ranks (FSDP2's int: the shard "
-        "group's size is True, 1 is False)"
+        "False (keep it fetched into its backward), None (False on the root, True elsewhere) or a number "
+        "of ranks (FSDP2's int: the shard group's size is True, 1 is False)"
     )
 
 
@@ -656,8 +661,9 @@ def plan(module: nn.Module) -> dict[str, Any]:
 
 
 def live_bytes(module: nn.Module) -> int:
-    """Gathered bytes held on this rank for ``module``'s sharded model (0 between passes,
-    but for the units ``set_reshard_after_backward(False)`` holds after a no_sync backward;
-    the post-forward pieces of an int ``reshard_after_forward`` are shards, not counted)."""
+    """Gathered bytes held on this rank for ``module``'s sharded model (0 between steps, but
+    for the units ``set_reshard_after_backward(False)`` holds after a no_sync backward, and
+    those kept into a backward that has not run: a dropped training output's; the
+    post-forward pieces of an int ``reshard_after_forward`` are shards, not counted)."""
     state = _root_state(module)
     return int(state.train.live_bytes) + post_.live_bytes(state)

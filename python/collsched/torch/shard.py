@@ -386,7 +386,7 @@ class _State:
         try:
             if hook:
                 self._hook_pre_backward(unit, out)
-                unit.kept = not unit.reshard
+                unit.kept = unit.exposed = not unit.reshard
                 if unit.post:
                     post_.capture(self, unit)
         finally:
@@ -414,7 +414,12 @@ class _State:
         t0 = _clock()
         if not self.queued:
             self._begin_backward()
-        native = self._fetch(unit, post_.backward_engine(self, unit), swap=True)
+        if unit.kept and unit.fetched is self.train:
+            # Kept since its forward: fetched again, gathering nothing (backward rules fire).
+            unit.kept = False
+            native = self._take_held(unit)
+        else:
+            native = self._fetch(unit, post_.backward_engine(self, unit), swap=True)
         self.host_s += _clock() - t0 - native
         self.native_s += native
         self.spans.begin("backward", unit.index)
@@ -491,9 +496,9 @@ class _State:
         return native
 
     def _take_held(self, unit: _Unit) -> float:
-        """A training forward of a unit held since the last backward: fetched again (nothing
-        is gathered: its buffers are live; the schedule sees the fetch in its order), then the
-        backward's hold dropped. Returns the seconds spent in the library."""
+        """A unit held since the last backward (or kept since its forward) fetched again for a
+        training pass: nothing is gathered (its buffers are live; the schedule sees the fetch in
+        its order), then the earlier hold dropped. Returns the seconds spent in the library."""
         unit.fetched = None
         unit.held = False
         native = self._fetch(unit, self.train, swap=True)
@@ -530,8 +535,9 @@ class _State:
         unit.swapped = True
 
     def _release(self, unit: _Unit) -> float:
-        """Releases ``unit`` (its shards back in its modules); returns the seconds spent in the
-        library."""
+        """Releases ``unit`` (its shards back in its modules); returns seconds in the library."""
+        if unit.exposed:
+            unit.expire()
         engine = unit.fetched
         unit.kept = False
         unit.held = False
@@ -686,19 +692,15 @@ class _State:
                 acc = self.accum.get(p.pid)
                 # Contiguous: the synchronized micro-batch hands the sum over as it is.
                 summand = g.to(want, memory_format=torch.contiguous_format)
-                if acc is not None:
-                    summand = acc.add_(summand) if p.tp is None else tp_.add_into(acc, summand, p.tp, p.name)
-                self.accum[p.pid] = summand
+                self.accum[p.pid] = summand if acc is None else tp_.add_into(acc, summand, p.tp, p.name)
                 continue
             full.grad = None
             # Host gradients go over in the parameter's dtype (the library casts); device ones
             # in the reduction dtype (cast here, on the compute stream, all in one
             # multi-tensor copy below), with what no_sync micro-batches accumulated.
             acc = self.accum.pop(p.pid, None) if on_device else None
-            if acc is not None and g is not None:
-                g = acc.add_(g) if p.tp is None else tp_.add_into(acc, g, p.tp, p.name)
-            elif acc is not None:
-                g = acc
+            if acc is not None:
+                g = acc if g is None else tp_.add_into(acc, g, p.tp, p.name)
             if p.tp is not None:
                 g = tp_.local_grad(g, p.tp, p.name)
             if (acc is None or p.tp is not None) and (g.dtype != want or not g.is_contiguous()):

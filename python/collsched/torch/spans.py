@@ -234,6 +234,8 @@ def workload_record(module: Any, path: Any = None) -> dict[str, Any]:
             "forward_flops": seconds(f"forward {u.index}") * FLOPS_PER_SECOND,
             "backward_flops": seconds(f"backward {u.index}") * FLOPS_PER_SECOND,
             "recompute_flops": 0.0,
+            # Kept fetched from its forward into its backward (the root, by default).
+            "keep": not u.reshard and not u.post,
         }
         for u in units
     ]

@@ -81,8 +81,10 @@ def settled(g: Any, spec: Any, name: str) -> Any:
 
 
 def add_into(acc: Any, g: Any, spec: Any, name: str) -> Any:
-    """``acc += g`` for two gradients of one tensor-parallel parameter (``g`` redistributed to
-    ``acc``'s placements where autograd left it otherwise)."""
+    """``acc += g`` for two gradients of one parameter; of a tensor-parallel one (``spec``
+    not None), ``g`` redistributed to ``acc``'s placements where autograd left it otherwise."""
+    if spec is None:
+        return acc.add_(g)
     g = settled(g, spec, name)
     if tuple(g.placements) != tuple(acc.placements):
         g = g.redistribute(acc.device_mesh, acc.placements)

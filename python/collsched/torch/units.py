@@ -136,6 +136,7 @@ class _Unit:
         "post",
         "captured",
         "kept",
+        "exposed",
         "reshard_bwd",
         "held",
         "manual",
@@ -168,6 +169,10 @@ class _Unit:
         # into the backward (False; ``kept`` while so held).
         self.reshard = True
         self.kept = False
+        # Kept past a forward, where modules run after the pass (a chunked loss's head) save
+        # the full parameters for their backward as they are, not through the saved-tensor
+        # hooks: :meth:`expire` at its release.
+        self.exposed = False
         # An int ``reshard_after_forward`` below the shard group's size: the ranks each of its
         # parameters is resharded to after a training forward (0: none such), and whether this
         # step's forward has put its pieces there (``post_forward.py``).
@@ -182,6 +187,14 @@ class _Unit:
         self.manual = False
         # Mixed precision's output_dtype of this unit's own fully_shard call, or None.
         self.output_dtype: torch.dtype | None = None
+
+    def expire(self) -> None:
+        """Released after being kept past a forward: the full parameters' version counters
+        move on, so a backward that still reads one saved outside the saved-tensor hooks (one
+        more backward through a retained graph) raises autograd's error about a tensor modified
+        in place, instead of reading a buffer that another gather may have reused."""
+        self.exposed = False
+        torch.autograd.graph.increment_version([p.full for p in self.params])
 
 
 class _Frame:
