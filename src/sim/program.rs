@@ -361,9 +361,9 @@ pub(crate) fn jitter_factor(sh: &Program, rank: u32, step: u32, pc: usize) -> f6
     1.0 + sh.jitter * u
 }
 
-/// Nanoseconds of one launch of `bucket` running plan `ops`, cached per bucket.
 /// Nanoseconds of one launch of `bucket` running plan `ops`, and of those the part that does
-/// not grow with its bytes (the same launch priced at 0 bytes: latency, launch and copies).
+/// not grow with its bytes (the same launch priced at 0 bytes: latency, launch and copies);
+/// cached per bucket.
 pub(crate) fn price(sh: &mut Program, bucket: BucketId, ops: &[collsched_schedule::OpId]) -> [u64; 2] {
     if let Some(&p) = sh.price.get(bucket.index()) {
         if p[0] != u64::MAX {
