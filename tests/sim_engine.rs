@@ -626,3 +626,64 @@ fn a_shared_link_carries_one_transfer_at_a_time() {
     }
     assert!(shared.steps.iter().zip(&own.steps).any(|(x, y)| x.step_ns > y.step_ns), "sharing cost nothing");
 }
+
+/// With a shared link and `compute_overlap` 0 a compute op is stretched by the time some
+/// collective runs during it, not counting a collective's wait for the link. On links without
+/// latency or launch costs the link moves one transfer at a time, so no op more than doubles;
+/// the two streams' spans (one of them waiting) do cover some op together, where counting each
+/// stream's span whole would stretch it up to threefold, so the check can fail.
+#[test]
+fn a_wait_for_a_shared_link_does_not_stretch_compute() {
+    use collsched::sim::{Span, SpanKind};
+    use std::collections::HashMap;
+    let w = small(Architecture::Llama, 4, 512, false);
+    let mut c = config("p4d", 8, Policy::Trace);
+    c.timeline = true;
+    c.shared_link = true;
+    c.cost = c.cost.with_launch_overhead(0.0).with_group_call_overhead(0.0);
+    c.cost.intra.latency_us = 0.0;
+    c.cost.inter.latency_us = 0.0;
+    let free = run(&w, &c);
+    c.compute_overlap = Some(0.0);
+    let slowed = run(&w, &c);
+    let computes = |r: &SimReport| -> Vec<Span> {
+        let tl = r.timeline.as_ref().unwrap();
+        tl.compute[0]
+            .iter()
+            .filter(|s| {
+                matches!(s.kind, SpanKind::Forward | SpanKind::Backward | SpanKind::Loss | SpanKind::Update)
+            })
+            .cloned()
+            .collect()
+    };
+    // Each op by (step, kind, layer, occurrence): its unstretched duration.
+    let key = |seen: &mut HashMap<(u32, SpanKind, u32), u32>, s: &Span| {
+        let k = seen.entry((s.step, s.kind, s.index)).or_insert(0);
+        *k += 1;
+        (s.step, s.kind, s.index, *k)
+    };
+    let mut seen = HashMap::new();
+    let base: HashMap<_, u64> = computes(&free).iter().map(|s| (key(&mut seen, s), s.dur_ns)).collect();
+    let mut seen = HashMap::new();
+    let ops = computes(&slowed);
+    assert_eq!(ops.len(), base.len(), "the same compute ops in both runs");
+    let lanes = &slowed.timeline.as_ref().unwrap().collectives;
+    let (mut stretched, mut covered_by_both) = (0, 0);
+    for s in &ops {
+        let b = *base.get(&key(&mut seen, s)).unwrap_or_else(|| panic!("{s:?} not in the free run"));
+        assert!(b > 0 && s.dur_ns >= b, "{s:?} shorter than its {b} ns");
+        assert!(s.dur_ns <= 2 * b, "{s:?} stretched past twice its {b} ns: a wait for the link counted");
+        stretched += usize::from(s.dur_ns > b);
+        let (from, to) = (s.start_ns, s.start_ns + b);
+        let during = |lane: &Vec<Span>| -> Vec<(u64, u64)> {
+            lane.iter()
+                .map(|x| (x.start_ns.max(from), (x.start_ns + x.dur_ns).min(to)))
+                .filter(|(a, z)| a < z)
+                .collect()
+        };
+        let (ag, rs) = (during(&lanes[0]), during(&lanes[1]));
+        covered_by_both += usize::from(ag.iter().any(|x| rs.iter().any(|y| x.0.max(y.0) < x.1.min(y.1))));
+    }
+    assert!(stretched > 0, "no compute op was stretched: the test shows nothing");
+    assert!(covered_by_both > 0, "no op ran under both streams' spans: the test shows nothing");
+}

@@ -202,7 +202,8 @@ pub struct SimConfig {
     pub compute_slowdown: Option<f64>,
     /// `compute_overlap`: the fraction of collective time that proceeds alongside a rank's
     /// compute; a compute op is stretched by the rest of the time the rank's resolved
-    /// collectives run during it. `None`: the profile's, else 1 (free overlap, as on a GPU).
+    /// collectives run during it (with [`shared_link`](Self::shared_link), not counting a
+    /// collective's wait for the link). `None`: the profile's, else 1 (free overlap, as on a GPU).
     pub compute_overlap: Option<f64>,
     /// `shared_link`: the all-gather and the reduce-scatter streams share one link, as two
     /// streams over one network adapter do. A collective's transfer (its price beyond the same

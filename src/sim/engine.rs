@@ -35,7 +35,8 @@
 //! - **Shared cores** (CPU backends; a calibrated profile's `compute_slowdown` and
 //!   `compute_overlap`): compute takes `compute_slowdown` times longer, and a compute op is
 //!   stretched by `1 - compute_overlap` of the time the resolved collectives of both streams
-//!   run during it (collectives some rank has not launched yet are not counted). The defaults
+//!   run during it (collectives some rank has not launched yet are not counted; on a shared
+//!   link, neither is a collective's wait for the link). The defaults
 //!   (1 and 1) leave compute alone.
 //! - **Host overhead**: [`SimConfig::host_overhead_s`] is added to the rank's compute timeline
 //!   for every collective it launches (per-parameter Python hooks for [`Policy::Naive`]); a
@@ -56,111 +57,16 @@
 
 use collsched_buckets::BucketKind;
 use collsched_schedule::{
-    Action, EngineEvent, Fence, Fences, InflightRegistry, LaunchId, PolicyKind, Role, ScheduleError,
-    Scheduler, SchedulerConfig, Stream, WaitOn,
+    Action, EngineEvent, Fence, Fences, InflightRegistry, PolicyKind, Role, ScheduleError, Scheduler,
+    SchedulerConfig, Stream, WaitOn,
 };
 
+use super::colls::{Coll, Colls};
 use super::config::{Policy, SimConfig, SimError, COMPUTE_QUEUE};
 use super::program::{jitter_factor, price, Program};
 use super::report::{Lane, SimReport, SimStepStats, Span, SpanKind, Timeline};
 use super::step::Call;
 use super::workload::Workload;
-
-struct Coll {
-    id: LaunchId,
-    dur: u64,
-    /// The part of `dur` that is not a transfer (latency, launch): first, never shared.
-    fixed: u64,
-    issued: u32,
-    ready: u64,
-    start: u64,
-    end: u64,
-    resolved: bool,
-    prefetch: bool,
-    step: u32,
-}
-
-#[derive(Default)]
-struct Colls {
-    all: Vec<Coll>,
-    by_serial: Vec<u32>,
-    lane: [Vec<u32>; 2],
-    resolved: [usize; 2],
-    /// [`SimConfig::shared_link`](super::config::SimConfig::shared_link).
-    shared: bool,
-}
-
-impl Colls {
-    fn get(&self, id: LaunchId) -> Option<&Coll> {
-        let i = *self.by_serial.get(id.serial as usize)?;
-        self.all.get(i as usize)
-    }
-
-    /// Nanoseconds of `[from, to)` the resolved collectives of both streams run (summed over
-    /// the streams). A stream's collectives end in order, so the scan stops at the first that
-    /// ended by `from`.
-    fn busy_between(&self, from: u64, to: u64) -> u64 {
-        let mut busy = 0;
-        for s in 0..2 {
-            for &i in self.lane[s][..self.resolved[s]].iter().rev() {
-                let c = &self.all[i as usize];
-                if c.end <= from {
-                    break;
-                }
-                busy += c.end.min(to).saturating_sub(c.start.max(from));
-            }
-        }
-        busy
-    }
-
-    fn try_resolve(&mut self, s: usize, world: u32) {
-        while let Some(&i) = self.lane[s].get(self.resolved[s]) {
-            if self.all[i as usize].issued < world {
-                break;
-            }
-            let prev = match self.resolved[s] {
-                0 => 0,
-                k => self.all[self.lane[s][k - 1] as usize].end,
-            };
-            let c = &self.all[i as usize];
-            let start = prev.max(c.ready);
-            let end = if self.shared {
-                self.shared_end(1 - s, start + c.fixed, c.dur - c.fixed)
-            } else {
-                start + c.dur
-            };
-            let c = &mut self.all[i as usize];
-            c.start = start;
-            c.end = end;
-            c.resolved = true;
-            self.resolved[s] += 1;
-        }
-    }
-
-    /// Where a transfer of `ns` nanoseconds from `from` ends when it runs only while lane
-    /// `other`'s resolved transfers leave the link free. Each of those holds the link from its
-    /// start's fixed part to its end: the parts of that span where it waited for this lane's
-    /// transfers lie before `from` (this lane's collectives run one after another).
-    fn shared_end(&self, other: usize, from: u64, ns: u64) -> u64 {
-        let done = &self.lane[other][..self.resolved[other]];
-        // A lane's collectives end in order: skip those that ended by `from`.
-        let first = done.partition_point(|&i| self.all[i as usize].end <= from);
-        let (mut t, mut left) = (from, ns);
-        for &i in &done[first..] {
-            let c = &self.all[i as usize];
-            let busy_from = c.start + c.fixed;
-            if busy_from > t {
-                let free = busy_from - t;
-                if free >= left {
-                    return t + left;
-                }
-                left -= free;
-            }
-            t = t.max(c.end);
-        }
-        t + left
-    }
-}
 
 #[derive(Default, Clone, Copy)]
 struct Acc {

@@ -6,12 +6,14 @@
 //! - [`config`]: the knobs ([`SimConfig`], [`Policy`]) and errors;
 //! - `step`: the engine calls of a step;
 //! - `program`: a workload compiled into a plan, the engine calls of a step and their prices;
+//! - `colls`: each stream's collectives, their start and end, shared link or not;
 //! - [`engine`]: the event loop that runs every rank's scheduler ([`simulate`]);
 //! - [`report`]: what a run reports ([`SimReport`], per-step [`SimStepStats`], timelines);
 //! - [`timeline`]: Chrome trace JSON and SVG pictures of a report;
 //! - `zero3`: the `zero3-2021` policy's step (DeepSpeed ZeRO-3 before batching) and its costs.
 
 pub mod against;
+mod colls;
 pub mod config;
 pub mod engine;
 mod program;
