@@ -115,6 +115,15 @@ def test_what_a_tensor_parallel_model_refuses_is_named(tmp_path):
         assert "holds parameter blocks.0.down.bias cut (Replicate(),)" in got["layout"], got["layout"]
         assert got["same_layout"] == "no error", got["same_layout"]
         assert got["same_values"] == "True", got
+        spmd = {
+            "spmd_plain": "parameter blocks.0.norm.weight is a plain tensor; under dp_mesh_dims every parameter",
+            "spmd_placed": "parameter head.weight is placed (Shard(dim=0), Shard(dim=1)) on mesh ('dp', 'tp'); "
+            "under dp_mesh_dims it must be Replicate() on the data-parallel dimensions ['dp']",
+            "spmd_names": "dp_mesh_dims names dimension 'cp', which mesh of dimensions ('dp', 'tp') lacks",
+            "spmd_ddp": "names no shard dimension",
+        }
+        for key, want in spmd.items():
+            assert got[key].startswith(error + "fully_shard: ") and want in got[key], (rank, key, got[key])
 
 
 @pytest.mark.parametrize("no_sync,backend", [(False, "shm"), (True, "shm"), (True, "emulated")])
@@ -161,3 +170,37 @@ def test_a_meta_device_tensor_parallel_model_takes_rank_0s_values():
         # Values exact (copied, never computed); the forward in float32 through tp's partial sums.
         assert got["values"] == want, rank
         _close([got["loss"]], [losses[rank // 2]], f"rank {rank} loss", 1e-6)
+
+
+@pytest.mark.parametrize("hsdp", [False, True], ids=["dp-tp", "hsdp"])
+def test_a_model_of_dtensors_on_the_whole_mesh_shards_over_dp_mesh_dims_as_fsdp2_does(hsdp):
+    """FSDP2's ``dp_mesh_dims`` form against plain PyTorch and FSDP2: parameters DTensors on
+    the whole mesh ((dp 2, tp 2), or (rep 2, dp 2) for HSDP), the loss a DTensor mean over the
+    global batch. FSDP2 averages each data-parallel rank's part of that gradient over them, so
+    each step takes the plain gradient over the number of data-parallel ranks (computed so
+    here); collsched the same, exact to float32's rounding, its state dict placed as FSDP2's."""
+    world, steps = 4, 3
+    dp_size = world if hsdp else world // 2
+    m = w.model(0).double()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    losses, norms = [], []
+    for step in range(steps):
+        loss = m(torch.cat([w.batch(r, step) for r in range(dp_size)]).double()).pow(2).mean()
+        losses.append(loss.item())
+        (loss / dp_size).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)))
+        opt.step()
+        opt.zero_grad()
+    params = {k: v.reshape(-1).tolist() for k, v in m.state_dict().items()}
+    got = run(w.train_spmd, world, steps, "collsched", hsdp, init="collsched", timeout=300)
+    fsdp2 = run(w.train_spmd, world, steps, "fsdp2", hsdp, init="torch", timeout=300)
+    for rank in range(world):
+        for name, out in (("collsched", got[rank]), ("fsdp2", fsdp2[rank])):
+            _close(out["losses"], losses, f"{name} rank {rank} losses", 1e-6)
+            _close(out["norms"], norms, f"{name} rank {rank} norms", 1e-6)
+            assert sorted(out["params"]) == sorted(params), (name, sorted(out["params"]))
+            for k, v in params.items():
+                _close(out["params"][k], v, f"{name} rank {rank} {k}", 1e-6)
+        assert got[rank]["placements"] == fsdp2[rank]["placements"], (rank, got[rank]["placements"])
+    want = "(Replicate(), Shard(dim=0))" if hsdp else "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
+    assert got[0]["placements"]["blocks.0.up.weight"] == want, got[0]["placements"]

@@ -190,6 +190,20 @@ def refusals(rank: int, world: int, path: str) -> dict[str, str]:
     out["same_layout"] = error(lambda: cst.load_checkpoint(fresh, None, path))
     saved, loaded = m.state_dict(), fresh.state_dict()
     out["same_values"] = str(all(torch.equal(saved[k].full_tensor(), loaded[k].full_tensor()) for k in saved))
+    # dp_mesh_dims: a plain parameter, one sharded over dp already, names the mesh lacks, no shard.
+    from torch.distributed.fsdp import DataParallelMeshDims
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = _meshes(world)[0]
+    dims = DataParallelMeshDims(shard="dp")
+    out["spmd_plain"] = error(lambda: cst.fully_shard(model(), mesh=mesh, dp_mesh_dims=dims))
+    placed = spmd_model(mesh)
+    placed.head.weight = nn.Parameter(distribute_tensor(model().head.weight.data, mesh, [Shard(0), Shard(1)]))
+    out["spmd_placed"] = error(lambda: cst.fully_shard(placed, mesh=mesh, dp_mesh_dims=dims))
+    cp = DataParallelMeshDims(shard="cp")
+    out["spmd_names"] = error(lambda: cst.fully_shard(spmd_model(mesh), mesh=mesh, dp_mesh_dims=cp))
+    ddp = DataParallelMeshDims(replicate="dp")
+    out["spmd_ddp"] = error(lambda: cst.fully_shard(spmd_model(mesh), mesh=mesh, dp_mesh_dims=ddp))
     return out
 
 
@@ -282,3 +296,63 @@ def meta_init(rank: int, world: int) -> dict[str, Any]:
     with torch.no_grad():
         loss = m(batch(dp.get_local_rank(), 0)).pow(2).mean().item()
     return {"values": values, "loss": loss}
+
+
+def spmd_model(mesh: Any, seed: int = 0, tp: bool = True) -> Net:
+    """The model with every parameter a DTensor on the whole 2-D ``mesh``, ``Replicate`` on
+    its first dimension (FSDP2's ``dp_mesh_dims`` form); ``tp``: the second is tensor-parallel,
+    the up projections' rows and the down ones' columns sharded over it, the rest replicated."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    m = model(seed)
+    r = Replicate()
+    over_tp = {"up.weight": Shard(0), "up.bias": Shard(0), "down.weight": Shard(1)} if tp else {}
+    for name, p in list(m.named_parameters()):
+        owner, _, leaf = name.rpartition(".")
+        placed = over_tp.get(f"{owner.rpartition('.')[2]}.{leaf}", r)
+        setattr(m.get_submodule(owner), leaf, nn.Parameter(distribute_tensor(p.data, mesh, [r, placed])))
+    return m
+
+
+def train_spmd(rank: int, world: int, steps: int, kind: str, hsdp: bool) -> dict[str, Any]:
+    """``spmd_model`` sharded by ``kind`` (``"collsched"`` or ``"fsdp2"``) with FSDP2's
+    ``dp_mesh_dims``, each block and the root: on a (world/2 dp, 2 tp) mesh over ``dp``; with
+    ``hsdp``, on a (2 rep, world/2 dp) mesh without tensor parallelism, sharded over ``dp`` and
+    replicated over ``rep``. Each step a DTensor batch sharded over the data-parallel dimensions
+    (each data-parallel rank, in mesh order, its batch), the loss a DTensor mean over the
+    global batch, gradients clipped to norm 0.5, SGD. Returns the losses, the norms, the state
+    dict's full values and placements."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import DataParallelMeshDims
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if hsdp:
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("rep", "dp"))
+        dims, index, placements = DataParallelMeshDims(shard="dp", replicate="rep"), rank, [Shard(0), Shard(0)]
+    else:
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+        dims, index, placements = DataParallelMeshDims(shard="dp"), mesh["dp"].get_local_rank(), [Shard(0), Replicate()]
+    m = spmd_model(mesh, tp=not hsdp)
+    if kind == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+    else:
+        fully_shard = cst.fully_shard
+    for b in m.blocks:
+        fully_shard(b, mesh=mesh, dp_mesh_dims=dims)
+    fully_shard(m, mesh=mesh, dp_mesh_dims=dims)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    losses, norms = [], []
+    for step in range(steps):
+        loss = m(DTensor.from_local(batch(index, step), mesh, placements)).pow(2).mean()
+        losses.append(loss.full_tensor().item())
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)))
+        opt.step()
+        opt.zero_grad()
+    sd = m.state_dict()
+    return {
+        "losses": losses,
+        "norms": norms,
+        "params": {k: plain(v.full_tensor()) for k, v in sd.items()},
+        "placements": {k: str(tuple(v.placements)) for k, v in sd.items()},
+    }

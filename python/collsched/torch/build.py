@@ -99,6 +99,7 @@ def build(st: _State) -> None:
     # The job's ranks the model is sharded over (tensor-parallel meshes must lie across them).
     job = world()
     dp_ranks = list(st.part) if st.part is not None else list(range(job.world))
+    spmd = st.opts.get("spmd")
     # The parameters given to collsched for the first time, with their names: marked once the
     # build is done, so that a later fully_shard finding one of them (tied elsewhere) says so.
     originals: list[tuple[torch.Tensor, str]] = []
@@ -141,6 +142,11 @@ def build(st: _State) -> None:
                 dtensor = tp_.is_dtensor(p)
                 if dtensor:
                     shape = p._local_tensor.shape
+                elif spmd is not None and prev is None:
+                    raise CollschedError(
+                        f"fully_shard: parameter {qual} is a plain tensor; under dp_mesh_dims every parameter is a "
+                        f"DTensor on the mesh given (distribute_tensor(p, mesh, [Replicate(), ...])), or ignored"
+                    )
                 if dtype not in _FROM_TORCH:
                     raise CollschedError(
                         f"fully_shard: parameter {qual} has dtype {dtype}; collsched moves float32, bfloat16 "
@@ -159,9 +165,10 @@ def build(st: _State) -> None:
                 info = _Param(len(st.params), qual, shape, gather, st.device)
                 info.unit = u
                 if dtensor:
-                    info.tp = tp_.spec_of(p, qual, dp_ranks, job.rank, gather)
+                    info.tp = tp_.spec_of(p, qual, dp_ranks, job.rank, gather, spmd)
+                    info.tp_dp = () if spmd is None else spmd.dp
                 elif prev is not None and prev[1].tp is not None:
-                    info.tp = prev[1].tp
+                    info.tp, info.tp_dp = prev[1].tp, prev[1].tp_dp
                 if info.tp is not None:
                     info.full = tp_.full_param(info.placeholder, info.tp)
                 info.shard = p if prev is not None else nn.Parameter(torch.empty(0, dtype=dtype, device=st.device))

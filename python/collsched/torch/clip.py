@@ -54,7 +54,8 @@ def _replicas(state: Any, p: Any) -> int:
     if spec is None:
         return k
     for dim, placement in enumerate(spec.placements):
-        if p.tp is None or placement.is_replicate():
+        # Under dp_mesh_dims the data-parallel dimensions are counted above (not replicas).
+        if dim not in p.tp_dp and (p.tp is None or placement.is_replicate()):
             k *= spec.mesh.size(dim)
     return k
 

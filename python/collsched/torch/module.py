@@ -18,6 +18,7 @@ from torch import nn
 from .._native import CollschedError
 from . import optim_state, state_dict, values
 from . import post_forward as post_
+from . import tp as tp_
 from .build import after_forward, divides, set_reshard
 from .compat import Fsdp2Methods, _state_of
 from .shard import _State
@@ -500,20 +501,17 @@ def fully_shard(
     the module's shards and their gradients in host memory, the optimizer stepping there;
     ``shard_placement_fn`` (``None``) FSDP2's per-parameter placement: ``None`` or ``Shard(0)``
     for each parameter (what collsched does), any other placement refused by name;
-    ``dp_mesh_dims`` (FSDP2's data-parallel dimensions of a whole SPMD mesh whose DTensor
-    parameters span it) is refused: make the model tensor-parallel on ``world_mesh["tp"]`` and
-    pass ``mesh=world_mesh["dp"]``, as above.
+    ``dp_mesh_dims`` (``None``; FSDP2's ``DataParallelMeshDims(shard=, replicate=)``, one
+    dimension name each) makes ``mesh`` the whole SPMD mesh: every parameter a DTensor on it,
+    ``Replicate()`` on those dimensions, sharded over ``shard`` (and replicated over
+    ``replicate``, HSDP), its other placements kept; as in FSDP2, a gradient is averaged over
+    the data-parallel ranks as autograd leaves it there (a loss that is a DTensor mean over the
+    global batch gives its gradient over the number of data-parallel ranks, as FSDP2 does).
     """
     group = _group(module, reshard_after_forward) if isinstance(module, (list, tuple)) else None
     members = list(group) if group is not None else [module]
     if group is None and not isinstance(module, nn.Module):
         raise CollschedError(f"fully_shard: expected a torch.nn.Module, got {type(module).__name__}")
-    if dp_mesh_dims is not None:
-        raise CollschedError(
-            f"fully_shard: dp_mesh_dims={dp_mesh_dims!r} (DTensor parameters over the whole SPMD mesh) is not "
-            "supported; make the model tensor-parallel on world_mesh['tp'] (parallelize_module) and shard it "
-            "with fully_shard(module, mesh=world_mesh['dp'])"
-        )
     if group is None and module.__dict__.get("_collsched_state") is not None:
         # Already sharded (a unit or a root): a second trainer's wrapping reuses it.
         return module
@@ -530,6 +528,10 @@ def fully_shard(
             f"fully_shard: prefetch={prefetch!r}; expected 'trace' (replay the first step's order), 'explicit' "
             "(the next unit, or the units' set_modules_to_forward_prefetch lists) or 'none'"
         )
+    spmd = None
+    if dp_mesh_dims is not None:
+        # FSDP2's whole SPMD mesh: sharded over its data-parallel dimensions (tp.py).
+        mesh, spmd = tp_.spmd_mesh(mesh, dp_mesh_dims)
     part, strategy = _mesh_strategy(mesh, strategy)
     mp = values.policy(mp_policy)
     if mp is not None and mp.reduce_dtype is not None:
@@ -564,7 +566,9 @@ def fully_shard(
         return members
     opts = {
         "part": part,
-        "mesh": mesh,
+        # Under dp_mesh_dims: the dimension sharded over (a state dict's DTensors are placed by it).
+        "mesh": mesh if spmd is None else spmd.mesh[spmd.mesh.mesh_dim_names[spmd.shard]],
+        "spmd": spmd,
         "strategy": strategy,
         "bucket_mb": bucket_mb,
         "prefetch": prefetch,

@@ -702,7 +702,7 @@ class _State:
             if acc is not None:
                 g = acc if g is None else tp_.add_into(acc, g, p.tp, p.name)
             if p.tp is not None:
-                g = tp_.local_grad(g, p.tp, p.name)
+                g = tp_.local_grad(g, p.tp, p.name, p.tp_dp)
             if (acc is None or p.tp is not None) and (g.dtype != want or not g.is_contiguous()):
                 cast.append((len(batch), want, None))
             batch.append((p.pid, g))

@@ -81,13 +81,13 @@ def _sharded(module: nn.Module, what: str) -> list[tuple[str, Any, _Param]]:
 
 def _mesh(st: Any, what: str) -> Any:
     """The 1-D mesh a state dict's DTensors of ``st`` are placed on: the job's default group,
-    or the mesh of a model sharded over part of the job."""
+    or the mesh of a model sharded over part of the job (under dp_mesh_dims, its shard dimension)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
     device = st.device
     w = world()
-    if st.part is not None:
+    if st.part is not None or st.opts.get("spmd") is not None:
         mesh = st.opts["mesh"]
         if mesh.ndim != 1:
             raise CollschedError(
@@ -166,7 +166,7 @@ def place(p: _Param, full: torch.Tensor, mesh: Any) -> Any:
     from torch.distributed.tensor import DTensor
 
     if p.tp is not None:
-        return tp_.place(full, p.tp, mesh, _rows)
+        return tp_.place(full, p.tp, mesh, _rows, p.tp_dp[-1] if p.tp_dp else None)
     t, placements = _rows(full, mesh)
     return DTensor.from_local(t, mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
 

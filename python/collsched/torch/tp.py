@@ -10,7 +10,14 @@ Its gradient, a DTensor, is redistributed to the parameter's placements (a ``Par
 reduced over the tensor-parallel ranks, as FSDP2 does) and its local tensor reduced over the
 data-parallel ranks. Saved tensors of the graph that are DTensors viewing a gathered parameter
 are saved as references too (:func:`saved_hooks`). State dicts give DTensors on the mesh of
-the data-parallel dimension followed by the tensor-parallel ones (:func:`place`)."""
+the data-parallel dimension followed by the tensor-parallel ones (:func:`place`).
+
+FSDP2's other form, ``fully_shard(module, mesh=world_mesh, dp_mesh_dims=DataParallelMeshDims(...))``
+(:func:`spmd_mesh`), takes parameters that are DTensors on the whole mesh, ``Replicate`` on
+its data-parallel dimensions: the same sharding of their local tensors over those dimensions,
+a pass's parameters DTensors of their own specs (on the whole mesh), and gradients reduced over
+the data-parallel ranks as they are on those dimensions (a ``Partial`` there is this rank's
+part, averaged as any gradient; redistributed over the other dimensions alone)."""
 
 from __future__ import annotations
 
@@ -29,11 +36,64 @@ def is_dtensor(t: Any) -> bool:
     return isinstance(t, DTensor)
 
 
-def spec_of(p: Any, qual: str, dp_ranks: list[int], rank: int, dtype: torch.dtype) -> Any:
+@dataclasses.dataclass(frozen=True)
+class Spmd:
+    """``dp_mesh_dims`` over ``mesh``: its data-parallel dimensions' indices, ``shard`` (the
+    one the parameters are sharded over) and ``dp`` (it and the replicate one, if any)."""
+
+    mesh: Any
+    shard: int
+    dp: tuple[int, ...]
+
+
+def _names(given: Any, what: str) -> tuple[str, ...]:
+    if given is None:
+        return ()
+    names = (given,) if isinstance(given, str) else tuple(given)
+    if len(names) > 1:
+        raise CollschedError(
+            f"fully_shard: dp_mesh_dims.{what}={given!r} names {len(names)} dimensions; collsched takes one "
+            f"{what} dimension: give the parameters a mesh whose {what} dimension is those flattened into one"
+        )
+    return names
+
+
+def spmd_mesh(mesh: Any, dims: Any) -> tuple[Any, Spmd]:
+    """The data-parallel mesh (1-D, or ``(replicate, shard)`` for HSDP) of FSDP2's
+    ``dp_mesh_dims`` (a ``DataParallelMeshDims``, or anything with its ``shard`` and
+    ``replicate``) over ``mesh`` (the whole SPMD mesh), and the dimensions' indices; refused
+    by name where the mesh or the names do not fit."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(mesh, DeviceMesh) or not mesh.mesh_dim_names:
+        raise CollschedError(
+            f"fully_shard: dp_mesh_dims={dims!r} needs mesh= the whole SPMD DeviceMesh, with mesh_dim_names; "
+            f"got mesh={mesh!r}"
+        )
+    shard = _names(getattr(dims, "shard", None), "shard")
+    replicate = _names(getattr(dims, "replicate", None), "replicate")
+    if not shard:
+        raise CollschedError(
+            f"fully_shard: dp_mesh_dims={dims!r} names no shard dimension (data parallelism replicated alone, "
+            "DDP); collsched shards: name the dimension to shard over in shard="
+        )
+    names = tuple(mesh.mesh_dim_names)
+    for n in shard + replicate:
+        if n not in names:
+            raise CollschedError(
+                f"fully_shard: dp_mesh_dims names dimension {n!r}, which mesh of dimensions {names} lacks"
+            )
+    dp = tuple(names.index(n) for n in replicate + shard)
+    dp_mesh = mesh[shard[0]] if not replicate else mesh[replicate + shard]
+    return dp_mesh, Spmd(mesh, names.index(shard[0]), dp)
+
+
+def spec_of(p: Any, qual: str, dp_ranks: list[int], rank: int, dtype: torch.dtype, spmd: Spmd | None = None) -> Any:
     """The spec of tensor-parallel parameter ``p`` (a DTensor) that its gathered value takes,
     of ``dtype`` (the gathers' dtype); refused by name where collsched cannot shard it: a
     placement other than ``Shard`` or ``Replicate``, or a mesh that shares ranks with the
-    data-parallel ones (``dp_ranks``) beside this rank."""
+    data-parallel ones (``dp_ranks``) beside this rank; under ``dp_mesh_dims`` (``spmd``), a
+    mesh other than the one given, or a data-parallel dimension it is not ``Replicate`` on."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._dtensor_spec import TensorMeta
 
@@ -45,6 +105,20 @@ def spec_of(p: Any, qual: str, dp_ranks: list[int], rank: int, dtype: torch.dtyp
             f"tensor-parallel parameters placed Shard or Replicate, not {odd[0]}: redistribute it first"
         )
     tp_ranks = spec.mesh.mesh.flatten().tolist()
+    if spmd is not None:
+        if spec.mesh != spmd.mesh:
+            raise CollschedError(
+                f"fully_shard: parameter {qual} is a DTensor on a mesh of shape {tuple(spec.mesh.shape)} "
+                f"{spec.mesh.mesh_dim_names}, not the mesh given with dp_mesh_dims; put every parameter on that mesh"
+            )
+        placed = [spec.placements[i] for i in spmd.dp]
+        if any(not isinstance(pl, Replicate) for pl in placed):
+            raise CollschedError(
+                f"fully_shard: parameter {qual} is placed {tuple(spec.placements)} on mesh "
+                f"{spec.mesh.mesh_dim_names}; under dp_mesh_dims it must be Replicate() on the data-parallel "
+                f"dimensions {[spec.mesh.mesh_dim_names[i] for i in spmd.dp]} (collsched shards it there)"
+            )
+        tp_ranks = [rank]
     both = sorted(set(tp_ranks) & set(dp_ranks) - {rank})
     if both:
         raise CollschedError(
@@ -91,15 +165,17 @@ def add_into(acc: Any, g: Any, spec: Any, name: str) -> Any:
     return acc.add_(g)
 
 
-def local_grad(g: Any, spec: Any, name: str) -> torch.Tensor:
+def local_grad(g: Any, spec: Any, name: str, keep: tuple[int, ...] = ()) -> torch.Tensor:
     """The local tensor of a gradient of a tensor-parallel parameter, redistributed to the
     parameter's placements first where autograd left it otherwise (``Partial``: collective
-    over the tensor-parallel ranks, which all hand the same gradients in the same order)."""
+    over the tensor-parallel ranks, which all hand the same gradients in the same order),
+    except on the mesh dimensions ``keep`` (``dp_mesh_dims``': the library reduces there)."""
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
     g = settled(g, spec, name)
-    if tuple(g.placements) != tuple(spec.placements):
-        g = g.redistribute(spec.mesh, spec.placements)
+    want = tuple(g.placements[i] if i in keep else pl for i, pl in enumerate(spec.placements))
+    if tuple(g.placements) != want:
+        g = g.redistribute(spec.mesh, want)
     local = g._local_tensor
     # A functional collective's result is read by address below: wait for it first.
     return local.wait() if isinstance(local, AsyncCollectiveTensor) else local
@@ -146,25 +222,32 @@ def saved_hooks(hooks: Any) -> tuple[Any, Any]:
 _MESHES: dict[tuple[int, int], tuple[Any, Any, Any]] = {}
 
 
-def place(local: torch.Tensor, spec: Any, dp_mesh: Any, rows: Any) -> Any:
+def place(local: torch.Tensor, spec: Any, dp_mesh: Any, rows: Any, shard: int | None = None) -> Any:
     """A state dict's DTensor of a tensor-parallel parameter of ``spec`` from ``local`` (this
     rank's whole local tensor, gathered over the data-parallel ranks): on the mesh of the
     data-parallel dimension followed by the tensor-parallel ones (FSDP2's), of the parameter's
     global shape; this rank holds its rows of the local tensor (cut by ``rows``, state_dict.py's
     cut), which is ``Shard(0)`` over the data-parallel ranks, or, where the tensor-parallel
     ranks shard rows first, ``_StridedShard(0)`` (as FSDP2 places it), or, where they cut
-    the rows unevenly, ``Replicate()`` (the whole local tensor)."""
+    the rows unevenly, ``Replicate()`` (the whole local tensor). Under ``dp_mesh_dims``
+    (``shard``: the index of the dimension sharded over), on the parameter's own mesh, that
+    dimension's placement so chosen (the dimensions after it are the ones cutting rows first)."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    key = (id(dp_mesh), id(spec.mesh))
-    known = _MESHES.get(key)
-    if known is None or known[0] is not dp_mesh or known[1] is not spec.mesh:
-        known = _MESHES[key] = (dp_mesh, spec.mesh, DeviceMesh._concatenate([dp_mesh, spec.mesh]))
-    mesh = known[2]
+    if shard is None:
+        key = (id(dp_mesh), id(spec.mesh))
+        known = _MESHES.get(key)
+        if known is None or known[0] is not dp_mesh or known[1] is not spec.mesh:
+            known = _MESHES[key] = (dp_mesh, spec.mesh, DeviceMesh._concatenate([dp_mesh, spec.mesh]))
+        # The tensor-parallel dimensions all come after the data-parallel one.
+        mesh, first, placements = known[2], 0, [Replicate(), *spec.placements]
+    else:
+        mesh, first, placements = spec.mesh, shard + 1, list(spec.placements)
     split = 1
-    for dim, placement in enumerate(spec.placements):
+    for dim in range(first, len(spec.placements)):
+        placement = spec.placements[dim]
         if isinstance(placement, Shard) and placement.dim == 0:
             split *= spec.mesh.size(dim)
     if split > 1 and spec.shape[0] % split:
@@ -172,14 +255,13 @@ def place(local: torch.Tensor, spec: Any, dp_mesh: Any, rows: Any) -> Any:
         # cut alike over dp: with rows the tensor-parallel ranks cut unevenly, the rows of a
         # dp rank would be placed on other tp ranks. Whole local tensors, replicated over dp.
         return DTensor.from_local(
-            local.clone(), mesh, [Replicate(), *spec.placements], run_check=False, shape=spec.shape, stride=spec.stride
+            local.clone(), mesh, placements, run_check=False, shape=spec.shape, stride=spec.stride
         )
     mine, (dp_placement,) = rows(local, dp_mesh)
     if split > 1 and isinstance(dp_placement, Shard):
         dp_placement = _StridedShard(0, split_factor=split)
-    return DTensor.from_local(
-        mine, mesh, [dp_placement, *spec.placements], run_check=False, shape=spec.shape, stride=spec.stride
-    )
+    placements[0 if shard is None else shard] = dp_placement
+    return DTensor.from_local(mine, mesh, placements, run_check=False, shape=spec.shape, stride=spec.stride)
 
 
 def local_of(full: torch.Tensor, spec: Any) -> torch.Tensor:

@@ -63,6 +63,7 @@ class _Param:
         "views",
         "addr",
         "tp",
+        "tp_dp",
     )
 
     def __init__(self, pid: int, name: str, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> None:
@@ -95,8 +96,10 @@ class _Param:
         self.views: dict[int, torch.Tensor] = {}
         self.addr = 0
         # A tensor-parallel parameter's spec (``tp.py``; ``shape`` is then its local tensor's),
-        # of the gathers' dtype, or None.
+        # of the gathers' dtype, or None; under dp_mesh_dims, the indices of its mesh's
+        # data-parallel dimensions (the library reduces over them; tp.local_grad keeps them).
         self.tp: Any = None
+        self.tp_dp: tuple[int, ...] = ()
 
     @property
     def global_shape(self) -> torch.Size:
