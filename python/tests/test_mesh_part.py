@@ -101,3 +101,8 @@ def test_a_pipeline_schedule_over_sharded_stages_gives_plain_pytorchs_losses(kin
         assert sorted(got["params"]) == sorted(names[stage]), got["params"].keys()
         for k, ref in names[stage].items():
             _close(got["params"][k], final[ref], f"rank {rank} {k}")
+        # The schedule defers the stage's reduction to its end, as on an FSDP2 stage: one
+        # library step reduces, once a schedule step (not once a micro-batch).
+        assert len(got["reductions"]) == steps, got["reductions"]
+        for counts in got["reductions"]:
+            assert len(counts) == 1 and counts[0] >= 1, (rank, got["reductions"])

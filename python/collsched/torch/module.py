@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from .._native import CollschedError
 from . import optim_state, state_dict, values
@@ -25,14 +26,28 @@ from .shard import _State
 from .world import _FROM_TORCH, _TO_TORCH
 
 
-class CollschedModule(Fsdp2Methods):
+class CollschedModule(Fsdp2Methods, FSDPModule):
     """Mixed into every module given to :func:`fully_shard` (as FSDP2 does): the methods FSDP2
     users call on a sharded module. The module keeps its class's name, its own ``forward``
     and its signature (what Hugging Face's ``generate``, the Trainer and ``torch.export``
     read): hooks run the unit's fetch and release around it (``_pre_forward``,
-    ``_post_forward``)."""
+    ``_post_forward``). It is an ``FSDPModule`` (every public method of which it has), so
+    code that drives FSDP2's modules by their methods drives it too:
+    ``torch.distributed.pipelining`` defers a stage's gradient reduction to the schedule's
+    end (``set_manual_backward_finalization``, ``finalize_backward``) and unshards and
+    reshards stages, the Trainer reshards before making the optimizer."""
 
     _collsched_unit = True
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # FSDP2's ``__new__`` makes the original class; a sharded class is made as any module.
+        return object.__new__(cls)
+
+    def _get_fsdp_state(self) -> Any:
+        raise CollschedError(
+            f"{type(self).__name__} is sharded by collsched.torch, which keeps no FSDP2 state: code reading FSDP2's "
+            "internals (_get_fsdp_state) does not apply to it; use its public FSDP2 methods"
+        )
 
     def _call_impl(self, *args: Any, **kwargs: Any) -> Any:
         """torch's call, and for what its hooks miss (torch runs an ``always_call`` hook after an
@@ -54,7 +69,8 @@ class CollschedModule(Fsdp2Methods):
         shards where they are (the same dtype and device) changes nothing; one that would move
         a shard out of collsched's memory is undone and raises (the gathers would go on
         reading the old values while the optimizer updated the copy)."""
-        out = super()._apply(fn, recurse)  # type: ignore[misc]
+        # Past FSDPModule's (FSDP2's state): the module's own class's, or torch's.
+        out = super(FSDPModule, self)._apply(fn, recurse)  # type: ignore[misc]
         state: _State | None = self.__dict__.get("_collsched_state")
         if state is not None and state.model is not None:
             state.check_shards_in_place(type(self).__name__)
