@@ -121,6 +121,7 @@ def test_what_a_tensor_parallel_model_refuses_is_named(tmp_path):
             "under dp_mesh_dims it must be Replicate() on the data-parallel dimensions ['dp']",
             "spmd_names": "dp_mesh_dims names dimension 'cp', which mesh of dimensions ('dp', 'tp') lacks",
             "spmd_ddp": "names no shard dimension",
+            "spmd_int": "reshard_after_forward=2 (a number of ranks) with dp_mesh_dims is not supported",
         }
         for key, want in spmd.items():
             assert got[key].startswith(error + "fully_shard: ") and want in got[key], (rank, key, got[key])

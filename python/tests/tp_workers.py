@@ -202,6 +202,9 @@ def refusals(rank: int, world: int, path: str) -> dict[str, str]:
     out["spmd_placed"] = error(lambda: cst.fully_shard(placed, mesh=mesh, dp_mesh_dims=dims))
     cp = DataParallelMeshDims(shard="cp")
     out["spmd_names"] = error(lambda: cst.fully_shard(spmd_model(mesh), mesh=mesh, dp_mesh_dims=cp))
+    out["spmd_int"] = error(
+        lambda: cst.fully_shard(spmd_model(mesh), mesh=mesh, dp_mesh_dims=dims, reshard_after_forward=2)
+    )
     ddp = DataParallelMeshDims(replicate="dp")
     out["spmd_ddp"] = error(lambda: cst.fully_shard(spmd_model(mesh), mesh=mesh, dp_mesh_dims=ddp))
     return out

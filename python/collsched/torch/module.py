@@ -564,6 +564,11 @@ def fully_shard(
         reduce_dtype = _FROM_TORCH[reduce_dtype]
     ignored = _ignored(members, ignored_params)
     reshard = _reshard_flag(reshard_after_forward, "fully_shard")
+    if spmd is not None and reshard is not None and not isinstance(reshard, bool):
+        raise CollschedError(
+            f"fully_shard: reshard_after_forward={reshard} (a number of ranks) with dp_mesh_dims is not supported "
+            "(nor by FSDP2); give True or False, or shard a tensor-parallel model with mesh=world_mesh['dp']"
+        )
     opts_offload = values.offload_policy(offload_policy)
     for m in members:
         _check_placements(m, shard_placement_fn, ignored)
