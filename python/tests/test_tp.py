@@ -121,8 +121,12 @@ def test_what_a_tensor_parallel_model_refuses_is_named(tmp_path):
             "under dp_mesh_dims it must be Replicate() on the data-parallel dimensions ['dp']",
             "spmd_names": "dp_mesh_dims names dimension 'cp', which mesh of dimensions ('dp', 'tp') lacks",
             "spmd_ddp": "names no shard dimension",
+            "spmd_same": "names 'dp' to shard over and to replicate over",
+            "spmd_mixed": "parameter blocks.0.norm.weight was sharded with dp_mesh_dims over ['dp'] of mesh "
+            "('dp', 'tp') (a block's call), the root Net without dp_mesh_dims",
             "spmd_int": "reshard_after_forward=2 (a number of ranks) with dp_mesh_dims is not supported",
         }
+        assert got["spmd_order"] == "no error", got["spmd_order"]
         for key, want in spmd.items():
             assert got[key].startswith(error + "fully_shard: ") and want in got[key], (rank, key, got[key])
 
@@ -174,7 +178,7 @@ def test_a_meta_device_tensor_parallel_model_takes_rank_0s_values():
 
 
 @pytest.mark.parametrize("hsdp", [False, True], ids=["dp-tp", "hsdp"])
-def test_a_model_of_dtensors_on_the_whole_mesh_shards_over_dp_mesh_dims_as_fsdp2_does(hsdp):
+def test_a_model_of_dtensors_on_the_whole_mesh_shards_over_dp_mesh_dims_as_fsdp2_does(hsdp, tmp_path):
     """FSDP2's ``dp_mesh_dims`` form against plain PyTorch and FSDP2: parameters DTensors on
     the whole mesh ((dp 2, tp 2), or (rep 2, dp 2) for HSDP), the loss a DTensor mean over the
     global batch. FSDP2 averages each data-parallel rank's part of that gradient over them, so
@@ -193,8 +197,8 @@ def test_a_model_of_dtensors_on_the_whole_mesh_shards_over_dp_mesh_dims_as_fsdp2
         opt.step()
         opt.zero_grad()
     params = {k: v.reshape(-1).tolist() for k, v in m.state_dict().items()}
-    got = run(w.train_spmd, world, steps, "collsched", hsdp, init="collsched", timeout=300)
-    fsdp2 = run(w.train_spmd, world, steps, "fsdp2", hsdp, init="torch", timeout=300)
+    got = run(w.train_spmd, world, steps, "collsched", hsdp, str(tmp_path / "ckpt"), init="collsched", timeout=300)
+    fsdp2 = run(w.train_spmd, world, steps, "fsdp2", hsdp, "", init="torch", timeout=300)
     for rank in range(world):
         for name, out in (("collsched", got[rank]), ("fsdp2", fsdp2[rank])):
             _close(out["losses"], losses, f"{name} rank {rank} losses", 1e-6)
@@ -203,5 +207,7 @@ def test_a_model_of_dtensors_on_the_whole_mesh_shards_over_dp_mesh_dims_as_fsdp2
             for k, v in params.items():
                 _close(out["params"][k], v, f"{name} rank {rank} {k}", 1e-6)
         assert got[rank]["placements"] == fsdp2[rank]["placements"], (rank, got[rank]["placements"])
+        # save_checkpoint, then load_checkpoint into a fresh model (other initial values): exact.
+        assert got[rank]["loaded"] == got[rank]["params"], rank
     want = "(Replicate(), Shard(dim=0))" if hsdp else "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
     assert got[0]["placements"]["blocks.0.up.weight"] == want, got[0]["placements"]

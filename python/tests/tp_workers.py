@@ -205,6 +205,19 @@ def refusals(rank: int, world: int, path: str) -> dict[str, str]:
     out["spmd_int"] = error(
         lambda: cst.fully_shard(spmd_model(mesh), mesh=mesh, dp_mesh_dims=dims, reshard_after_forward=2)
     )
+    same = DataParallelMeshDims(shard="dp", replicate="dp")
+    out["spmd_same"] = error(lambda: cst.fully_shard(spmd_model(mesh), mesh=mesh, dp_mesh_dims=same))
+    # A block with dp_mesh_dims, the root without.
+    mixed = spmd_model(mesh)
+    for b in mixed.blocks:
+        cst.fully_shard(b, mesh=mesh, dp_mesh_dims=dims)
+    out["spmd_mixed"] = error(lambda: cst.fully_shard(mixed, mesh=dp))
+    # HSDP whose mesh has the shard dimension first.
+    from torch.distributed.device_mesh import init_device_mesh
+
+    flipped = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "rep"))
+    hsdp = DataParallelMeshDims(shard="dp", replicate="rep")
+    out["spmd_order"] = error(lambda: cst.fully_shard(spmd_model(flipped, tp=False), mesh=flipped, dp_mesh_dims=hsdp))
     ddp = DataParallelMeshDims(replicate="dp")
     out["spmd_ddp"] = error(lambda: cst.fully_shard(spmd_model(mesh), mesh=mesh, dp_mesh_dims=ddp))
     return out
@@ -317,14 +330,27 @@ def spmd_model(mesh: Any, seed: int = 0, tp: bool = True) -> Net:
     return m
 
 
-def train_spmd(rank: int, world: int, steps: int, kind: str, hsdp: bool) -> dict[str, Any]:
+def _spmd_sharded(mesh: Any, dims: Any, hsdp: bool, kind: str, seed: int = 0) -> Net:
+    m = spmd_model(mesh, seed, tp=not hsdp)
+    if kind == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+    else:
+        fully_shard = cst.fully_shard
+    for b in m.blocks:
+        fully_shard(b, mesh=mesh, dp_mesh_dims=dims)
+    fully_shard(m, mesh=mesh, dp_mesh_dims=dims)
+    return m
+
+
+def train_spmd(rank: int, world: int, steps: int, kind: str, hsdp: bool, path: str) -> dict[str, Any]:
     """``spmd_model`` sharded by ``kind`` (``"collsched"`` or ``"fsdp2"``) with FSDP2's
     ``dp_mesh_dims``, each block and the root: on a (world/2 dp, 2 tp) mesh over ``dp``; with
     ``hsdp``, on a (2 rep, world/2 dp) mesh without tensor parallelism, sharded over ``dp`` and
     replicated over ``rep``. Each step a DTensor batch sharded over the data-parallel dimensions
     (each data-parallel rank, in mesh order, its batch), the loss a DTensor mean over the
     global batch, gradients clipped to norm 0.5, SGD. Returns the losses, the norms, the state
-    dict's full values and placements."""
+    dict's full values and placements, and (collsched) the values after a ``save_checkpoint``
+    to ``path`` and a ``load_checkpoint`` into a fresh model."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import DataParallelMeshDims
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -335,14 +361,7 @@ def train_spmd(rank: int, world: int, steps: int, kind: str, hsdp: bool) -> dict
     else:
         mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
         dims, index, placements = DataParallelMeshDims(shard="dp"), mesh["dp"].get_local_rank(), [Shard(0), Replicate()]
-    m = spmd_model(mesh, tp=not hsdp)
-    if kind == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-    else:
-        fully_shard = cst.fully_shard
-    for b in m.blocks:
-        fully_shard(b, mesh=mesh, dp_mesh_dims=dims)
-    fully_shard(m, mesh=mesh, dp_mesh_dims=dims)
+    m = _spmd_sharded(mesh, dims, hsdp, kind)
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     losses, norms = [], []
     for step in range(steps):
@@ -353,9 +372,16 @@ def train_spmd(rank: int, world: int, steps: int, kind: str, hsdp: bool) -> dict
         opt.step()
         opt.zero_grad()
     sd = m.state_dict()
+    loaded = {}
+    if kind == "collsched":
+        cst.save_checkpoint(m, None, path)
+        fresh = _spmd_sharded(mesh, dims, hsdp, kind, seed=5)
+        cst.load_checkpoint(fresh, None, path)
+        loaded = {k: plain(v.full_tensor()) for k, v in fresh.state_dict().items()}
     return {
         "losses": losses,
         "norms": norms,
         "params": {k: plain(v.full_tensor()) for k, v in sd.items()},
         "placements": {k: str(tuple(v.placements)) for k, v in sd.items()},
+        "loaded": loaded,
     }

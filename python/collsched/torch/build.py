@@ -62,7 +62,14 @@ def build(st: _State) -> None:
 
     st.units.append(_Unit(0, root))
     visit(root, 0)
+    # FSDP2's dp_mesh_dims of the root's call (tp.py), which its blocks' calls must share.
+    spmd = st.opts.get("spmd")
     for m in (m for u in st.units for m in u.members if "_collsched_part" in m.__dict__):
+        if m.__dict__["_collsched_spmd"] != spmd:
+            raise CollschedError(
+                f"fully_shard: {type(m).__name__} was given in a list {_dims(m.__dict__['_collsched_spmd'])}, the root "
+                f"{type(root).__name__} {_dims(spmd)}; give the list and the root the same mesh= and dp_mesh_dims="
+            )
         if m.__dict__["_collsched_part"] != st.part:
             raise CollschedError(
                 f"fully_shard: {type(m).__name__} was given in a list with mesh over ranks "
@@ -99,7 +106,6 @@ def build(st: _State) -> None:
     # The job's ranks the model is sharded over (tensor-parallel meshes must lie across them).
     job = world()
     dp_ranks = list(st.part) if st.part is not None else list(range(job.world))
-    spmd = st.opts.get("spmd")
     # The parameters given to collsched for the first time, with their names: marked once the
     # build is done, so that a later fully_shard finding one of them (tied elsewhere) says so.
     originals: list[tuple[torch.Tensor, str]] = []
@@ -118,6 +124,12 @@ def build(st: _State) -> None:
                         raise CollschedError(
                             f"fully_shard: parameter {qual} is already sharded by the fully_shard of a module "
                             f"above {type(root).__name__}; call fully_shard on the blocks first, then on the root"
+                        )
+                    if before.opts.get("spmd") != spmd:
+                        raise CollschedError(
+                            f"fully_shard: parameter {qual} was sharded {_dims(before.opts.get('spmd'))} (a block's "
+                            f"call), the root {type(root).__name__} {_dims(spmd)}; give the blocks and the root the "
+                            "same mesh= and dp_mesh_dims="
                         )
                     if before.part != st.part:
                         raise CollschedError(
@@ -379,3 +391,11 @@ def divides(st: Any) -> list[tuple[int, float]]:
                 if p.unit == u.index:
                     out.update(dict.fromkeys(buckets_of.get(p.name, []), factor))
     return sorted(out.items())
+
+
+def _dims(spmd: Any) -> str:
+    """How a call was given ``dp_mesh_dims``, for an error."""
+    if spmd is None:
+        return "without dp_mesh_dims"
+    names = spmd.mesh.mesh_dim_names
+    return f"with dp_mesh_dims over {[names[i] for i in spmd.dp]} of mesh {names}"

@@ -44,9 +44,14 @@ def _part_path(state: Any, path: Any) -> str:
 def _tp_layout(state: _State) -> dict[str, str]:
     """Each tensor-parallel parameter's placements, mesh shape and this rank's place in it,
     by name: what the local tensors a checkpoint holds were cut by (the same on every rank
-    of the part: its ranks share their tensor-parallel coordinates)."""
+    of the part: its ranks share their tensor-parallel coordinates; under ``dp_mesh_dims``
+    the data-parallel dimensions' coordinates are left out)."""
+
+    def at(p: Any) -> list[int]:
+        return [c for i, c in enumerate(p.tp.mesh.get_coordinate()) if i not in p.tp_dp]
+
     return {
-        p.name: f"{tuple(p.tp.placements)} on a mesh of shape {tuple(p.tp.mesh.shape)} at {p.tp.mesh.get_coordinate()}"
+        p.name: f"{tuple(p.tp.placements)} on a mesh of shape {tuple(p.tp.mesh.shape)} at {at(p)}"
         for p in state.params
         if p.tp is not None
     }

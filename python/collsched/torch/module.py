@@ -583,6 +583,7 @@ def fully_shard(
         for m in members:
             m.__dict__["_collsched_group"] = group
             m.__dict__["_collsched_part"] = part
+            m.__dict__["_collsched_spmd"] = spmd
             _mark(m)
         return members
     opts = {

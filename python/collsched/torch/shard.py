@@ -692,7 +692,7 @@ class _State:
                 acc = self.accum.get(p.pid)
                 # Contiguous: the synchronized micro-batch hands the sum over as it is.
                 summand = g.to(want, memory_format=torch.contiguous_format)
-                self.accum[p.pid] = summand if acc is None else tp_.add_into(acc, summand, p.tp, p.name)
+                self.accum[p.pid] = summand if acc is None else tp_.add_into(acc, summand, p.tp, p.name, p.tp_dp)
                 continue
             full.grad = None
             # Host gradients go over in the parameter's dtype (the library casts); device ones
@@ -700,7 +700,7 @@ class _State:
             # multi-tensor copy below), with what no_sync micro-batches accumulated.
             acc = self.accum.pop(p.pid, None) if on_device else None
             if acc is not None:
-                g = acc if g is None else tp_.add_into(acc, g, p.tp, p.name)
+                g = acc if g is None else tp_.add_into(acc, g, p.tp, p.name, p.tp_dp)
             if p.tp is not None:
                 g = tp_.local_grad(g, p.tp, p.name, p.tp_dp)
             if (acc is None or p.tp is not None) and (g.dtype != want or not g.is_contiguous()):

@@ -10,7 +10,8 @@ Its gradient, a DTensor, is redistributed to the parameter's placements (a ``Par
 reduced over the tensor-parallel ranks, as FSDP2 does) and its local tensor reduced over the
 data-parallel ranks. Saved tensors of the graph that are DTensors viewing a gathered parameter
 are saved as references too (:func:`saved_hooks`). State dicts give DTensors on the mesh of
-the data-parallel dimension followed by the tensor-parallel ones (:func:`place`).
+the data-parallel dimension followed by the tensor-parallel ones (:func:`place`; under
+``dp_mesh_dims``, on the parameters' own mesh).
 
 FSDP2's other form, ``fully_shard(module, mesh=world_mesh, dp_mesh_dims=DataParallelMeshDims(...))``
 (:func:`spmd_mesh`), takes parameters that are DTensors on the whole mesh, ``Replicate`` on
@@ -83,8 +84,14 @@ def spmd_mesh(mesh: Any, dims: Any) -> tuple[Any, Spmd]:
             raise CollschedError(
                 f"fully_shard: dp_mesh_dims names dimension {n!r}, which mesh of dimensions {names} lacks"
             )
+    if replicate == shard:
+        raise CollschedError(
+            f"fully_shard: dp_mesh_dims={dims!r} names {shard[0]!r} to shard over and to replicate over; name "
+            "two dimensions, or leave replicate out"
+        )
     dp = tuple(names.index(n) for n in replicate + shard)
-    dp_mesh = mesh[shard[0]] if not replicate else mesh[replicate + shard]
+    # HSDP: (replicate, shard) whatever order the mesh has them in (as FSDP2 makes it).
+    dp_mesh = mesh[shard[0]] if not replicate else DeviceMesh._concatenate([mesh[replicate[0]], mesh[shard[0]]])
     return dp_mesh, Spmd(mesh, names.index(shard[0]), dp)
 
 
@@ -124,7 +131,9 @@ def spec_of(p: Any, qual: str, dp_ranks: list[int], rank: int, dtype: torch.dtyp
         raise CollschedError(
             f"fully_shard: parameter {qual} is a DTensor on a mesh of ranks {tp_ranks}, and the model is sharded "
             f"over ranks {dp_ranks}: ranks {both} would be in both; shard over the data-parallel dimension alone "
-            "(fully_shard(module, mesh=world_mesh['dp']) with parallelize_module on world_mesh['tp'])"
+            "(fully_shard(module, mesh=world_mesh['dp']) with parallelize_module on world_mesh['tp']), or, for "
+            "DTensors on the whole mesh, fully_shard(module, mesh=world_mesh, "
+            "dp_mesh_dims=DataParallelMeshDims(shard='dp'))"
         )
     return dataclasses.replace(spec, tensor_meta=TensorMeta(spec.shape, spec.stride, dtype))
 
@@ -154,14 +163,20 @@ def settled(g: Any, spec: Any, name: str) -> Any:
     return g
 
 
-def add_into(acc: Any, g: Any, spec: Any, name: str) -> Any:
+def add_into(acc: Any, g: Any, spec: Any, name: str, keep: tuple[int, ...] = ()) -> Any:
     """``acc += g`` for two gradients of one parameter; of a tensor-parallel one (``spec``
-    not None), ``g`` redistributed to ``acc``'s placements where autograd left it otherwise."""
+    not None), ``g`` redistributed to ``acc``'s placements where autograd left it otherwise,
+    except on the mesh dimensions ``keep`` (``dp_mesh_dims``': there the local tensors add, each
+    this rank's part, as :func:`local_grad` hands them)."""
     if spec is None:
         return acc.add_(g)
     g = settled(g, spec, name)
-    if tuple(g.placements) != tuple(acc.placements):
-        g = g.redistribute(acc.device_mesh, acc.placements)
+    want = tuple(g.placements[i] if i in keep else pl for i, pl in enumerate(acc.placements))
+    if tuple(g.placements) != want:
+        g = g.redistribute(acc.device_mesh, want)
+    if keep and want != tuple(acc.placements):
+        acc._local_tensor.add_(g._local_tensor)
+        return acc
     return acc.add_(g)
 
 
