@@ -177,28 +177,32 @@ def test_a_meta_device_tensor_parallel_model_takes_rank_0s_values():
         _close([got["loss"]], [losses[rank // 2]], f"rank {rank} loss", 1e-6)
 
 
-@pytest.mark.parametrize("hsdp", [False, True], ids=["dp-tp", "hsdp"])
-def test_a_model_of_dtensors_on_the_whole_mesh_shards_over_dp_mesh_dims_as_fsdp2_does(hsdp, tmp_path):
+@pytest.mark.parametrize("hsdp,micro", [(False, 1), (True, 1), (False, 2)], ids=["dp-tp", "hsdp", "dp-tp-no-sync"])
+def test_a_model_of_dtensors_on_the_whole_mesh_shards_over_dp_mesh_dims_as_fsdp2_does(hsdp, micro, tmp_path):
     """FSDP2's ``dp_mesh_dims`` form against plain PyTorch and FSDP2: parameters DTensors on
     the whole mesh ((dp 2, tp 2), or (rep 2, dp 2) for HSDP), the loss a DTensor mean over the
     global batch. FSDP2 averages each data-parallel rank's part of that gradient over them, so
     each step takes the plain gradient over the number of data-parallel ranks (computed so
-    here); collsched the same, exact to float32's rounding, its state dict placed as FSDP2's."""
+    here); collsched the same, exact to float32's rounding, its state dict placed as FSDP2's.
+    With ``micro`` micro-batches a step (the first ones without gradient synchronization) the
+    step takes the sum of theirs."""
     world, steps = 4, 3
     dp_size = world if hsdp else world // 2
     m = w.model(0).double()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     losses, norms = [], []
     for step in range(steps):
-        loss = m(torch.cat([w.batch(r, step) for r in range(dp_size)]).double()).pow(2).mean()
-        losses.append(loss.item())
-        (loss / dp_size).backward()
+        for k in range(micro):
+            loss = m(torch.cat([w.batch(r, step * micro + k) for r in range(dp_size)]).double()).pow(2).mean()
+            losses.append(loss.item())
+            (loss / dp_size).backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)))
         opt.step()
         opt.zero_grad()
     params = {k: v.reshape(-1).tolist() for k, v in m.state_dict().items()}
-    got = run(w.train_spmd, world, steps, "collsched", hsdp, str(tmp_path / "ckpt"), init="collsched", timeout=300)
-    fsdp2 = run(w.train_spmd, world, steps, "fsdp2", hsdp, "", init="torch", timeout=300)
+    path = str(tmp_path / "ckpt")
+    got = run(w.train_spmd, world, steps, "collsched", hsdp, path, micro, init="collsched", timeout=300)
+    fsdp2 = run(w.train_spmd, world, steps, "fsdp2", hsdp, "", micro, init="torch", timeout=300)
     for rank in range(world):
         for name, out in (("collsched", got[rank]), ("fsdp2", fsdp2[rank])):
             _close(out["losses"], losses, f"{name} rank {rank} losses", 1e-6)

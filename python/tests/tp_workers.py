@@ -342,13 +342,14 @@ def _spmd_sharded(mesh: Any, dims: Any, hsdp: bool, kind: str, seed: int = 0) ->
     return m
 
 
-def train_spmd(rank: int, world: int, steps: int, kind: str, hsdp: bool, path: str) -> dict[str, Any]:
+def train_spmd(rank: int, world: int, steps: int, kind: str, hsdp: bool, path: str, micro: int = 1) -> dict[str, Any]:
     """``spmd_model`` sharded by ``kind`` (``"collsched"`` or ``"fsdp2"``) with FSDP2's
     ``dp_mesh_dims``, each block and the root: on a (world/2 dp, 2 tp) mesh over ``dp``; with
     ``hsdp``, on a (2 rep, world/2 dp) mesh without tensor parallelism, sharded over ``dp`` and
     replicated over ``rep``. Each step a DTensor batch sharded over the data-parallel dimensions
     (each data-parallel rank, in mesh order, its batch), the loss a DTensor mean over the
-    global batch, gradients clipped to norm 0.5, SGD. Returns the losses, the norms, the state
+    global batch (``micro`` of them a step, gradients synchronized at the last one alone),
+    gradients clipped to norm 0.5, SGD. Returns the losses, the norms, the state
     dict's full values and placements, and (collsched) the values after a ``save_checkpoint``
     to ``path`` and a ``load_checkpoint`` into a fresh model."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -365,9 +366,11 @@ def train_spmd(rank: int, world: int, steps: int, kind: str, hsdp: bool, path: s
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     losses, norms = [], []
     for step in range(steps):
-        loss = m(DTensor.from_local(batch(index, step), mesh, placements)).pow(2).mean()
-        losses.append(loss.full_tensor().item())
-        loss.backward()
+        for k in range(micro):
+            m.set_requires_gradient_sync(k == micro - 1)
+            loss = m(DTensor.from_local(batch(index, step * micro + k), mesh, placements)).pow(2).mean()
+            losses.append(loss.full_tensor().item())
+            loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)))
         opt.step()
         opt.zero_grad()
