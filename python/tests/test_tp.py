@@ -120,8 +120,9 @@ def test_what_a_tensor_parallel_model_refuses_is_named(tmp_path):
             "spmd_placed": "parameter head.weight is placed (Shard(dim=0), Shard(dim=1)) on mesh ('dp', 'tp'); "
             "under dp_mesh_dims it must be Replicate() on the data-parallel dimensions ['dp']",
             "spmd_names": "dp_mesh_dims names dimension 'cp', which mesh of dimensions ('dp', 'tp') lacks",
-            "spmd_ddp": "names no shard dimension",
-            "spmd_same": "names 'dp' to shard over and to replicate over",
+            "spmd_ddp": "replicates without sharding (DDP, strategy 'hybrid:1'); strategy='flat' says otherwise",
+            "spmd_backwards": "dp_mesh_dims.shard=('tp', 'dp') are not neighbouring dimensions in mesh order",
+            "spmd_same": "names 'dp' twice (to shard over and to replicate over",
             "spmd_mixed": "parameter blocks.0.norm.weight was sharded with dp_mesh_dims over ['dp'] of mesh "
             "('dp', 'tp') (a block's call), the root Net without dp_mesh_dims",
             "spmd_int": "reshard_after_forward=2 (a number of ranks) with dp_mesh_dims is not supported",
@@ -177,17 +178,23 @@ def test_a_meta_device_tensor_parallel_model_takes_rank_0s_values():
         _close([got["loss"]], [losses[rank // 2]], f"rank {rank} loss", 1e-6)
 
 
-@pytest.mark.parametrize("hsdp,micro", [(False, 1), (True, 1), (False, 2)], ids=["dp-tp", "hsdp", "dp-tp-no-sync"])
-def test_a_model_of_dtensors_on_the_whole_mesh_shards_over_dp_mesh_dims_as_fsdp2_does(hsdp, micro, tmp_path):
+@pytest.mark.parametrize(
+    "layout,micro",
+    [("dp-tp", 1), ("hsdp", 1), ("dp-tp", 2), ("flat", 1), ("ddp-tp", 1)],
+    ids=["dp-tp", "hsdp", "dp-tp-no-sync", "flattened", "ddp-tp"],
+)
+def test_a_model_of_dtensors_on_the_whole_mesh_shards_over_dp_mesh_dims_as_fsdp2_does(layout, micro, tmp_path):
     """FSDP2's ``dp_mesh_dims`` form against plain PyTorch and FSDP2: parameters DTensors on
-    the whole mesh ((dp 2, tp 2), or (rep 2, dp 2) for HSDP), the loss a DTensor mean over the
-    global batch. FSDP2 averages each data-parallel rank's part of that gradient over them, so
-    each step takes the plain gradient over the number of data-parallel ranks (computed so
-    here); collsched the same, exact to float32's rounding, its state dict placed as FSDP2's.
-    With ``micro`` micro-batches a step (the first ones without gradient synchronization) the
-    step takes the sum of theirs."""
+    the whole mesh (``tp_workers.SPMD_LAYOUTS``: (dp 2, tp 2); (rep 2, dp 2) for HSDP; (dp 2,
+    cp 2) sharded over both flattened; (rep 2, tp 2) replicated over rep, DDP), the loss a
+    DTensor mean over the global batch. FSDP2 averages each data-parallel rank's part of that
+    gradient over them, so each step takes the plain gradient over the number of data-parallel
+    ranks (computed so here); collsched the same, exact to float32's rounding, its state dict
+    placed as FSDP2's. With ``micro`` micro-batches a step (the first ones without gradient
+    synchronization) the step takes the sum of theirs."""
     world, steps = 4, 3
-    dp_size = world if hsdp else world // 2
+    tp = w.SPMD_LAYOUTS[layout][3]
+    dp_size = world // 2 if tp else world
     m = w.model(0).double()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     losses, norms = [], []
@@ -201,8 +208,8 @@ def test_a_model_of_dtensors_on_the_whole_mesh_shards_over_dp_mesh_dims_as_fsdp2
         opt.zero_grad()
     params = {k: v.reshape(-1).tolist() for k, v in m.state_dict().items()}
     path = str(tmp_path / "ckpt")
-    got = run(w.train_spmd, world, steps, "collsched", hsdp, path, micro, init="collsched", timeout=300)
-    fsdp2 = run(w.train_spmd, world, steps, "fsdp2", hsdp, "", micro, init="torch", timeout=300)
+    got = run(w.train_spmd, world, steps, "collsched", layout, path, micro, init="collsched", timeout=300)
+    fsdp2 = run(w.train_spmd, world, steps, "fsdp2", layout, "", micro, init="torch", timeout=300)
     for rank in range(world):
         for name, out in (("collsched", got[rank]), ("fsdp2", fsdp2[rank])):
             _close(out["losses"], losses, f"{name} rank {rank} losses", 1e-6)
@@ -213,5 +220,10 @@ def test_a_model_of_dtensors_on_the_whole_mesh_shards_over_dp_mesh_dims_as_fsdp2
         assert got[rank]["placements"] == fsdp2[rank]["placements"], (rank, got[rank]["placements"])
         # save_checkpoint, then load_checkpoint into a fresh model (other initial values): exact.
         assert got[rank]["loaded"] == got[rank]["params"], rank
-    want = "(Replicate(), Shard(dim=0))" if hsdp else "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
+    want = {
+        "dp-tp": "(_StridedShard(dim=0, sf=2), Shard(dim=0))",
+        "hsdp": "(Replicate(), Shard(dim=0))",
+        "flat": "(Shard(dim=0),)",
+        "ddp-tp": "(Replicate(), Shard(dim=0))",
+    }[layout]
     assert got[0]["placements"]["blocks.0.up.weight"] == want, got[0]["placements"]

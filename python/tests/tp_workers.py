@@ -219,7 +219,9 @@ def refusals(rank: int, world: int, path: str) -> dict[str, str]:
     hsdp = DataParallelMeshDims(shard="dp", replicate="rep")
     out["spmd_order"] = error(lambda: cst.fully_shard(spmd_model(flipped, tp=False), mesh=flipped, dp_mesh_dims=hsdp))
     ddp = DataParallelMeshDims(replicate="dp")
-    out["spmd_ddp"] = error(lambda: cst.fully_shard(spmd_model(mesh), mesh=mesh, dp_mesh_dims=ddp))
+    out["spmd_ddp"] = error(lambda: cst.fully_shard(spmd_model(mesh), mesh=mesh, dp_mesh_dims=ddp, strategy="flat"))
+    backwards = DataParallelMeshDims(shard=("tp", "dp"))
+    out["spmd_backwards"] = error(lambda: cst.fully_shard(spmd_model(mesh), mesh=mesh, dp_mesh_dims=backwards))
     return out
 
 
@@ -330,8 +332,8 @@ def spmd_model(mesh: Any, seed: int = 0, tp: bool = True) -> Net:
     return m
 
 
-def _spmd_sharded(mesh: Any, dims: Any, hsdp: bool, kind: str, seed: int = 0) -> Net:
-    m = spmd_model(mesh, seed, tp=not hsdp)
+def _spmd_sharded(mesh: Any, dims: Any, tp: bool, kind: str, seed: int = 0) -> Net:
+    m = spmd_model(mesh, seed, tp=tp)
     if kind == "fsdp2":
         from torch.distributed.fsdp import fully_shard
     else:
@@ -342,27 +344,38 @@ def _spmd_sharded(mesh: Any, dims: Any, hsdp: bool, kind: str, seed: int = 0) ->
     return m
 
 
-def train_spmd(rank: int, world: int, steps: int, kind: str, hsdp: bool, path: str, micro: int = 1) -> dict[str, Any]:
+# dp_mesh_dims layouts of 4 ranks: the mesh's shape and names, the DataParallelMeshDims'
+# (shard, replicate), whether the second dimension is tensor-parallel.
+SPMD_LAYOUTS = {
+    "dp-tp": ((2, 2), ("dp", "tp"), ("dp", None), True),
+    "hsdp": ((2, 2), ("rep", "dp"), ("dp", "rep"), False),
+    "flat": ((2, 2), ("dp", "cp"), (("dp", "cp"), None), False),
+    "ddp-tp": ((2, 2), ("rep", "tp"), (None, "rep"), True),
+}
+
+
+def train_spmd(rank: int, world: int, steps: int, kind: str, layout: str, path: str, micro: int = 1) -> dict[str, Any]:
     """``spmd_model`` sharded by ``kind`` (``"collsched"`` or ``"fsdp2"``) with FSDP2's
-    ``dp_mesh_dims``, each block and the root: on a (world/2 dp, 2 tp) mesh over ``dp``; with
-    ``hsdp``, on a (2 rep, world/2 dp) mesh without tensor parallelism, sharded over ``dp`` and
-    replicated over ``rep``. Each step a DTensor batch sharded over the data-parallel dimensions
-    (each data-parallel rank, in mesh order, its batch), the loss a DTensor mean over the
-    global batch (``micro`` of them a step, gradients synchronized at the last one alone),
-    gradients clipped to norm 0.5, SGD. Returns the losses, the norms, the state
-    dict's full values and placements, and (collsched) the values after a ``save_checkpoint``
-    to ``path`` and a ``load_checkpoint`` into a fresh model."""
+    ``dp_mesh_dims``, each block and the root, on a mesh of ``SPMD_LAYOUTS[layout]``: sharded
+    over (dp, tp), replicated over rep and sharded over dp (HSDP), sharded over dp and cp
+    flattened, or replicated over rep with tp beside (DDP). Each step a DTensor batch sharded
+    over the data-parallel dimensions (each data-parallel rank, in mesh order, its batch), the
+    loss a DTensor mean over the global batch (``micro`` of them a step, gradients synchronized
+    at the last one alone), gradients clipped to norm 0.5, SGD. Returns the losses, the norms,
+    the state dict's full values and placements, and (collsched) the values after a
+    ``save_checkpoint`` to ``path`` and a ``load_checkpoint`` into a fresh model."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import DataParallelMeshDims
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    if hsdp:
-        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("rep", "dp"))
-        dims, index, placements = DataParallelMeshDims(shard="dp", replicate="rep"), rank, [Shard(0), Shard(0)]
+    shape, names, (shard, replicate), tp = SPMD_LAYOUTS[layout]
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    dims = DataParallelMeshDims(shard=shard, replicate=replicate)
+    if tp:
+        index, placements = mesh[names[0]].get_local_rank(), [Shard(0), Replicate()]
     else:
-        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
-        dims, index, placements = DataParallelMeshDims(shard="dp"), mesh["dp"].get_local_rank(), [Shard(0), Replicate()]
-    m = _spmd_sharded(mesh, dims, hsdp, kind)
+        index, placements = rank, [Shard(0), Shard(0)]
+    m = _spmd_sharded(mesh, dims, tp, kind)
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     losses, norms = [], []
     for step in range(steps):
@@ -378,7 +391,7 @@ def train_spmd(rank: int, world: int, steps: int, kind: str, hsdp: bool, path: s
     loaded = {}
     if kind == "collsched":
         cst.save_checkpoint(m, None, path)
-        fresh = _spmd_sharded(mesh, dims, hsdp, kind, seed=5)
+        fresh = _spmd_sharded(mesh, dims, tp, kind, seed=5)
         cst.load_checkpoint(fresh, None, path)
         loaded = {k: plain(v.full_tensor()) for k, v in fresh.state_dict().items()}
     return {

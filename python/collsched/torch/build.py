@@ -178,9 +178,9 @@ def build(st: _State) -> None:
                 info.unit = u
                 if dtensor:
                     info.tp = tp_.spec_of(p, qual, dp_ranks, job.rank, gather, spmd)
-                    info.tp_dp = () if spmd is None else spmd.dp
+                    info.spmd = spmd
                 elif prev is not None and prev[1].tp is not None:
-                    info.tp, info.tp_dp = prev[1].tp, prev[1].tp_dp
+                    info.tp, info.spmd = prev[1].tp, prev[1].spmd
                 if info.tp is not None:
                     info.full = tp_.full_param(info.placeholder, info.tp)
                 info.shard = p if prev is not None else nn.Parameter(torch.empty(0, dtype=dtype, device=st.device))

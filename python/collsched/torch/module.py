@@ -517,12 +517,14 @@ def fully_shard(
     the module's shards and their gradients in host memory, the optimizer stepping there;
     ``shard_placement_fn`` (``None``) FSDP2's per-parameter placement: ``None`` or ``Shard(0)``
     for each parameter (what collsched does), any other placement refused by name;
-    ``dp_mesh_dims`` (``None``; FSDP2's ``DataParallelMeshDims(shard=, replicate=)``, one
-    dimension name each) makes ``mesh`` the whole SPMD mesh: every parameter a DTensor on it,
-    ``Replicate()`` on those dimensions, sharded over ``shard`` (and replicated over
-    ``replicate``, HSDP), its other placements kept; as in FSDP2, a gradient is averaged over
-    the data-parallel ranks as autograd leaves it there (a loss that is a DTensor mean over the
-    global batch gives its gradient over the number of data-parallel ranks, as FSDP2 does).
+    ``dp_mesh_dims`` (``None``; FSDP2's ``DataParallelMeshDims(shard=, replicate=)``, each a
+    dimension's name or several neighbouring ones, flattened into one as FSDP2 does) makes
+    ``mesh`` the whole SPMD mesh: every parameter a DTensor on it, ``Replicate()`` on those
+    dimensions, sharded over ``shard`` and replicated over ``replicate`` (both: HSDP;
+    ``replicate`` alone: DDP, strategy ``"hybrid:1"``), its other placements kept; as in
+    FSDP2, a gradient is averaged over the data-parallel ranks as autograd leaves it there (a
+    loss that is a DTensor mean over the global batch gives its gradient over the number of
+    data-parallel ranks, as FSDP2 does).
     """
     group = _group(module, reshard_after_forward) if isinstance(module, (list, tuple)) else None
     members = list(group) if group is not None else [module]
@@ -547,7 +549,13 @@ def fully_shard(
     spmd = None
     if dp_mesh_dims is not None:
         # FSDP2's whole SPMD mesh: sharded over its data-parallel dimensions (tp.py).
-        mesh, spmd = tp_.spmd_mesh(mesh, dp_mesh_dims)
+        mesh, spmd, ddp = tp_.spmd_mesh(mesh, dp_mesh_dims)
+        if ddp is not None and strategy not in ("even", ddp):
+            raise CollschedError(
+                f"fully_shard: dp_mesh_dims={dp_mesh_dims!r} replicates without sharding (DDP, strategy {ddp!r}); "
+                f"strategy={strategy!r} says otherwise: give one of them"
+            )
+        strategy = ddp or strategy
     part, strategy = _mesh_strategy(mesh, strategy)
     mp = values.policy(mp_policy)
     if mp is not None and mp.reduce_dtype is not None:
@@ -588,8 +596,8 @@ def fully_shard(
         return members
     opts = {
         "part": part,
-        # Under dp_mesh_dims: the dimension sharded over (a state dict's DTensors are placed by it).
-        "mesh": mesh if spmd is None else spmd.mesh[spmd.mesh.mesh_dim_names[spmd.shard]],
+        # Under dp_mesh_dims: the 1-D mesh of the dimensions sharded over (a state dict's rows are cut over it).
+        "mesh": mesh if spmd is None else spmd.cut,
         "spmd": spmd,
         "strategy": strategy,
         "bucket_mb": bucket_mb,

@@ -166,7 +166,7 @@ def place(p: _Param, full: torch.Tensor, mesh: Any) -> Any:
     from torch.distributed.tensor import DTensor
 
     if p.tp is not None:
-        return tp_.place(full, p.tp, mesh, _rows, p.tp_dp[-1] if p.tp_dp else None)
+        return tp_.place(full, p.tp, mesh, _rows, p.spmd)
     t, placements = _rows(full, mesh)
     return DTensor.from_local(t, mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
 

@@ -39,31 +39,38 @@ def is_dtensor(t: Any) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Spmd:
-    """``dp_mesh_dims`` over ``mesh``: its data-parallel dimensions' indices, ``shard`` (the
-    one the parameters are sharded over) and ``dp`` (it and the replicate one, if any)."""
+    """``dp_mesh_dims`` over ``mesh``: the indices of its data-parallel dimensions, ``shard``
+    (the ones the parameters are sharded over, flattened into one in mesh order; none: DDP)
+    and ``dp`` (those and the replicate ones); and the layout of a state dict's DTensors (as
+    FSDP2 places them): on ``sd_mesh`` (``mesh`` itself unless several dimensions are
+    flattened, then ``mesh`` with those replaced by their flattened mesh, and under HSDP the
+    replicate ones by ``Replicate()`` beside it), dimension ``i`` of it taking the placement of
+    the parameter's dimension ``take[i]`` (-1: ``Replicate()``), the shard placement at
+    ``at`` (None: DDP), its rows cut over ``cut`` (the 1-D mesh of the shard dimensions, or of
+    the replicate ones for DDP)."""
 
     mesh: Any
-    shard: int
+    shard: tuple[int, ...]
     dp: tuple[int, ...]
+    sd_mesh: Any = dataclasses.field(compare=False)
+    take: tuple[int, ...]
+    at: int | None
+    cut: Any = dataclasses.field(compare=False)
 
 
-def _names(given: Any, what: str) -> tuple[str, ...]:
+def _names(given: Any) -> tuple[str, ...]:
     if given is None:
         return ()
-    names = (given,) if isinstance(given, str) else tuple(given)
-    if len(names) > 1:
-        raise CollschedError(
-            f"fully_shard: dp_mesh_dims.{what}={given!r} names {len(names)} dimensions; collsched takes one "
-            f"{what} dimension: give the parameters a mesh whose {what} dimension is those flattened into one"
-        )
-    return names
+    return (given,) if isinstance(given, str) else tuple(given)
 
 
-def spmd_mesh(mesh: Any, dims: Any) -> tuple[Any, Spmd]:
-    """The data-parallel mesh (1-D, or ``(replicate, shard)`` for HSDP) of FSDP2's
-    ``dp_mesh_dims`` (a ``DataParallelMeshDims``, or anything with its ``shard`` and
-    ``replicate``) over ``mesh`` (the whole SPMD mesh), and the dimensions' indices; refused
-    by name where the mesh or the names do not fit."""
+def spmd_mesh(mesh: Any, dims: Any) -> tuple[Any, Spmd, str | None]:
+    """The data-parallel mesh of FSDP2's ``dp_mesh_dims`` (a ``DataParallelMeshDims``, or
+    anything with its ``shard`` and ``replicate``) over ``mesh`` (the whole SPMD mesh): 1-D
+    over the shard dimensions, ``(replicate, shard)`` for HSDP, 1-D over the replicate ones for
+    DDP (strategy ``hybrid:1``, the third value; None: as given), several names of one kind
+    flattened into one dimension as FSDP2 does; and the :class:`Spmd`. Refused by name where
+    the mesh or the names do not fit."""
     from torch.distributed.device_mesh import DeviceMesh
 
     if not isinstance(mesh, DeviceMesh) or not mesh.mesh_dim_names:
@@ -71,28 +78,68 @@ def spmd_mesh(mesh: Any, dims: Any) -> tuple[Any, Spmd]:
             f"fully_shard: dp_mesh_dims={dims!r} needs mesh= the whole SPMD DeviceMesh, with mesh_dim_names; "
             f"got mesh={mesh!r}"
         )
-    shard = _names(getattr(dims, "shard", None), "shard")
-    replicate = _names(getattr(dims, "replicate", None), "replicate")
-    if not shard:
-        raise CollschedError(
-            f"fully_shard: dp_mesh_dims={dims!r} names no shard dimension (data parallelism replicated alone, "
-            "DDP); collsched shards: name the dimension to shard over in shard="
-        )
+    shard = _names(getattr(dims, "shard", None))
+    replicate = _names(getattr(dims, "replicate", None))
     names = tuple(mesh.mesh_dim_names)
+    if not shard and not replicate:
+        raise CollschedError(f"fully_shard: dp_mesh_dims={dims!r} names no dimension; name shard=, replicate= or both")
     for n in shard + replicate:
         if n not in names:
             raise CollschedError(
                 f"fully_shard: dp_mesh_dims names dimension {n!r}, which mesh of dimensions {names} lacks"
             )
-    if replicate == shard:
+    both = sorted(set(shard) & set(replicate)) or sorted(
+        {n for n in shard + replicate if (shard + replicate).count(n) > 1}
+    )
+    if both:
         raise CollschedError(
-            f"fully_shard: dp_mesh_dims={dims!r} names {shard[0]!r} to shard over and to replicate over; name "
-            "two dimensions, or leave replicate out"
+            f"fully_shard: dp_mesh_dims={dims!r} names {both[0]!r} twice (to shard over and to replicate over, or "
+            "twice in one); name each dimension once"
         )
-    dp = tuple(names.index(n) for n in replicate + shard)
-    # HSDP: (replicate, shard) whatever order the mesh has them in (as FSDP2 makes it).
-    dp_mesh = mesh[shard[0]] if not replicate else DeviceMesh._concatenate([mesh[replicate[0]], mesh[shard[0]]])
-    return dp_mesh, Spmd(mesh, names.index(shard[0]), dp)
+
+    def flat(group: tuple[str, ...], what: str) -> Any:
+        at = [names.index(n) for n in group]
+        if at != list(range(at[0], at[0] + len(at))):
+            raise CollschedError(
+                f"fully_shard: dp_mesh_dims.{what}={group!r} are not neighbouring dimensions in mesh order "
+                f"{names}; several names are flattened into one dimension, as FSDP2 does: give them in the "
+                "mesh's order, side by side"
+            )
+        return mesh[group[0]] if len(group) == 1 else mesh[group]._flatten("_".join(group))
+
+    strategy = None
+    if not shard:
+        # DDP: every rank holds whole parameters (groups of one), gradients all-reduced.
+        dp_mesh, strategy = flat(replicate, "replicate"), "hybrid:1"
+        cut = dp_mesh
+    elif not replicate:
+        dp_mesh = cut = flat(shard, "shard")
+    else:
+        # HSDP: (replicate, shard) whatever order the mesh has them in (as FSDP2 makes it).
+        cut = flat(shard, "shard")
+        dp_mesh = DeviceMesh._concatenate([flat(replicate, "replicate"), cut])
+    index = tuple(names.index(n) for n in shard)
+    dp = tuple(names.index(n) for n in replicate) + index
+    if len(shard) <= 1:
+        sd_mesh, take, at = mesh, tuple(range(len(names))), (index[0] if index else None)
+    else:
+        # As FSDP2's sharded spec: the shard dimensions replaced by their flattened mesh (HSDP:
+        # the (replicate, shard) mesh, the replicate dimensions dropped where they were).
+        subs, take_, at = [], [], 0
+        for i, n in enumerate(names):
+            if i in index[1:] or (replicate and n in replicate):
+                continue
+            if i == index[0]:
+                subs.append(dp_mesh)
+                if replicate:
+                    take_.append(-1)
+                at = len(take_)
+                take_.append(i)
+            else:
+                subs.append(mesh[n])
+                take_.append(i)
+        sd_mesh, take = DeviceMesh._concatenate(subs), tuple(take_)
+    return dp_mesh, Spmd(mesh, index, dp, sd_mesh, take, at, cut), strategy
 
 
 def spec_of(p: Any, qual: str, dp_ranks: list[int], rank: int, dtype: torch.dtype, spmd: Spmd | None = None) -> Any:
@@ -237,7 +284,7 @@ def saved_hooks(hooks: Any) -> tuple[Any, Any]:
 _MESHES: dict[tuple[int, int], tuple[Any, Any, Any]] = {}
 
 
-def place(local: torch.Tensor, spec: Any, dp_mesh: Any, rows: Any, shard: int | None = None) -> Any:
+def place(local: torch.Tensor, spec: Any, dp_mesh: Any, rows: Any, spmd: Spmd | None = None) -> Any:
     """A state dict's DTensor of a tensor-parallel parameter of ``spec`` from ``local`` (this
     rank's whole local tensor, gathered over the data-parallel ranks): on the mesh of the
     data-parallel dimension followed by the tensor-parallel ones (FSDP2's), of the parameter's
@@ -245,23 +292,31 @@ def place(local: torch.Tensor, spec: Any, dp_mesh: Any, rows: Any, shard: int | 
     cut), which is ``Shard(0)`` over the data-parallel ranks, or, where the tensor-parallel
     ranks shard rows first, ``_StridedShard(0)`` (as FSDP2 places it), or, where they cut
     the rows unevenly, ``Replicate()`` (the whole local tensor). Under ``dp_mesh_dims``
-    (``shard``: the index of the dimension sharded over), on the parameter's own mesh, that
-    dimension's placement so chosen (the dimensions after it are the ones cutting rows first)."""
+    (``spmd``), on its ``sd_mesh``, the shard placement so chosen at its ``at`` (the mesh
+    dimensions after the shard ones are those cutting rows first); under its DDP form, the
+    parameter's own spec (whole local tensors)."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    if shard is None:
+    if spmd is None:
         key = (id(dp_mesh), id(spec.mesh))
         known = _MESHES.get(key)
         if known is None or known[0] is not dp_mesh or known[1] is not spec.mesh:
             known = _MESHES[key] = (dp_mesh, spec.mesh, DeviceMesh._concatenate([dp_mesh, spec.mesh]))
         # The tensor-parallel dimensions all come after the data-parallel one.
-        mesh, first, placements = known[2], 0, [Replicate(), *spec.placements]
+        mesh, at, placements = known[2], 0, [Replicate(), *spec.placements]
+        after = range(len(spec.placements))
+    elif spmd.at is None:
+        return DTensor.from_local(
+            local.clone(), spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride
+        )
     else:
-        mesh, first, placements = spec.mesh, shard + 1, list(spec.placements)
+        mesh, at = spmd.sd_mesh, spmd.at
+        placements = [Replicate() if i < 0 else spec.placements[i] for i in spmd.take]
+        after = [d for d in range(spmd.shard[-1] + 1, len(spec.placements)) if d not in spmd.dp]
     split = 1
-    for dim in range(first, len(spec.placements)):
+    for dim in after:
         placement = spec.placements[dim]
         if isinstance(placement, Shard) and placement.dim == 0:
             split *= spec.mesh.size(dim)
@@ -275,7 +330,7 @@ def place(local: torch.Tensor, spec: Any, dp_mesh: Any, rows: Any, shard: int | 
     mine, (dp_placement,) = rows(local, dp_mesh)
     if split > 1 and isinstance(dp_placement, Shard):
         dp_placement = _StridedShard(0, split_factor=split)
-    placements[0 if shard is None else shard] = dp_placement
+    placements[at] = dp_placement
     return DTensor.from_local(mine, mesh, placements, run_check=False, shape=spec.shape, stride=spec.stride)
 
 

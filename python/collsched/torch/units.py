@@ -63,7 +63,7 @@ class _Param:
         "views",
         "addr",
         "tp",
-        "tp_dp",
+        "spmd",
     )
 
     def __init__(self, pid: int, name: str, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> None:
@@ -96,10 +96,15 @@ class _Param:
         self.views: dict[int, torch.Tensor] = {}
         self.addr = 0
         # A tensor-parallel parameter's spec (``tp.py``; ``shape`` is then its local tensor's),
-        # of the gathers' dtype, or None; under dp_mesh_dims, the indices of its mesh's
-        # data-parallel dimensions (the library reduces over them; tp.local_grad keeps them).
+        # of the gathers' dtype, or None; under dp_mesh_dims, its ``tp.Spmd``.
         self.tp: Any = None
-        self.tp_dp: tuple[int, ...] = ()
+        self.spmd: Any = None
+
+    @property
+    def tp_dp(self) -> tuple[int, ...]:
+        """Under dp_mesh_dims, the indices of the parameter's mesh's data-parallel dimensions
+        (the library reduces over them; ``tp.local_grad`` keeps them); else none."""
+        return () if self.spmd is None else self.spmd.dp
 
     @property
     def global_shape(self) -> torch.Size:
