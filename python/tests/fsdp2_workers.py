@@ -457,7 +457,7 @@ def fsdp2_methods(rank: int, world: int) -> dict[str, Any]:
     """FSDP2's other module methods and ``shard_placement_fn`` on a collsched-sharded model:
     the accepted ones as calls that change nothing (the model then trains), the refused ones
     as their error texts."""
-    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FSDPModule, share_comm_ctx
     from torch.distributed.tensor import Shard
 
     import collsched.torch as cst
@@ -495,9 +495,12 @@ def fsdp2_methods(rank: int, world: int) -> dict[str, Any]:
         "dp_mesh_dims": error_text(lambda: cst.fully_shard(models.build("mlp", 1), dp_mesh_dims=("dp",))),
         "not_manual": error_text(model.finalize_backward),
         # An FSDPModule (code that drives FSDP2's modules by their methods drives it), whose
-        # FSDP2 internals are refused by name.
+        # FSDP2 state is its communication context alone (torch's share_comm_ctx sets it), the
+        # rest refused by name.
         "fsdp_module": [isinstance(m, FSDPModule) for m in (model, model.blocks[0])],
-        "fsdp_state": error_text(model._get_fsdp_state),
+        "fsdp_state": error_text(lambda: model._get_fsdp_state()._fsdp_param_group),
+        "share_comm_ctx": error_text(lambda: share_comm_ctx([model, model.blocks[0]])),
+        "shared": model._get_fsdp_state()._comm_ctx is model.blocks[0]._get_fsdp_state()._comm_ctx,
         "manual_on_block": error_text(lambda: model.blocks[0].set_manual_backward_finalization(True)),
         # init() again: the same backend or none is the world joined; another is refused.
         "init_again": [error_text(cst.init), error_text(lambda: cst.init("shm"))],

@@ -133,3 +133,63 @@ def pipelined(rank: int, world: int, steps: int, n_micro: int, kind: str) -> dic
         opt.zero_grad()
     params = {k: plain(v.full_tensor()) for k, v in part.state_dict().items()}
     return {"stage": stage, "dp_rank": dp_rank, "losses": losses, "params": params, "reductions": reductions}
+
+
+def deep_model() -> nn.Sequential:
+    """Four stages' model for interleaved schedules: three hidden layers with tanh, then the output."""
+    torch.manual_seed(300)
+    return nn.Sequential(
+        nn.Linear(IN, HIDDEN),
+        nn.Tanh(),
+        nn.Linear(HIDDEN, HIDDEN),
+        nn.Tanh(),
+        nn.Linear(HIDDEN, HIDDEN),
+        nn.Tanh(),
+        nn.Linear(HIDDEN, OUT),
+    )
+
+
+# The deep model's layers of each of its four stages.
+DEEP_STAGES = ((0, 1), (2, 3), (4, 5), (6,))
+
+
+def interleaved(rank: int, world: int, steps: int, n_micro: int, defer: bool) -> dict[str, Any]:
+    """``deep_model`` in four stages over a (pp 2, dp world/2) mesh, pp rank ``p`` holding
+    stages ``p`` and ``p + 2``, each stage a root of its own sharded over its dp ranks, run by
+    ``ScheduleInterleaved1F1B`` (which unshards, reshards and finalizes each stage's reduction
+    by FSDP2's methods) with ``n_micro`` micro-batches, ``defer``: its
+    ``defer_reduce_grad_wait``; SGD. Returns the last stage's micro-batch losses per step and
+    each stage's parameters by the deep model's names."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+
+    dp_size = world // 2
+    mesh = init_device_mesh("cpu", (2, dp_size), mesh_dim_names=("pp", "dp"))
+    pp, dp = mesh["pp"], mesh["dp"]
+    p, dp_rank = pp.get_local_rank(), dp.get_local_rank()
+    full = deep_model()
+    parts, stages = [], []
+    for s in (p, p + 2):
+        part = nn.Sequential(*(full[i] for i in DEEP_STAGES[s]))
+        cst.fully_shard(part, mesh=dp)
+        parts.append((s, part))
+        stages.append(PipelineStage(part, s, 4, torch.device("cpu"), group=pp.get_group()))
+    schedule = ScheduleInterleaved1F1B(stages, n_micro, loss_fn=nn.MSELoss(), defer_reduce_grad_wait=defer)
+    opt = torch.optim.SGD([q for _, part in parts for q in part.parameters()], lr=0.2)
+    losses = []
+    for step in range(steps):
+        x = torch.cat([batch(0, dp_rank, step * n_micro + m) for m in range(n_micro)])
+        if p == 0:
+            schedule.step(x)
+        else:
+            got: list[torch.Tensor] = []
+            schedule.step(target=torch.zeros(x.shape[0], OUT), losses=got)
+            losses.append([t.item() for t in got])
+        opt.step()
+        opt.zero_grad()
+    params = {}
+    for s, part in parts:
+        for k, v in part.state_dict().items():
+            i, leaf = k.split(".")
+            params[f"{DEEP_STAGES[s][int(i)]}.{leaf}"] = plain(v.full_tensor())
+    return {"pp": p, "dp_rank": dp_rank, "losses": losses, "params": params}

@@ -291,6 +291,8 @@ def test_fsdp2_s_other_methods_are_taken_or_refused_by_name():
         assert "requires manual backward finalization" in o["not_manual"], o
         assert o["fsdp_module"] == [True, True], o
         assert "sharded by collsched.torch, which keeps no FSDP2 state" in o["fsdp_state"], o
+        assert "its communication context (_comm_ctx) alone, not _fsdp_param_group" in o["fsdp_state"], o
+        assert o["share_comm_ctx"] == "no error" and o["shared"] is True, o
         assert "must be called on the root module" in o["manual_on_block"], o
         assert o["init_again"] == ["no error"] * 2, o
         assert "init(backend='emulated'): this process joined its job on 'shm' already" in o["init_other"], o

@@ -106,3 +106,42 @@ def test_a_pipeline_schedule_over_sharded_stages_gives_plain_pytorchs_losses(kin
         assert len(got["reductions"]) == steps, got["reductions"]
         for counts in got["reductions"]:
             assert len(counts) == 1 and counts[0] >= 1, (rank, got["reductions"])
+
+
+@pytest.mark.parametrize("defer", [False, True], ids=["wait", "defer-wait"])
+def test_an_interleaved_schedule_over_two_sharded_stages_a_rank_gives_plain_pytorchs_losses(defer):
+    """``ScheduleInterleaved1F1B`` drives each stage by FSDP2's methods (``unshard(async_op=True)``,
+    ``reshard``, ``finalize_backward``; with ``defer_reduce_grad_wait`` it also reads the stages'
+    communication contexts): four stages, two a rank, each a collsched root over its dp ranks."""
+    world, steps, n_micro = 4, 3, 4
+    dp_size = world // 2
+    out = run(w.interleaved, world, steps, n_micro, defer, init="collsched", timeout=300)
+    model = w.deep_model().double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    want: list[list[list[float]]] = [[] for _ in range(dp_size)]
+    for step in range(steps):
+        total = 0.0
+        for r in range(dp_size):
+            mine = []
+            for m in range(n_micro):
+                loss = model(w.batch(0, r, step * n_micro + m).double()).pow(2).mean()
+                mine.append(loss.item())
+                total = total + loss / (dp_size * n_micro)
+            want[r].append(mine)
+        total.backward()
+        opt.step()
+        opt.zero_grad()
+    final = {k: v.reshape(-1).tolist() for k, v in model.state_dict().items()}
+    for rank, got in enumerate(out):
+        p, r = rank // dp_size, rank % dp_size
+        assert (got["pp"], got["dp_rank"]) == (p, r), got
+        if p == 1:
+            assert len(got["losses"]) == steps, got["losses"]
+            for step in range(steps):
+                _close(got["losses"][step], want[r][step], f"rank {rank} step {step} losses")
+        else:
+            assert got["losses"] == [], got["losses"]
+        mine = {f"{i}.{leaf}" for s in (p, p + 2) for i in w.DEEP_STAGES[s][:1] for leaf in ("weight", "bias")}
+        assert sorted(got["params"]) == sorted(mine), got["params"].keys()
+        for k in mine:
+            _close(got["params"][k], final[k], f"rank {rank} {k}")

@@ -175,3 +175,28 @@ class Fsdp2Methods:
         they overlap whether ``enable`` is True or False."""
         _state_of(self)
         del enable, recurse
+
+
+class Fsdp2StateView:
+    """What ``_get_fsdp_state()`` gives for a module sharded by collsched.torch, which keeps
+    no FSDP2 state: FSDP2's communication context alone, ``_comm_ctx`` (an object of the
+    module's own until torch's ``share_comm_ctx`` sets one shared with other modules; what
+    ``torch.distributed.pipelining``'s deferred reduction compares between stages; collsched's
+    collectives run on the library's streams whatever it is), and no ``_fsdp_param_groups``.
+    Reading any other FSDP2 state is refused by name."""
+
+    __slots__ = ("_module", "_comm_ctx", "_fsdp_param_groups")
+
+    def __init__(self, module: Any) -> None:
+        self._module = type(module).__name__
+        self._comm_ctx: Any = object()
+        self._fsdp_param_groups: list[Any] = []
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise CollschedError(
+            f"{self._module} is sharded by collsched.torch, which keeps no FSDP2 state: _get_fsdp_state() gives "
+            f"its communication context (_comm_ctx) alone, not {name}; code reading FSDP2's other internals does "
+            "not apply to it: use its public FSDP2 methods"
+        )

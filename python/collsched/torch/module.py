@@ -21,7 +21,7 @@ from . import optim_state, state_dict, values
 from . import post_forward as post_
 from . import tp as tp_
 from .build import after_forward, divides, set_reshard
-from .compat import Fsdp2Methods, _state_of
+from .compat import Fsdp2Methods, Fsdp2StateView, _state_of
 from .shard import _State
 from .world import _FROM_TORCH, _TO_TORCH
 
@@ -35,7 +35,8 @@ class CollschedModule(Fsdp2Methods, FSDPModule):
     code that drives FSDP2's modules by their methods drives it too:
     ``torch.distributed.pipelining`` defers a stage's gradient reduction to the schedule's
     end (``set_manual_backward_finalization``, ``finalize_backward``) and unshards and
-    reshards stages, the Trainer reshards before making the optimizer."""
+    reshards stages, the Trainer reshards before making the optimizer. Of FSDP2's internal
+    state it has the communication context alone (``_get_fsdp_state``)."""
 
     _collsched_unit = True
 
@@ -43,11 +44,14 @@ class CollschedModule(Fsdp2Methods, FSDPModule):
         # FSDP2's ``__new__`` makes the original class; a sharded class is made as any module.
         return object.__new__(cls)
 
-    def _get_fsdp_state(self) -> Any:
-        raise CollschedError(
-            f"{type(self).__name__} is sharded by collsched.torch, which keeps no FSDP2 state: code reading FSDP2's "
-            "internals (_get_fsdp_state) does not apply to it; use its public FSDP2 methods"
-        )
+    def _get_fsdp_state(self) -> Fsdp2StateView:
+        """FSDP2's internal state, of which collsched keeps the communication context alone
+        (:class:`Fsdp2StateView`: what ``share_comm_ctx`` and ``torch.distributed.pipelining``
+        read); any other part of it is refused by name."""
+        view = self.__dict__.get("_collsched_fsdp_view")
+        if view is None:
+            view = self.__dict__["_collsched_fsdp_view"] = Fsdp2StateView(self)
+        return view
 
     def _call_impl(self, *args: Any, **kwargs: Any) -> Any:
         """torch's call, and for what its hooks miss (torch runs an ``always_call`` hook after an
