@@ -18,7 +18,8 @@
 # 540); a step that would not fit in what is left is skipped, saying so. $COLLSCHED_GPU_STEP_SECS,
 # when set, caps every step's timeout (a quick rehearsal). Without a GPU every
 # step reports skipped, with the reason. $COLLSCHED_GPU_PYTEST_K, when set, is the python step's
-# pytest -k expression (a rerun of the tests that failed). Exit status: 0 when no step failed.
+# pytest -k expression (a rerun of the tests that failed); $COLLSCHED_FIDELITY_RANKS the fidelity
+# step's world sizes (default "2 4 8"). Exit status: 0 when no step failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 here=$(pwd)
@@ -43,6 +44,7 @@ STEPS=(
   "vs-fsdp2-1b:150:python/benchmarks/vs_fsdp2.py --device cuda: a 0.9B-parameter shape in bf16"
   "vs-fsdp2-offload:120:python/benchmarks/vs_fsdp2.py --device cuda --offload: GPT-2 small in bf16 under CPUOffloadPolicy"
   "host-profile:100:python/benchmarks/vs_fsdp2.py --device cuda --pyprofile: where the host's time goes in GPT-2 small bf16 steps, FSDP2 and collsched"
+  "fidelity:90:benches/fidelity.sh on this machine's CPU cores (shm at 2, 4 and 8 ranks, not oversubscribed): the simulator's predictions against real steps"
 )
 
 if [ "${1:-}" = "--list" ]; then
@@ -190,6 +192,11 @@ step_host_profile() {
   python_site || return 1
   local n; n=$(gpus); [ "$n" -gt 2 ] && n=2
   vs_fsdp2 "$n" --dim 768 --heads 12 --blocks 12 --seq 512 --batch 8 --steps 2 --warmup 2 --mp bf16 --loss-rtol 1e-2 --pyprofile 45
+}
+# A CPU step: the simulator's predictions on a host with cores to spare and no other build
+# running (the build machine's 2 shared cores are the noise floor of that table).
+step_fidelity() {
+  COLLSCHED_EXE="$pack/bin/collsched" FIDELITY_RANKS="${COLLSCHED_FIDELITY_RANKS:-2 4 8}" bash benches/fidelity.sh
 }
 vs_fsdp2() {
   local n=$1; shift

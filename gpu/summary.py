@@ -23,6 +23,7 @@ FIGURES = {
 }
 FIGURES["vs-fsdp2-1b"] = FIGURES["vs-fsdp2-offload"] = FIGURES["vs-fsdp2"]
 FIGURES["host-profile"] = re.compile(r"^(model:|fsdp2 |collsched |ratio |pyprofile )")
+FIGURES["fidelity"] = re.compile(r"^(# |\s+\d+\s+\d+\s+(none|trace)\s)")
 
 
 def probe(logdir: str) -> dict[str, str]:
