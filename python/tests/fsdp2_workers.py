@@ -433,8 +433,8 @@ def divided(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
 
 def divide_refusals(rank: int, world: int) -> dict[str, str]:
     """The gradient reduction policy's refusals: a factor of 0 and a NaN, and
-    ``set_requires_all_reduce(False)`` with replica groups (``hybrid:1`` at 2 ranks), as their
-    error texts; each leaves the model training."""
+    ``set_requires_all_reduce(False)`` with replica groups (``hybrid:1`` at 2 ranks: taken, no
+    error), as their error texts; each leaves the model training."""
     import collsched.torch as cst
 
     cst.init()

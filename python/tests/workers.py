@@ -114,7 +114,11 @@ def train(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
                 x, y = x.cuda(), y.cuda()
             if keep == "last":
                 model.set_reshard_after_backward(micro + 1 == micro_n)
-            ctx = model.no_sync() if micro + 1 < micro_n else contextlib.nullcontext()
+            if spec.get("defer_all_reduce"):
+                # FSDP2's HSDP accumulation: the all-reduce across replica groups deferred.
+                model.set_requires_all_reduce(micro + 1 == micro_n)
+            last = micro + 1 == micro_n or spec.get("defer_all_reduce")
+            ctx = contextlib.nullcontext() if last else model.no_sync()
             with ctx:
                 with models.autocast(spec, x.device.type):
                     out = model(x)

@@ -32,6 +32,17 @@ def _not_fsdp2_comms(method: str) -> str:
     )
 
 
+def settle_sync(state: Any) -> None:
+    """Whether the next backward reduces (``state.sync``): gradient synchronization asked for
+    (``set_requires_gradient_sync``) and, where the strategy has replica groups, their
+    all-reduce too (``set_requires_all_reduce``: the library reduces in-group and across
+    groups in one step, so deferring one defers both)."""
+    strategy = str(state.opts.get("strategy", ""))
+    group = int(strategy.split(":")[1]) if strategy.startswith("hybrid:") else None
+    replicas = group is not None and group < state.world.world
+    state.sync = state.grad_sync and (state.all_reduce or not replicas)
+
+
 class Fsdp2Methods:
     """FSDP2's module methods that change nothing in collsched, refuse, or end a backward by hand."""
 
@@ -45,20 +56,17 @@ class Fsdp2Methods:
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """FSDP2's method for HSDP: whether a backward's gradients are all-reduced across the
-        replica groups. Without replica groups (every strategy but ``hybrid:G``) there is no
-        such all-reduce and ``True`` or ``False`` changes nothing. With ``hybrid:G`` below the
-        world size, ``False`` is refused: accumulate with ``no_sync()`` (or ``set_requires_gradient_sync(False)``),
-        which defers both the reduce-scatter and the all-reduce."""
+        replica groups (``hybrid:G`` below the world size, a 2-D mesh, ``dp_mesh_dims`` with
+        ``replicate``). ``False``: the backward passes accumulate and reduce nothing until one
+        with ``True`` reduces the sum, in-group and across groups at once (the same gradients;
+        where FSDP2 reduce-scatters each micro-batch within its group and holds the shard, the
+        library holds the micro-batches' unreduced sum, as under ``no_sync``). Without replica
+        groups there is no such all-reduce and the flag changes nothing. The flag is the sharded
+        model's, whichever unit it is set on (``recurse`` is taken for FSDP2's signature)."""
         state = _state_of(self)
         del recurse  # the reductions are the whole model's
-        strategy = str(state.opts.get("strategy", ""))
-        group = int(strategy.split(":")[1]) if strategy.startswith("hybrid:") else None
-        if not requires_all_reduce and group is not None and group < state.world.world:
-            raise CollschedError(
-                "set_requires_all_reduce(False) with strategy "
-                f"{state.opts['strategy']!r}: collsched cannot defer the all-reduce across replica groups "
-                "alone; accumulate with no_sync() or set_requires_gradient_sync(False) instead"
-            )
+        state.all_reduce = bool(requires_all_reduce)
+        settle_sync(state)
 
     def set_post_optim_event(self, event: Any) -> None:
         """FSDP2's method: the next forward's gathers start after ``event`` (recorded after an

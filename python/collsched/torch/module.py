@@ -21,7 +21,7 @@ from . import optim_state, state_dict, values
 from . import post_forward as post_
 from . import tp as tp_
 from .build import after_forward, divides, set_reshard
-from .compat import Fsdp2Methods, Fsdp2StateView, _state_of
+from .compat import Fsdp2Methods, Fsdp2StateView, _state_of, settle_sync
 from .shard import _State
 from .world import _FROM_TORCH, _TO_TORCH
 
@@ -101,7 +101,9 @@ class CollschedModule(Fsdp2Methods, FSDPModule):
         backward with ``True`` reduces everything (FSDP2's spelling of ``no_sync``). The flag is
         the sharded model's, whichever of its units it is set on (``recurse`` is taken for
         FSDP2's signature: one unit's gradients cannot be synchronized apart from the rest)."""
-        _state_of(self).sync = bool(requires_gradient_sync)
+        state = _state_of(self)
+        state.grad_sync = bool(requires_gradient_sync)
+        settle_sync(state)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

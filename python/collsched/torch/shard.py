@@ -53,7 +53,7 @@ class _State:
         self.tp_spec: Any = None
         # The parameters of which this rank holds no element.
         self.empty: list[_Param] = []
-        self.sync = True
+        self.sync = self.grad_sync = self.all_reduce = True
         self.unsynced = False
         self.phase = "idle"
         self.engine: Any = None
