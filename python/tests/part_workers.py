@@ -108,16 +108,6 @@ def pipelined(rank: int, world: int, steps: int, n_micro: int, kind: str) -> dic
     pipe = PipelineStage(part, stage, 2, torch.device("cpu"), group=pp.get_group())
     schedule = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}[kind](pipe, n_micro, loss_fn=nn.MSELoss())
     opt = torch.optim.SGD(part.parameters(), lr=0.2)
-    # The reduce-scatters of each library step (a backward, or finalize_backward), recorded.
-    state = part.__dict__["_collsched_state"]
-    counts: list[int] = []
-    end_step = state._end_step
-
-    def counted(*args: Any, **kwargs: Any) -> None:
-        end_step(*args, **kwargs)
-        counts.append(state.last["reduce_scatters"])
-
-    state._end_step = counted
     losses, reductions = [], []
     for step in range(steps):
         x = torch.cat([batch(0, dp_rank, step * n_micro + m) for m in range(n_micro)])
@@ -127,8 +117,8 @@ def pipelined(rank: int, world: int, steps: int, n_micro: int, kind: str) -> dic
             got: list[torch.Tensor] = []
             schedule.step(target=torch.zeros(x.shape[0], OUT), losses=got)
             losses.append([t.item() for t in got])
-        reductions.append([c for c in counts if c])
-        counts.clear()
+        # The library steps that reduced during this schedule step (stats' running count).
+        reductions.append(cst.stats(part)["reduced_steps"] - sum(reductions))
         opt.step()
         opt.zero_grad()
     params = {k: plain(v.full_tensor()) for k, v in part.state_dict().items()}

@@ -680,18 +680,21 @@ def stats(module: nn.Module) -> dict[str, Any]:
     excluded, per unit forward, for the forward and backward of the step), ``native_us_per_unit``
     (the time of those calls into the library, likewise), ``calls_us_per_unit`` (that time less
     ``wait_ms``, the waits for collectives), ``blocked_waits`` (the waits that found their
-    collectives still running), and more; with units resharded to some ranks after their
-    forward (an int ``reshard_after_forward``), the counters include the backward's gathers
-    within those ranks, and ``post_forward`` holds that layout's own counters by size (its
-    peak of gathered bytes is not in ``peak_gathered_bytes``)."""
+    collectives still running), ``steps`` and ``reduced_steps`` (the library steps this model
+    ended so far, one per backward, ``finalize_backward`` or reduction of accumulated
+    gradients, and of those the ones that reduced: running counts), and more; with units
+    resharded to some ranks after their forward (an int ``reshard_after_forward``), the
+    counters include the backward's gathers within those ranks, and ``post_forward`` holds
+    that layout's own counters by size (its peak of gathered bytes is not in
+    ``peak_gathered_bytes``)."""
     return dict(_root_state(module).last)
 
 
 def full_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter's full value (a copy), by name. Collective: every rank calls it."""
     state = _root_state(module)
-    values = state.gather_all()
-    return {p.name: values[p.pid] for p in state.params}
+    got = values.gather_all(state)
+    return {p.name: got[p.pid] for p in state.params}
 
 
 def plan(module: nn.Module) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from . import spans as spans_
 from . import tp as tp_
 from . import values as values_
 from .build import build as _build
-from .units import _Frame, _needing_grad, _Param, _PostBackward, _recomputing, _tensor, _Unit
+from .units import _Frame, _needing_grad, _Param, _PostBackward, _recomputing, _Unit
 from .world import _FROM_TORCH, _TO_TORCH, world_of
 
 # Views kept per parameter, by address of the gathered buffer (the oldest goes first).
@@ -62,6 +62,8 @@ class _State:
         self.train: Any = None
         self.eval: Any = None
         self.last: dict[str, Any] = {}
+        # Library steps this model ended, and of them those that reduced (``stats``).
+        self.steps = self.reduced_steps = 0
         self.host_s = self.native_s = 0.0
         self.host_units = 0
         self._queued = False
@@ -764,6 +766,9 @@ class _State:
         spans_.per_unit(stats, self.host_s + self.hooks.take_seconds(), native_s, self.host_units)
         self.host_s = self.native_s = 0.0
         self.host_units = 0
+        self.steps += 1
+        self.reduced_steps += stats["reduce_scatters"] > 0
+        stats["steps"], stats["reduced_steps"] = self.steps, self.reduced_steps
         self.last = stats
         if not self.sync:
             self.unsynced = stats["accumulated_grads"] > 0 or self.withheld or self.unsynced
@@ -778,22 +783,3 @@ class _State:
         del grads
         values_.end_copies(self)
         self.train.release_grads()
-
-    # ---- whole model -------------------------------------------------------------------
-
-    def gather_all(self) -> dict[int, torch.Tensor]:
-        """Every parameter's full value (copies; a mixed-precision one's f32 master), by id.
-        Collective."""
-        self.reshard_all()
-        if self.masters:
-            values_.push_masters(self)
-        ids = [p.pid for p in self.params]
-        regions = self.eval.fetch(ids)
-        out = {}
-        for p, region in zip(self.params, regions):
-            out[p.pid] = _tensor(region, p.dtype, p.shape, self.device).clone()
-        self.eval.release(ids)
-        self.eval.end_step()
-        if self.masters:
-            out.update(values_.master_values(self))
-        return out

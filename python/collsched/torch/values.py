@@ -113,7 +113,7 @@ def full_values(values: list[nn.Parameter], old_states: dict[int, _State]) -> li
     """The full values a build starts from, on the host: a parameter's own, or for one a unit's
     earlier build sharded, its full value gathered from that build (its f32 master under mixed
     precision)."""
-    gathered: dict[int, dict[int, torch.Tensor]] = {k: st.gather_all() for k, st in old_states.items()}
+    gathered: dict[int, dict[int, torch.Tensor]] = {k: gather_all(st) for k, st in old_states.items()}
     out = []
     for p in values:
         prev = getattr(p, "_collsched_param", None)
@@ -314,3 +314,21 @@ def deliver(st: _State, grads: list[tuple[int, int, Any, str]]) -> None:
     if onto:
         with torch.no_grad():
             torch._foreach_add_([d for d, _g in onto], [g for _d, g in onto])
+
+
+def gather_all(st: _State) -> dict[int, torch.Tensor]:
+    """Every parameter's full value of ``st``'s model (copies; a mixed-precision one's f32
+    master), by id. Collective."""
+    st.reshard_all()
+    if st.masters:
+        push_masters(st)
+    ids = [p.pid for p in st.params]
+    regions = st.eval.fetch(ids)
+    out = {}
+    for p, region in zip(st.params, regions):
+        out[p.pid] = _tensor(region, p.dtype, p.shape, st.device).clone()
+    st.eval.release(ids)
+    st.eval.end_step()
+    if st.masters:
+        out.update(master_values(st))
+    return out
