@@ -312,16 +312,52 @@ def train(
 
 
 def one_step(
-    args: argparse.Namespace, model: nn.Module, opt: torch.optim.Optimizer, x: Any, y: Any, autocast: bool
+    args: argparse.Namespace,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    x: Any,
+    y: Any,
+    autocast: bool,
+    wait: bool = True,
 ) -> None:
-    """One untimed training step on ``x``, ``y`` (forward, loss, backward, optimizer), waited for."""
+    """One untimed training step on ``x``, ``y`` (forward, loss, backward, optimizer), waited
+    for (``wait``)."""
     with torch.autocast(device(args).type, dtype=torch.bfloat16, enabled=autocast):
         out = model(x)
     loss = nn.functional.cross_entropy(out.reshape(-1, args.vocab), y.reshape(-1))
     loss.backward()
     opt.step()
     opt.zero_grad()
+    if wait:
+        sync(args)
+
+
+def sync_sites(
+    args: argparse.Namespace, model: nn.Module, opt: torch.optim.Optimizer, rank: int, autocast: bool
+) -> list[str]:
+    """On a GPU, one more untimed step under ``torch.cuda.set_sync_debug_mode("warn")``: the
+    Python lines where the step's host waited for the device in a torch call (a copy to the
+    host, ``item()``, ...), most first, as ``N file:line``; the library's own waits are its
+    ``wait_ms``, not these."""
+    import warnings
+
+    x, y = batch(args, args.warmup + args.steps + 4, rank)
     sync(args)
+    dist.barrier()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            one_step(args, model, opt, x, y, autocast, wait=False)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    sync(args)
+    sites: dict[str, int] = {}
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            where = f"{os.path.basename(w.filename)}:{w.lineno}"
+            sites[where] = sites.get(where, 0) + 1
+    return [f"{n} {where}" for where, n in sorted(sites.items(), key=lambda kv: -kv[1])]
 
 
 def profile_steps(
@@ -342,7 +378,13 @@ def profile_steps(
         prof.enable()
         one_step(args, model, opt, x, y, autocast)
         prof.disable()
+    sites = sync_sites(args, model, opt, rank, autocast) if device(args).type == "cuda" else None
     if rank == 0:
+        if sites is not None:
+            total = sum(int(s.split()[0]) for s in sites)
+            print(f"pyprofile {args.impl}: host syncs in torch calls in one step: {total}", file=sys.stderr)
+            for s in sites[:12]:
+                print(f"pyprofile {args.impl}:   {s}", file=sys.stderr)
         text = io.StringIO()
         stats = pstats.Stats(prof, stream=text).strip_dirs()
         stats.sort_stats("tottime").print_stats(args.pyprofile)
@@ -487,7 +529,8 @@ def parse() -> argparse.Namespace:
         default=0,
         help="after the timed steps, three more steps of FSDP2 and of collsched under cProfile; rank 0 prints "
         "the N functions with the most time of their own and the N with the most time in all, per "
-        "implementation (lines starting 'pyprofile IMPL:', on stderr)",
+        "implementation (lines starting 'pyprofile IMPL:', on stderr); on a GPU, then one step under "
+        "torch.cuda.set_sync_debug_mode('warn'), the lines where the host waited for the device",
     )
     p.add_argument("--impl", choices=["collsched", "fsdp2", "plain"], help=argparse.SUPPRESS)
     return p.parse_args()
