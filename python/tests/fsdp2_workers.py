@@ -433,23 +433,29 @@ def divided(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
 
 def divide_refusals(rank: int, world: int) -> dict[str, str]:
     """The gradient reduction policy's refusals: a factor of 0 and a NaN, and
-    ``set_requires_all_reduce(False)`` with replica groups (``hybrid:1`` at 2 ranks: taken, no
-    error), as their error texts; each leaves the model training."""
+    ``set_requires_all_reduce`` with replica groups (``hybrid:1`` at 2 ranks: taken, no error;
+    ``False`` set on a block before the root's ``fully_shard`` defers the model's first
+    backward's reduction, ``True`` then the next's), as their error texts and the two
+    backwards' reduce-scatter counts; each leaves the model training."""
     import collsched.torch as cst
 
     cst.init()
     model = models.build("mlp", 0)
     for b in model.blocks:
         cst.fully_shard(b, strategy="hybrid:1")
+    # Set on a block before the root's call: the whole model's flag after it.
+    model.blocks[0].set_requires_all_reduce(False)
     cst.fully_shard(model, strategy="hybrid:1")
-    out = {
+    out: dict[str, Any] = {
         "zero": error_text(lambda: model.blocks[0].set_gradient_divide_factor(0)),
         "nan": error_text(lambda: model.blocks[0].set_gradient_divide_factor(float("nan"))),
-        "hybrid": error_text(lambda: model.set_requires_all_reduce(False)),
     }
-    model.set_requires_all_reduce(True)
     x, y = models.batch("mlp", 0, 0, 0, rank)
     models.loss_fn("mlp", model(x), y).backward()
+    out["deferred"] = cst.stats(model)["reduce_scatters"]
+    out["hybrid"] = error_text(lambda: model.set_requires_all_reduce(True))
+    models.loss_fn("mlp", model(x), y).backward()
+    out["reduced"] = cst.stats(model)["reduce_scatters"]
     return out
 
 

@@ -268,16 +268,28 @@ def test_gradient_divide_factor_refusals_name_the_value_and_the_strategy():
     assert "finite factor > 0" in out["zero"], out
     assert "finite factor > 0" in out["nan"], out
     assert out["hybrid"] == "no error", out
+    assert out["deferred"] == 0 and out["reduced"] > 0, out
 
 
-@pytest.mark.parametrize(("strategy", "world"), [("hybrid:2", 4), ("hybrid:1", 2)], ids=["hsdp", "ddp"])
-def test_set_requires_all_reduce_false_defers_the_reduction_and_trains_as_plain_pytorch(strategy, world):
+@pytest.mark.parametrize(
+    ("strategy", "world", "how"),
+    [
+        ("hybrid:2", 4, "all_reduce"),
+        ("hybrid:1", 2, "all_reduce"),
+        ("hybrid:2", 4, "sync"),
+        ("hybrid:2", 4, "inside_no_sync"),
+    ],
+    ids=["hsdp", "ddp", "hsdp-gradient-sync-ends-it", "hsdp-set-inside-no-sync"],
+)
+def test_set_requires_all_reduce_false_defers_the_reduction_and_trains_as_plain_pytorch(strategy, world, how):
     """FSDP2's HSDP gradient accumulation: ``set_requires_all_reduce(False)`` on every
-    micro-batch but the last of three. The deferred ones reduce nothing (their library steps
-    count no reduce-scatter), the last reduces the sum; the model trains as plain PyTorch on
-    the three micro-batches."""
+    micro-batch but the last of three (``workers.train``'s ``defer_all_reduce``: ended by
+    ``set_requires_all_reduce(True)`` or, as FSDP2's sets both, ``set_requires_gradient_sync(True)``;
+    or set inside a ``no_sync()`` around the first, which must not end it). The deferred ones
+    reduce nothing (their library steps count no reduce-scatter), the last reduces the sum; the
+    model trains as plain PyTorch on the three micro-batches."""
     spec = {"model": "gpt", "steps": 2, "bucket_mb": 0.002, "opt": "sgd", "strategy": strategy, "micro": 3}
-    ours = run(workers.train, world, {**spec, "defer_all_reduce": True})
+    ours = run(workers.train, world, {**spec, "defer_all_reduce": how})
     parity.check(ours, models.reference(spec, world))
     for r in ours:
         counts = [s["reduce_scatters"] for s in r["stats"]]

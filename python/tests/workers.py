@@ -114,12 +114,20 @@ def train(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
                 x, y = x.cuda(), y.cuda()
             if keep == "last":
                 model.set_reshard_after_backward(micro + 1 == micro_n)
-            if spec.get("defer_all_reduce"):
-                # FSDP2's HSDP accumulation: the all-reduce across replica groups deferred.
-                model.set_requires_all_reduce(micro + 1 == micro_n)
-            last = micro + 1 == micro_n or spec.get("defer_all_reduce")
-            ctx = contextlib.nullcontext() if last else model.no_sync()
+            # FSDP2's HSDP accumulation: the all-reduce across replica groups deferred, on
+            # again for the last micro-batch by set_requires_all_reduce(True) ("all_reduce"),
+            # by set_requires_gradient_sync(True) ("sync"); or deferred once, inside a no_sync()
+            # around the first micro-batch, which must outlast it ("inside_no_sync").
+            defer, last = spec.get("defer_all_reduce"), micro + 1 == micro_n
+            if defer and last:
+                (model.set_requires_gradient_sync if defer == "sync" else model.set_requires_all_reduce)(True)
+            elif defer in ("all_reduce", "sync"):
+                model.set_requires_all_reduce(False)
+            inside = defer == "inside_no_sync" and micro == 0
+            ctx = model.no_sync() if inside or not (last or defer) else contextlib.nullcontext()
             with ctx:
+                if inside:
+                    model.set_requires_all_reduce(False)
                 with models.autocast(spec, x.device.type):
                     out = model(x)
                 loss = models.loss_fn(name, out, y)

@@ -13,6 +13,7 @@ from torch import nn
 from .. import _native
 from .._native import CollschedError
 from . import clip as clip_
+from . import compat as compat_
 from . import post_forward as post_
 from . import tp as tp_
 from . import values as values_
@@ -233,7 +234,11 @@ def build(st: _State) -> None:
     st.train = st.model.engine(*st.engine_args, divide=st.divide)
     st.eval = st.model.engine(*st.engine_args)
     for old in old_states.values():
+        # A flag set on a block before the root's call is the whole model's now (compat.py).
+        st.grad_sync &= old.grad_sync
+        st.all_reduce &= old.all_reduce
         old.retire()
+    compat_.settle_sync(st)
     st.masters = []
     st.offloaded = []
     offload = st.opts.get("offload")

@@ -33,14 +33,15 @@ def _not_fsdp2_comms(method: str) -> str:
 
 
 def settle_sync(state: Any) -> None:
-    """Whether the next backward reduces (``state.sync``): gradient synchronization asked for
-    (``set_requires_gradient_sync``) and, where the strategy has replica groups, their
-    all-reduce too (``set_requires_all_reduce``: the library reduces in-group and across
-    groups in one step, so deferring one defers both)."""
+    """Whether the next backward reduces (``state.sync``): outside any ``no_sync()``, gradient
+    synchronization asked for (``set_requires_gradient_sync``) and, where the strategy has
+    replica groups, their all-reduce too (``set_requires_all_reduce``: the library reduces
+    in-group and across groups in one step, so deferring one defers both)."""
     strategy = str(state.opts.get("strategy", ""))
     group = int(strategy.split(":")[1]) if strategy.startswith("hybrid:") else None
     replicas = group is not None and group < state.world.world
-    state.sync = state.grad_sync and (state.all_reduce or not replicas)
+    wanted = state.grad_sync and (state.all_reduce or not replicas)
+    state.sync = state.no_sync_depth == 0 and wanted
 
 
 class Fsdp2Methods:

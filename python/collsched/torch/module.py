@@ -98,23 +98,27 @@ class CollschedModule(Fsdp2Methods, FSDPModule):
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """``False``: backward passes accumulate gradients locally and reduce nothing, until a
-        backward with ``True`` reduces everything (FSDP2's spelling of ``no_sync``). The flag is
-        the sharded model's, whichever of its units it is set on (``recurse`` is taken for
+        backward with ``True`` reduces everything (FSDP2's spelling of ``no_sync``; as FSDP2's,
+        it sets ``set_requires_all_reduce`` too). The flag is the sharded model's, whichever
+        of its units it is set on, before or after the root's call (``recurse`` is taken for
         FSDP2's signature: one unit's gradients cannot be synchronized apart from the rest)."""
         state = _state_of(self)
-        state.grad_sync = bool(requires_gradient_sync)
+        state.grad_sync = state.all_reduce = bool(requires_gradient_sync)
         settle_sync(state)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Backward passes inside accumulate gradients locally; the first one after reduces."""
+        """Backward passes inside accumulate gradients locally; the first one after reduces
+        (unless ``set_requires_gradient_sync(False)`` or ``set_requires_all_reduce(False)``
+        says otherwise by then)."""
         state = _state_of(self)
-        before = state.sync
-        state.sync = False
+        state.no_sync_depth += 1
+        settle_sync(state)
         try:
             yield
         finally:
-            state.sync = before
+            state.no_sync_depth -= 1
+            settle_sync(state)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool | int, recurse: bool = True) -> None:
         """Whether this unit (and, with ``recurse``, the units under it) is released after its
@@ -680,9 +684,10 @@ def stats(module: nn.Module) -> dict[str, Any]:
     excluded, per unit forward, for the forward and backward of the step), ``native_us_per_unit``
     (the time of those calls into the library, likewise), ``calls_us_per_unit`` (that time less
     ``wait_ms``, the waits for collectives), ``blocked_waits`` (the waits that found their
-    collectives still running), ``steps`` and ``reduced_steps`` (the library steps this model
-    ended so far, one per backward, ``finalize_backward`` or reduction of accumulated
-    gradients, and of those the ones that reduced: running counts), and more; with units
+    collectives still running), ``steps`` and ``reduced_steps`` (running counts of the
+    library's training steps this model ended: each backward's, and those a training forward
+    whose output needs no gradient, ``finalize_backward``, ``reset_iter_state`` or a
+    recovery ended; and of those the ones that reduced gradients), and more; with units
     resharded to some ranks after their forward (an int ``reshard_after_forward``), the
     counters include the backward's gathers within those ranks, and ``post_forward`` holds
     that layout's own counters by size (its peak of gathered bytes is not in

@@ -54,6 +54,7 @@ class _State:
         # The parameters of which this rank holds no element.
         self.empty: list[_Param] = []
         self.sync = self.grad_sync = self.all_reduce = True
+        self.no_sync_depth = 0
         self.unsynced = False
         self.phase = "idle"
         self.engine: Any = None
