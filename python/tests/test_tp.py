@@ -227,3 +227,16 @@ def test_a_model_of_dtensors_on_the_whole_mesh_shards_over_dp_mesh_dims_as_fsdp2
         "ddp-tp": "(Replicate(), Shard(dim=0))",
     }[layout]
     assert got[0]["placements"]["blocks.0.up.weight"] == want, got[0]["placements"]
+
+
+@pytest.mark.parametrize("layout", sorted(w.FAKE_LAYOUTS))
+def test_dp_mesh_dims_state_dict_placements_are_fsdp2_s_on_16_ranks(layout):
+    """Layouts this machine cannot run (16 ranks: HSDP with flattened shard dimensions beside
+    tensor parallelism, the replicate dimension before or after them; tp first in the mesh;
+    DDP over two names), each on torch's fake process group as three of its ranks: a state
+    dict's DTensor as collsched places it has the placements, the mesh and the local values
+    of FSDP2's sharded parameter."""
+    for as_rank in (0, 5, 11):
+        got = run(w.fake_placements, 1, layout, as_rank, timeout=120)[0]
+        assert got["ours"] == got["fsdp2"], (layout, as_rank, got)
+        assert got["ours"][2], (layout, as_rank, "no local values")

@@ -401,3 +401,50 @@ def train_spmd(rank: int, world: int, steps: int, kind: str, layout: str, path: 
         "placements": {k: str(tuple(v.placements)) for k, v in sd.items()},
         "loaded": loaded,
     }
+
+
+# dp_mesh_dims layouts of 16 ranks for the placements of a state dict: the mesh's shape and
+# names, the DataParallelMeshDims' (shard, replicate), the tensor-parallel dimension.
+FAKE_LAYOUTS = {
+    "hsdp-flat-tp": ((2, 2, 2, 2), ("rep", "dp", "cp", "tp"), (("dp", "cp"), "rep"), "tp"),
+    "flat-hsdp-tp": ((2, 2, 2, 2), ("dp", "cp", "rep", "tp"), (("dp", "cp"), "rep"), "tp"),
+    "flat-tp": ((4, 2, 2), ("dp", "cp", "tp"), (("dp", "cp"), None), "tp"),
+    "tp-first": ((2, 8), ("tp", "dp"), ("dp", None), "tp"),
+    "ddp-two-names": ((2, 2, 4), ("r1", "r2", "tp"), (None, ("r1", "r2")), "tp"),
+}
+
+
+def fake_placements(rank: int, world: int, layout: str, as_rank: int) -> dict[str, Any]:
+    """One process as rank ``as_rank`` of 16 on torch's fake process group (collectives do
+    nothing): a (32, 8) weight, a DTensor on the ``FAKE_LAYOUTS[layout]`` mesh sharded over tp,
+    placed for a state dict by collsched (``tp.place`` over ``tp.spmd_mesh``) and sharded by
+    FSDP2's ``fully_shard``; both DTensors' placements, mesh ranks and local values."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import DataParallelMeshDims, fully_shard
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from collsched.torch import tp as tp_
+    from collsched.torch.state_dict import _rows
+
+    shape, names, (shard, replicate), tp_dim = FAKE_LAYOUTS[layout]
+    dist.init_process_group("fake", rank=as_rank, world_size=16, store=FakeStore())
+    try:
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        dims = DataParallelMeshDims(shard=shard, replicate=replicate)
+        placements = [Shard(0) if n == tp_dim else Replicate() for n in names]
+        g = torch.Generator().manual_seed(3)
+        w = nn.Parameter(distribute_tensor(torch.randn(32, 8, generator=g), mesh, placements))
+        _, spmd, _ = tp_.spmd_mesh(mesh, dims)
+        ours = tp_.place(w._local_tensor, w._spec, spmd.cut, _rows, spmd)
+        holder = nn.Module()
+        holder.weight = w
+        fully_shard(holder, mesh=mesh, dp_mesh_dims=dims)
+        theirs = holder.weight
+        return {
+            k: [str(tuple(t.placements)), t.device_mesh.mesh.tolist(), plain(t._local_tensor)]
+            for k, t in (("ours", ours), ("fsdp2", theirs))
+        }
+    finally:
+        dist.destroy_process_group()
