@@ -85,6 +85,19 @@ def dp_parts(rank: int, world: int, steps: int, path: str) -> dict[str, Any]:
     }
 
 
+def _schedule_step(schedule: Any, first: bool, dp_rank: int, step: int, n_micro: int, losses: list) -> None:
+    """One step of a pipeline ``schedule`` on this dp rank's ``n_micro`` micro-batches: the
+    first pipeline rank feeds the inputs, the last gives targets and appends the step's
+    micro-batch losses to ``losses``."""
+    x = torch.cat([batch(0, dp_rank, step * n_micro + m) for m in range(n_micro)])
+    if first:
+        schedule.step(x)
+    else:
+        got: list[torch.Tensor] = []
+        schedule.step(target=torch.zeros(x.shape[0], OUT), losses=got)
+        losses.append([t.item() for t in got])
+
+
 def pipelined(rank: int, world: int, steps: int, n_micro: int, kind: str) -> dict[str, Any]:
     """Pipeline parallelism beside sharding, torchtitan's way: a (pp, dp) mesh of 2 x
     world/2; the model's two stages (a linear layer and tanh, then a linear layer), each
@@ -110,13 +123,7 @@ def pipelined(rank: int, world: int, steps: int, n_micro: int, kind: str) -> dic
     opt = torch.optim.SGD(part.parameters(), lr=0.2)
     losses, reductions = [], []
     for step in range(steps):
-        x = torch.cat([batch(0, dp_rank, step * n_micro + m) for m in range(n_micro)])
-        if stage == 0:
-            schedule.step(x)
-        else:
-            got: list[torch.Tensor] = []
-            schedule.step(target=torch.zeros(x.shape[0], OUT), losses=got)
-            losses.append([t.item() for t in got])
+        _schedule_step(schedule, stage == 0, dp_rank, step, n_micro, losses)
         # The library steps that reduced during this schedule step (stats' running count).
         reductions.append(cst.stats(part)["reduced_steps"] - sum(reductions))
         opt.step()
@@ -168,13 +175,7 @@ def interleaved(rank: int, world: int, steps: int, n_micro: int, defer: bool) ->
     opt = torch.optim.SGD([q for _, part in parts for q in part.parameters()], lr=0.2)
     losses = []
     for step in range(steps):
-        x = torch.cat([batch(0, dp_rank, step * n_micro + m) for m in range(n_micro)])
-        if p == 0:
-            schedule.step(x)
-        else:
-            got: list[torch.Tensor] = []
-            schedule.step(target=torch.zeros(x.shape[0], OUT), losses=got)
-            losses.append([t.item() for t in got])
+        _schedule_step(schedule, p == 0, dp_rank, step, n_micro, losses)
         opt.step()
         opt.zero_grad()
     params = {}

@@ -65,14 +65,11 @@ def test_each_pp_row_shards_over_its_dp_ranks_alone(world, tmp_path):
             assert "the same mesh=" in got["mixed"], got["mixed"]
 
 
-@pytest.mark.parametrize("kind,n_micro", [("GPipe", 2), ("1F1B", 4)])
-def test_a_pipeline_schedule_over_sharded_stages_gives_plain_pytorchs_losses(kind, n_micro):
-    world, steps = 4, 3
-    dp_size = world // 2
-    out = run(w.pipelined, world, steps, n_micro, kind, init="collsched", timeout=300)
-    # Plain PyTorch: the whole model, each step on the mean over dp ranks and micro-batches
-    # of the micro-batches' losses.
-    model = w.stage_model(0).double()
+def _plain(model: torch.nn.Module, steps: int, dp_size: int, n_micro: int) -> tuple[list, dict]:
+    """Plain PyTorch in float64: the whole model, each step on the mean over dp ranks and
+    micro-batches of the micro-batches' losses (SGD, lr 0.2). Returns each dp rank's
+    micro-batch losses per step, and the final parameters by name."""
+    model = model.double()
     opt = torch.optim.SGD(model.parameters(), lr=0.2)
     want: list[list[list[float]]] = [[] for _ in range(dp_size)]
     for step in range(steps):
@@ -87,7 +84,15 @@ def test_a_pipeline_schedule_over_sharded_stages_gives_plain_pytorchs_losses(kin
         total.backward()
         opt.step()
         opt.zero_grad()
-    final = {k: v.reshape(-1).tolist() for k, v in model.state_dict().items()}
+    return want, {k: v.reshape(-1).tolist() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("kind,n_micro", [("GPipe", 2), ("1F1B", 4)])
+def test_a_pipeline_schedule_over_sharded_stages_gives_plain_pytorchs_losses(kind, n_micro):
+    world, steps = 4, 3
+    dp_size = world // 2
+    out = run(w.pipelined, world, steps, n_micro, kind, init="collsched", timeout=300)
+    want, final = _plain(w.stage_model(0), steps, dp_size, n_micro)
     names = {0: {"0.weight": "0.weight", "0.bias": "0.bias"}, 1: {"0.weight": "2.weight", "0.bias": "2.bias"}}
     for rank, got in enumerate(out):
         stage, r = rank // dp_size, rank % dp_size
@@ -114,22 +119,7 @@ def test_an_interleaved_schedule_over_two_sharded_stages_a_rank_gives_plain_pyto
     world, steps, n_micro = 4, 3, 4
     dp_size = world // 2
     out = run(w.interleaved, world, steps, n_micro, defer, init="collsched", timeout=300)
-    model = w.deep_model().double()
-    opt = torch.optim.SGD(model.parameters(), lr=0.2)
-    want: list[list[list[float]]] = [[] for _ in range(dp_size)]
-    for step in range(steps):
-        total = 0.0
-        for r in range(dp_size):
-            mine = []
-            for m in range(n_micro):
-                loss = model(w.batch(0, r, step * n_micro + m).double()).pow(2).mean()
-                mine.append(loss.item())
-                total = total + loss / (dp_size * n_micro)
-            want[r].append(mine)
-        total.backward()
-        opt.step()
-        opt.zero_grad()
-    final = {k: v.reshape(-1).tolist() for k, v in model.state_dict().items()}
+    want, final = _plain(w.deep_model(), steps, dp_size, n_micro)
     for rank, got in enumerate(out):
         p, r = rank // dp_size, rank % dp_size
         assert (got["pp"], got["dp_rank"]) == (p, r), got

@@ -88,9 +88,8 @@ def spmd_mesh(mesh: Any, dims: Any) -> tuple[Any, Spmd, str | None]:
             raise CollschedError(
                 f"fully_shard: dp_mesh_dims names dimension {n!r}, which mesh of dimensions {names} lacks"
             )
-    both = sorted(set(shard) & set(replicate)) or sorted(
-        {n for n in shard + replicate if (shard + replicate).count(n) > 1}
-    )
+    # A name given for both kinds, or twice in one.
+    both = sorted({n for n in shard + replicate if (shard + replicate).count(n) > 1})
     if both:
         raise CollschedError(
             f"fully_shard: dp_mesh_dims={dims!r} names {both[0]!r} twice (to shard over and to replicate over, or "
