@@ -251,10 +251,12 @@ def train(
     rank: int,
     probe: Callable[[], float] | None = None,
     autocast: bool = False,
+    snapshot: Callable[[], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Trains ``args.warmup + args.steps`` steps; medians over the timed ones (and of
     ``probe()``, called after every step, as ``probe``, when given). ``autocast``: the forward
-    under ``torch.autocast`` to bf16 (the floor's mixed precision)."""
+    under ``torch.autocast`` to bf16 (the floor's mixed precision). ``snapshot()``, when given,
+    is called after the last timed step, before any traced or profiled one, as ``snapshot``."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     times, passes, opts, losses, probed = [], [], [], [], []
     phases: list[float] = []
@@ -296,6 +298,7 @@ def train(
             if probed_now is not None:
                 probed.append(probed_now)
         losses.append(loss.item())
+    after = {} if snapshot is None else {"snapshot": snapshot()}
     if getattr(args, "trace", None) and getattr(args, "impl", None) in ("collsched", "fsdp2"):
         trace_step(args, model, opt, rank, autocast)
     if getattr(args, "pyprofile", 0) and getattr(args, "impl", None) in ("collsched", "fsdp2"):
@@ -308,6 +311,7 @@ def train(
         "phase_peaks": phases,
         "peak_before_last": before,
         **({"probe": statistics.median(probed)} if probed else {}),
+        **after,
     }
 
 
@@ -433,9 +437,14 @@ def run_collsched(args: argparse.Namespace, rank: int) -> dict[str, Any]:
         prefetch_mb=args.prefetch_mb,
         max_inflight=args.max_inflight,
     )
-    # The host time of one step swings 2x with the machine's noise: the median of the steps.
-    out = train(args, model, rank, probe=lambda: cst.stats(model)["host_us_per_unit"])
-    st = cst.stats(model)
+
+    def probe() -> float:
+        return cst.stats(model)["host_us_per_unit"]
+
+    # The host time of one step swings 2x with the machine's noise: the median of the steps;
+    # the library's counters of the last timed step (not of a traced or profiled one after it).
+    out = train(args, model, rank, probe=probe, snapshot=lambda: cst.stats(model))
+    st = out.pop("snapshot")
     out.update(
         gathered=st["gathered_bytes"],
         reduced=st["reduced_bytes"],
@@ -473,9 +482,11 @@ def run_fsdp2(args: argparse.Namespace, rank: int, counter: CommCounter) -> dict
         # gloo's AVG reduce-scatter can silently sum (pytorch#162338): reduce with SUM, divide after.
         model.set_force_sum_reduction_for_comms(True)
     g0, r0 = counter.gathered, counter.reduced
-    out = train(args, model, rank, probe=hooks.take_us_per_unit if hooks.ok else None)
-    total = args.warmup + args.steps
-    out.update(gathered=(counter.gathered - g0) // total, reduced=(counter.reduced - r0) // total)
+    # The bytes of the trained steps (not of a traced or profiled one after them).
+    probe = hooks.take_us_per_unit if hooks.ok else None
+    out = train(args, model, rank, probe=probe, snapshot=lambda: {"g": counter.gathered, "r": counter.reduced})
+    total, moved = args.warmup + args.steps, out.pop("snapshot")
+    out.update(gathered=(moved["g"] - g0) // total, reduced=(moved["r"] - r0) // total)
     out["host_us"] = out.pop("probe", None)
     return out
 

@@ -195,7 +195,7 @@ def test_a_cuda_world_without_the_groups_is_refused_by_name(monkeypatch):
     build = importlib.import_module("collsched.torch.build")
     world = importlib.import_module("collsched.torch.world")
 
-    st = SimpleNamespace(opts={"strategy": "even"}, world=SimpleNamespace(kind="cuda", world=8))
+    st = SimpleNamespace(shard_group=8, world=SimpleNamespace(kind="cuda", world=8))
     for declared in (None, 4):
         monkeypatch.setattr(world, "CUDA_GROUP_SIZE", declared)
         with pytest.raises(collsched.CollschedError) as e:

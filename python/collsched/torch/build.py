@@ -244,7 +244,8 @@ def build(st: _State) -> None:
     offload = st.opts.get("offload")
     # Where the module's shards (the optimizer's) live: host memory under CPU offload.
     where = torch.device("cpu") if offload is not None else st.device
-    pin = offload is not None and offload.pin_memory and torch.cuda.is_available()
+    # Page-locked only where the shards cross to a CUDA device (a host world copies host to host).
+    pin = offload is not None and offload.pin_memory and st.device.type == "cuda"
     for i, (p, dtype) in enumerate(zip(st.params, dtypes)):
         region, p.offset, numel = st.model.shard(p.pid)
         data = _tensor(region, p.dtype, [numel], st.device)
@@ -350,8 +351,7 @@ def after_forward(value: Any, st: _State, what: str) -> bool | int:
     copy kept) is False, one between is returned (``post_forward.py``); others are refused."""
     if value is None or isinstance(value, bool):
         return value is not False
-    strategy = st.opts["strategy"]
-    size = int(strategy.split(":")[1]) if strategy.startswith("hybrid:") else st.world.world
+    size = st.shard_group
     if value == 1:
         return False
     if value == size:

@@ -37,9 +37,7 @@ def settle_sync(state: Any) -> None:
     synchronization asked for (``set_requires_gradient_sync``) and, where the strategy has
     replica groups, their all-reduce too (``set_requires_all_reduce``: the library reduces
     in-group and across groups in one step, so deferring one defers both)."""
-    strategy = str(state.opts.get("strategy", ""))
-    group = int(strategy.split(":")[1]) if strategy.startswith("hybrid:") else None
-    replicas = group is not None and group < state.world.world
+    replicas = state.shard_group < state.world.world
     wanted = state.grad_sync and (state.all_reduce or not replicas)
     state.sync = state.no_sync_depth == 0 and wanted
 

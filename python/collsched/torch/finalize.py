@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._native import CollschedError
+from . import values as values_
 
 
 class GradientReductionHandle:
@@ -100,7 +101,7 @@ def _reduce_accumulated(state: Any, deliver: bool) -> None:
     state.sync = True
     try:
         state.train.set_no_sync(False)
-        native, _ = state._hand(state.params, final=True)
+        native, _ = values_.hand(state, state.params, final=True)
         state.native_s += native
         state._end_step(deliver=deliver)
     finally:

@@ -15,11 +15,10 @@ from torch.utils import _pytree
 from .._native import CollschedError
 from . import post_forward as post_
 from . import spans as spans_
-from . import tp as tp_
 from . import values as values_
 from .build import build as _build
 from .units import _Frame, _needing_grad, _Param, _PostBackward, _recomputing, _Unit
-from .world import _FROM_TORCH, _TO_TORCH, world_of
+from .world import _FROM_TORCH, world_of
 
 # Views kept per parameter, by address of the gathered buffer (the oldest goes first).
 _VIEWS_KEPT = 4
@@ -42,6 +41,11 @@ class _State:
         self.opts = opts
         # The part of the job the model is sharded over (its ranks; None: the whole job).
         self.part: tuple[int, ...] | None = opts["part"]
+        # The ranks a parameter is sharded over: ``G`` of strategy ``hybrid:G`` (the world then
+        # holds ``world / G`` replica groups), else the world's size (a malformed ``G`` too: the
+        # library's model refuses it by name at the build).
+        kind, _, group = str(opts["strategy"]).partition(":")
+        self.shard_group = int(group) if kind == "hybrid" and group.isdigit() else self.world.world
         self.units: list[_Unit] = []
         self.params: list[_Param] = []
         # The saved-tensor hooks (native): the fetched units' parameter spans by address; the
@@ -666,63 +670,6 @@ class _State:
         self.train.set_no_sync(not self.sync)
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
-    def _hand(self, params: list[_Param], final: bool = False) -> tuple[float, bool]:
-        """Hands the accumulated gradients of ``params`` to the library; returns the seconds
-        spent there and whether every one of them is in (one still to come, or of a parameter
-        this backward does not reach, is not)."""
-        batch, cast, done, got = [], [], True, self.got
-        on_device = self.on_device
-        for p in params:
-            if p.pid in got:
-                continue
-            full = p.full
-            g = full.grad
-            if g is None and not (final and on_device and self.sync and p.pid in self.accum):
-                # (The backward's end, or a finalization, hands what no_sync accumulated alone.)
-                done = False
-                continue
-            want = self.reduce_dtype(p) if on_device else p.dtype
-            if on_device and not self.sync:
-                # The library takes device gradients in the synchronized micro-batch only:
-                # until then they accumulate here, in the reduction dtype (FSDP2 keeps them
-                # likewise), so that a .grad is always this backward's own; a tensor-parallel
-                # one as a DTensor, redistributed once, when handed.
-                self.withheld = True
-                got.add(p.pid)
-                if p.tp is not None:
-                    g = tp_.settled(g, p.tp, p.name)
-                full.grad = None
-                acc = self.accum.get(p.pid)
-                # Contiguous: the synchronized micro-batch hands the sum over as it is.
-                summand = g.to(want, memory_format=torch.contiguous_format)
-                self.accum[p.pid] = summand if acc is None else tp_.add_into(acc, summand, p.tp, p.name, p.tp_dp)
-                continue
-            full.grad = None
-            # Host gradients go over in the parameter's dtype (the library casts); device ones
-            # in the reduction dtype (cast here, on the compute stream, all in one
-            # multi-tensor copy below), with what no_sync micro-batches accumulated.
-            acc = self.accum.pop(p.pid, None) if on_device else None
-            if acc is not None:
-                g = acc if g is None else tp_.add_into(acc, g, p.tp, p.name, p.tp_dp)
-            if p.tp is not None:
-                g = tp_.local_grad(g, p.tp, p.name, p.tp_dp)
-            if (acc is None or p.tp is not None) and (g.dtype != want or not g.is_contiguous()):
-                cast.append((len(batch), want, None))
-            batch.append((p.pid, g))
-            got.add(p.pid)
-        if not batch:
-            return 0.0, done
-        if cast:
-            values_.cast_batch(batch, cast)
-        t0 = _clock()
-        self.train.grad_ready_many(batch)
-        return _clock() - t0, done
-
-    def reduce_dtype(self, p: _Param) -> torch.dtype:
-        """The dtype ``p``'s gradient is reduced in."""
-        r = self.opts["reduce_dtype"]
-        return p.dtype if r is None else _TO_TORCH[r]
-
     def _post_backward(self, unit: _Unit) -> None:
         """The gradients of ``unit``'s arguments are computed: its backward is over. Its
         gradients go to the library and, once all are in, it is released."""
@@ -730,7 +677,7 @@ class _State:
         t0 = _clock()
         if not self.queued:
             self._begin_backward()
-        native, done = self._hand(unit.grads)
+        native, done = values_.hand(self, unit.grads)
         if done:
             native += self._after_backward(unit)
         self.host_s += _clock() - t0 - native
@@ -742,7 +689,7 @@ class _State:
         t0 = _clock()
         native = 0.0
         for unit in self.units:
-            native += self._hand(unit.grads, final=True)[0]
+            native += values_.hand(self, unit.grads, final=True)[0]
         for unit in self.units:
             native += self._after_backward(unit)
         self.queued = False

@@ -1,13 +1,15 @@
 """Where a sharded model's values come from and go: the full values a build starts from
 (the module's, a re-planned unit's, or rank 0's), and mixed precision (FSDP2's
 ``MixedPrecisionPolicy``): f32 master shards the optimizer updates, cast into the library's
-shards of the gather dtype before a gather reads them, and gathered back whole for export."""
+shards of the gather dtype before a gather reads them, and gathered back whole for export;
+a backward's gradients handed to the library (:func:`hand`) and the reduced ones delivered."""
 
 from __future__ import annotations
 
 import ctypes
 import dataclasses
 import struct
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -15,6 +17,7 @@ from torch import nn
 from torch.utils import _pytree
 
 from .._native import CollschedError
+from . import tp as tp_
 from . import world as world_
 from .units import _tensor
 from .world import _DTYPE_BYTES, _FROM_TORCH, _TO_TORCH
@@ -47,8 +50,8 @@ class MixedPrecisionPolicy:
 @dataclasses.dataclass(frozen=True)
 class CPUOffloadPolicy:
     """FSDP2's CPU offload: the module's parameters (the shards the optimizer updates, and
-    their gradients) live in host memory, the shards ``pin_memory`` (True: page-locked where
-    CUDA is there, for fast copies); each pass copies them into the library's shards, on the device,
+    their gradients) live in host memory, the shards ``pin_memory`` (True: page-locked on a
+    CUDA world, for fast copies to and from the device); each pass copies them into the library's shards, on the device,
     before its gathers, and the reduced gradients come back to the host, where the
     optimizer steps. On a CPU world the shards are host memory already: the copies are made
     all the same (what the tests check)."""
@@ -332,3 +335,62 @@ def gather_all(st: _State) -> dict[int, torch.Tensor]:
     if st.masters:
         out.update(master_values(st))
     return out
+
+
+def hand(st: _State, params: list[_Param], final: bool = False) -> tuple[float, bool]:
+    """Hands the accumulated gradients of ``params`` to the library; returns the seconds
+    spent there and whether every one of them is in (one still to come, or of a parameter
+    this backward does not reach, is not)."""
+    batch, cast, done, got = [], [], True, st.got
+    on_device = st.on_device
+    for p in params:
+        if p.pid in got:
+            continue
+        full = p.full
+        g = full.grad
+        if g is None and not (final and on_device and st.sync and p.pid in st.accum):
+            # (The backward's end, or a finalization, hands what no_sync accumulated alone.)
+            done = False
+            continue
+        want = reduce_dtype(st, p) if on_device else p.dtype
+        if on_device and not st.sync:
+            # The library takes device gradients in the synchronized micro-batch only:
+            # until then they accumulate here, in the reduction dtype (FSDP2 keeps them
+            # likewise), so that a .grad is always this backward's own; a tensor-parallel
+            # one as a DTensor, redistributed once, when handed.
+            st.withheld = True
+            got.add(p.pid)
+            if p.tp is not None:
+                g = tp_.settled(g, p.tp, p.name)
+            full.grad = None
+            acc = st.accum.get(p.pid)
+            # Contiguous: the synchronized micro-batch hands the sum over as it is.
+            summand = g.to(want, memory_format=torch.contiguous_format)
+            st.accum[p.pid] = summand if acc is None else tp_.add_into(acc, summand, p.tp, p.name, p.tp_dp)
+            continue
+        full.grad = None
+        # Host gradients go over in the parameter's dtype (the library casts); device ones
+        # in the reduction dtype (cast here, on the compute stream, all in one
+        # multi-tensor copy below), with what no_sync micro-batches accumulated.
+        acc = st.accum.pop(p.pid, None) if on_device else None
+        if acc is not None:
+            g = acc if g is None else tp_.add_into(acc, g, p.tp, p.name, p.tp_dp)
+        if p.tp is not None:
+            g = tp_.local_grad(g, p.tp, p.name, p.tp_dp)
+        if (acc is None or p.tp is not None) and (g.dtype != want or not g.is_contiguous()):
+            cast.append((len(batch), want, None))
+        batch.append((p.pid, g))
+        got.add(p.pid)
+    if not batch:
+        return 0.0, done
+    if cast:
+        cast_batch(batch, cast)
+    t0 = time.perf_counter()
+    st.train.grad_ready_many(batch)
+    return time.perf_counter() - t0, done
+
+
+def reduce_dtype(st: _State, p: _Param) -> torch.dtype:
+    """The dtype ``p``'s gradient is reduced in."""
+    r = st.opts["reduce_dtype"]
+    return p.dtype if r is None else _TO_TORCH[r]

@@ -83,11 +83,12 @@ impl CudaBackend {
     ) -> Result<CudaEvent, CudaError> {
         self.park.check()?;
         self.device.bind()?;
+        // (Divides by 1 for an element size of 0, which `device_segments` refuses by name.)
         let es = elem_size.max(1);
         let regions: Vec<DeviceRegion> =
             many.iter().map(|b| DeviceRegion { ptr: b.ptr(), len: b.len() / es }).collect();
         let table: Vec<DeviceSegment> =
-            device_segments(kernel, segments, &regions, packed.len() / es, es).map_err(|source| {
+            device_segments(kernel, segments, &regions, packed.len() / es, elem_size).map_err(|source| {
                 CudaError::KernelInput { context: format!("rank {}", self.rank), source: Box::new(source) }
             })?;
         let count = u32::try_from(table.len()).map_err(|_| CudaError::Invalid {
