@@ -9,7 +9,7 @@
 use std::time::Duration;
 
 use collsched::backend::cuda::{CudaBackend, CudaBuffer, CudaConfig, UniqueId};
-use collsched::backend::{Backend, BackendEvent, CollDesc, Collective, RankGroup, Stream};
+use collsched::backend::{Backend, BackendBuffer, BackendEvent, CollDesc, Collective, RankGroup, Stream};
 use collsched_kernels::{
     accumulate, cast, copy_in, copy_out, reduce, CopySegment, ElemType, ReduceOp, Scaling,
 };
@@ -521,4 +521,29 @@ fn gpu_pool_stats_count_every_block_and_empty_cache_returns_the_free_ones() {
     let again = b.alloc(9 << 20).unwrap();
     assert_eq!(pool.stats().fresh_allocations, after.fresh_allocations + 1);
     drop((first, k, again));
+}
+
+#[test]
+#[ignore = "needs a GPU: COLLSCHED_GPU=1 cargo nextest run --all-features --run-ignored only (fails without a device)"]
+fn gpu_a_preferred_block_is_handed_out_again_where_it_was() {
+    gpus("gpu_a_preferred_block_is_handed_out_again_where_it_was");
+    let b = single();
+    // Three blocks of one class, given back; each asked for by its address comes back there,
+    // whichever was freed last (a bucket gathered again keeps the views made of it).
+    let n = 13 << 20;
+    let blocks: Vec<CudaBuffer> = (0..3).map(|_| b.alloc(n).unwrap()).collect();
+    let keys: Vec<usize> = blocks.iter().map(BackendBuffer::key).collect();
+    assert!(keys.iter().all(|&k| k != 0), "{keys:?}");
+    for blk in blocks {
+        b.free(blk, None);
+    }
+    b.synchronize(Stream::Compute, WAIT).unwrap();
+    b.synchronize(Stream::AllGather, WAIT).unwrap();
+    b.synchronize(Stream::ReduceScatter, WAIT).unwrap();
+    let first = b.alloc_preferring(n, keys[0]).unwrap();
+    let second = b.alloc_preferring(n - 4096, keys[1]).unwrap();
+    assert_eq!((first.key(), second.key()), (keys[0], keys[1]));
+    let other = b.alloc_preferring(n, 0).unwrap();
+    assert_eq!(other.key(), keys[2], "the one left");
+    drop((first, second, other));
 }

@@ -454,6 +454,7 @@ def run_collsched(args: argparse.Namespace, rank: int) -> dict[str, Any]:
         peak_gathered=st["peak_gathered_bytes"],
         native_us=st.get("native_us_per_unit"),
         wait_ms=st.get("wait_ms"),
+        views=st.get("views_made"),
         # The library's device pool at the end (cuda; {} on host memory).
         pool=cst.memory_stats(),
     )
@@ -665,7 +666,8 @@ def report(args: argparse.Namespace, world: int, results: dict[str, dict[str, An
         r = results[name]
         host = "n/a" if r.get("host_us") is None else f"{r['host_us']:.0f}"
         extra = f"  host {host} us/unit" + (
-            f" (and in the library {r['native_us']:.0f} us/unit, host waits {r['wait_ms']:.2f} ms: the last step), "
+            f" (and in the library {r['native_us']:.0f} us/unit, host waits {r['wait_ms']:.2f} ms, "
+            f"views made {r['views']}: the last step), "
             f"prefetch hits {r['hits']} misses {r['misses']}, peak gathered {r['peak_gathered'] / 2**20:.1f} MiB"
             if name == "collsched"
             else ""

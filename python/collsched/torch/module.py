@@ -679,19 +679,20 @@ def _root_state(module: nn.Module) -> _State:
 def stats(module: nn.Module) -> dict[str, Any]:
     """The last training step's counters of ``module``'s sharded model: ``all_gathers``,
     ``reduce_scatters``, ``gathered_bytes``, ``reduced_bytes``, ``prefetch_hits``,
-    ``prefetch_misses``, ``wait_ms``, ``peak_gathered_bytes``, ``host_us_per_unit`` (Python
-    time of this package's hooks, the saved-tensor hooks included and calls into the library
-    excluded, per unit forward, for the forward and backward of the step), ``native_us_per_unit``
-    (the time of those calls into the library, likewise), ``calls_us_per_unit`` (that time less
-    ``wait_ms``, the waits for collectives), ``blocked_waits`` (the waits that found their
-    collectives still running), ``steps`` and ``reduced_steps`` (running counts of the
-    library's training steps this model ended: each backward's, and those a training forward
-    whose output needs no gradient, ``finalize_backward``, ``reset_iter_state`` or a
-    recovery ended; and of those the ones that reduced gradients), and more; with units
-    resharded to some ranks after their forward (an int ``reshard_after_forward``), the
-    counters include the backward's gathers within those ranks, and ``post_forward`` holds
-    that layout's own counters by size (its peak of gathered bytes is not in
-    ``peak_gathered_bytes``)."""
+    ``prefetch_misses``, ``wait_ms``, ``peak_gathered_bytes``, ``host_us_per_unit`` (Python time
+    of this package's hooks, the saved-tensor hooks included and calls into the library
+    excluded, per unit forward, for the forward and backward of the step),
+    ``native_us_per_unit`` (the time of those calls into the library, likewise),
+    ``calls_us_per_unit`` (that time less ``wait_ms``, the waits for collectives),
+    ``blocked_waits`` (the waits that found their collectives still running), ``views_made``
+    (tensors made over gathered buffers at addresses a parameter had not had in its last 16:
+    none in a steady state), ``steps`` and ``reduced_steps`` (running counts of the library's
+    training steps this model ended: each backward's, and those a training forward whose output
+    needs no gradient, ``finalize_backward``, ``reset_iter_state`` or a recovery ended; and of
+    those the ones that reduced gradients), and more; with units resharded to some ranks after
+    their forward (an int ``reshard_after_forward``), the counters include the backward's
+    gathers within those ranks, and ``post_forward`` holds that layout's own counters by size
+    (its peak of gathered bytes is not in ``peak_gathered_bytes``)."""
     return dict(_root_state(module).last)
 
 

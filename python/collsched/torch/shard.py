@@ -20,8 +20,11 @@ from .build import build as _build
 from .units import _Frame, _needing_grad, _Param, _PostBackward, _recomputing, _Unit
 from .world import _FROM_TORCH, world_of
 
-# Views kept per parameter, by address of the gathered buffer (the oldest goes first).
-_VIEWS_KEPT = 4
+# Views kept per parameter, by address of the gathered buffer (the least recently used goes
+# first). A pool hands a bucket any of its size class's free buffers, as many as are live or
+# waiting for their events at once (on a GPU, more while the device runs behind the host); a
+# view costs a DLPack export and import, and the saved-tensor hooks' spans are set again.
+_VIEWS_KEPT = 16
 # Containers whose tensors a unit's post-backward looks into (``_pytree`` flattens them).
 _NESTS = (list, tuple, dict)
 _clock = time.perf_counter
@@ -71,6 +74,8 @@ class _State:
         self.steps = self.reduced_steps = 0
         self.host_s = self.native_s = 0.0
         self.host_units = 0
+        # Views of gathered buffers made this step (``_fetch``; ``stats``' ``views_made``).
+        self.views_made = 0
         self._queued = False
         self.got: set[int] = set()
         # Where the shards, the full parameters and their gradients live: the CPU, or the
@@ -485,12 +490,14 @@ class _State:
                 if region is None:
                     continue
                 addr = region.address
-                view = p.views.get(addr)
+                view = p.views.pop(addr, None)
                 if view is None:
                     view = torch.from_dlpack(region.dlpack(_FROM_TORCH[p.dtype], list(p.shape)))
+                    self.views_made += 1
                     if len(p.views) >= _VIEWS_KEPT:
                         del p.views[next(iter(p.views))]
-                    p.views[addr] = view
+                # (Last in the dict: the most recently used.)
+                p.views[addr] = view
                 p.point(view)
                 p.addr = addr
             unit.known = [p.addr for p in unit.params]
@@ -714,6 +721,7 @@ class _State:
         spans_.per_unit(stats, self.host_s + self.hooks.take_seconds(), native_s, self.host_units)
         self.host_s = self.native_s = 0.0
         self.host_units = 0
+        stats["views_made"], self.views_made = self.views_made, 0
         self.steps += 1
         self.reduced_steps += stats["reduce_scatters"] > 0
         stats["steps"], stats["reduced_steps"] = self.steps, self.reduced_steps

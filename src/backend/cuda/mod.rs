@@ -195,6 +195,11 @@ impl BackendBuffer for CudaBuffer {
     fn len(&self) -> usize {
         CudaBuffer::len(self)
     }
+
+    /// Its device address, which the pool hands out again ([`Backend::alloc_preferring`]).
+    fn key(&self) -> usize {
+        usize::try_from(self.ptr()).unwrap_or(0)
+    }
 }
 
 /// One rank of a CUDA world. See the module docs.
@@ -567,8 +572,12 @@ impl Backend for CudaBackend {
     }
 
     fn alloc(&self, bytes: usize) -> Result<CudaBuffer, BackendError> {
+        self.alloc_preferring(bytes, 0)
+    }
+
+    fn alloc_preferring(&self, bytes: usize, key: usize) -> Result<CudaBuffer, BackendError> {
         self.ready()?;
-        self.pool.alloc(bytes).map_err(|e| match e {
+        self.pool.alloc_preferring(bytes, key as u64).map_err(|e| match e {
             CudaError::Driver { context, source } if source.name == "CUDA_ERROR_OUT_OF_MEMORY" => {
                 BackendError::OutOfMemory { rank: self.rank, bytes, what: format!("{context}: {source}") }
             }

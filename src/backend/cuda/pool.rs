@@ -12,7 +12,9 @@
 //! # Pool
 //! Sizes are rounded up to size classes (8 per power of two, at least 512 bytes), so a
 //! steady-state step reuses the blocks of the step before and allocates nothing from the
-//! driver. When `cuMemAlloc` fails, the pool waits (at most its timeout, watching the
+//! driver. A caller may name the block it wants back ([`BufferPool::alloc_preferring`]: a
+//! bucket gathered again lands where it was, and the tensors a framework made over it stay
+//! right); else the class's last freed block is handed out. When `cuMemAlloc` fails, the pool waits (at most its timeout, watching the
 //! communicators of the work, so a peer's failure aborts them and the work ends) for its
 //! deferred blocks and for everything queued on the rank's streams so far, and reuses what it
 //! can. Only if all of that ended does it return its cached blocks to the driver and try once
@@ -51,6 +53,16 @@ pub fn size_class(bytes: usize) -> usize {
     let below = 1usize << (usize::BITS - 1 - b.leading_zeros());
     let step = (below / 8).max(512);
     b.div_ceil(step) * step
+}
+
+/// The block to hand out of a size class's free list: the one at `key` if the list holds it
+/// (0: none preferred), else the last one freed.
+pub fn take_free(free: &mut Vec<u64>, key: u64) -> Option<u64> {
+    let at = if key == 0 { None } else { free.iter().rposition(|&p| p == key) };
+    match at {
+        Some(i) => Some(free.remove(i)),
+        None => free.pop(),
+    }
 }
 
 struct Deferred {
@@ -232,9 +244,19 @@ impl BufferPool {
     /// [`CudaError::Driver`] with `CUDA_ERROR_OUT_OF_MEMORY` when even an emptied pool cannot
     /// get the memory.
     pub fn alloc(self: &Arc<Self>, bytes: usize) -> Result<CudaBuffer, CudaError> {
+        self.alloc_preferring(bytes, 0)
+    }
+
+    /// As [`BufferPool::alloc`], taking the free block at device address `key` when its class
+    /// holds it (a bucket gathered again lands where it was: the views a framework made of it
+    /// stay right); the last block freed otherwise ([`take_free`]).
+    ///
+    /// # Errors
+    /// As [`BufferPool::alloc`].
+    pub fn alloc_preferring(self: &Arc<Self>, bytes: usize, key: u64) -> Result<CudaBuffer, CudaError> {
         let class = size_class(bytes);
         self.reclaim();
-        if let Some(ptr) = lock(&self.state).free.get_mut(&class).and_then(Vec::pop) {
+        if let Some(ptr) = lock(&self.state).free.get_mut(&class).and_then(|free| take_free(free, key)) {
             return Ok(CudaBuffer { ptr, len: bytes, owner: Owner::Pool { pool: Arc::clone(self), class } });
         }
         self.device.bind()?;
@@ -265,7 +287,9 @@ impl BufferPool {
                             tracing::warn!(target: "collsched::alloc", "device {}: deferred blocks or the rank's streams still busy after {:?}; allocating {bytes} bytes without them", self.device.ordinal(), self.timeout);
                         }
                         self.reclaim();
-                        if let Some(ptr) = lock(&self.state).free.get_mut(&class).and_then(Vec::pop) {
+                        if let Some(ptr) =
+                            lock(&self.state).free.get_mut(&class).and_then(|free| take_free(free, key))
+                        {
                             return Ok(CudaBuffer {
                                 ptr,
                                 len: bytes,
@@ -520,7 +544,18 @@ impl Drop for CudaBuffer {
 
 #[cfg(test)]
 mod tests {
-    use super::size_class;
+    use super::{size_class, take_free};
+
+    #[test]
+    fn a_preferred_block_is_taken_where_the_list_holds_it_else_the_last_freed() {
+        let mut free = vec![0x1000, 0x2000, 0x3000];
+        assert_eq!(take_free(&mut free, 0x1000), Some(0x1000));
+        assert_eq!(free, [0x2000, 0x3000], "the others keep their order");
+        assert_eq!(take_free(&mut free, 0x9000), Some(0x3000), "not held: the last freed");
+        assert_eq!(take_free(&mut free, 0), Some(0x2000), "none preferred: the last freed");
+        assert_eq!(take_free(&mut free, 0x2000), None);
+        assert!(free.is_empty());
+    }
 
     #[test]
     fn size_classes_cover_the_request_with_little_waste() {
