@@ -399,3 +399,169 @@ fn shards_on_a_device_backend_are_saved_and_loaded_through_the_host() {
     }
     std::fs::remove_dir_all(&root).ok();
 }
+
+/// The names in `dir`, sorted.
+fn names_in(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .expect("ls")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into())
+        .collect();
+    names.sort();
+    names
+}
+
+#[test]
+fn a_save_onto_a_directory_of_other_files_is_refused_and_leaves_it_as_it_was() {
+    let root = tmp("not-a-checkpoint");
+    let outputs = root.join("outputs");
+    std::fs::create_dir_all(&outputs).expect("mkdir");
+    std::fs::write(outputs.join("train.log"), b"step 1\n").expect("log");
+    let p = plan(PARAMS, "even", 2, 4096);
+    let got = on_ranks(&p, 1, Duration::from_secs(60), |s| checkpoint::save(s, &outputs, 1).map(|_| ()));
+    for (r, res) in got.into_iter().enumerate() {
+        let msg = res.expect_err("a save replaced a directory of other files").to_string();
+        assert!(msg.contains("not a checkpoint") || msg.contains("[0]"), "rank {r}: {msg}");
+    }
+    assert_eq!(names_in(&root), ["outputs"], "the save left something beside it");
+    assert_eq!(names_in(&outputs), ["train.log"]);
+    assert_eq!(std::fs::read(outputs.join("train.log")).expect("log"), b"step 1\n");
+    // A plain file is refused too; an empty directory is taken.
+    let file = root.join("a-file");
+    std::fs::write(&file, b"x").expect("file");
+    let got = on_ranks(&p, 1, Duration::from_secs(60), |s| checkpoint::save(s, &file, 1).map(|_| ()));
+    assert!(got.iter().all(Result::is_err), "a save replaced a plain file");
+    assert_eq!(std::fs::read(&file).expect("file"), b"x");
+    let empty = root.join("empty");
+    std::fs::create_dir_all(&empty).expect("mkdir");
+    let got = on_ranks(&p, 1, Duration::from_secs(60), |s| checkpoint::save(s, &empty, 3).map(|i| i.step));
+    assert!(got.iter().all(|r| matches!(r, Ok(3))), "{got:?}");
+    std::fs::remove_dir_all(&root).ok();
+}
+
+#[test]
+fn a_commit_interrupted_between_its_renames_is_finished_by_the_next_load_or_save() {
+    let root = tmp("interrupted");
+    let ckpt = root.join("c");
+    save_v1(&ckpt);
+    // As a commit that stopped after moving the previous checkpoint aside: the whole new one
+    // is at c.partial, the previous at c.previous, nothing at c.
+    std::fs::rename(&ckpt, root.join("c.partial")).expect("rename");
+    std::fs::create_dir_all(root.join("c.previous")).expect("previous");
+    std::fs::write(root.join("c.previous/index.json"), b"{}").expect("previous index");
+    let p = plan(PARAMS, "flat", 3, 2048);
+    let got = on_ranks(&p, 0, Duration::from_secs(60), |s| {
+        checkpoint::load(s, &ckpt).expect("load");
+        gathered(s)
+    });
+    assert!(got.iter().all(|g| *g == full(&p, 1)), "the finished commit did not load version 1");
+    assert_eq!(names_in(&root), ["c"]);
+    // The same state before a save: the save replaces the finished commit, not the partial one.
+    std::fs::rename(&ckpt, root.join("c.partial")).expect("rename");
+    let out = on_ranks(&p, 2, Duration::from_secs(60), |s| checkpoint::save(s, &ckpt, 9).map(|i| i.step));
+    assert!(out.iter().all(|r| matches!(r, Ok(9))), "{out:?}");
+    assert_eq!(names_in(&root), ["c"]);
+    assert_eq!(checkpoint::read_index(&ckpt).expect("index").step, 9);
+    std::fs::remove_dir_all(&root).ok();
+}
+
+#[test]
+fn states_given_twice_or_in_two_dtypes_are_refused_and_nothing_is_left_on_disk() {
+    let root = tmp("bad-states");
+    let ckpt = root.join("c");
+    let p = plan(PARAMS, "even", 2, 4096);
+    let emb = ParamId(0);
+    let state_of = |s: &ModelState<LocalRank>, dtype: DType| {
+        let (_, len) = s.read_shard(emb, |at, b| (at, b.len())).expect("shard");
+        let n = len / 4;
+        checkpoint::ExtraState { name: "m".into(), param: emb, dtype, data: vec![0; n * dtype.size()] }
+    };
+    let twice = on_ranks(&p, 1, Duration::from_secs(60), |s| {
+        let m = state_of(s, DType::F32);
+        checkpoint::save_with(s, &ckpt, 1, &[m.clone(), m], serde_json::Value::Null).map(|_| ())
+    });
+    let msg = twice[0].as_ref().expect_err("a state given twice was saved").to_string();
+    assert!(msg.contains("given twice") && msg.contains("emb"), "{msg}");
+    assert!(twice.iter().all(Result::is_err));
+    // f32 on rank 0, bf16 on rank 1: every rank refuses, naming both.
+    let split = on_ranks(&p, 1, Duration::from_secs(60), |s| {
+        let m = state_of(s, if s.rank() == 0 { DType::F32 } else { DType::BF16 });
+        checkpoint::save_with(s, &ckpt, 1, &[m], serde_json::Value::Null).map(|_| ())
+    });
+    for (r, res) in split.into_iter().enumerate() {
+        let msg = res.expect_err("a state in two dtypes was saved").to_string();
+        assert!(msg.contains("f32 on rank 0") && msg.contains("bf16 on rank 1"), "rank {r}: {msg}");
+    }
+    assert!(names_in(&root).is_empty(), "a refused save left {:?}", names_in(&root));
+    std::fs::remove_dir_all(&root).ok();
+}
+
+#[test]
+fn a_load_while_one_rank_holds_a_bucket_gathered_fails_on_every_rank_and_changes_nothing() {
+    let root = tmp("gathered");
+    let ckpt = root.join("c");
+    save_v1(&ckpt);
+    let p = plan(PARAMS, "even", 2, 4096);
+    let got = on_ranks(&p, 0, Duration::from_secs(60), |s| {
+        // Both gather a bucket (a collective); rank 0 releases it, rank 1 still holds it.
+        let mut c = s.coordinator(SchedulerConfig::default()).expect("coordinator");
+        c.fetch(&[ParamId(2)]).map(drop).expect("fetch");
+        if s.rank() == 0 {
+            c.release(&[ParamId(2)]).expect("release");
+        }
+        let res = checkpoint::load(s, &ckpt).map(|_| ());
+        if s.rank() == 1 {
+            c.release(&[ParamId(2)]).expect("release");
+        }
+        c.end_step().expect("end step");
+        drop(c);
+        (res, gathered(s))
+    });
+    for (r, (res, after)) in got.into_iter().enumerate() {
+        let msg = res.expect_err("a load with a bucket gathered went through").to_string();
+        assert!(msg.contains("gathered") || msg.contains("[1]"), "rank {r}: {msg}");
+        assert_eq!(after, full(&p, 0), "rank {r}: shards changed although the load failed");
+    }
+    std::fs::remove_dir_all(&root).ok();
+}
+
+/// Rewrites the safetensors header of `path` with `edit` (the data stays as it was).
+fn edit_header(path: &Path, edit: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>)) {
+    let bytes = std::fs::read(path).expect("read");
+    let n = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes")) as usize;
+    let mut header: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&bytes[8..8 + n]).expect("header");
+    edit(&mut header);
+    let mut text = serde_json::to_vec(&header).expect("json");
+    while !text.len().is_multiple_of(8) {
+        text.push(b' ');
+    }
+    let mut out = (text.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(&text);
+    out.extend_from_slice(&bytes[8 + n..]);
+    std::fs::write(path, out).expect("write");
+}
+
+#[test]
+fn offsets_past_the_end_and_a_tensor_of_another_dtype_are_damage_not_a_panic() {
+    let root = tmp("offsets");
+    let ckpt = root.join("c");
+    save_v1(&ckpt);
+    let victim = ckpt.join("rank-0.safetensors");
+    let original = std::fs::read(&victim).expect("read");
+    // An end offset that wraps the file's base around: refused as damage on open.
+    edit_header(&victim, |h| {
+        let (_, e) = h.iter_mut().find(|(k, _)| *k != "__metadata__").expect("a tensor");
+        e["data_offsets"] = serde_json::json!([0u64, u64::MAX - 4]);
+    });
+    let e = checkpoint::inspect(&ckpt).expect_err("wrapped offsets passed").to_string();
+    assert!(e.contains("rank-0.safetensors") && e.contains("beyond"), "{e}");
+    // The same bytes said to be i32 instead of f32: inspect refuses it as a load would.
+    std::fs::write(&victim, &original).expect("restore");
+    edit_header(&victim, |h| {
+        let (_, e) = h.iter_mut().find(|(_, v)| v["dtype"] == "F32").expect("an f32 tensor");
+        e["dtype"] = serde_json::json!("I32");
+    });
+    let e = checkpoint::inspect(&ckpt).expect_err("a tensor of another dtype passed").to_string();
+    assert!(e.contains("rank-0.safetensors") && e.contains("I32"), "{e}");
+    std::fs::remove_dir_all(&root).ok();
+}

@@ -128,7 +128,8 @@ impl Reader {
         let base = 8 + n;
         for (name, e) in &tensors {
             let [a, b] = e.data_offsets;
-            if a > b || base + b as u64 > len {
+            // (Checked: offsets come from the file, and a wrapped sum would pass.)
+            if a > b || u64::try_from(b).ok().and_then(|b| b.checked_add(base)).is_none_or(|end| end > len) {
                 return Err(bad(format!(
                     "tensor {name}: bytes {a}..{b} beyond the file's {} (truncated?)",
                     len - base
@@ -177,7 +178,7 @@ impl Reader {
             self.tensors.get(name).ok_or_else(|| bad(format!("no tensor {name} (the index names it)")))?;
         if e.dtype != format!("{dtype:?}")
             || e.shape != [numel]
-            || e.data_offsets[1] - e.data_offsets[0] != numel * size
+            || numel.checked_mul(size) != Some(e.data_offsets[1] - e.data_offsets[0])
         {
             return Err(bad(format!(
                 "tensor {name} is {} {:?}, the index says {dtype:?} [{numel}]",
@@ -185,10 +186,5 @@ impl Reader {
             )));
         }
         Ok(e)
-    }
-
-    /// Every tensor's name and byte length, for `collsched ckpt inspect`.
-    pub(crate) fn tensors(&self) -> impl Iterator<Item = (&str, usize)> {
-        self.tensors.iter().map(|(k, e)| (k.as_str(), e.data_offsets[1] - e.data_offsets[0]))
     }
 }

@@ -1,5 +1,6 @@
 //! [`save_full`]: the full parameters in one safetensors file, for export.
 
+use std::io::Write;
 use std::path::Path;
 
 use super::{agree, file, io, sibling, CheckpointError};
@@ -15,7 +16,6 @@ use crate::runtime::ModelState;
 /// [`CheckpointError::Io`] naming the file rank 0 could not write (every rank reports it);
 /// runtime errors of the gathers.
 pub fn save_full<B: Backend>(state: &ModelState<B>, path: &Path) -> Result<(), CheckpointError> {
-    use std::io::Write;
     let plan = state.plan();
     let layout = plan.layout();
     let set = layout.params();
@@ -52,28 +52,12 @@ pub fn save_full<B: Backend>(state: &ModelState<B>, path: &Path) -> Result<(), C
     } else {
         None
     };
-    let mut c = state.coordinator(collsched_schedule::SchedulerConfig {
-        policy: collsched_schedule::PolicyKind::None,
-        ..Default::default()
-    })?;
-    for b in layout.gather_buckets() {
-        let ids = b.params().to_vec();
-        {
-            let views = c.fetch(&ids)?;
-            if let Some(Ok(w)) = out.as_mut() {
-                for &p in &ids {
-                    let mut host = vec![0u8; set.numel(p) * set.specs()[p.index()].dtype.size()];
-                    views.copy_to_host(p, &mut host)?;
-                    if let Err(e) = w.write_all(&host) {
-                        out = Some(Err(io(&tmp, "writing")(e)));
-                        break;
-                    }
-                }
-            }
-        }
-        c.release(&ids)?;
-        c.end_step()?;
+    let gathered = gather_into(state, &mut out, &tmp);
+    if gathered.is_err() && out.is_some() {
+        // A gather failed (a peer gone): no file of it stays behind.
+        let _ = std::fs::remove_file(&tmp);
     }
+    gathered?;
     let written = match out {
         Some(Ok(w)) => w
             .into_inner()
@@ -87,4 +71,38 @@ pub fn save_full<B: Backend>(state: &ModelState<B>, path: &Path) -> Result<(), C
         let _ = std::fs::remove_file(&tmp);
     }
     agree(state, written, "save_full: writing", "no file was written")
+}
+
+/// Gathers every bucket in turn, rank 0 writing each parameter's full value to `out` (a
+/// failed write is kept in `out`, the gathers go on so that the ranks stay in step).
+fn gather_into<B: Backend>(
+    state: &ModelState<B>,
+    out: &mut Option<Result<std::io::BufWriter<std::fs::File>, CheckpointError>>,
+    tmp: &Path,
+) -> Result<(), CheckpointError> {
+    let layout = state.plan().layout();
+    let set = layout.params();
+    let mut c = state.coordinator(collsched_schedule::SchedulerConfig {
+        policy: collsched_schedule::PolicyKind::None,
+        ..Default::default()
+    })?;
+    for b in layout.gather_buckets() {
+        let ids = b.params().to_vec();
+        {
+            let views = c.fetch(&ids)?;
+            if let Some(Ok(w)) = out.as_mut() {
+                for &p in &ids {
+                    let mut host = vec![0u8; set.numel(p) * set.specs()[p.index()].dtype.size()];
+                    views.copy_to_host(p, &mut host)?;
+                    if let Err(e) = w.write_all(&host) {
+                        *out = Some(Err(io(tmp, "writing")(e)));
+                        break;
+                    }
+                }
+            }
+        }
+        c.release(&ids)?;
+        c.end_step()?;
+    }
+    Ok(())
 }

@@ -17,8 +17,15 @@
 //! the index against the model (names, shapes, dtypes) and every file's header against the
 //! index, and after every rank agreed that its checks passed: a checkpoint that does not fit or
 //! is damaged changes nothing anywhere (only a read that fails after those checks, a disk
-//! error, leaves the shards partly loaded; the error says so by naming the file).
+//! error, leaves that rank's shards partly loaded; the error names the file, and every rank
+//! fails, so that none goes on with the checkpoint's values while another does not).
+//!
+//! A save replaces only a checkpoint, an empty directory or nothing (never a directory of
+//! other files). A commit interrupted between its two renames (the previous checkpoint moved to
+//! `PATH.previous`, the whole new one still at `PATH.partial`) is finished by the next save or
+//! load of `PATH`.
 
+mod commit;
 mod file;
 mod full;
 mod index;
@@ -34,6 +41,7 @@ pub use index::{tensor_name, Index, IndexParam, Piece, FORMAT};
 
 use crate::backend::Backend;
 use crate::runtime::{ModelState, RuntimeError};
+use commit::{commit, finish_commit, replaceable};
 
 /// An error of a checkpoint: names the path, parameter, rank or stage, and what to do.
 #[derive(Debug, thiserror::Error)]
@@ -57,10 +65,13 @@ pub enum CheckpointError {
     },
     /// No index: the save that made the directory did not finish.
     #[error(
-        "{}: no index.json: not a checkpoint, or a save that did not finish (the previous checkpoint is kept \
-         whole where it was{})",
+        "{}: no index.json: not a checkpoint, or a save that did not finish{}",
         path.display(),
-        if previous.is_some() { "; one is at PATH.previous" } else { "" }
+        if previous.is_some() {
+            " (a commit stopped after moving the previous checkpoint aside: it is whole at PATH.previous)"
+        } else {
+            " (a save replaces a checkpoint only once its own is whole: the previous one, if any, is where it was)"
+        }
     )]
     Incomplete {
         /// The directory.
@@ -192,19 +203,23 @@ pub fn save_with<B: Backend>(
     let me = state.rank();
     let partial = sibling(path, ".partial");
     let prepared = if me == 0 {
-        match std::fs::remove_dir_all(&partial) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                Err(io(&partial, "removing a stale partial save")(e))
+        finish_commit(path).and_then(|()| replaceable(path)).and_then(|()| {
+            match std::fs::remove_dir_all(&partial) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    Err(io(&partial, "removing a stale partial save")(e))
+                }
+                _ => std::fs::create_dir_all(&partial).map_err(io(&partial, "creating")),
             }
-            _ => std::fs::create_dir_all(&partial).map_err(io(&partial, "creating")),
-        }
+        })
     } else {
         Ok(())
     };
     let saved = agree(state, prepared, "save: preparing the directory", "nothing was written")
         .and_then(|()| save_stages(state, path, &partial, step, extras, meta));
-    if saved.is_err() && me == 0 {
-        // Nothing of a failed save stays on disk (the ranks agreed it failed, or one is gone).
+    // Nothing of a failed save stays on disk (the ranks agreed it failed, or one is gone), but
+    // for a whole checkpoint in PATH.partial with none at PATH (a commit interrupted between
+    // its renames), which the next save or load puts in place.
+    if saved.is_err() && me == 0 && (path.exists() || !partial.join("index.json").is_file()) {
         let _ = std::fs::remove_dir_all(&partial);
     }
     saved
@@ -233,6 +248,23 @@ fn save_stages<B: Backend>(
     let wrote = all_gather_bytes(state, &serde_json::to_vec(&wrote).unwrap_or_default())?;
     let wrote: Vec<Vec<(u32, String, String)>> =
         wrote.iter().map(|b| serde_json::from_slice(b).unwrap_or_default()).collect();
+    // A state is one dtype on every rank (every rank sees the same lists: all fail alike).
+    let mut dtypes: HashMap<(u32, &str), (&str, usize)> = HashMap::new();
+    for (r, list) in wrote.iter().enumerate() {
+        for (p, name, dtype) in list {
+            let (first, by) = *dtypes.entry((*p, name)).or_insert((dtype, r));
+            if first != dtype {
+                let param = plan.layout().params().name(ParamId(*p)).to_string();
+                return Err(CheckpointError::Mismatch {
+                    path: path.to_path_buf(),
+                    what: vec![format!(
+                        "state {name:?} of parameter {param} is {first} on rank {by} and {dtype} on rank {r}: give it \
+                         in one dtype on every rank"
+                    )],
+                });
+            }
+        }
+    }
     let mut index = index_of(plan, &all, step, &wrote);
     index.meta = meta;
     let committed = if me == 0 { commit(path, partial, &index) } else { Ok(()) };
@@ -293,6 +325,15 @@ fn write_mine<B: Backend>(
                     e.name,
                     e.data.len(),
                     e.dtype
+                )],
+            });
+        }
+        if wrote.iter().any(|(q, n, _)| *q == p.0 && *n == e.name) {
+            return Err(CheckpointError::Mismatch {
+                path: dir.to_path_buf(),
+                what: vec![format!(
+                    "state {:?} of parameter {name} given twice: give each state once",
+                    e.name
                 )],
             });
         }
@@ -406,34 +447,13 @@ fn index_of(
     }
 }
 
-/// Rank 0: the index into the partial directory, then the directory into place.
-fn commit(path: &Path, partial: &Path, index: &Index) -> Result<(), CheckpointError> {
-    let tmp = partial.join("index.json.tmp");
-    let text = serde_json::to_vec_pretty(index)
-        .map_err(|e| CheckpointError::Io { path: tmp.clone(), what: e.to_string() })?;
-    std::fs::write(&tmp, text).map_err(io(&tmp, "writing"))?;
-    std::fs::File::open(&tmp).and_then(|f| f.sync_all()).map_err(io(&tmp, "syncing"))?;
-    std::fs::rename(&tmp, partial.join("index.json"))
-        .map_err(io(partial, "renaming the index into place"))?;
-    std::fs::File::open(partial).and_then(|d| d.sync_all()).map_err(io(partial, "syncing"))?;
-    let previous = sibling(path, ".previous");
-    if path.exists() {
-        let _ = std::fs::remove_dir_all(&previous);
-        std::fs::rename(path, &previous).map_err(io(path, "moving the previous checkpoint aside"))?;
-    }
-    std::fs::rename(partial, path).map_err(io(path, "renaming the new checkpoint into place"))?;
-    if previous.exists() {
-        std::fs::remove_dir_all(&previous).map_err(io(&previous, "removing the previous checkpoint"))?;
-    }
-    Ok(())
-}
-
 /// Reads and checks the index of the checkpoint at `path`.
 ///
 /// # Errors
 /// [`CheckpointError::Incomplete`] without an index; [`CheckpointError::Corrupt`] for an index
 /// that does not parse or whose pieces do not cover every element once.
 pub fn read_index(path: &Path) -> Result<Index, CheckpointError> {
+    finish_commit(path)?;
     let at = path.join("index.json");
     let text = match std::fs::read(&at) {
         Ok(t) => t,
@@ -458,9 +478,10 @@ pub fn read_index(path: &Path) -> Result<Index, CheckpointError> {
 /// # Errors
 /// [`CheckpointError::Mismatch`] listing every parameter missing, extra, or of another shape or
 /// dtype; [`CheckpointError::Incomplete`], [`CheckpointError::Corrupt`] naming the file;
-/// [`CheckpointError::Peers`] when another rank could not read its part. Those errors come
-/// before any shard changes; a disk error while reading after them leaves this rank's shards
-/// partly loaded (the error names the file): load again.
+/// [`CheckpointError::Peers`] when another rank could not read its part; a runtime error
+/// while a bucket is gathered on some rank. Those errors come before any shard changes; a disk
+/// error while reading after them leaves that rank's shards partly loaded (the error names the
+/// file) and every other rank fails too ([`CheckpointError::Peers`]): load again.
 pub fn load<B: Backend>(state: &ModelState<B>, path: &Path) -> Result<Index, CheckpointError> {
     load_with(state, path, &[]).map(|(index, _)| index)
 }
@@ -481,6 +502,7 @@ pub fn load_with<B: Backend>(
 ) -> Result<(Index, Vec<LoadedState>), CheckpointError> {
     let mut slot = None;
     let checked = (|| {
+        state.check_writable()?;
         let index = read_index(path)?;
         check_fits(state, path, &index)?;
         let checked = {
@@ -499,13 +521,23 @@ pub fn load_with<B: Backend>(
     let mut files = Files { dir: path, index: &index, readers: HashMap::new() };
     let saved: HashMap<&str, &IndexParam> = index.params.iter().map(|p| (p.name.as_str(), p)).collect();
     let set = state.plan().layout().params();
-    for (p, from, numel) in mine {
+    let written = mine.into_iter().try_for_each(|(p, from, numel)| {
         let spec = &set.specs()[p.index()];
         let size = spec.dtype.size();
-        state.write_shard(p, |_, dst| {
-            files.fill(saved[spec.name.as_str()], from, from + numel, size, Some(dst))
-        })??;
-    }
+        state
+            .write_shard(p, |_, dst| {
+                files.fill(saved[spec.name.as_str()], from, from + numel, size, Some(dst))
+            })?
+            .map(drop)
+    });
+    // Every rank says whether it loaded all of its part: a rank whose read failed midway makes
+    // every rank fail, not only itself (the others' shards are the checkpoint's, its own partly).
+    agree(
+        state,
+        written,
+        "load: writing shards",
+        "the shards of the ranks that failed are partly loaded: load again on every rank",
+    )?;
     Ok((index, extras))
 }
 
@@ -667,37 +699,31 @@ fn read_states<B: Backend>(
     Ok(out)
 }
 
-/// What `collsched ckpt inspect` checks: the index, and every piece it names present in its
-/// file with its size. Returns the index and the bytes of each file's pieces.
+/// What `collsched ckpt inspect` checks: the index, and every piece it names (of the
+/// parameters and of their states) present in its file with its dtype and size, as a load
+/// checks them. Returns the index and the bytes of each file's pieces.
 ///
 /// # Errors
 /// As [`read_index`]; [`CheckpointError::Corrupt`] naming the file and tensor that is missing,
-/// truncated or of another size.
+/// truncated or of another dtype or size.
 pub fn inspect(path: &Path) -> Result<(Index, Vec<u64>), CheckpointError> {
     let index = read_index(path)?;
     let mut sizes = vec![0u64; index.files.len()];
     let readers: Vec<file::Reader> =
         index.files.iter().map(|f| file::Reader::open(&path.join(f))).collect::<Result<_, _>>()?;
-    let lens: Vec<HashMap<&str, usize>> = readers.iter().map(|r| r.tensors().collect()).collect();
-    for p in &index.params {
-        let size = p.dtype.parse::<collsched_buckets::DType>().map(|d| d.size()).unwrap_or(1);
+    for p in index.params.iter().chain(&index.extras) {
+        let dtype = p.dtype.parse::<collsched_buckets::DType>().ok();
+        let st = dtype.and_then(|d| file::st_dtype(d.name()).map(|st| (st, d.size())));
+        let Some(st) = st else {
+            return Err(CheckpointError::Corrupt {
+                path: path.join("index.json"),
+                what: format!("{}: dtype {:?} is none a checkpoint holds", p.name, p.dtype),
+            });
+        };
         for piece in &p.pieces {
             let f = piece.file as usize;
-            match lens[f].get(piece.tensor.as_str()) {
-                Some(&n) if n == piece.numel * size => sizes[f] += n as u64,
-                found => {
-                    return Err(CheckpointError::Corrupt {
-                        path: path.join(&index.files[f]),
-                        what: format!(
-                            "tensor {} of parameter {}: {} bytes expected, {}",
-                            piece.tensor,
-                            p.name,
-                            piece.numel * size,
-                            found.map_or("missing".to_string(), |n| format!("{n} found"))
-                        ),
-                    })
-                }
-            }
+            readers[f].check(&piece.tensor, st, piece.numel)?;
+            sizes[f] += (piece.numel * st.1) as u64;
         }
     }
     Ok((index, sizes))

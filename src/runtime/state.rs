@@ -561,21 +561,35 @@ impl<B: Backend> ModelState<B> {
     ) -> Result<R, RuntimeError> {
         let (param_offset, (g, range)) = self.run_bytes(param)?;
         let mut st = self.shared.lock();
-        if let Some((bucket, _, users)) = st.registry().gathered().next() {
-            return Err(RuntimeError::Plan {
-                rank: self.rank(),
-                what: format!(
-                    "gather bucket {bucket} is gathered ({users} users) while shards are overwritten; release \
-                     every parameter and end the step first"
-                ),
-            });
-        }
+        Self::none_gathered(self.rank(), &st)?;
         let be = &*self.shared.backend;
         st.shards.write(be, g, range, |b| f(param_offset, b)).map_err(backend_err(
             self.rank(),
             "write_shard",
             None,
         ))
+    }
+
+    /// Whether the shards may be overwritten now ([`write_shard`](Self::write_shard)): no
+    /// bucket gathered on this rank.
+    ///
+    /// # Errors
+    /// [`RuntimeError::Plan`] naming a gathered bucket and what to do.
+    pub fn check_writable(&self) -> Result<(), RuntimeError> {
+        Self::none_gathered(self.rank(), &self.shared.lock())
+    }
+
+    fn none_gathered(rank: usize, st: &RankState<B>) -> Result<(), RuntimeError> {
+        match st.registry().gathered().next() {
+            None => Ok(()),
+            Some((bucket, _, users)) => Err(RuntimeError::Plan {
+                rank,
+                what: format!(
+                    "gather bucket {bucket} is gathered ({users} users) while shards are overwritten; release \
+                     every parameter and end the step first"
+                ),
+            }),
+        }
     }
 
     /// This rank's one run of `param`: its first element, and (gather bucket position, byte
