@@ -153,6 +153,9 @@ def loss_fn(name: str, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def optimizer(name: str, params: Any) -> torch.optim.Optimizer:
     if name == "adamw":
         return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
+    if name == "adamw-tensor-lr":
+        # A tensor learning rate (as schedulers under torch.compile keep it).
+        return torch.optim.AdamW(params, lr=torch.tensor(1e-2), weight_decay=0.01)
     return torch.optim.SGD(params, lr=0.05)
 
 

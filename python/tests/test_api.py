@@ -332,6 +332,19 @@ def test_checkpoint_saved_at_4_continues_in_another_layout(tmp_path, dtype, load
     parity.check(later, {"params": ref["params"][2:], "losses": ref["losses"][2:]}, dtype)
 
 
+def test_a_tensor_learning_rate_comes_back_from_a_checkpoint_as_a_tensor(tmp_path):
+    """AdamW with a tensor ``lr``, saved at 2 ranks and loaded at 1: the group's hyperparameters
+    come back as the optimizer had them (a tensor, a tuple of betas), and the training goes on
+    as plain PyTorch's."""
+    path = str(tmp_path / "ckpt")
+    save = {"model": "mlp", "steps": 4, "split": 2, "save_world": 2, "opt": "adamw-tensor-lr", "bucket_mb": 0.0005}
+    first = run(workers.checkpointed, 2, save, path, "save")
+    later = run(workers.checkpointed, 1, save, path, "load")
+    ref = models.reference({**save, "worlds": [2, 2, 1, 1]}, 2)
+    parity.check(first, {"params": ref["params"][:2], "losses": ref["losses"][:2]})
+    parity.check(later, {"params": ref["params"][2:], "losses": ref["losses"][2:]})
+
+
 @pytest.mark.parametrize("name", ["mlp", "gpt"])
 def test_save_full_loads_into_plain_pytorch(tmp_path, name):
     safetensors_torch = pytest.importorskip("safetensors.torch")

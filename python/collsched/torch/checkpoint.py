@@ -57,6 +57,48 @@ def _tp_layout(state: _State) -> dict[str, str]:
     }
 
 
+# How a tensor among an optimizer's hyperparameters (a tensor ``lr``) is kept in the index.
+_TENSOR = "collsched.tensor"
+
+
+def _encode(v: Any) -> Any:
+    """A parameter group's hyperparameter as the index keeps it (JSON): a tensor as its values
+    and dtype, tuples and lists element by element; what JSON has no form for is written as
+    its text (and refused at load, see :func:`_decode`)."""
+    if torch.is_tensor(v):
+        return {_TENSOR: v.detach().cpu().tolist(), "dtype": str(v.dtype).removeprefix("torch.")}
+    if isinstance(v, (tuple, list)):
+        return [_encode(x) for x in v]
+    return v
+
+
+def _decode(v: Any, now: Any) -> Any:
+    """The hyperparameter :func:`_encode` kept, as the optimizer's own value ``now`` has it: a
+    tensor again (on ``now``'s device), a tuple where ``now`` is one. A value kept as text
+    where the optimizer holds no text is refused by name, not handed to it."""
+    if isinstance(v, dict) and _TENSOR in v:
+        device = now.device if torch.is_tensor(now) else "cpu"
+        return torch.tensor(v[_TENSOR], dtype=getattr(torch, v["dtype"]), device=device)
+    if isinstance(v, list):
+        like = list(now) if isinstance(now, (tuple, list)) and len(now) == len(v) else [None] * len(v)
+        out = [_decode(x, n) for x, n in zip(v, like)]
+        return tuple(out) if isinstance(now, tuple) else out
+    if isinstance(v, str) and now is not None and not isinstance(now, str):
+        raise CollschedError(
+            f"load_checkpoint: an optimizer hyperparameter was saved as the text {v!r} (a type the index has no "
+            f"form for), and this optimizer holds {type(now).__name__} {now!r} there; give it as a number or a "
+            "tensor when saving"
+        )
+    return v
+
+
+def _groups(index: dict, optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """The hyperparameters ``index`` keeps for each of ``optimizer``'s parameter groups, as its
+    own values have them (:func:`_decode`)."""
+    kept = ((index.get("meta") or {}).get("optimizer") or {}).get("groups", [])
+    return [{k: _decode(v, g.get(k)) for k, v in s.items()} for g, s in zip(optimizer.param_groups, kept)]
+
+
 def save_checkpoint(module: nn.Module, optimizer: torch.optim.Optimizer | None, path: Any, step: int = 0) -> dict:
     """Saves ``module``'s shards, and ``optimizer``'s state of them, to the directory ``path``
     (collective: every rank calls it, between steps). Each rank writes only its own elements
@@ -94,7 +136,7 @@ def save_checkpoint(module: nn.Module, optimizer: torch.optim.Optimizer | None, 
                     }
                 elif isinstance(v, (int, float)):
                     scalars.setdefault(p.name, {})[k] = {"value": v}
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        groups = [{k: _encode(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     # Scalar states come from the ranks holding elements of their parameter (all alike).
     merged: dict[str, Any] = {}
     for blob in state.world.all_gather(json.dumps(scalars).encode()):
@@ -136,6 +178,8 @@ def load_checkpoint(module: nn.Module, optimizer: torch.optim.Optimizer | None, 
                 "save_checkpoint reloads at its own tensor-parallel layout: change the layout through "
                 "torch.distributed.checkpoint (dcp.save of model.state_dict(), dcp.load) instead; nothing was loaded"
             )
+    if saved is not None and optimizer is not None:
+        _groups(saved, optimizer)  # a hyperparameter it cannot give back is refused before anything changes
     names = {e["name"] for e in (saved or {}).get("extras", [])}
     wanted = [
         (p.pid, n.split("#", 1)[1])
@@ -158,11 +202,8 @@ def load_checkpoint(module: nn.Module, optimizer: torch.optim.Optimizer | None, 
     if optimizer is None:
         return index
     meta = (index.get("meta") or {}).get("optimizer") or {}
-    for g, s in zip(optimizer.param_groups, meta.get("groups", [])):
-        for k, v in s.items():
-            if k in g and isinstance(g[k], tuple) and isinstance(v, list):
-                v = tuple(v)
-            g[k] = v
+    for g, kept in zip(optimizer.param_groups, _groups(index, optimizer)):
+        g.update(kept)
     for (pid, name), got in zip(wanted, states):
         if got is not None and name != MASTER:
             dtype, data = got
