@@ -136,11 +136,27 @@ fn launch_env(rank: Option<usize>, world: Option<usize>, job: Option<String>) ->
 
 #[pymethods]
 impl World {
+    /// `timeout_secs`: how long a member waits for the others (a process group's timeout),
+    /// where `COLLSCHED_TIMEOUT_SECS` does not say (it wins when set); else its 300 s.
     #[new]
-    #[pyo3(signature = (rank=None, world=None, job=None))]
-    fn new(rank: Option<usize>, world: Option<usize>, job: Option<String>) -> PyResult<World> {
+    #[pyo3(signature = (rank=None, world=None, job=None, timeout_secs=None))]
+    fn new(
+        rank: Option<usize>,
+        world: Option<usize>,
+        job: Option<String>,
+        timeout_secs: Option<f64>,
+    ) -> PyResult<World> {
         let env = launch_env(rank, world, job)?;
-        let config = ShmConfig::from_env().map_err(errors::other)?;
+        let mut config = ShmConfig::from_env().map_err(errors::other)?;
+        if let Some(secs) = timeout_secs {
+            let given =
+                std::time::Duration::try_from_secs_f64(secs).ok().filter(|d| !d.is_zero()).ok_or_else(
+                    || errors::other(format!("World: timeout_secs {secs}: give a positive number")),
+                )?;
+            if std::env::var_os("COLLSCHED_TIMEOUT_SECS").is_none() {
+                config.local.timeout = given;
+            }
+        }
         let (backend, hub) = join(&env, &config).map_err(errors::backend)?;
         Ok(World { backend: Rank::Host(Arc::new(backend)), hub: Mutex::new(Box::new(hub)) })
     }

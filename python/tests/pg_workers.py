@@ -302,3 +302,41 @@ def detail_mode(rank: int, world: int) -> dict[str, Any]:
         "sub": plain(t),
         "default": plain(u),
     }
+
+
+def semantics(rank: int, world: int) -> dict[str, Any]:
+    """What torch's backends do that is easy to get wrong, beside gloo: the bitwise reductions
+    (torch passes a ``ReduceOp`` object), a group whose ranks are not in ascending order
+    (refused by name), and the future of an op whose peer never comes (a failed future, not a
+    result). Rank 1 then stays up past the subgroup's 2 s timeout."""
+    import datetime
+
+    gloo = dist.new_group(backend="gloo")
+    out: dict[str, Any] = {}
+    for name, op in (("band", dist.ReduceOp.BAND), ("bor", dist.ReduceOp.BOR), ("bxor", dist.ReduceOp.BXOR)):
+        for dtype in (torch.int8, torch.uint8, torch.int64, torch.bool):
+            x = _data(rank, 9, torch.int64, 7).to(dtype) if dtype != torch.bool else _data(rank, 9, torch.int64, 7) > 0
+            got = {}
+            for backend, group in (("collsched", None), ("gloo", gloo)):
+                t = x.clone()
+                dist.all_reduce(t, op=op, group=group)
+                got[backend] = plain(t)
+            out[f"{name}-{dtype}"] = got
+    try:
+        unsorted = dist.new_group(list(reversed(range(world))), sort_ranks=False)
+        dist.all_reduce(torch.ones(2), group=unsorted)
+        out["unsorted"] = "ran"
+    except Exception as e:
+        out["unsorted"] = f"{type(e).__name__}: {e}"
+    short = dist.new_group(timeout=datetime.timedelta(seconds=2))
+    dist.barrier()
+    if rank == 1:
+        time.sleep(5)  # stays up: rank 0 times out, it does not see a departure
+        out["future"] = "skipped"
+        return out
+    fut = dist.all_reduce(torch.ones(4), group=short, async_op=True).get_future()
+    try:
+        out["future"] = f"completed with {fut.wait()!r}"
+    except Exception as e:
+        out["future"] = f"raised {type(e).__name__}: {e}"
+    return out

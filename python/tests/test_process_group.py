@@ -195,6 +195,33 @@ def test_a_rank_that_never_launches_times_its_peer_out_and_the_flight_records_na
     assert verdict.startswith("ranks [1] never launched collective #1 of group [0, 1] on stream compute"), verdict
 
 
+def test_bitwise_reductions_unsorted_groups_and_failed_futures():
+    """The bitwise reductions give gloo's results on every integer type and bool; a group of
+    ranks in descending order (``sort_ranks=False``) is refused by name (its group ranks would
+    not be the library's); the future of an op whose peer never comes raises the timeout when
+    waited for (it completed with the failure as its value before)."""
+    runs = run(pg_workers.semantics, 2, init="collsched", timeout=120)
+    for rank, got in enumerate(runs):
+        bitwise = {k: v for k, v in got.items() if k.startswith(("band", "bor", "bxor"))}
+        assert len(bitwise) == 12, sorted(bitwise)
+        for case, v in bitwise.items():
+            assert v["collsched"] == v["gloo"], f"rank {rank} {case}: {v}"
+        assert "sort_ranks=False" in got["unsorted"] and "ascending" in got["unsorted"], got["unsorted"]
+    assert runs[1]["future"] == "skipped"
+    assert runs[0]["future"].startswith("raised") and "PeerError" in runs[0]["future"], runs[0]["future"]
+
+
+def test_a_world_s_timeout_must_be_positive():
+    """``World(..., timeout_secs=...)`` (a process group's timeout): a value that is no time at
+    all is refused by name, before anything is joined."""
+    from collsched import _native
+
+    for bad in (0.0, -1.0):
+        with pytest.raises(Exception, match="timeout_secs") as e:
+            _native.World(0, 1, "collsched-test-timeout", bad)
+        assert "positive" in str(e.value), e.value
+
+
 def test_subgroups_and_device_mesh_at_4_ranks():
     runs = run(pg_workers.subgroups, 4, init="collsched")
     for rank, got in enumerate(runs):

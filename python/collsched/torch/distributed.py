@@ -39,11 +39,14 @@ puts it inside a C++ ``ProcessGroup`` for the CPU device, so the dispatcher's co
 reach it too (functional collectives, DTensor's ``full_tensor`` and redistribution, FSDP2's
 gradient clipping); no C++ code is needed.
 
-Every group's collectives run in launch order on one stream of the rank: ranks of a group
-must issue them in the same order (as with every torch backend); a disagreement is a
+Every group's collectives run in launch order on one stream of the rank, all groups' on the
+same one: ranks must issue their collectives in the same order, across groups too (torch's
+backends need the order within a group only); a disagreement is a
 :class:`collsched.MismatchError` on every member, a dead or missing member a
-:class:`collsched.PeerError` (within the backend's timeout, ``COLLSCHED_TIMEOUT_SECS``, for a
-member that never arrives; at once for one that died).
+:class:`collsched.PeerError` (for a member that never arrives, within the process group's
+timeout, ``init_process_group(timeout=...)``, which ``COLLSCHED_TIMEOUT_SECS`` overrides when
+set; at once for one that died). A group's ranks are in ascending order (``new_group`` sorts
+them; ``sort_ranks=False`` with another order is refused by name).
 """
 
 from __future__ import annotations
@@ -179,17 +182,36 @@ class _Work(_C10dWork):
     source_rank = _source_rank
 
     def get_future(self) -> torch.futures.Future:
-        fut: torch.futures.Future = torch.futures.Future()
+        # A failure travels as a value (_Failed) that the returned future's callback raises:
+        # an exception set on a Python future is lost where torch's holder wraps the future
+        # again in C++ (its waiters would see the failure object as the result).
+        raw: torch.futures.Future = torch.futures.Future()
         if holder.probing():
             # is_completed() through torch's holder (holder.py): answered now, nothing waited for.
             try:
                 if self.is_completed():
-                    fut.set_result(self._result)
+                    raw.set_result(self._result)
             except BaseException as e:  # complete, with its error
-                fut.set_exception(e)
-            return fut
-        _completer().put((self, fut))
-        return fut
+                raw.set_result(_Failed(e))
+            return raw.then(_unwrap)
+        _completer().put((self, raw))
+        return raw.then(_unwrap)
+
+
+class _Failed:
+    """A work's failure, as the value of the future its ``get_future`` chains from."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+def _unwrap(fut: torch.futures.Future) -> Any:
+    value = fut.value()
+    if isinstance(value, _Failed):
+        raise value.error
+    return value
 
 
 def _complete_futures(q: queue.SimpleQueue) -> None:
@@ -200,9 +222,10 @@ def _complete_futures(q: queue.SimpleQueue) -> None:
         work, fut = q.get()
         try:
             work._finish()
-            fut.set_result(work._result)
         except BaseException as e:
-            fut.set_exception(e)
+            fut.set_result(_Failed(e))
+        else:
+            fut.set_result(work._result)
 
 
 @functools.lru_cache(maxsize=1)
@@ -227,6 +250,9 @@ def _contiguous_out(t: torch.Tensor, after: list[Callable[[], None]]) -> torch.T
 
 def _local_reduce(stacked: torch.Tensor, op: Any, n: int) -> torch.Tensor:
     """Reduces ``stacked`` (every member's tensor along dim 0) with ``op``, in its type."""
+    # A ReduceOp object as torch passes it (``opts.reduceOp``) equals its kind only from the
+    # left (``op == BAND``, not ``BAND == op``, which ``in`` and dict lookups ask): its kind.
+    op = getattr(op, "op", op)
     dtype = stacked.dtype
     if op == _R.SUM:
         out = stacked.any(0) if dtype == torch.bool else stacked.sum(0, dtype=dtype)
@@ -614,9 +640,11 @@ def creator(name: str = NAME) -> Callable[..., _Backend]:
 def _create(opts: Any, backend_options: Any = None, *, name: str = NAME) -> _Backend:
     """torch.distributed's constructor of a ``"collsched"`` group's backend (``extended_api``)."""
     ranks = list(opts.global_ranks_in_group)
+    timeout = _seconds(opts.timeout)
     if not ranks:
-        # The default group: its ranks are the job's, and it makes (or reuses) the job's world.
-        world = _world.adopt(opts.store, opts.group_rank, opts.group_size)
+        # The default group: its ranks are the job's, and it makes (or reuses) the job's world,
+        # whose members wait the group's timeout for each other (as gloo's do).
+        world = _world.adopt(opts.store, opts.group_rank, opts.group_size, timeout)
         ranks = list(range(opts.group_size))
     else:
         world = _world._WORLD
@@ -625,9 +653,14 @@ def _create(opts: Any, backend_options: Any = None, *, name: str = NAME) -> _Bac
                 "new_group(backend='collsched'): the job has no collsched world yet; initialize the default group "
                 "with init_process_group('collsched'), or call collsched.torch.init() on every rank first"
             )
+    if ranks != sorted(ranks):
+        # (torch's group rank is the position in this order; the library's groups are ascending.)
+        raise CollschedError(
+            f"new_group(ranks={ranks}, sort_ranks=False): the 'collsched' backend runs groups whose ranks are in "
+            "ascending order (a group rank is then the rank's position among them); give the ranks sorted"
+        )
     tag = zlib.crc32(str(opts.group_id).encode())
-    timeout = _seconds(opts.timeout)
-    comm = _native.Comm(world, sorted(ranks), tag, timeout)
+    comm = _native.Comm(world, ranks, tag, timeout)
     backend = _Backend(comm, opts.group_rank, opts.group_size, opts.store, name, timeout)
     # torch holds the backend in C++ only: without a Python reference its Python half (the
     # methods overriding the C++ ones) would be collected, and a later call from C++ would

@@ -126,9 +126,9 @@ def _job_key(store: Any, rank: int, size: int, what: str) -> str:
     return _JOB
 
 
-def _join_through(store: Any, rank: int, size: int) -> Any:
+def _join_through(store: Any, rank: int, size: int, timeout: float | None = None) -> Any:
     """A world joined with a job key rank 0 puts in torch's ``store`` (collective)."""
-    return _native.World(rank, size, _job_key(store, rank, size, "shm"))
+    return _native.World(rank, size, _job_key(store, rank, size, "shm"), timeout)
 
 
 def hybrid_groups(size: int, group_size: int) -> list[list[int]]:
@@ -204,13 +204,14 @@ def _join_cuda(group_size: Any) -> Any:
     return _native.World.cuda(device, _STREAM.cuda_stream, *args, groups, exchange=exchange)
 
 
-def adopt(store: Any, rank: int, size: int) -> Any:
+def adopt(store: Any, rank: int, size: int, timeout: float | None = None) -> Any:
     """The world of a ``"collsched"`` process group of ``size`` ranks whose rank this process
     is: the one :func:`init` joined if it did (it must be the same job), else a new one joined
-    through ``store``, which :func:`init` then returns."""
+    through ``store``, which :func:`init` then returns; its members wait ``timeout`` seconds
+    for each other (the group's, unless ``COLLSCHED_TIMEOUT_SECS`` is set)."""
     global _WORLD, _BACKEND
     if _WORLD is None:
-        _WORLD = _join_through(store, rank, size)
+        _WORLD = _join_through(store, rank, size, timeout)
         _BACKEND = "shm"
     elif (_WORLD.rank, _WORLD.world) != (rank, size):
         raise CollschedError(
