@@ -210,6 +210,22 @@ def bad_peer(rank: int, world: int) -> dict[str, str]:
             dist.recv(torch.zeros(5), 0)
         except Exception as e:
             out["size"] = f"{type(e).__name__}: {e}"
+    # A receive waited for with a timeout of its own before its sender sends (rank 0 sends
+    # once rank 1 says its wait is over): the wait raises, the receive stays pending, a later
+    # wait gets the message.
+    if rank == 0:
+        dist.recv(torch.zeros(1), 1, tag=12)
+        dist.send(torch.full((2,), 7.0), 1, tag=11)
+    elif rank == 1:
+        work = dist.irecv(got := torch.zeros(2), 0, tag=11)
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=0.3))
+            out["short_wait"] = "no error"
+        except Exception as e:
+            out["short_wait"] = f"{type(e).__module__}.{type(e).__name__}: {e}"
+        dist.send(torch.zeros(1), 0, tag=12)
+        work.wait()
+        out["after_short_wait"] = str(got.tolist())
     if rank == 1:
         t0 = time.monotonic()
         try:
@@ -245,3 +261,17 @@ def profiled(rank: int, world: int) -> list[tuple[str, bool, list]]:
         for e in prof.function_events
         if e.name.startswith("collsched:")
     )
+
+
+def exited_sender(rank: int, world: int) -> dict[str, str]:
+    """Rank 0 exits without sending; rank 1's receive from it fails, naming it."""
+    import os
+
+    dist.barrier()
+    if rank == 0:
+        os._exit(0)
+    try:
+        dist.recv(torch.zeros(2), 0)
+        return {"recv": "no error"}
+    except Exception as e:
+        return {"recv": f"{type(e).__module__}.{type(e).__name__}: {e}"}

@@ -307,8 +307,9 @@ def detail_mode(rank: int, world: int) -> dict[str, Any]:
 def semantics(rank: int, world: int) -> dict[str, Any]:
     """What torch's backends do that is easy to get wrong, beside gloo: the bitwise reductions
     (torch passes a ``ReduceOp`` object), a group whose ranks are not in ascending order
-    (refused by name), and the future of an op whose peer never comes (a failed future, not a
-    result). Rank 1 then stays up past the subgroup's 2 s timeout."""
+    (refused by name), an all-to-all of uneven splits, an async op reduced locally that
+    returns before its peer comes, and the future of an op whose peer never comes (a failed
+    future, not a result). Rank 1 then stays up past the subgroup's 2 s timeout."""
     import datetime
 
     gloo = dist.new_group(backend="gloo")
@@ -328,6 +329,28 @@ def semantics(rank: int, world: int) -> dict[str, Any]:
         out["unsorted"] = "ran"
     except Exception as e:
         out["unsorted"] = f"{type(e).__name__}: {e}"
+    # Uneven all-to-all (world 2): rank 0 sends 2 rows to itself and 3 to rank 1, rank 1 sends
+    # 1 and 3; rows of 3 elements.
+    sends = [[2, 3], [1, 3]][rank]
+    takes = [[2, 1], [3, 3]][rank]
+    x = torch.arange(sum(sends) * 3, dtype=torch.float32).view(-1, 3) + 100 * rank
+    for backend, group in (("collsched", None), ("gloo", gloo)):
+        got = torch.full((sum(takes), 3), -1.0)
+        dist.all_to_all_single(got, x, takes, sends, group=group)
+        out.setdefault("all_to_all_uneven", {})[backend] = plain(got)
+    # An async op reduced locally returns before its peer comes: rank 0 launches it, then
+    # sends to rank 1, which receives before it launches the op (a deadlock if the launch
+    # waited for the op).
+    t = torch.tensor([rank + 1], dtype=torch.int64)
+    if rank == 0:
+        work = dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True)
+        dist.send(torch.tensor([5.0]), 1)
+        work.wait()
+    else:
+        got = torch.zeros(1)
+        dist.recv(got, 0)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    out["async_local"] = plain(t)
     short = dist.new_group(timeout=datetime.timedelta(seconds=2))
     dist.barrier()
     if rank == 1:

@@ -10,7 +10,7 @@ import p2p_workers as w
 import pytest
 import torch
 
-from ranks import run
+from ranks import run, run_all
 
 
 def _expect(src: int, dst: int, numel: int, dtype: torch.dtype, salt: int = 0) -> tuple[str, list]:
@@ -92,6 +92,19 @@ def test_bad_peer_wrong_size_and_silent_peer_give_clear_errors(monkeypatch):
     assert "nothing came within 3 s" in silent, silent
     assert out[1]["silent_polled"].startswith(silent.split(":")[0]), out[1]
     assert "nothing came within 3 s" in out[1]["silent_polled"], out[1]
+    short = out[1]["short_wait"]
+    assert short.startswith("collsched.PeerError") and "Timed out waiting 300ms" in short, out[1]
+    assert out[1]["after_short_wait"] == "[7.0, 7.0]", out[1]
+
+
+def test_a_receive_from_a_sender_that_exited_fails_at_once_naming_it():
+    """The sender's process is gone (its pidfd says so): the receive fails, naming the sender
+    and why (at the group's timeout it would say that nothing came)."""
+    outcomes = run_all(w.exited_sender, 2, init="collsched", timeout=120)
+    ok, got = outcomes[1]
+    assert ok, got
+    assert got["recv"].startswith("collsched.PeerError: collsched: recv from group rank 0"), got
+    assert "process exited before it sent" in got["recv"], got
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -195,11 +195,13 @@ def test_a_rank_that_never_launches_times_its_peer_out_and_the_flight_records_na
     assert verdict.startswith("ranks [1] never launched collective #1 of group [0, 1] on stream compute"), verdict
 
 
-def test_bitwise_reductions_unsorted_groups_and_failed_futures():
+def test_bitwise_reductions_unsorted_groups_uneven_all_to_all_and_failed_futures():
     """The bitwise reductions give gloo's results on every integer type and bool; a group of
     ranks in descending order (``sort_ranks=False``) is refused by name (its group ranks would
-    not be the library's); the future of an op whose peer never comes raises the timeout when
-    waited for (it completed with the failure as its value before)."""
+    not be the library's); an all-to-all of uneven splits gives gloo's rows; an async MAX of
+    int64 (reduced locally) returns before its peer comes, so a send after it is not a
+    deadlock; the future of an op whose peer never comes raises the timeout when waited for
+    (it completed with the failure as its value before)."""
     runs = run(pg_workers.semantics, 2, init="collsched", timeout=120)
     for rank, got in enumerate(runs):
         bitwise = {k: v for k, v in got.items() if k.startswith(("band", "bor", "bxor"))}
@@ -207,6 +209,9 @@ def test_bitwise_reductions_unsorted_groups_and_failed_futures():
         for case, v in bitwise.items():
             assert v["collsched"] == v["gloo"], f"rank {rank} {case}: {v}"
         assert "sort_ranks=False" in got["unsorted"] and "ascending" in got["unsorted"], got["unsorted"]
+        uneven = got["all_to_all_uneven"]
+        assert uneven["collsched"] == uneven["gloo"] and -1.0 not in uneven["collsched"][1], uneven
+        assert got["async_local"] == ("int64", [2]), got["async_local"]
     assert runs[1]["future"] == "skipped"
     assert runs[0]["future"].startswith("raised") and "PeerError" in runs[0]["future"], runs[0]["future"]
 

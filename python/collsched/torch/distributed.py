@@ -128,6 +128,8 @@ class _Work(_C10dWork):
         self._error: BaseException | None = None
 
     def _finish(self, seconds: float | None = None) -> None:
+        if seconds is not None and self._native is None and self._ready is not None:
+            self._await_ready(seconds)
         with self._lock:
             if not self._done:
                 try:
@@ -148,6 +150,19 @@ class _Work(_C10dWork):
                     self._profile = None
             if self._error is not None:
                 raise self._error
+
+    def _await_ready(self, seconds: float) -> None:
+        """A receive waited for with a timeout of its own: its message must come within it,
+        else the work stays pending (a later wait may succeed), as a collective's does."""
+        deadline, pause = time.monotonic() + seconds, 0.0002
+        while not self._done and not self._ready():
+            if time.monotonic() > deadline:
+                raise _native.PeerError(
+                    f"collsched: a receive not complete after waiting: Timed out waiting {seconds * 1000:.0f}ms "
+                    "for its message; it stays pending (a later wait may succeed)"
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, 0.01)
 
     def wait(self, timeout: Any = None) -> bool:
         self._finish(_seconds(timeout))
@@ -364,10 +379,12 @@ class _Backend(_C10dBackend):
         dtypes = {t.dtype for t in tensors}
         kernel = self._kernel_op(op, tensors[0].dtype) if len(dtypes) == 1 else None
         if kernel is None:
-            for t in tensors:
-                stacked = self._gathered(t)
-                t.copy_(_local_reduce(stacked, op, self._n))
-            return _done(tensors)
+
+            def reduce(stacks: list[torch.Tensor]) -> None:
+                for t, stacked in zip(tensors, stacks):
+                    t.copy_(_local_reduce(stacked, op, self._n))
+
+            return self._gathered_then([t.clone() for t in tensors], tensors, reduce)
         after: list[Callable[[], None]] = []
         bufs = [_contiguous_out(t, after) for t in tensors]
         for b, t in zip(bufs, tensors):
@@ -399,11 +416,13 @@ class _Backend(_C10dBackend):
         dtypes = {t.dtype for t in [*outputs, *inputs]}
         kernel = self._kernel_op(op, outputs[0].dtype) if len(dtypes) == 1 else None
         if kernel is None:
-            me = self._comm.group_rank
-            for out, inp in zip(outputs, inputs):
-                stacked = self._gathered(inp.reshape(-1)).view(self._n, self._n, -1)[:, me]
-                out.copy_(_local_reduce(stacked, op, self._n).view_as(out))
-            return _done(outputs)
+            me, n = self._comm.group_rank, self._n
+
+            def reduce(stacks: list[torch.Tensor]) -> None:
+                for out, stacked in zip(outputs, stacks):
+                    out.copy_(_local_reduce(stacked.view(n, n, -1)[:, me], op, n).view_as(out))
+
+            return self._gathered_then([inp.reshape(-1).clone() for inp in inputs], outputs, reduce)
         after: list[Callable[[], None]] = []
         outs = [_contiguous_out(o, after) for o in outputs]
         ins = [i.contiguous() for i in inputs]
@@ -486,6 +505,17 @@ class _Backend(_C10dBackend):
         stacked = torch.empty((self._n, *t.shape), dtype=t.dtype)
         self._all_gather([stacked], [t]).wait()
         return stacked
+
+    def _gathered_then(
+        self, inputs: list[torch.Tensor], result: list[torch.Tensor], finish: Callable[[list[torch.Tensor]], None]
+    ) -> _Work:
+        """Every member's ``inputs`` gathered, each stacked along a new first dimension, by one
+        launch that is not waited for here; ``finish(stacks)`` fills the outputs from them once
+        the work is waited for. An ``async_op`` call of an op built on it (a local reduction)
+        so returns at once, as gloo's does: a rank may send, or launch more, before it waits."""
+        stacks = [torch.empty((self._n, *t.shape), dtype=t.dtype) for t in inputs]
+        work = self._all_gather(stacks, inputs)
+        return _Work(work._native, result, keep=[work._keep, inputs], after=[*work._after, lambda: finish(stacks)])
 
     @profiling.recorded("broadcast", profiling.first)
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> _Work:
@@ -581,13 +611,41 @@ class _Backend(_C10dBackend):
     def all_to_all_single(
         self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list, input_split_sizes: list, opts: Any
     ) -> _Work:
-        """Equal splits only: every member's input all-gathered, each keeping its column."""
-        if output_split_sizes or input_split_sizes:
-            raise CollschedError("collsched: all_to_all_single with split sizes is not supported; use equal splits")
-        stacked = self._gathered(input.reshape(-1))
-        me = self._comm.group_rank
-        output.copy_(stacked.view(self._n, self._n, -1)[:, me].reshape(output.shape))
-        return _done([output])
+        """Rows along the first dimension, ``input_split_sizes[q]`` of them to member ``q`` and
+        ``output_split_sizes[q]`` from it (equal splits when not given): every member's input
+        gathered (padded to the longest; with split sizes, after one small gather of every
+        member's splits, waited for), each member keeping the rows sent to it."""
+        n, me = self._n, self._comm.group_rank
+        rows, got = (input.shape[0] if input.dim() else 1), (output.shape[0] if output.dim() else 1)
+        sends = [int(k) for k in input_split_sizes] or ([rows // n] * n if rows % n == 0 else [])
+        takes = [int(k) for k in output_split_sizes] or ([got // n] * n if got % n == 0 else [])
+        if len(sends) != n or len(takes) != n or sum(sends) != rows or sum(takes) != got or min(sends + takes) < 0:
+            raise CollschedError(
+                f"all_to_all_single: {rows} input rows split {list(input_split_sizes) or 'evenly'} and {got} output "
+                f"rows split {list(output_split_sizes) or 'evenly'} over {n} members: give {n} sizes adding up to "
+                "each tensor's first dimension (or none, for a first dimension the group's size divides)"
+            )
+        if input_split_sizes or output_split_sizes:
+            splits = self._gathered(torch.tensor(sends, dtype=torch.int64)).tolist()
+        else:
+            splits = [sends] * n
+        wrong = [q for q in range(n) if splits[q][me] != takes[q]]
+        if wrong:
+            q = wrong[0]
+            raise CollschedError(
+                f"all_to_all_single: member {q} sends {splits[q][me]} rows to member {me}, whose output_split_sizes "
+                f"takes {takes[q]} from it: the sizes of the members disagree"
+            )
+        flat = input.reshape(rows, -1)
+        most = max(sum(row) for row in splits)
+        padded = torch.zeros((most, flat.shape[1]), dtype=input.dtype)
+        padded[:rows] = flat
+
+        def keep_mine(stacks: list[torch.Tensor]) -> None:
+            parts = [stacks[0][q, sum(splits[q][:me]) : sum(splits[q][: me + 1])] for q in range(n)]
+            output.copy_(torch.cat(parts).view_as(output))
+
+        return self._gathered_then([padded], [output], keep_mine)
 
     # -- point to point (p2p.py) -------------------------------------------------------------
 

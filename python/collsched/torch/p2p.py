@@ -16,8 +16,10 @@ at each later message, and waited for when the process exits: at most
 ``COLLSCHED_P2P_EXIT_WAIT_SECS``, default 30 s, and the timeout). A
 receive reads at its work's ``wait()`` (or a positive ``is_completed()``, which polls without
 waiting) and waits at most the backend's timeout (``COLLSCHED_TIMEOUT_SECS``, or the group's
-``timeout``), counted from its posting, before a :class:`collsched.PeerError` that names the
-peer and the op; polled, it turns complete at the timeout and its ``wait()`` raises.
+``timeout``), counted from its posting, or ``wait(timeout)``'s (the receive stays pending
+then), before a :class:`collsched.PeerError` that names the peer and the op; polled, it turns
+complete at the timeout and its ``wait()`` raises. A sender whose process exited (each
+member's process id is in the store; a pidfd watches it) fails the receive at once.
 The collectives' stream is not used: its collectives meet in launch order, which independent
 ``isend``/``irecv`` calls do not follow.
 """
@@ -25,8 +27,8 @@ The collectives' stream is not used: its collectives meet in launch order, which
 from __future__ import annotations
 
 import atexit
-import datetime
 import os
+import select
 import sys
 import threading
 import time
@@ -65,6 +67,10 @@ class Mailbox:
         self._any: dict[int, int] = defaultdict(int)
         # Announced messages whose file this rank keeps open until acknowledged.
         self._held: dict[str, int] = {}
+        # Each member's process id, in the store, so that a receive from a member whose process
+        # exited fails at once, not at the timeout; pidfds of the peers looked up (or None).
+        self._store.set(f"{_PREFIX}/pid/{me}", str(os.getpid()))
+        self._pidfds: dict[int, int | None] = {}
         atexit.register(_flush_at_exit, weakref.ref(self))
 
     def _where(self, op: str, peer: int | None, tag: int) -> str:
@@ -201,26 +207,57 @@ class Mailbox:
                     key = self._key(src, self._me, tag, seq)
                     self._read(key, tensor, "recv from any source", src, tag, deadline)
                     return src
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline or all(self.exited(p) for p in peers):
                 raise PeerError(
                     f"{self._where('recv from any source', None, tag)}: no message from group ranks {peers} "
-                    f"within {self._timeout:g} s (COLLSCHED_TIMEOUT_SECS); a peer died, or sends with another "
-                    "tag or to another rank"
+                    f"within {self._timeout:g} s (the group's timeout, or COLLSCHED_TIMEOUT_SECS), or their "
+                    "processes exited; a peer died, or sends with another tag or to another rank"
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, 0.01)
+
+    def exited(self, peer: int) -> bool:
+        """Whether group rank ``peer``'s process has exited (never blocks; False while unknown:
+        a peer that has not made this group yet, a process this one cannot watch)."""
+        if peer not in self._pidfds:
+            key = f"{_PREFIX}/pid/{peer}"
+            if not self._store.check([key]):
+                return False
+            try:
+                self._pidfds[peer] = os.pidfd_open(int(self._store.get(key)))
+            except ProcessLookupError:
+                return True
+            except (OSError, ValueError):
+                self._pidfds[peer] = None
+        fd = self._pidfds[peer]
+        # A pidfd turns readable when its process exits (a zombie too).
+        return fd is not None and bool(select.select([fd], [], [], 0)[0])
+
+    def _announced(self, key: str, src: int, where: str, deadline: float) -> str:
+        """The announcement at ``key`` once it is there; a :class:`PeerError` when ``src``'s
+        process exited first or at the deadline."""
+        pause = 0.0002
+        while True:
+            try:
+                if self._store.check([key]):
+                    return self._store.get(key).decode()
+            except Exception as e:
+                raise PeerError(f"{where}: the group's store is gone ({type(e).__name__}: {e})") from None
+            if self.exited(src):
+                if self._store.check([key]):
+                    continue
+                raise PeerError(f"{where}: group rank {src}'s process exited before it sent this message")
+            if time.monotonic() > deadline:
+                raise PeerError(
+                    f"{where}: nothing came within {self._timeout:g} s (the group's timeout, or "
+                    f"COLLSCHED_TIMEOUT_SECS); group rank {src} sends with another tag or to another rank, or not yet"
                 )
             time.sleep(pause)
             pause = min(pause * 2, 0.01)
 
     def _read(self, key: str, tensor: torch.Tensor, op: str, src: int, tag: int, deadline: float) -> None:
         where = self._where(op, src, tag)
-        try:
-            left = max(deadline - time.monotonic(), 0.001)
-            self._store.wait([key], datetime.timedelta(seconds=left))
-            pid, fd, nbytes = (int(x) for x in self._store.get(key).split())
-        except Exception as e:
-            raise PeerError(
-                f"{where}: nothing came within {self._timeout:g} s (COLLSCHED_TIMEOUT_SECS), or the store is gone; "
-                f"group rank {src} died, or sends with another tag or to another rank ({type(e).__name__}: {e})"
-            ) from None
+        pid, fd, nbytes = (int(x) for x in self._announced(key, src, where, deadline).split())
         expected = tensor.numel() * tensor.element_size()
         try:
             if nbytes != expected:
