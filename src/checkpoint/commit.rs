@@ -79,6 +79,12 @@ pub(super) fn commit(path: &Path, partial: &Path, index: &Index) -> Result<(), C
         };
         return Err(io(path, &what)(e));
     }
+    // The renames reach the disk with the parent directory (a power loss would undo them); the
+    // checkpoint is in place either way, so a failure here is only said.
+    let parent = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    if let Err(e) = std::fs::File::open(parent).and_then(|d| d.sync_all()) {
+        tracing::warn!(target: "collsched::checkpoint", "{}: syncing the renames: {e}", parent.display());
+    }
     if aside {
         // The new checkpoint is in place: a previous one that cannot be removed is only left over.
         if let Err(e) = std::fs::remove_dir_all(&previous) {
