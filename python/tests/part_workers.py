@@ -63,6 +63,8 @@ def dp_parts(rank: int, world: int, steps: int, path: str) -> dict[str, Any]:
     osd = opt.state_dict()
     momenta = {i: plain(s["momentum_buffer"].full_tensor()) for i, s in osd["state"].items()}
     cst.save_checkpoint(model, opt, path, step=steps)
+    # Named by its stage too, for a job of another data-parallel size (dp_reloaded).
+    cst.save_checkpoint(model, opt, path + "-named", step=steps, part=f"stage{stage}")
     fresh = _sharded(stage + 7, dp)
     cst.load_checkpoint(fresh, None, path)
     loaded = {k: plain(v.full_tensor()) for k, v in fresh.state_dict().items()}
@@ -83,6 +85,26 @@ def dp_parts(rank: int, world: int, steps: int, path: str) -> dict[str, Any]:
         "loaded": loaded,
         "mixed": mixed,
     }
+
+
+def dp_reloaded(rank: int, world: int, path: str) -> dict[str, Any]:
+    """A (pp, dp) mesh of world x 1, stage ``rank % 2`` on each rank: a fresh model sharded over
+    this rank alone loads the stage's checkpoint :func:`dp_parts` saved over two ranks (by the
+    stage's name), and without the name gets an error naming what is there. Returns the
+    stage, the loaded parameters and the error."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("pp", "dp"))
+    stage = rank % 2
+    fresh = _sharded(stage + 7, mesh["dp"])
+    try:
+        cst.load_checkpoint(fresh, None, path)
+        unnamed = "no error"
+    except Exception as e:
+        unnamed = f"{type(e).__name__}: {e}"
+    index = cst.load_checkpoint(fresh, None, path, part=f"stage{stage}")
+    loaded = {k: plain(v.full_tensor()) for k, v in fresh.state_dict().items()}
+    return {"stage": stage, "loaded": loaded, "world": index["world"], "unnamed": unnamed}
 
 
 def _schedule_step(schedule: Any, first: bool, dp_rank: int, step: int, n_micro: int, losses: list) -> None:

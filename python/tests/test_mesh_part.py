@@ -63,6 +63,15 @@ def test_each_pp_row_shards_over_its_dp_ranks_alone(world, tmp_path):
                 _close(got["momenta"][i], m, f"stage {stage} dp rank {r} momentum {i}")
             assert got["mixed"].startswith("CollschedError: fully_shard: parameter 0.weight was sharded over 2"), got
             assert "the same mesh=" in got["mixed"], got["mixed"]
+    # The parts saved by stage name load into a job where each rank is a part of its own (dp 1).
+    again = run(w.dp_reloaded, world, path + "-named", init="collsched", timeout=240)
+    for rank, got in enumerate(again):
+        saved = out[got["stage"] * dp_size]["params"]
+        assert got["world"] == dp_size and sorted(got["loaded"]) == sorted(saved), (rank, got["world"])
+        for k in saved:
+            assert got["loaded"][k] == saved[k], (rank, k)
+        assert got["unnamed"].startswith("CollschedError: load_checkpoint: no checkpoint of this model's part"), got
+        assert "['stage0', 'stage1']" in got["unnamed"] and "part=NAME" in got["unnamed"], got["unnamed"]
 
 
 def _plain(model: torch.nn.Module, steps: int, dp_size: int, n_micro: int) -> tuple[list, dict]:

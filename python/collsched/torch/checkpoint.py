@@ -31,10 +31,17 @@ def _between_steps(state: _State, what: str) -> None:
         raise CollschedError(f"{what}: call it between steps (after the optimizer's step), not inside a pass")
 
 
-def _part_path(state: Any, path: Any) -> str:
-    """Where a model's checkpoint lives under ``path``: ``path`` itself, or for a model sharded
-    over part of the job (a mesh slice: a pipeline stage) the directory ``part-R0-R1-...`` in
-    it, named by the part's ranks, so that parts saving to one path never share files."""
+def _part_path(state: Any, path: Any, part: str | None = None) -> str:
+    """Where a model's checkpoint lives under ``path``: the directory ``part`` in it when given
+    (a pipeline stage's name: what a job with another data-parallel size loads again); else
+    ``path`` itself, or for a model sharded over part of the job (a mesh slice) the directory
+    ``part-R0-R1-...``, named by the part's ranks, so that parts saving to one path never
+    share files."""
+    if part is not None:
+        name = str(part)
+        if not name or name in (".", "..") or os.sep in name:
+            raise CollschedError(f"checkpoint: part={part!r}: give a directory name (a stage's, e.g. 'stage0')")
+        return os.path.join(os.fspath(path), name)
     ranks = state.part
     if ranks is None:
         return os.fspath(path)
@@ -99,13 +106,18 @@ def _groups(index: dict, optimizer: torch.optim.Optimizer) -> list[dict[str, Any
     return [{k: _decode(v, g.get(k)) for k, v in s.items()} for g, s in zip(optimizer.param_groups, kept)]
 
 
-def save_checkpoint(module: nn.Module, optimizer: torch.optim.Optimizer | None, path: Any, step: int = 0) -> dict:
+def save_checkpoint(
+    module: nn.Module, optimizer: torch.optim.Optimizer | None, path: Any, step: int = 0, *, part: str | None = None
+) -> dict:
     """Saves ``module``'s shards, and ``optimizer``'s state of them, to the directory ``path``
     (collective: every rank calls it, between steps). Each rank writes only its own elements
     (safetensors); the index is written last and the directory renamed into place, so an
     interrupted save leaves the previous checkpoint at ``path`` whole. Tensor states shaped
     like a shard (Adam's moments) are saved per element; scalar ones (``step``) and the
-    parameter groups' hyperparameters go into the index. Returns the index."""
+    parameter groups' hyperparameters go into the index. A model sharded over part of the job
+    saves into ``path/part-R0-R1-...`` (its ranks), or ``path/PART`` with ``part`` (a stage's
+    name, which a job of another data-parallel size gives to ``load_checkpoint``). Returns the
+    index."""
     state = _root_state(module)
     _between_steps(state, "save_checkpoint")
     keep, extras, scalars = [], [], {}
@@ -144,23 +156,34 @@ def save_checkpoint(module: nn.Module, optimizer: torch.optim.Optimizer | None, 
     meta: dict[str, Any] = {"optimizer": {"groups": groups, "scalars": merged}} if optimizer is not None else {}
     if state.tp_spec is not None:
         meta["tp"] = _tp_layout(state)
-    text = state.model.save(_part_path(state, path), int(step), extras, json.dumps(meta, default=str))
+    text = state.model.save(_part_path(state, path, part), int(step), extras, json.dumps(meta, default=str))
     del keep
     return json.loads(text)
 
 
-def load_checkpoint(module: nn.Module, optimizer: torch.optim.Optimizer | None, path: Any) -> dict:
+def load_checkpoint(
+    module: nn.Module, optimizer: torch.optim.Optimizer | None, path: Any, *, part: str | None = None
+) -> dict:
     """Loads the checkpoint at ``path`` into ``module``'s shards (collective: every rank calls
     it, between steps), whatever world size, strategy and bucket size saved it: each rank reads
     only the elements it holds. With ``optimizer``, its state of each shard and its groups'
     hyperparameters come back too. A checkpoint that does not fit (a parameter missing, extra,
     of another shape or dtype), is incomplete or damaged raises ``CollschedError`` naming it,
-    and nothing changes. Returns the index."""
+    and nothing changes. ``part``: the directory under ``path`` ``save_checkpoint`` was given
+    (a stage's name), else as it names one. Returns the index."""
     state = _root_state(module)
     state.meta = False
+    where = _part_path(state, path, part)
+    if part is None and state.part is not None and not os.path.exists(where) and os.path.isdir(path):
+        parts = sorted(d for d in os.listdir(path) if os.path.isfile(os.path.join(path, d, "index.json")))
+        raise CollschedError(
+            f"load_checkpoint: no checkpoint of this model's part (ranks {list(state.part)}) at {where}; {path} holds "
+            f"{parts or 'none'}: a part saved by other ranks (another data-parallel size) loads with part=NAME, "
+            "given to save_checkpoint as well; nothing was loaded"
+        )
     _between_steps(state, "load_checkpoint")
     try:
-        with open(os.path.join(_part_path(state, path), "index.json")) as f:
+        with open(os.path.join(where, "index.json")) as f:
             saved = json.load(f)
     except (OSError, ValueError):
         saved = None  # the library's load names what is wrong, on every rank
@@ -172,7 +195,7 @@ def load_checkpoint(module: nn.Module, optimizer: torch.optim.Optimizer | None, 
         if differ:
             n = differ[0]
             raise CollschedError(
-                f"load_checkpoint: the checkpoint at {_part_path(state, path)} holds parameter {n} cut "
+                f"load_checkpoint: the checkpoint at {where} holds parameter {n} cut "
                 f"{saved_layout.get(n, 'without tensor parallelism')}, this model's is "
                 f"{mine.get(n, 'not tensor-parallel')} ({len(differ)} parameters differ); a checkpoint of "
                 "save_checkpoint reloads at its own tensor-parallel layout: change the layout through "
@@ -188,7 +211,7 @@ def load_checkpoint(module: nn.Module, optimizer: torch.optim.Optimizer | None, 
         for n in names
         if n.split("#", 1)[0] == p.name
     ]
-    text, states = state.model.load(_part_path(state, path), wanted)
+    text, states = state.model.load(where, wanted)
     index = json.loads(text)
     masters = {pid: got for (pid, name), got in zip(wanted, states) if name == MASTER and got is not None}
     with torch.no_grad():
