@@ -565,3 +565,27 @@ fn offsets_past_the_end_and_a_tensor_of_another_dtype_are_damage_not_a_panic() {
     assert!(e.contains("rank-0.safetensors") && e.contains("I32"), "{e}");
     std::fs::remove_dir_all(&root).ok();
 }
+
+#[test]
+fn a_data_file_of_another_save_is_refused_even_of_the_same_layout() {
+    let root = tmp("mixed");
+    let (a, b) = (root.join("a"), root.join("b"));
+    let first = save_v1(&a);
+    let second = save_v1(&b);
+    assert!(!first.save.is_empty() && first.save != second.save, "{} {}", first.save, second.save);
+    // Same layout, same tensor names and sizes: only the save's id tells the files apart.
+    std::fs::copy(b.join("rank-1.safetensors"), a.join("rank-1.safetensors")).expect("copy");
+    let p = plan(PARAMS, "even", 2, 4096);
+    let got =
+        on_ranks(&p, 0, Duration::from_secs(60), |s| (checkpoint::load(s, &a).map(|_| ()), gathered(s)));
+    let mut named = false;
+    for (r, (res, after)) in got.into_iter().enumerate() {
+        let msg = res.expect_err("a file of another save loaded").to_string();
+        named |= msg.contains("rank-1.safetensors") && msg.contains("written by save");
+        assert_eq!(after, full(&p, 0), "rank {r}: shards changed although the load was refused");
+    }
+    assert!(named, "no rank named the file of the other save");
+    let e = checkpoint::inspect(&a).expect_err("inspect passed a file of another save").to_string();
+    assert!(e.contains("rank-1.safetensors") && e.contains(&second.save), "{e}");
+    std::fs::remove_dir_all(&root).ok();
+}

@@ -42,6 +42,7 @@ pub(crate) struct Entry {
 /// straight from where they are (no copy of the whole file in memory).
 pub(crate) fn write(
     path: &Path,
+    save: &str,
     entries: &[Entry],
     fill: &mut dyn FnMut(usize, &mut dyn Write) -> Result<(), CheckpointError>,
 ) -> Result<(), CheckpointError> {
@@ -51,6 +52,7 @@ pub(crate) fn write(
         what: format!("{what}: {e}"),
     };
     let mut header = serde_json::Map::new();
+    header.insert(METADATA.into(), serde_json::json!({ SAVE_KEY: save }));
     let mut at = 0usize;
     for e in entries {
         header.insert(
@@ -83,6 +85,10 @@ pub(crate) fn write(
     std::fs::rename(&tmp, path).map_err(|e| io("renaming into place", e))
 }
 
+/// The safetensors header's metadata entry, and the key of the save that wrote a file in it.
+const METADATA: &str = "__metadata__";
+const SAVE_KEY: &str = "collsched.save";
+
 #[derive(Deserialize)]
 struct HeaderEntry {
     dtype: String,
@@ -97,6 +103,8 @@ pub(crate) struct Reader {
     /// Start of the data section.
     base: u64,
     tensors: HashMap<String, HeaderEntry>,
+    /// The save that wrote it (its metadata's `collsched.save`), if it says.
+    save: Option<String>,
 }
 
 /// The largest header a file may have (as the format's reference reader allows).
@@ -119,7 +127,9 @@ impl Reader {
         file.read_exact(&mut header).map_err(|e| bad(format!("reading the header: {e}")))?;
         let mut tensors: HashMap<String, serde_json::Value> =
             serde_json::from_slice(&header).map_err(|e| bad(format!("header is not JSON: {e}")))?;
-        tensors.remove("__metadata__");
+        let save = tensors
+            .remove(METADATA)
+            .and_then(|m| m.get(SAVE_KEY).and_then(|v| v.as_str()).map(str::to_string));
         let tensors: HashMap<String, HeaderEntry> = tensors
             .into_iter()
             .map(|(k, v)| serde_json::from_value(v).map(|e| (k, e)))
@@ -136,7 +146,26 @@ impl Reader {
                 )));
             }
         }
-        Ok(Reader { path: path.to_path_buf(), file, base, tensors })
+        Ok(Reader { path: path.to_path_buf(), file, base, tensors, save })
+    }
+
+    /// Opens `path` as a file of the save `index_save` (its index's; empty: not checked).
+    ///
+    /// # Errors
+    /// As [`Reader::open`]; [`CheckpointError::Corrupt`] for a file another save wrote.
+    pub(crate) fn open_of(path: &Path, index_save: &str) -> Result<Reader, CheckpointError> {
+        let r = Reader::open(path)?;
+        if !index_save.is_empty() && r.save.as_deref() != Some(index_save) {
+            return Err(CheckpointError::Corrupt {
+                path: path.to_path_buf(),
+                what: format!(
+                    "written by save {}, the index by save {index_save}: the checkpoint was replaced while it \
+                     was read (load again), or files of two checkpoints were mixed",
+                    r.save.as_deref().unwrap_or("(none)")
+                ),
+            });
+        }
+        Ok(r)
     }
 
     /// Reads elements `from..from + out.len() / size` of 1-D tensor `name` (of `dtype`, whose

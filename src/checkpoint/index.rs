@@ -32,6 +32,11 @@ pub struct Index {
     /// What the caller gave to keep with the checkpoint (optimizer hyperparameters, counters).
     #[serde(default)]
     pub meta: serde_json::Value,
+    /// The save that wrote it, also in every data file's metadata (`collsched.save`): a file
+    /// of another save (the checkpoint replaced while it is read, files of two checkpoints
+    /// mixed) is refused. Empty in checkpoints written before it was kept (not checked).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub save: String,
 }
 
 /// One parameter of an [`Index`] and the pieces that hold it.

@@ -6,7 +6,9 @@
 //!   elements from `offset` on), each element saved once (replicas of hybrid sharding save
 //!   nothing the first group holds);
 //! - `index.json` ([`Index`]): world, strategy, fingerprint, step, and for every parameter its
-//!   shape, dtype and pieces. Written last.
+//!   shape, dtype and pieces. Written last. The save's id is in it and in every data file's
+//!   metadata: a file of another save (read while the checkpoint is replaced, or copied in
+//!   from another checkpoint of the same layout) is refused as damage.
 //!
 //! [`save`] is collective: the files go to `PATH.partial`, rank 0 writes the index there and
 //! renames the directory to `PATH` (the previous checkpoint at `PATH` is replaced only then),
@@ -237,7 +239,11 @@ fn save_stages<B: Backend>(
     let me = state.rank();
     let plan = state.plan();
     let all = pieces(plan);
-    let written = write_mine(state, partial, &all[me], extras);
+    // The save's id, rank 0's, in every file and in the index.
+    let mine = if me == 0 { save_id() } else { String::new() };
+    let id = all_gather_bytes(state, mine.as_bytes())?.into_iter().next().unwrap_or_default();
+    let id = String::from_utf8_lossy(&id).into_owned();
+    let written = write_mine(state, partial, &id, &all[me], extras);
     let wrote = agree(
         state,
         written,
@@ -267,9 +273,19 @@ fn save_stages<B: Backend>(
     }
     let mut index = index_of(plan, &all, step, &wrote);
     index.meta = meta;
+    index.save = id;
     let committed = if me == 0 { commit(path, partial, &index) } else { Ok(()) };
     agree(state, committed, "save: committing", "the previous checkpoint is intact")?;
     Ok(index)
+}
+
+/// An id for a save, unique on this machine and most likely beyond: the time, the process and
+/// a count of this process's saves.
+fn save_id() -> String {
+    static SAVES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    let n = SAVES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    format!("{:x}-{:x}-{n}", now.as_nanos(), std::process::id())
 }
 
 /// This rank's file: its pieces of the parameters and of their states. Returns the states
@@ -277,6 +293,7 @@ fn save_stages<B: Backend>(
 fn write_mine<B: Backend>(
     state: &ModelState<B>,
     dir: &Path,
+    save: &str,
     mine: &[(ParamId, usize, usize)],
     extras: &[ExtraState],
 ) -> Result<Vec<(u32, String, String)>, CheckpointError> {
@@ -349,7 +366,7 @@ fn write_mine<B: Backend>(
     let path = dir.join(file_name(state.rank()));
     let io_err =
         |e: std::io::Error| CheckpointError::Io { path: path.clone(), what: format!("writing: {e}") };
-    file::write(&path, &entries, &mut |i, out| match sources[i] {
+    file::write(&path, save, &entries, &mut |i, out| match sources[i] {
         Ok(p) => state.read_shard(p, |_, b| out.write_all(b))?.map_err(io_err),
         Err(bytes) => out.write_all(bytes).map_err(io_err),
     })?;
@@ -444,6 +461,7 @@ fn index_of(
         params,
         extras,
         meta: serde_json::Value::Null,
+        save: String::new(),
     }
 }
 
@@ -586,7 +604,8 @@ impl Files<'_> {
             let reader = match self.readers.entry(piece.file) {
                 std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
                 std::collections::hash_map::Entry::Vacant(e) => {
-                    e.insert(file::Reader::open(&self.dir.join(&self.index.files[piece.file as usize]))?)
+                    let at = self.dir.join(&self.index.files[piece.file as usize]);
+                    e.insert(file::Reader::open_of(&at, &self.index.save)?)
                 }
             };
             match out.as_deref_mut() {
@@ -709,8 +728,11 @@ fn read_states<B: Backend>(
 pub fn inspect(path: &Path) -> Result<(Index, Vec<u64>), CheckpointError> {
     let index = read_index(path)?;
     let mut sizes = vec![0u64; index.files.len()];
-    let readers: Vec<file::Reader> =
-        index.files.iter().map(|f| file::Reader::open(&path.join(f))).collect::<Result<_, _>>()?;
+    let readers: Vec<file::Reader> = index
+        .files
+        .iter()
+        .map(|f| file::Reader::open_of(&path.join(f), &index.save))
+        .collect::<Result<_, _>>()?;
     for p in index.params.iter().chain(&index.extras) {
         let dtype = p.dtype.parse::<collsched_buckets::DType>().ok();
         let st = dtype.and_then(|d| file::st_dtype(d.name()).map(|st| (st, d.size())));
