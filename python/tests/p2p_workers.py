@@ -270,8 +270,19 @@ def exited_sender(rank: int, world: int) -> dict[str, str]:
     dist.barrier()
     if rank == 0:
         os._exit(0)
+    out: dict[str, str] = {}
     try:
         dist.recv(torch.zeros(2), 0)
-        return {"recv": "no error"}
+        out["recv"] = "no error"
     except Exception as e:
-        return {"recv": f"{type(e).__module__}.{type(e).__name__}: {e}"}
+        out["recv"] = f"{type(e).__module__}.{type(e).__name__}: {e}"
+    # Polled: is_completed() turns True (the sender is gone), and wait() raises why.
+    work = dist.irecv(torch.zeros(2), 0, tag=3)
+    while not work.is_completed():
+        time.sleep(0.01)
+    try:
+        work.wait()
+        out["polled"] = "no error"
+    except Exception as e:
+        out["polled"] = f"{type(e).__module__}.{type(e).__name__}: {e}"
+    return out

@@ -338,6 +338,19 @@ def semantics(rank: int, world: int) -> dict[str, Any]:
         got = torch.full((sum(takes), 3), -1.0)
         dist.all_to_all_single(got, x, takes, sends, group=group)
         out.setdefault("all_to_all_uneven", {})[backend] = plain(got)
+    # A member with no rows at all (a mixture of experts' idle rank), and sizes the members
+    # disagree on (rank 1 takes 2 rows from rank 0, which sends it 1): every member refuses.
+    empty = torch.zeros((0, 3)) if rank == 0 else torch.arange(6.0).view(2, 3)
+    for backend, group in (("collsched", None), ("gloo", gloo)):
+        got = torch.full(([2, 0][rank], 3), -1.0)
+        dist.all_to_all_single(got, empty, [[0, 2], [0, 0]][rank], [[0, 0], [2, 0]][rank], group=group)
+        out.setdefault("all_to_all_empty", {})[backend] = plain(got)
+    try:
+        got = torch.zeros(([2, 1][rank], 1))
+        dist.all_to_all_single(got, torch.zeros((2, 1)), [[1, 1], [1, 0]][rank], [[1, 1], [2, 0]][rank])
+        out["all_to_all_disagree"] = "ran"
+    except Exception as e:
+        out["all_to_all_disagree"] = f"{type(e).__name__}: {e}"
     # An async op reduced locally returns before its peer comes: rank 0 launches it, then
     # sends to rank 1, which receives before it launches the op (a deadlock if the launch
     # waited for the op).

@@ -105,6 +105,7 @@ def test_a_receive_from_a_sender_that_exited_fails_at_once_naming_it():
     assert ok, got
     assert got["recv"].startswith("collsched.PeerError: collsched: recv from group rank 0"), got
     assert "process exited before it sent" in got["recv"], got
+    assert got["polled"].startswith("collsched.PeerError") and "process exited before it sent" in got["polled"], got
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -212,6 +212,9 @@ def test_bitwise_reductions_unsorted_groups_uneven_all_to_all_and_failed_futures
         uneven = got["all_to_all_uneven"]
         assert uneven["collsched"] == uneven["gloo"] and -1.0 not in uneven["collsched"][1], uneven
         assert got["async_local"] == ("int64", [2]), got["async_local"]
+        empty = got["all_to_all_empty"]
+        assert empty["collsched"] == empty["gloo"], empty
+        assert "the sizes of the members disagree" in got["all_to_all_disagree"], got["all_to_all_disagree"]
     assert runs[1]["future"] == "skipped"
     assert runs[0]["future"].startswith("raised") and "PeerError" in runs[0]["future"], runs[0]["future"]
 

@@ -21,6 +21,7 @@ pub(super) fn replaceable(path: &Path) -> Result<(), CheckpointError> {
     match std::fs::symlink_metadata(path) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
         Err(e) => Err(io(path, "looking at the checkpoint's path")(e)),
+        Ok(m) if m.file_type().is_symlink() => refuse("a symbolic link (give the directory it points to)"),
         Ok(m) if !m.is_dir() => refuse("a file"),
         Ok(_) if path.join("index.json").is_file() => Ok(()),
         Ok(_) => match std::fs::read_dir(path).map(|mut d| d.next().is_none()) {
@@ -34,7 +35,7 @@ pub(super) fn replaceable(path: &Path) -> Result<(), CheckpointError> {
 /// A commit interrupted between its two renames (the previous checkpoint moved aside, the new
 /// one not yet in place) is finished: `PATH.partial` holds a whole checkpoint once its index is
 /// there (written last), so it goes to `PATH` and `PATH.previous` is removed. Nothing happens
-/// otherwise. Several ranks may call it at once (a load): one rename wins.
+/// otherwise. A save's rank 0 calls it (loads read `PATH.partial` instead, see `resolve`).
 pub(super) fn finish_commit(path: &Path) -> Result<(), CheckpointError> {
     let partial = sibling(path, ".partial");
     if path.exists() || !partial.join("index.json").is_file() {

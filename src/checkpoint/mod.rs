@@ -24,8 +24,8 @@
 //!
 //! A save replaces only a checkpoint, an empty directory or nothing (never a directory of
 //! other files). A commit interrupted between its two renames (the previous checkpoint moved to
-//! `PATH.previous`, the whole new one still at `PATH.partial`) is finished by the next save or
-//! load of `PATH`.
+//! `PATH.previous`, the whole new one still at `PATH.partial`) is read from `PATH.partial` by
+//! loads and finished by the next save of `PATH` (rank 0 renames; readers never do).
 
 mod commit;
 mod file;
@@ -182,8 +182,11 @@ pub struct ExtraState {
 /// # Errors
 /// [`CheckpointError::Io`] naming the file this rank could not write; [`CheckpointError::Peers`]
 /// naming the ranks that failed; a runtime error when the ranks cannot agree (a rank that never
-/// calls makes the others fail after the backend's timeout, naming it). A failed save leaves
-/// `path` as it was (the previous checkpoint, if any), and rank 0 removes `PATH.partial`.
+/// calls makes the others fail after the backend's timeout, naming it); `path` holding
+/// something else than a checkpoint (or an empty directory) is refused. A failed save leaves
+/// `path` as it was (the previous checkpoint, if any), and rank 0 removes `PATH.partial`, but
+/// for a whole one with nothing at `PATH` (its last rename failed: loads read it there, the
+/// next save puts it in place).
 pub fn save<B: Backend>(state: &ModelState<B>, path: &Path, step: u64) -> Result<Index, CheckpointError> {
     save_with(state, path, step, &[], serde_json::Value::Null)
 }
@@ -465,14 +468,26 @@ fn index_of(
     }
 }
 
-/// Reads and checks the index of the checkpoint at `path`.
+/// The directory that holds the checkpoint at `path`: `path`, or `PATH.partial` while a commit
+/// is stopped between its renames (no `PATH`, a whole checkpoint there: the next save puts it
+/// in place). Readers never rename: a save of another job may be committing.
+pub fn resolve(path: &Path) -> PathBuf {
+    let partial = sibling(path, ".partial");
+    if !path.exists() && partial.join("index.json").is_file() {
+        partial
+    } else {
+        path.to_path_buf()
+    }
+}
+
+/// Reads and checks the index of the checkpoint at `path` (see [`resolve`]).
 ///
 /// # Errors
 /// [`CheckpointError::Incomplete`] without an index; [`CheckpointError::Corrupt`] for an index
 /// that does not parse or whose pieces do not cover every element once.
 pub fn read_index(path: &Path) -> Result<Index, CheckpointError> {
-    finish_commit(path)?;
-    let at = path.join("index.json");
+    let dir = resolve(path);
+    let at = dir.join("index.json");
     let text = match std::fs::read(&at) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
@@ -519,6 +534,8 @@ pub fn load_with<B: Backend>(
     wanted: &[(ParamId, String)],
 ) -> Result<(Index, Vec<LoadedState>), CheckpointError> {
     let mut slot = None;
+    let dir = resolve(path);
+    let path = dir.as_path();
     let checked = (|| {
         state.check_writable()?;
         let index = read_index(path)?;
@@ -726,6 +743,8 @@ fn read_states<B: Backend>(
 /// As [`read_index`]; [`CheckpointError::Corrupt`] naming the file and tensor that is missing,
 /// truncated or of another dtype or size.
 pub fn inspect(path: &Path) -> Result<(Index, Vec<u64>), CheckpointError> {
+    let dir = resolve(path);
+    let path = dir.as_path();
     let index = read_index(path)?;
     let mut sizes = vec![0u64; index.files.len()];
     let readers: Vec<file::Reader> = index

@@ -174,7 +174,10 @@ def load_checkpoint(
     state = _root_state(module)
     state.meta = False
     where = _part_path(state, path, part)
-    if part is None and state.part is not None and not os.path.exists(where) and os.path.isdir(path):
+    # (As the library reads it: PATH.partial while a commit is stopped between its renames.)
+    partial = where + ".partial"
+    held = partial if not os.path.exists(where) and os.path.isfile(os.path.join(partial, "index.json")) else where
+    if part is None and state.part is not None and not os.path.exists(held) and os.path.isdir(path):
         parts = sorted(d for d in os.listdir(path) if os.path.isfile(os.path.join(path, d, "index.json")))
         raise CollschedError(
             f"load_checkpoint: no checkpoint of this model's part (ranks {list(state.part)}) at {where}; {path} holds "
@@ -183,7 +186,7 @@ def load_checkpoint(
         )
     _between_steps(state, "load_checkpoint")
     try:
-        with open(os.path.join(where, "index.json")) as f:
+        with open(os.path.join(held, "index.json")) as f:
             saved = json.load(f)
     except (OSError, ValueError):
         saved = None  # the library's load names what is wrong, on every rank
@@ -213,6 +216,14 @@ def load_checkpoint(
     ]
     text, states = state.model.load(where, wanted)
     index = json.loads(text)
+    if (saved or {}).get("save") != index.get("save") or (saved is None and index.get("extras")):
+        # The index this function read first (what it asked the library for) is not the one
+        # loaded: the checkpoint was replaced meanwhile, and states may be left out.
+        raise CollschedError(
+            f"load_checkpoint: the checkpoint at {where} was replaced while it was loaded (save "
+            f"{(saved or {}).get('save')} then {index.get('save')}); the shards hold the later one's values, "
+            "the optimizer's states may not: load again"
+        )
     masters = {pid: got for (pid, name), got in zip(wanted, states) if name == MASTER and got is not None}
     with torch.no_grad():
         for p in state.masters:

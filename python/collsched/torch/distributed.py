@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import math
 import os
 import queue
 import threading
@@ -617,6 +618,10 @@ class _Backend(_C10dBackend):
         member's splits, waited for), each member keeping the rows sent to it."""
         n, me = self._n, self._comm.group_rank
         rows, got = (input.shape[0] if input.dim() else 1), (output.shape[0] if output.dim() else 1)
+        if input.dtype != output.dtype:
+            raise CollschedError(
+                f"all_to_all_single: a {input.dtype} input into a {output.dtype} output; give one dtype"
+            )
         sends = [int(k) for k in input_split_sizes] or ([rows // n] * n if rows % n == 0 else [])
         takes = [int(k) for k in output_split_sizes] or ([got // n] * n if got % n == 0 else [])
         if len(sends) != n or len(takes) != n or sum(sends) != rows or sum(takes) != got or min(sends + takes) < 0:
@@ -626,18 +631,22 @@ class _Backend(_C10dBackend):
                 "each tensor's first dimension (or none, for a first dimension the group's size divides)"
             )
         if input_split_sizes or output_split_sizes:
-            splits = self._gathered(torch.tensor(sends, dtype=torch.int64)).tolist()
+            # Every member's sizes, both ways, so that every member finds a disagreement alike.
+            both = self._gathered(torch.tensor(sends + takes, dtype=torch.int64)).tolist()
+            splits = [row[:n] for row in both]
+            wrong = [(q, r) for q in range(n) for r in range(n) if splits[q][r] != both[r][n + q]]
         else:
-            splits = [sends] * n
-        wrong = [q for q in range(n) if splits[q][me] != takes[q]]
+            splits, wrong = [sends] * n, []
         if wrong:
-            q = wrong[0]
+            q, r = wrong[0]
             raise CollschedError(
-                f"all_to_all_single: member {q} sends {splits[q][me]} rows to member {me}, whose output_split_sizes "
-                f"takes {takes[q]} from it: the sizes of the members disagree"
+                f"all_to_all_single: member {q} sends {splits[q][r]} rows to member {r}, whose output_split_sizes "
+                f"takes {both[r][n + q]} from it: the sizes of the members disagree"
             )
-        flat = input.reshape(rows, -1)
+        flat = input.reshape(rows, math.prod(input.shape[1:]))
         most = max(sum(row) for row in splits)
+        if most == 0:
+            return _done([output])  # no member sends a row
         padded = torch.zeros((most, flat.shape[1]), dtype=input.dtype)
         padded[:rows] = flat
 

@@ -71,6 +71,7 @@ class Mailbox:
         # exited fails at once, not at the timeout; pidfds of the peers looked up (or None).
         self._store.set(f"{_PREFIX}/pid/{me}", str(os.getpid()))
         self._pidfds: dict[int, int | None] = {}
+        weakref.finalize(self, _close_all, self._pidfds)
         atexit.register(_flush_at_exit, weakref.ref(self))
 
     def _where(self, op: str, peer: int | None, tag: int) -> str:
@@ -165,7 +166,7 @@ class Mailbox:
         deadline = time.monotonic() + self._timeout
 
         def ready() -> bool:
-            return bool(self._store.check([key])) or time.monotonic() > deadline
+            return bool(self._store.check([key])) or time.monotonic() > deadline or self.exited(src)
 
         return (lambda: self._read(key, tensor, "recv", src, tag, deadline)), ready
 
@@ -179,7 +180,8 @@ class Mailbox:
             self._any[tag] += 1
 
         def ready() -> bool:
-            return any(self.ready(p, tag, self._taken[(p, tag)]) for p in peers) or time.monotonic() > deadline
+            came = any(self.ready(p, tag, self._taken[(p, tag)]) for p in peers)
+            return came or time.monotonic() > deadline or all(self.exited(p) for p in peers)
 
         def read() -> int:
             try:
@@ -219,19 +221,24 @@ class Mailbox:
     def exited(self, peer: int) -> bool:
         """Whether group rank ``peer``'s process has exited (never blocks; False while unknown:
         a peer that has not made this group yet, a process this one cannot watch)."""
-        if peer not in self._pidfds:
-            key = f"{_PREFIX}/pid/{peer}"
-            if not self._store.check([key]):
-                return False
-            try:
-                self._pidfds[peer] = os.pidfd_open(int(self._store.get(key)))
-            except ProcessLookupError:
-                return True
-            except (OSError, ValueError):
-                self._pidfds[peer] = None
-        fd = self._pidfds[peer]
-        # A pidfd turns readable when its process exits (a zombie too).
-        return fd is not None and bool(select.select([fd], [], [], 0)[0])
+        with self._claim:  # (the futures' thread asks too)
+            if peer not in self._pidfds:
+                key = f"{_PREFIX}/pid/{peer}"
+                if not self._store.check([key]):
+                    return False
+                try:
+                    self._pidfds[peer] = os.pidfd_open(int(self._store.get(key)))
+                except ProcessLookupError:
+                    return True
+                except (OSError, ValueError):
+                    self._pidfds[peer] = None
+            fd = self._pidfds[peer]
+        if fd is None:
+            return False
+        # A pidfd turns readable when its process exits (a zombie too); poll takes any fd number.
+        watch = select.poll()
+        watch.register(fd, select.POLLIN)
+        return bool(watch.poll(0))
 
     def _announced(self, key: str, src: int, where: str, deadline: float) -> str:
         """The announcement at ``key`` once it is there; a :class:`PeerError` when ``src``'s
@@ -285,6 +292,17 @@ class Mailbox:
         finally:
             # Acknowledged even when refused: the sender may close its file.
             self._store.set(f"{key}/ack", b"1")
+
+
+def _close_all(pidfds: dict[int, int | None]) -> None:
+    """Closes a mailbox's pidfds (when it is collected)."""
+    for fd in pidfds.values():
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    pidfds.clear()
 
 
 def _flush_at_exit(ref: weakref.ref) -> None:
