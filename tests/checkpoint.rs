@@ -156,12 +156,7 @@ fn a_second_save_replaces_the_first_and_leaves_nothing_beside_it() {
     let p = plan(PARAMS, "flat", 2, 4096);
     let out = on_ranks(&p, 2, Duration::from_secs(60), |s| checkpoint::save(s, &ckpt, 8).map(|i| i.step));
     assert!(out.iter().all(|r| matches!(r, Ok(8))));
-    let mut names: Vec<String> = std::fs::read_dir(&root)
-        .expect("ls")
-        .map(|e| e.expect("entry").file_name().to_string_lossy().into())
-        .collect();
-    names.sort();
-    assert_eq!(names, ["latest"]);
+    assert_eq!(names_in(&root), ["latest"]);
     let index = checkpoint::read_index(&ckpt).expect("index");
     assert_eq!((index.world, index.step), (2, 8));
     let back = on_ranks(&p, 0, Duration::from_secs(60), |s| {

@@ -27,6 +27,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(plan::plan_json, m)?)?;
     m.add_function(wrap_pyfunction!(bench::bench, m)?)?;
     m.add_function(wrap_pyfunction!(world::flight_entries, m)?)?;
+    m.add_function(wrap_pyfunction!(model::checkpoint_dir, m)?)?;
     m.add_class::<world::World>()?;
     m.add("HAS_MPI", world::HAS_MPI)?;
     m.add("HAS_CUDA", world::HAS_CUDA)?;

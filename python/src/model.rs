@@ -38,6 +38,13 @@ macro_rules! each {
     };
 }
 
+/// `checkpoint_dir(path)`: the directory that holds the checkpoint at `path` as loads read it
+/// (`path`, or `PATH.partial` while a commit is stopped between its renames).
+#[pyfunction]
+pub fn checkpoint_dir(path: std::path::PathBuf) -> std::path::PathBuf {
+    checkpoint::resolve(&path)
+}
+
 /// The model state on the world's backend.
 enum St {
     Host(ModelState<LocalRank>),

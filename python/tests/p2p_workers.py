@@ -234,14 +234,7 @@ def bad_peer(rank: int, world: int) -> dict[str, str]:
             out["silent"] = f"{type(e).__module__}.{type(e).__name__}: {e}"
             out["seconds"] = f"{time.monotonic() - t0:.1f}"
         # The same, polled: is_completed() turns True at the timeout, and wait() raises.
-        work = dist.irecv(torch.zeros(2), 0, tag=9, group=short)
-        while not work.is_completed():
-            time.sleep(0.01)
-        try:
-            work.wait()
-            out["silent_polled"] = "no error"
-        except Exception as e:
-            out["silent_polled"] = f"{type(e).__module__}.{type(e).__name__}: {e}"
+        out["silent_polled"] = _polled(dist.irecv(torch.zeros(2), 0, tag=9, group=short))
     dist.barrier()
     return out
 
@@ -277,12 +270,17 @@ def exited_sender(rank: int, world: int) -> dict[str, str]:
     except Exception as e:
         out["recv"] = f"{type(e).__module__}.{type(e).__name__}: {e}"
     # Polled: is_completed() turns True (the sender is gone), and wait() raises why.
-    work = dist.irecv(torch.zeros(2), 0, tag=3)
+    out["polled"] = _polled(dist.irecv(torch.zeros(2), 0, tag=3))
+    return out
+
+
+def _polled(work: Any) -> str:
+    """Polls ``work`` with ``is_completed()`` until it says so, then waits for it: "no error",
+    or the error's ``module.Name: text``."""
     while not work.is_completed():
         time.sleep(0.01)
     try:
         work.wait()
-        out["polled"] = "no error"
+        return "no error"
     except Exception as e:
-        out["polled"] = f"{type(e).__module__}.{type(e).__name__}: {e}"
-    return out
+        return f"{type(e).__module__}.{type(e).__name__}: {e}"

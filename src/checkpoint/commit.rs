@@ -1,7 +1,7 @@
 //! Putting a saved checkpoint in place: what a save may replace, the commit (the index, then two
 //! renames), and finishing a commit that was interrupted between its renames.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use super::{io, sibling, CheckpointError, Index};
 
@@ -32,15 +32,19 @@ pub(super) fn replaceable(path: &Path) -> Result<(), CheckpointError> {
     }
 }
 
+/// `PATH.partial` when it holds a whole checkpoint (its index is written last) and nothing is
+/// at `PATH`: a commit stopped between its two renames.
+pub(super) fn stopped_commit(path: &Path) -> Option<PathBuf> {
+    let partial = sibling(path, ".partial");
+    (!path.exists() && partial.join("index.json").is_file()).then_some(partial)
+}
+
 /// A commit interrupted between its two renames (the previous checkpoint moved aside, the new
 /// one not yet in place) is finished: `PATH.partial` holds a whole checkpoint once its index is
 /// there (written last), so it goes to `PATH` and `PATH.previous` is removed. Nothing happens
 /// otherwise. A save's rank 0 calls it (loads read `PATH.partial` instead, see `resolve`).
 pub(super) fn finish_commit(path: &Path) -> Result<(), CheckpointError> {
-    let partial = sibling(path, ".partial");
-    if path.exists() || !partial.join("index.json").is_file() {
-        return Ok(());
-    }
+    let Some(partial) = stopped_commit(path) else { return Ok(()) };
     if let Err(e) = std::fs::rename(&partial, path) {
         if !path.join("index.json").is_file() {
             return Err(io(path, "finishing an interrupted commit (renaming PATH.partial into place)")(e));

@@ -43,7 +43,7 @@ pub use index::{tensor_name, Index, IndexParam, Piece, FORMAT};
 
 use crate::backend::Backend;
 use crate::runtime::{ModelState, RuntimeError};
-use commit::{commit, finish_commit, replaceable};
+use commit::{commit, finish_commit, replaceable, stopped_commit};
 
 /// An error of a checkpoint: names the path, parameter, rank or stage, and what to do.
 #[derive(Debug, thiserror::Error)]
@@ -224,7 +224,7 @@ pub fn save_with<B: Backend>(
     // Nothing of a failed save stays on disk (the ranks agreed it failed, or one is gone), but
     // for a whole checkpoint in PATH.partial with none at PATH (a commit interrupted between
     // its renames), which the next save or load puts in place.
-    if saved.is_err() && me == 0 && (path.exists() || !partial.join("index.json").is_file()) {
+    if saved.is_err() && me == 0 && stopped_commit(path).is_none() {
         let _ = std::fs::remove_dir_all(&partial);
     }
     saved
@@ -472,12 +472,7 @@ fn index_of(
 /// is stopped between its renames (no `PATH`, a whole checkpoint there: the next save puts it
 /// in place). Readers never rename: a save of another job may be committing.
 pub fn resolve(path: &Path) -> PathBuf {
-    let partial = sibling(path, ".partial");
-    if !path.exists() && partial.join("index.json").is_file() {
-        partial
-    } else {
-        path.to_path_buf()
-    }
+    stopped_commit(path).unwrap_or_else(|| path.to_path_buf())
 }
 
 /// Reads and checks the index of the checkpoint at `path` (see [`resolve`]).

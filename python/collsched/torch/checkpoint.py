@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import _native
 from .._native import CollschedError
 from . import tp as tp_
 from . import values
@@ -174,9 +175,8 @@ def load_checkpoint(
     state = _root_state(module)
     state.meta = False
     where = _part_path(state, path, part)
-    # (As the library reads it: PATH.partial while a commit is stopped between its renames.)
-    partial = where + ".partial"
-    held = partial if not os.path.exists(where) and os.path.isfile(os.path.join(partial, "index.json")) else where
+    # Where the library reads it (PATH.partial while a commit is stopped between its renames).
+    held = os.fspath(_native.checkpoint_dir(where))
     if part is None and state.part is not None and not os.path.exists(held) and os.path.isdir(path):
         parts = sorted(d for d in os.listdir(path) if os.path.isfile(os.path.join(path, d, "index.json")))
         raise CollschedError(

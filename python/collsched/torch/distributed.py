@@ -72,7 +72,7 @@ from .._native import CollschedError
 from . import holder, profiling
 from . import world as _world
 from .holder import note_source
-from .p2p import Mailbox
+from .p2p import Mailbox, poll_until
 
 NAME = "collsched"
 
@@ -112,11 +112,14 @@ class _Work(_C10dWork):
         keep: Sequence[Any] = (),
         after: Sequence[Callable[[], None]] = (),
         ready: Callable[[], bool] | None = None,
+        what: str = "collsched",
     ) -> None:
         super().__init__()
         self._native = native
-        # Whether a work with no native part can complete without waiting (a receive).
+        # Whether a work with no native part can complete without waiting (a receive), and
+        # what it is (its errors' words: op, peer, tag, rank).
         self._ready = ready
+        self._what = what
         # The profiler event of the op (profiling.recorded), ended when the work completes.
         self._profile: Any = None
         # A receive from any source: the sender's group rank.
@@ -155,15 +158,13 @@ class _Work(_C10dWork):
     def _await_ready(self, seconds: float) -> None:
         """A receive waited for with a timeout of its own: its message must come within it,
         else the work stays pending (a later wait may succeed), as a collective's does."""
-        deadline, pause = time.monotonic() + seconds, 0.0002
-        while not self._done and not self._ready():
-            if time.monotonic() > deadline:
-                raise _native.PeerError(
-                    f"collsched: a receive not complete after waiting: Timed out waiting {seconds * 1000:.0f}ms "
-                    "for its message; it stays pending (a later wait may succeed)"
-                )
-            time.sleep(pause)
-            pause = min(pause * 2, 0.01)
+        ready = self._ready
+        assert ready is not None
+        if not poll_until(lambda: self._done or ready(), time.monotonic() + seconds):
+            raise _native.PeerError(
+                f"{self._what}: not complete after waiting: Timed out waiting {seconds * 1000:.0f}ms for its "
+                "message; it stays pending (a later wait may succeed)"
+            )
 
     def wait(self, timeout: Any = None) -> bool:
         self._finish(_seconds(timeout))
@@ -667,14 +668,15 @@ class _Backend(_C10dBackend):
     @profiling.recorded("recv", profiling.first)
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> _Work:
         reads, ready = zip(*(self._mailbox.recv(t, src, tag) for t in tensors))
-        return _Work(None, tensors, after=reads, ready=lambda: all(r() for r in ready))
+        what = self._mailbox.where("recv", src, tag)
+        return _Work(None, tensors, after=reads, ready=lambda: all(r() for r in ready), what=what)
 
     @profiling.recorded("recvAnySource", profiling.first)
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> _Work:
         if len(tensors) != 1:
             raise CollschedError(f"collsched: recv from any source of {len(tensors)} tensors; give one")
         read, ready = self._mailbox.recv_any(tensors[0], tag)
-        work = _Work(None, tensors, ready=ready)
+        work = _Work(None, tensors, ready=ready, what=self._mailbox.where("recv from any source", None, tag))
 
         def receive() -> None:
             work._source = read()

@@ -74,7 +74,7 @@ class Mailbox:
         weakref.finalize(self, _close_all, self._pidfds)
         atexit.register(_flush_at_exit, weakref.ref(self))
 
-    def _where(self, op: str, peer: int | None, tag: int) -> str:
+    def where(self, op: str, peer: int | None, tag: int) -> str:
         who = f"rank {self._ranks[self._me]} (group rank {self._me} of {self._n})"
         to = "" if peer is None else (" to" if op == "send" else " from") + f" group rank {peer}"
         return f"collsched: {op}{to} with tag {tag} on {who}"
@@ -82,7 +82,7 @@ class Mailbox:
     def check_peer(self, op: str, peer: int, tag: int) -> None:
         if not isinstance(peer, int) or not 0 <= peer < self._n or peer == self._me:
             raise CollschedError(
-                f"{self._where(op, peer, tag)}: no such peer; give a group rank in 0..{self._n - 1} other than "
+                f"{self.where(op, peer, tag)}: no such peer; give a group rank in 0..{self._n - 1} other than "
                 f"{self._me}"
             )
 
@@ -142,7 +142,7 @@ class Mailbox:
             return
         if self._held:
             print(
-                f"{self._where('send', None, -1)}: {len(self._held)} messages not received by the time "
+                f"{self.where('send', None, -1)}: {len(self._held)} messages not received by the time "
                 "this process exited (COLLSCHED_P2P_EXIT_WAIT_SECS)",
                 file=sys.stderr,
             )
@@ -157,7 +157,7 @@ class Mailbox:
         with self._claim:
             if self._any[tag]:
                 raise CollschedError(
-                    f"{self._where('recv', src, tag)}: a receive from any source with this tag, posted before, "
+                    f"{self.where('recv', src, tag)}: a receive from any source with this tag, posted before, "
                     "is not read yet; wait for it first (messages are matched to receives in posting order)"
                 )
             seq = self._taken[(src, tag)]
@@ -197,26 +197,27 @@ class Mailbox:
 
     def _read_any(self, tensor: torch.Tensor, tag: int, deadline: float) -> int:
         peers = [r for r in range(self._n) if r != self._me]
-        pause = 0.0005
-        while True:
+        claimed: list[tuple[int, int]] = []
+
+        def claim() -> bool:
             for src in peers:
                 with self._claim:
                     seq = self._taken[(src, tag)]
-                    came = self.ready(src, tag, seq)
-                    if came:
+                    if self.ready(src, tag, seq):
                         self._taken[(src, tag)] = seq + 1
-                if came:
-                    key = self._key(src, self._me, tag, seq)
-                    self._read(key, tensor, "recv from any source", src, tag, deadline)
-                    return src
-            if time.monotonic() > deadline or all(self.exited(p) for p in peers):
-                raise PeerError(
-                    f"{self._where('recv from any source', None, tag)}: no message from group ranks {peers} "
-                    f"within {self._timeout:g} s (the group's timeout, or COLLSCHED_TIMEOUT_SECS), or their "
-                    "processes exited; a peer died, or sends with another tag or to another rank"
-                )
-            time.sleep(pause)
-            pause = min(pause * 2, 0.01)
+                        claimed.append((src, seq))
+                        return True
+            return False
+
+        if not poll_until(lambda: claim() or all(self.exited(p) for p in peers), deadline) or not claimed:
+            raise PeerError(
+                f"{self.where('recv from any source', None, tag)}: no message from group ranks {peers} "
+                f"within {self._timeout:g} s (the group's timeout, or COLLSCHED_TIMEOUT_SECS), or their "
+                "processes exited; a peer died, or sends with another tag or to another rank"
+            )
+        src, seq = claimed[0]
+        self._read(self._key(src, self._me, tag, seq), tensor, "recv from any source", src, tag, deadline)
+        return src
 
     def exited(self, peer: int) -> bool:
         """Whether group rank ``peer``'s process has exited (never blocks; False while unknown:
@@ -243,27 +244,26 @@ class Mailbox:
     def _announced(self, key: str, src: int, where: str, deadline: float) -> str:
         """The announcement at ``key`` once it is there; a :class:`PeerError` when ``src``'s
         process exited first or at the deadline."""
-        pause = 0.0002
-        while True:
+
+        def came() -> bool:
             try:
                 if self._store.check([key]):
-                    return self._store.get(key).decode()
+                    return True
             except Exception as e:
                 raise PeerError(f"{where}: the group's store is gone ({type(e).__name__}: {e})") from None
-            if self.exited(src):
-                if self._store.check([key]):
-                    continue
+            if self.exited(src) and not self._store.check([key]):
                 raise PeerError(f"{where}: group rank {src}'s process exited before it sent this message")
-            if time.monotonic() > deadline:
-                raise PeerError(
-                    f"{where}: nothing came within {self._timeout:g} s (the group's timeout, or "
-                    f"COLLSCHED_TIMEOUT_SECS); group rank {src} sends with another tag or to another rank, or not yet"
-                )
-            time.sleep(pause)
-            pause = min(pause * 2, 0.01)
+            return False
+
+        if not poll_until(came, deadline):
+            raise PeerError(
+                f"{where}: nothing came within {self._timeout:g} s (the group's timeout, or "
+                f"COLLSCHED_TIMEOUT_SECS); group rank {src} sends with another tag or to another rank, or not yet"
+            )
+        return self._store.get(key).decode()
 
     def _read(self, key: str, tensor: torch.Tensor, op: str, src: int, tag: int, deadline: float) -> None:
-        where = self._where(op, src, tag)
+        where = self.where(op, src, tag)
         pid, fd, nbytes = (int(x) for x in self._announced(key, src, where, deadline).split())
         expected = tensor.numel() * tensor.element_size()
         try:
@@ -292,6 +292,19 @@ class Mailbox:
         finally:
             # Acknowledged even when refused: the sender may close its file.
             self._store.set(f"{key}/ack", b"1")
+
+
+def poll_until(done: Callable[[], bool], deadline: float) -> bool:
+    """Polls ``done`` (which may raise) until it says True (True) or ``time.monotonic()``
+    passes ``deadline`` (False, after one last poll): back to back at first, then sleeping
+    from 0.2 ms up to 10 ms between polls."""
+    pause = 0.0002
+    while not done():
+        if time.monotonic() > deadline:
+            return done()
+        time.sleep(pause)
+        pause = min(pause * 2, 0.01)
+    return True
 
 
 def _close_all(pidfds: dict[int, int | None]) -> None:
